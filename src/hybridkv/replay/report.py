@@ -1,0 +1,206 @@
+"""The result of one trace replay: a JSON file other tools read, and a summary table.
+
+The top-level JSON keys and their order are a contract (see :data:`REPORT_KEYS`);
+optional keys (``mode``, ``config``, ``skipped_lines``) may follow them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+REPORT_KEYS = (
+    "requests",
+    "prompt_tokens",
+    "computed_prompt_tokens",
+    "reused_tokens",
+    "token_hit_rate",
+    "request_hit_rate",
+    "byte_weighted_hit_rate",
+    "oracle_reused_tokens",
+    "oracle_fraction",
+    "checkpoints_created",
+    "branch_recompute_tokens",
+    "checkpoint_bytes_peak",
+    "kv_bytes_peak",
+    "verify",
+    "wall_seconds",
+    "prefill_tokens_per_second",
+)
+"""Required top-level keys of the report JSON, in order."""
+
+OPTIONAL_KEYS = ("mode", "config", "skipped_lines")
+"""Keys written after :data:`REPORT_KEYS`, only when set."""
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    """``numerator / denominator``, or ``None`` when the denominator is 0."""
+    return numerator / denominator if denominator else None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """Exactness check of reused prefixes against full prefills.
+
+    requests: how many requests were re-run without the cache and compared.
+    max_abs_logit_diff: largest |logit(reuse) - logit(full prefill)| over all
+        compared positions and vocabulary entries (float, logit units).
+    greedy_mismatches: compared requests whose greedy (argmax) tokens differ.
+    """
+
+    requests: int
+    max_abs_logit_diff: float
+    greedy_mismatches: int
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """Counters of one replay. Token counts are prompt tokens of the (scaled) trace.
+
+    requests: requests replayed.
+    prompt_tokens: sum of prompt lengths, tokens.
+    computed_prompt_tokens: prompt tokens actually prefilled (not reused), tokens;
+        ``prompt_tokens - reused_tokens`` plus any branch recompute.
+    reused_tokens: prompt tokens whose state came from the cache, tokens.
+    token_hit_rate: ``reused_tokens / prompt_tokens`` (fraction 0..1; null if no tokens).
+    request_hit_rate: fraction of requests with ``reused > 0`` (0..1).
+    byte_weighted_hit_rate: bytes of model state (KV pages + KDA state) that did not
+        have to be recomputed, divided by the bytes a full prefill of every prompt
+        would produce (fraction 0..1); the engine computes it from its per-token
+        state sizes.
+    oracle_reused_tokens: tokens an infinite cache with a checkpoint at every block
+        boundary would reuse (:mod:`hybridkv.replay.oracle`), tokens.
+    oracle_fraction: ``reused_tokens / oracle_reused_tokens`` (0..1; null if the
+        oracle reuses nothing).
+    checkpoints_created: KDA checkpoints materialised, per placement policy name.
+    branch_recompute_tokens: tokens recomputed to create checkpoints at branching
+        boundaries (work beyond a plain prefill), tokens.
+    checkpoint_bytes_peak: peak resident bytes of KDA checkpoints, bytes.
+    kv_bytes_peak: peak resident bytes of full-attention KV pages, bytes.
+    verify: the exactness check, or ``None`` (null) in simulate mode.
+    wall_seconds: wall-clock time of the replay, seconds.
+    prefill_tokens_per_second: ``computed_prompt_tokens / wall_seconds``, tokens/s.
+    mode, config, skipped_lines: optional; run mode (e.g. "simulate"), the run's
+        configuration, malformed trace lines skipped.
+    """
+
+    requests: int
+    prompt_tokens: int
+    computed_prompt_tokens: int
+    reused_tokens: int
+    token_hit_rate: float | None
+    request_hit_rate: float | None
+    byte_weighted_hit_rate: float | None
+    oracle_reused_tokens: int
+    oracle_fraction: float | None
+    checkpoints_created: dict[str, int]
+    branch_recompute_tokens: int
+    checkpoint_bytes_peak: int
+    kv_bytes_peak: int
+    verify: VerifyReport | None
+    wall_seconds: float
+    prefill_tokens_per_second: float | None
+    mode: str | None = None
+    config: dict[str, Any] | None = None
+    skipped_lines: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with the required keys in order, then the optional keys that are set."""
+        out: dict[str, Any] = {}
+        for name in REPORT_KEYS:
+            value = getattr(self, name)
+            if name == "verify" and value is not None:
+                value = asdict(value)
+            elif name == "checkpoints_created":
+                value = dict(value)
+            out[name] = value
+        for name in OPTIONAL_KEYS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def write_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplayReport:
+        missing = [k for k in REPORT_KEYS if k not in data]
+        if missing:
+            raise ValueError(f"replay report is missing keys: {', '.join(missing)}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if kwargs["verify"] is not None:
+            kwargs["verify"] = VerifyReport(**kwargs["verify"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> ReplayReport:
+        return cls.from_dict(json.loads(text))
+
+
+# --- rendering ---------------------------------------------------------------------
+
+
+def _tokens(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.2f}%"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):,.2f} GiB"
+    return f"{n / (1 << 20):,.2f} MiB"
+
+
+def render_summary(report: ReplayReport, console: Console | None = None) -> None:
+    """Print the report as a two-column rich table."""
+    console = console or Console()
+    table = Table(title="hybridkv replay", show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    r = report
+    if r.mode is not None:
+        table.add_row("mode", r.mode)
+    table.add_row("requests", _tokens(r.requests))
+    if r.skipped_lines:
+        table.add_row("skipped trace lines", _tokens(r.skipped_lines))
+    table.add_row("prompt tokens", _tokens(r.prompt_tokens))
+    table.add_row("reused tokens", _tokens(r.reused_tokens))
+    table.add_row("computed prompt tokens", _tokens(r.computed_prompt_tokens))
+    table.add_row("token hit rate", _pct(r.token_hit_rate))
+    table.add_row("request hit rate", _pct(r.request_hit_rate))
+    table.add_row("byte-weighted hit rate", _pct(r.byte_weighted_hit_rate))
+    table.add_row("oracle reused tokens", _tokens(r.oracle_reused_tokens))
+    table.add_row("fraction of oracle", _pct(r.oracle_fraction))
+    for policy, count in sorted(r.checkpoints_created.items()):
+        table.add_row(f"checkpoints created ({policy})", _tokens(count))
+    table.add_row("branch recompute tokens", _tokens(r.branch_recompute_tokens))
+    table.add_row("checkpoint bytes (peak)", _bytes(r.checkpoint_bytes_peak))
+    table.add_row("KV bytes (peak)", _bytes(r.kv_bytes_peak))
+    if r.verify is None:
+        table.add_row("verify", "off")
+    else:
+        table.add_row("verified requests", _tokens(r.verify.requests))
+        table.add_row("max |logit diff|", f"{r.verify.max_abs_logit_diff:.3g}")
+        table.add_row("greedy mismatches", _tokens(r.verify.greedy_mismatches))
+    table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
+    tps = r.prefill_tokens_per_second
+    table.add_row("prefill throughput", "-" if tps is None else f"{tps:,.0f} tok/s")
+    console.print(table)

@@ -1,0 +1,251 @@
+"""Load the Mooncake conversation trace and synthesise token ids for it.
+
+The trace (DESIGN.md section 10) gives, per request, an arrival time, prompt and
+output lengths, and one prefix-chained hash id per 512-token prompt block. It
+carries no token ids, so each hash id gets its own deterministic token block:
+equal ids at equal positions give equal token blocks, which keeps the trace's
+sharing structure exactly.
+
+Scaling: ``block_tokens`` is the synthetic block length. With 512 every prompt
+has exactly ``input_length`` tokens; smaller values shorten every block (the last,
+partial block in proportion) for CPU runs while keeping which prefixes are shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512
+"""Tokens per hash id in the published trace (the last block may be partial)."""
+
+BUNDLED_TRACE = "conversation_trace.jsonl"
+
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+class TraceError(ValueError):
+    """A trace file is missing, unreadable, or has a malformed line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of the trace.
+
+    index: 0-based position among the valid requests loaded.
+    line_no: 1-based line of the file it came from.
+    timestamp_ms: arrival time in ms from the start of the trace.
+    input_length, output_length: prompt and output lengths in tokens (at 512
+        tokens per block, i.e. unscaled).
+    hash_ids: one id per 512-token prompt block, ``ceil(input_length / 512)`` of them.
+    """
+
+    index: int
+    line_no: int
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class TraceLoad:
+    """Result of :func:`load_trace`.
+
+    skipped counts malformed lines dropped under ``skip_bad=True`` (empty lines are
+    not counted); skipped_reasons splits that count by reason code.
+    """
+
+    requests: list[TraceRequest]
+    skipped: int
+    skipped_reasons: dict[str, int] = field(default_factory=dict)
+    path: Path | None = None
+
+
+class _BadLine(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tuple[int, ...]]:
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise _BadLine("invalid_json", f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise _BadLine("not_object", f"expected a JSON object, got {type(obj).__name__}")
+    for name in _FIELDS:
+        if name not in obj:
+            raise _BadLine("missing_field", f"missing field {name!r}")
+    for name in ("timestamp", "input_length", "output_length"):
+        value = obj[name]
+        if not _is_int(value):
+            raise _BadLine("wrong_type", f"field {name!r} must be an integer, got {value!r}")
+        if value < 0:
+            raise _BadLine("negative_value", f"field {name!r} is negative: {value!r}")
+    if obj["input_length"] == 0:
+        raise _BadLine("negative_value", "field 'input_length' must be positive, got 0")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise _BadLine("wrong_type", f"field 'hash_ids' must be a list, got {hash_ids!r:.60}")
+    for pos, hid in enumerate(hash_ids):
+        if not _is_int(hid):
+            raise _BadLine("wrong_type", f"field 'hash_ids'[{pos}] must be an integer, got {hid!r}")
+        if hid < 0:
+            raise _BadLine("negative_hash_id", f"field 'hash_ids'[{pos}] is negative: {hid}")
+    expected = math.ceil(obj["input_length"] / trace_block_tokens)
+    if len(hash_ids) != expected:
+        raise _BadLine(
+            "hash_ids_length",
+            f"field 'hash_ids' has {len(hash_ids)} ids but input_length "
+            f"{obj['input_length']} needs ceil(/{trace_block_tokens}) = {expected}",
+        )
+    return obj["timestamp"], obj["input_length"], obj["output_length"], tuple(hash_ids)
+
+
+def _bundled_path() -> Path:
+    ref = resources.files("hybridkv") / "data" / BUNDLED_TRACE
+    # The package is installed from a directory (editable or wheel), never a zip.
+    return Path(str(ref))
+
+
+def load_trace(
+    path: str | Path | None = None,
+    *,
+    limit: int | None = None,
+    skip_bad: bool = False,
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> TraceLoad:
+    """Read a trace file (``None`` = the bundled Mooncake conversation trace).
+
+    limit: stop after this many valid requests (``None`` = all).
+    skip_bad: count and skip malformed lines instead of raising.
+    trace_block_tokens: tokens per hash id in the file, for the length check.
+
+    Raises TraceError (naming file, 1-based line and field) on a malformed line
+    unless ``skip_bad``; on a missing/unreadable file; and when no valid request
+    was read. Empty lines are skipped silently.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    if trace_block_tokens < 1:
+        raise ValueError(f"trace_block_tokens must be >= 1, got {trace_block_tokens}")
+    file_path = _bundled_path() if path is None else Path(path)
+    requests: list[TraceRequest] = []
+    reasons: Counter[str] = Counter()
+    try:
+        handle = open(file_path, "rb")
+    except OSError as exc:
+        raise TraceError(f"{file_path}: cannot open trace file: {exc.strerror or exc}") from None
+    with handle:
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                ts, inp, out, ids = _parse_line(raw, trace_block_tokens)
+            except _BadLine as bad:
+                if not skip_bad:
+                    raise TraceError(f"{file_path}:{line_no}: {bad.detail}") from None
+                reasons[bad.reason] += 1
+                continue
+            requests.append(TraceRequest(len(requests), line_no, ts, inp, out, ids))
+            if limit is not None and len(requests) >= limit:
+                break
+    if not requests:
+        detail = f" ({sum(reasons.values())} malformed lines skipped)" if reasons else ""
+        raise TraceError(f"{file_path}: no valid requests in trace{detail}")
+    return TraceLoad(requests, sum(reasons.values()), dict(reasons), file_path)
+
+
+# --- token synthesis -------------------------------------------------------------
+
+
+@lru_cache(maxsize=16384)
+def _block_array(hash_id: int, block_tokens: int, vocab_size: int, seed: int) -> np.ndarray:
+    # blake2b(seed, hash_id) seeds PCG64; random_raw is the generator's raw 64-bit
+    # stream, fixed by the algorithm, so ids are stable across processes and numpy
+    # versions (PYTHONHASHSEED plays no part).
+    digest = hashlib.blake2b(
+        f"hybridkv-trace:{seed}:{hash_id}".encode(), digest_size=16
+    ).digest()
+    bitgen = np.random.PCG64(int.from_bytes(digest, "little"))
+    raw = bitgen.random_raw(block_tokens)
+    tokens = (raw % np.uint64(vocab_size)).astype(np.int64)
+    tokens.flags.writeable = False
+    return tokens
+
+
+def _check_synth_args(block_tokens: int, vocab_size: int) -> None:
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+
+
+def block_token_ids(hash_id: int, block_tokens: int, vocab_size: int, *, seed: int = 0) -> list[int]:
+    """The ``block_tokens`` token ids, each in ``[0, vocab_size)``, that stand for ``hash_id``.
+
+    Deterministic in (hash_id, block_tokens, vocab_size, seed) across processes.
+    """
+    _check_synth_args(block_tokens, vocab_size)
+    return _block_array(hash_id, block_tokens, vocab_size, seed).tolist()
+
+
+def _last_block_tokens(req: TraceRequest, block_tokens: int, trace_block_tokens: int) -> int:
+    real = req.input_length - trace_block_tokens * (len(req.hash_ids) - 1)
+    # round half up, in integers: max(1, round(real * block_tokens / trace_block_tokens))
+    return max(1, (2 * real * block_tokens + trace_block_tokens) // (2 * trace_block_tokens))
+
+
+def scaled_input_length(
+    req: TraceRequest, block_tokens: int, *, trace_block_tokens: int = TRACE_BLOCK_TOKENS
+) -> int:
+    """Prompt length in tokens after scaling (``len(request_token_ids(...))``)."""
+    _check_synth_args(block_tokens, 1)
+    last = _last_block_tokens(req, block_tokens, trace_block_tokens)
+    return block_tokens * (len(req.hash_ids) - 1) + last
+
+
+def scaled_output_length(
+    req: TraceRequest, block_tokens: int, *, trace_block_tokens: int = TRACE_BLOCK_TOKENS
+) -> int:
+    """Output length scaled like the prompt: ``max(1, round(output_length * block_tokens / 512))``."""
+    _check_synth_args(block_tokens, 1)
+    num = 2 * req.output_length * block_tokens + trace_block_tokens
+    return max(1, num // (2 * trace_block_tokens))
+
+
+def request_token_ids(
+    req: TraceRequest,
+    block_tokens: int,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> list[int]:
+    """Synthetic prompt of ``req``: its hash ids' blocks, concatenated.
+
+    Every block is ``block_tokens`` long except the last, which holds the first
+    ``max(1, round(last_real * block_tokens / 512))`` tokens of its id's block,
+    where ``last_real = input_length - 512 * (len(hash_ids) - 1)``. With
+    ``block_tokens == 512`` the length is exactly ``input_length``.
+    """
+    _check_synth_args(block_tokens, vocab_size)
+    last = _last_block_tokens(req, block_tokens, trace_block_tokens)
+    parts = [_block_array(h, block_tokens, vocab_size, seed) for h in req.hash_ids]
+    parts[-1] = parts[-1][:last]
+    return np.concatenate(parts).tolist()
