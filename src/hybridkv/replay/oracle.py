@@ -123,9 +123,10 @@ def oracle_from_trace(
     tuple of those ids is its key. A scaled, partial last trace block holds the first
     tokens of its id's block, so that key stays exact for it too.
 
-    Equal to ``oracle_scan(request_token_ids(...))`` except if two distinct ids under
-    the same prefix synthesise identical blocks, which for ``block_tokens`` of 8 or
-    more has negligible probability.
+    Equal to ``oracle_scan(request_token_ids(...))`` except when two different id
+    tuples under the same prefix happen to synthesise identical tokens for one cache
+    block; negligible unless blocks are only a few tokens long and the vocabulary
+    is small.
     """
     _check_block_size(block_size)
     if block_tokens < 1:
