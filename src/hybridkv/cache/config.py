@@ -1,0 +1,161 @@
+"""Typed cache configuration, validated once at the entry point (DESIGN §1, §3).
+
+Everything here is plain values; core classes receive these objects and never
+re-validate. Errors are :class:`ConfigError` (a ``ValueError``) naming the
+offending field and value, and the other value it conflicts with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KERNEL_CHUNK = 64
+"""Tokens per chunk of the chunked KDA algorithm (DESIGN §1)."""
+
+MECHANISMS = ("extract", "split")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and value."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointPolicy:
+    """Which boundaries get a KDA checkpoint (DESIGN §3). Policies combine.
+
+    Attributes:
+        branch: create the checkpoint at the branching boundary once.
+        tail: create one at the prompt end aligned down to ``tail_alignment``.
+        tail_alignment: tokens; ``None`` means ``prefix_match_unit``.
+        interval: create one every ``interval`` tokens inside prefills
+            (``None``: off).
+        hint: create ones at caller-supplied boundaries (request hints).
+    """
+
+    branch: bool = True
+    tail: bool = True
+    tail_alignment: int | None = None
+    interval: int | None = None
+    hint: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "CheckpointPolicy":
+        """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch"``, ``"hint"``, ``"none"``.
+
+        Terms are joined by ``+`` or ``,``. ``tail=N`` sets the tail alignment
+        in tokens; ``interval=N`` the spacing in tokens.
+
+        Raises:
+            ConfigError: unknown term or a non-positive / non-integer number.
+        """
+        kw: dict = dict(branch=False, tail=False, tail_alignment=None, interval=None, hint=False)
+        terms = [t.strip() for t in text.replace(",", "+").split("+") if t.strip()]
+        if not terms:
+            raise ConfigError(f"policy {text!r} is empty; use e.g. 'branch+tail'")
+        for term in terms:
+            name, _, value = term.partition("=")
+            if name == "none" and not value:
+                continue
+            if name in ("branch", "hint") and not value:
+                kw[name] = True
+            elif name == "tail":
+                kw["tail"] = True
+                if value:
+                    kw["tail_alignment"] = _positive_int("policy tail", value)
+            elif name == "interval" and value:
+                kw["interval"] = _positive_int("policy interval", value)
+            else:
+                raise ConfigError(
+                    f"policy term {term!r} in {text!r} is not one of branch, tail, tail=N, interval=N, hint, none")
+        return cls(**kw)
+
+    def names(self) -> list[str]:
+        """Counter names of the enabled policies (keys of ``checkpoints_created``)."""
+        out = []
+        for name in ("branch", "tail", "interval", "hint"):
+            if getattr(self, name):
+                out.append(name)
+        return out
+
+    def __str__(self) -> str:
+        parts = []
+        if self.tail:
+            parts.append("tail" if self.tail_alignment is None else f"tail={self.tail_alignment}")
+        if self.interval:
+            parts.append(f"interval={self.interval}")
+        if self.branch:
+            parts.append("branch")
+        if self.hint:
+            parts.append("hint")
+        return "+".join(parts) or "none"
+
+
+def _positive_int(what: str, value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"{what}={value!r} is not an integer") from None
+    if n <= 0:
+        raise ConfigError(f"{what}={n} must be positive")
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Cache and scheduler settings (all lengths in tokens).
+
+    Attributes:
+        block_size: page size of the full-attention KV pool (P_KV).
+        prefix_match_unit: hash / lookup granularity G; divides ``block_size``
+            and is a multiple of the 64-token KDA kernel chunk.
+        max_num_batched_tokens: scheduler budget per step (prefill + decode).
+        num_kv_pages: pages in the device KV pool.
+        num_checkpoint_slots: published-checkpoint slots in the device pool.
+        policy: checkpoint placement policy.
+        mechanism: ``"extract"`` (intermediate states of one long step) or
+            ``"split"`` (end a step exactly at each boundary).
+        max_num_seqs: requests admitted at once.
+
+    Raises:
+        ConfigError: from :meth:`validate` (called by ``__post_init__``).
+    """
+
+    block_size: int = 1024
+    prefix_match_unit: int = 64
+    max_num_batched_tokens: int = 8192
+    num_kv_pages: int = 1024
+    num_checkpoint_slots: int = 64
+    policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    mechanism: str = "extract"
+    max_num_seqs: int = 8
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and their relations; see class docstring."""
+        for name in ("block_size", "prefix_match_unit", "max_num_batched_tokens",
+                     "num_kv_pages", "num_checkpoint_slots", "max_num_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{name}={v!r} must be a positive integer")
+        g, b = self.prefix_match_unit, self.block_size
+        if g % KERNEL_CHUNK:
+            raise ConfigError(
+                f"prefix_match_unit={g} must be a multiple of the KDA kernel chunk {KERNEL_CHUNK}")
+        if b % g:
+            raise ConfigError(f"prefix_match_unit={g} must divide block_size={b}")
+        if self.mechanism not in MECHANISMS:
+            raise ConfigError(f"mechanism={self.mechanism!r} must be one of {MECHANISMS}")
+        p = self.policy
+        if p.tail_alignment is not None and p.tail_alignment % g:
+            raise ConfigError(
+                f"policy tail={p.tail_alignment} must be a multiple of prefix_match_unit={g}")
+        if p.interval is not None and p.interval % g:
+            raise ConfigError(
+                f"policy interval={p.interval} must be a multiple of prefix_match_unit={g}")
+
+    @property
+    def tail_alignment(self) -> int:
+        """Alignment of tail checkpoints in tokens."""
+        return self.policy.tail_alignment or self.prefix_match_unit

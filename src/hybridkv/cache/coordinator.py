@@ -1,0 +1,271 @@
+"""Joint matching and the request-facing cache API (DESIGN §2-4, §8).
+
+The coordinator owns the index and both device pools. It answers lookups with
+a :class:`MatchResult` (joint hit, per-group hits, branching boundary), gives a
+request its pages and working state (:meth:`acquire`), publishes what the
+request computed (:meth:`publish_units`, :meth:`publish_checkpoint`) and takes
+everything back (:meth:`release`). It never reports a joint hit that lacks a
+part: the joint hit is a node on the matched path that has both its page chain
+and its checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cache.groups import CacheGroup, FullAttentionGroup, KDAGroup
+from hybridkv.cache.index import BlockNode, PrefixIndex
+from hybridkv.cache.namespace import chained_block_hashes
+from hybridkv.cache.pools import CheckpointPool, PagePool
+from hybridkv.model.state import KDACheckpoint
+
+CopyPage = Callable[[int, int, int], None]
+"""``copy_page(src_page, dst_page, num_tokens)`` copies KV latents of the first tokens."""
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """Result of one lookup (all lengths in tokens).
+
+    Attributes:
+        hit: joint hit — tokens whose KV *and* checkpoint are reusable.
+        kv_hit: contiguous full-attention hit (capped at ``T - 1`` aligned).
+        checkpoint_hit: deepest checkpoint boundary ``<= kv_hit`` (0 = none).
+        branching_boundary: ``kv_hit`` when it exceeds ``checkpoint_hit``, else ``None``.
+        per_group: group name -> its own hit.
+        hashes: chained hashes of every whole unit of the prompt.
+        path: matched index nodes, one per unit, up to ``kv_hit``.
+    """
+
+    hit: int
+    kv_hit: int
+    checkpoint_hit: int
+    branching_boundary: int | None
+    per_group: dict[str, int]
+    hashes: list[bytes]
+    path: list[BlockNode]
+
+
+@dataclass(slots=True)
+class Allocation:
+    """What a running request holds. Each page in ``block_table`` carries one reference.
+
+    Attributes:
+        block_table: page ids; entry ``k`` holds positions ``[k*B, (k+1)*B)``.
+        state: private working KDA state at ``start`` (``None``: zeros / simulation).
+        start: tokens already present (the joint hit).
+        nodes: index nodes published (or matched) for this request's units, in order.
+    """
+
+    block_table: list[int]
+    state: KDACheckpoint | None
+    start: int
+    nodes: list[BlockNode] = field(default_factory=list)
+
+
+class HybridCacheCoordinator:
+    """Index + page pool + checkpoint pool + group agreement.
+
+    Args:
+        config: validated cache config.
+        namespace: namespace digest; every hash is salted with it.
+        checkpoints: the checkpoint pool (tensor-backed or bookkeeping-only).
+        page_bytes: bytes of one KV page (metrics).
+        copy_page: KV copy hook for partial-page copy-on-write (``None`` in simulation).
+    """
+
+    def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
+                 page_bytes: int = 0, copy_page: CopyPage | None = None) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.pages = PagePool(config.num_kv_pages)
+        self.checkpoints = checkpoints
+        self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
+        self.groups: list[CacheGroup] = [FullAttentionGroup(), KDAGroup()]
+        self.page_bytes = page_bytes
+        self.copy_page = copy_page
+        self.kv_pages_peak = 0
+        self.checkpoints_peak = 0
+        self.evicted_pages = 0
+        self.evicted_checkpoints = 0
+
+    # -- lookup ----------------------------------------------------------
+    def hash_prompt(self, token_ids) -> list[bytes]:
+        """Chained hashes of every whole ``prefix_match_unit`` of ``token_ids``."""
+        return chained_block_hashes(self.namespace, token_ids, self.config.prefix_match_unit)
+
+    def lookup(self, token_ids, hashes: list[bytes] | None = None) -> MatchResult:
+        """Joint hit for a prompt of ``T = len(token_ids)`` tokens.
+
+        At most ``T - 1`` tokens are reused, rounded down to a unit boundary,
+        so the last prompt position is always computed.
+        """
+        g = self.config.prefix_match_unit
+        if hashes is None:
+            hashes = self.hash_prompt(token_ids)
+        cap_units = max(len(token_ids) - 1, 0) // g
+        path = self.index.walk(hashes[:cap_units])
+        limit = cap_units * g
+        per_group = {group.name: group.find_hit(path, limit) for group in self.groups}
+        hit = min(per_group.values())
+        while True:                          # loop the groups to agreement
+            agreed = min(group.find_hit(path, hit) for group in self.groups)
+            if agreed == hit:
+                break
+            hit = agreed
+        kv_hit = per_group["full"]
+        ckpt = per_group["kda"]
+        for node in path[: hit // g]:
+            self.pages.touch(node.page)
+        if hit:
+            self.checkpoints.touch(path[hit // g - 1].checkpoint)
+        return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=ckpt,
+                           branching_boundary=kv_hit if kv_hit > ckpt else None,
+                           per_group=per_group, hashes=hashes, path=path[: kv_hit // g])
+
+    # -- allocation ------------------------------------------------------
+    def acquire(self, match: MatchResult, num_tokens: int) -> Allocation | None:
+        """Pages for ``num_tokens`` positions and the working state at ``match.hit``.
+
+        Full pages of the hit are shared read-only (a reference each); a partial
+        last page is copied into a private page (copy-on-write); the checkpoint
+        is copied into a private working state. Evicts unreferenced entries
+        (LRU) when the pool is short.
+
+        Returns:
+            The allocation, or ``None`` when the pool cannot hold the request
+            (every reference taken here is released again).
+        """
+        b, g = self.config.block_size, self.config.prefix_match_unit
+        hit = match.hit
+        shared = [match.path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
+        for p in shared:
+            self.pages.ref(p)
+        cow_src = match.path[hit // g - 1].page if hit % b else None
+        if cow_src is not None:
+            self.pages.ref(cow_src)
+        need = -(-num_tokens // b) - len(shared)
+        fresh = self._take_pages(need)
+        if fresh is None:
+            for p in shared + ([cow_src] if cow_src is not None else []):
+                self.pages.unref(p)
+            return None
+        if cow_src is not None:
+            if self.copy_page is not None:
+                self.copy_page(cow_src, fresh[0], hit % b)
+            self.pages.unref(cow_src)
+        state = None
+        if hit:
+            slot = match.path[hit // g - 1].checkpoint
+            self.checkpoints.ref(slot)
+            state = self.checkpoints.read(slot, hit)
+            self.checkpoints.unref(slot)
+        self._note_peaks()
+        return Allocation(block_table=shared + fresh, state=state, start=hit,
+                          nodes=list(match.path[: hit // g]))
+
+    def extend(self, alloc: Allocation, num_tokens: int) -> bool:
+        """Grow ``alloc.block_table`` to cover ``num_tokens`` positions; ``False`` if no room."""
+        need = -(-num_tokens // self.config.block_size) - len(alloc.block_table)
+        if need <= 0:
+            return True
+        fresh = self._take_pages(need)
+        if fresh is None:
+            return False
+        alloc.block_table.extend(fresh)
+        self._note_peaks()
+        return True
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        while self.pages.num_free < n:
+            victim = self.pages.lru_evictable()
+            if victim is None:
+                return None
+            self.index.evict_page(victim)
+            self.evicted_pages += 1
+        return [self.pages.pop_free() for _ in range(n)]
+
+    def release(self, alloc: Allocation) -> None:
+        """Drop every page reference the request holds (finish, cancel, failure)."""
+        for p in alloc.block_table:
+            self.pages.unref(p)
+        alloc.block_table = []
+        alloc.nodes = []
+        alloc.state = None
+
+    # -- publication -----------------------------------------------------
+    def publish_units(self, alloc: Allocation, hashes: list[bytes], computed: int) -> None:
+        """Publish every whole unit of ``[0, computed)`` whose KV the request has written.
+
+        Existing nodes are reused (content set once); nodes evicted meanwhile
+        are re-created from the request's own pages.
+        """
+        g, b = self.config.prefix_match_unit, self.config.block_size
+        n = min(len(hashes), computed // g)
+        nodes = alloc.nodes
+        if nodes and nodes[-1].parent is None:       # evicted since: rebuild from the root
+            nodes.clear()
+        parent = nodes[-1] if nodes else self.index.root
+        for i in range(len(nodes), n):
+            node, _ = self.index.get_or_insert(parent, hashes[i], alloc.block_table[(i * g) // b])
+            nodes.append(node)
+            parent = node
+
+    def publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
+                           boundary: int) -> bool:
+        """Publish ``C(P_boundary)`` at the request's node for ``boundary``.
+
+        The bytes are copied into a cache-owned slot first and only then
+        attached, so the producer keeps computing in its own working state.
+
+        Returns:
+            ``True`` if a new checkpoint was published; ``False`` if one already
+            existed there or no slot could be freed.
+        """
+        g = self.config.prefix_match_unit
+        if boundary <= 0 or boundary % g:
+            raise ValueError(f"checkpoint boundary {boundary} is not a positive multiple of {g}")
+        self.publish_units(alloc, hashes, boundary)
+        if len(alloc.nodes) < boundary // g:
+            raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
+        node = alloc.nodes[boundary // g - 1]
+        if node.checkpoint is not None:
+            return False
+        slot = self.checkpoints.take_free()
+        while slot is None:
+            victim = self.checkpoints.lru_evictable()
+            if victim is None:
+                return False
+            self._evict_checkpoint(victim)
+            slot = self.checkpoints.take_free()
+        self.checkpoints.write(slot, ckpt)
+        self.index.attach_checkpoint(node, slot)
+        self._note_peaks()
+        return True
+
+    def _evict_checkpoint(self, slot: int) -> None:
+        self.index.detach_checkpoint(self.index.slot_node[slot])
+        self.evicted_checkpoints += 1
+
+    # -- metrics and checks ---------------------------------------------
+    def _note_peaks(self) -> None:
+        self.kv_pages_peak = max(self.kv_pages_peak, self.pages.num_pages - self.pages.num_free)
+        self.checkpoints_peak = max(self.checkpoints_peak, self.checkpoints.num_slots - self.checkpoints.num_free)
+
+    @property
+    def kv_bytes_peak(self) -> int:
+        """Peak bytes of KV pages in use or cached."""
+        return self.kv_pages_peak * self.page_bytes
+
+    @property
+    def checkpoint_bytes_peak(self) -> int:
+        """Peak bytes of checkpoint slots in use."""
+        return self.checkpoints_peak * self.checkpoints.slot_bytes
+
+    def check_invariants(self) -> None:
+        """Index and pool consistency; ``AssertionError`` on the first violation."""
+        self.pages.check_invariants()
+        self.checkpoints.check_invariants()
+        self.index.check_invariants()

@@ -1,0 +1,160 @@
+"""Prefix index: a tree of chained-hash blocks, one node per ``prefix_match_unit`` (DESIGN §4).
+
+Each node is the unit of tokens ``[end - G, end)`` of some cached prefix. It
+records the physical page that holds that unit and, optionally, the checkpoint
+slot holding ``C(P_end)``. Lookup walks parent to child and stops at the first
+missing block; it never skips a hole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridkv.cache.pools import CheckpointPool, PagePool
+
+
+@dataclass(slots=True, eq=False)
+class BlockNode:
+    """One cached unit of a prefix.
+
+    Attributes:
+        key: chained hash of the prefix ``[0, end)`` (unique in the tree).
+        parent: node of ``[0, end - G)``; ``None`` only for the root.
+        end: boundary in tokens (``depth * prefix_match_unit``).
+        page: physical page holding this unit. Invariant: that page holds valid
+            latents for every position from its page start up to ``end``.
+        checkpoint: checkpoint-pool slot holding ``C(P_end)`` or ``None``.
+        children: key -> child node.
+    """
+
+    key: bytes
+    parent: "BlockNode | None"
+    end: int
+    page: int | None
+    checkpoint: int | None = None
+    children: dict = field(default_factory=dict)
+
+
+class PrefixIndex:
+    """Tree of :class:`BlockNode` over the page and checkpoint pools.
+
+    The index owns node membership (``PagePool.node_count``) and checkpoint
+    publication (``CheckpointPool.published``); requests own page refcounts.
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        pages: the page pool whose pages nodes point at.
+        checkpoints: the checkpoint pool whose slots nodes hold.
+    """
+
+    def __init__(self, unit: int, pages: PagePool, checkpoints: CheckpointPool) -> None:
+        self.unit = unit
+        self.pages = pages
+        self.checkpoints = checkpoints
+        self.root = BlockNode(key=b"", parent=None, end=0, page=None)
+        self.by_page: dict[int, set[BlockNode]] = {}
+        self.slot_node: dict[int, BlockNode] = {}
+        self.num_nodes = 0
+
+    def walk(self, hashes: list[bytes]) -> list[BlockNode]:
+        """Nodes matching ``hashes`` from the root, stopping at the first miss."""
+        path: list[BlockNode] = []
+        node = self.root
+        for key in hashes:
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def get_or_insert(self, parent: BlockNode, key: bytes, page: int) -> tuple[BlockNode, bool]:
+        """The child of ``parent`` with ``key``; created pointing at ``page`` if absent.
+
+        An existing node keeps its page (content is set once).
+
+        Returns:
+            ``(node, created)``.
+        """
+        node = parent.children.get(key)
+        if node is not None:
+            return node, False
+        node = BlockNode(key=key, parent=parent, end=parent.end + self.unit, page=page)
+        parent.children[key] = node
+        self.by_page.setdefault(page, set()).add(node)
+        self.pages.add_node(page)
+        self.num_nodes += 1
+        return node, True
+
+    def attach_checkpoint(self, node: BlockNode, slot: int) -> None:
+        """Publish ``slot`` (already written) as ``C(P_node.end)``."""
+        if node.checkpoint is not None:
+            raise RuntimeError(f"node at {node.end} already has a checkpoint")
+        node.checkpoint = slot
+        self.slot_node[slot] = node
+        self.checkpoints.publish(slot)
+
+    def detach_checkpoint(self, node: BlockNode) -> None:
+        """Remove the node's checkpoint (eviction); the KV part stays."""
+        slot = node.checkpoint
+        if slot is not None:
+            node.checkpoint = None
+            del self.slot_node[slot]
+            self.checkpoints.unpublish(slot)
+
+    def remove_subtree(self, node: BlockNode) -> int:
+        """Remove ``node`` and all its descendants; returns the number removed."""
+        if node.parent is None:
+            raise RuntimeError("the root cannot be removed")
+        del node.parent.children[node.key]
+        stack, removed = [node], 0
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n.children = {}
+            self.detach_checkpoint(n)
+            nodes = self.by_page[n.page]
+            nodes.discard(n)
+            if not nodes:
+                del self.by_page[n.page]
+            self.pages.remove_node(n.page)
+            n.parent = None
+            removed += 1
+        self.num_nodes -= removed
+        return removed
+
+    def evict_page(self, page: int) -> int:
+        """Remove every node pointing at ``page`` (with subtrees); returns nodes removed."""
+        removed = 0
+        for node in list(self.by_page.get(page, ())):
+            if node.parent is not None:      # not already removed with an ancestor
+                removed += self.remove_subtree(node)
+        return removed
+
+    def check_invariants(self) -> None:
+        """Rebuild the derived maps from the tree and compare; ``AssertionError`` on mismatch."""
+        seen_pages: dict[int, int] = {}
+        seen_slots: set[int] = set()
+        count = 0
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            for key, c in n.children.items():
+                assert c.key == key and c.parent is n, f"broken parent link at {c.end}"
+                assert c.end == n.end + self.unit, f"node end {c.end} != parent {n.end} + unit"
+                assert c in self.by_page.get(c.page, ()), f"node at {c.end} missing from by_page"
+                seen_pages[c.page] = seen_pages.get(c.page, 0) + 1
+                if c.checkpoint is not None:
+                    assert c.checkpoint not in seen_slots, f"slot {c.checkpoint} attached twice"
+                    seen_slots.add(c.checkpoint)
+                    assert self.checkpoints.published[c.checkpoint], f"slot {c.checkpoint} not published"
+                stack.append(c)
+                count += 1
+        assert count == self.num_nodes, f"num_nodes {self.num_nodes} != {count}"
+        assert {p: len(s) for p, s in self.by_page.items()} == seen_pages, "by_page out of sync"
+        for p in range(self.pages.num_pages):
+            assert self.pages.node_count[p] == seen_pages.get(p, 0), f"page {p} node_count wrong"
+        published = {s for s in range(self.checkpoints.num_slots) if self.checkpoints.published[s]}
+        assert published == seen_slots, "published slots differ from attached slots"
+        assert set(self.slot_node) == seen_slots, "slot_node out of sync"
+        for s, n in self.slot_node.items():
+            assert n.checkpoint == s, f"slot_node[{s}] points at a node without it"

@@ -1,0 +1,233 @@
+"""Device pools: full-attention pages and KDA checkpoint slots (DESIGN §3, §8).
+
+Both pools keep bookkeeping only in Python; tensors live at the device edge
+(:class:`hybridkv.model.kv_pool.PagedKVPool` for pages, the optional tensors of
+:class:`CheckpointPool` for checkpoints). The simulator uses the same pools
+without tensors.
+
+Page states (each page is in exactly one):
+  * free      — ``refcount == 0`` and no index node points at it (in ``_free``);
+  * cached    — ``refcount == 0`` and ``>= 1`` node points at it (LRU ``_evictable``);
+  * in use    — ``refcount > 0`` (held by running requests; may also be cached).
+A page's content is immutable while any node points at it ("hash set once").
+
+Checkpoint slot states: free (in ``_free``), published (attached to exactly one
+index node; LRU ``_evictable`` when unreferenced), or referenced (a request is
+copying it into its working state).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import torch
+
+from hybridkv.model.state import KDACheckpoint
+
+
+class PagePool:
+    """Refcounted page ids with an LRU queue of cached, unreferenced pages.
+
+    Args:
+        num_pages: pool size in pages.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.refcount = [0] * num_pages        # owner: requests via ref/unref
+        self.node_count = [0] * num_pages      # owner: the index via add_node/remove_node
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    # -- queries ---------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Pages neither referenced nor cached."""
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached pages with no request reference."""
+        return len(self._evictable)
+
+    def lru_evictable(self) -> int | None:
+        """Least recently used cached, unreferenced page, or ``None``."""
+        return next(iter(self._evictable), None)
+
+    # -- transitions -----------------------------------------------------
+    def pop_free(self) -> int | None:
+        """Take a free page (refcount becomes 1) or return ``None`` when none is free."""
+        if not self._free:
+            return None
+        page = self._free.popleft()
+        self.refcount[page] = 1
+        return page
+
+    def ref(self, page: int) -> None:
+        """Add a request reference (a hit on a cached page)."""
+        if self.refcount[page] == 0:
+            if self.node_count[page] == 0:
+                raise RuntimeError(f"page {page} is free; it cannot be referenced")
+            self._evictable.pop(page)
+        self.refcount[page] += 1
+
+    def unref(self, page: int) -> None:
+        """Drop a request reference; the page becomes cached (MRU) or free."""
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"page {page} refcount would go below zero")
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            self._park(page)
+
+    def touch(self, page: int) -> None:
+        """Mark a cached, unreferenced page most recently used."""
+        if page in self._evictable:
+            self._evictable.move_to_end(page)
+
+    def add_node(self, page: int) -> None:
+        """An index node now points at ``page`` (its content is published)."""
+        if self.refcount[page] == 0 and self.node_count[page] == 0:
+            raise RuntimeError(f"page {page} is free; publish it while a request holds it")
+        self.node_count[page] += 1
+
+    def remove_node(self, page: int) -> None:
+        """An index node pointing at ``page`` was removed."""
+        if self.node_count[page] <= 0:
+            raise RuntimeError(f"page {page} has no node to remove")
+        self.node_count[page] -= 1
+        if self.node_count[page] == 0 and self.refcount[page] == 0:
+            self._evictable.pop(page, None)
+            self._free.append(page)
+
+    def _park(self, page: int) -> None:
+        if self.node_count[page] > 0:
+            self._evictable[page] = None
+        else:
+            self._free.append(page)
+
+    def check_invariants(self) -> None:
+        """Every page is in exactly one state; raise ``AssertionError`` otherwise."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate page in free queue"
+        for p in range(self.num_pages):
+            rc, nc = self.refcount[p], self.node_count[p]
+            assert rc >= 0 and nc >= 0, f"page {p}: negative count"
+            assert (p in free) == (rc == 0 and nc == 0), f"page {p}: free-queue membership wrong"
+            assert (p in self._evictable) == (rc == 0 and nc > 0), f"page {p}: evictable membership wrong"
+
+
+class CheckpointPool:
+    """Fixed number of published-checkpoint slots, with optional tensor storage.
+
+    Args:
+        num_slots: slots.
+        recurrent_shape: ``(L_kda, H, K, V)`` of one checkpoint, or ``None`` for
+            a bookkeeping-only pool (simulation).
+        conv_shape: ``(L_kda, 3*H*K, kernel-1)``.
+        conv_dtype: dtype of the conv window (the model's compute dtype).
+        slot_bytes: bytes of one checkpoint (used for metrics when tensor-less).
+        device: torch device of the storage.
+
+    Storage: ``recurrent float32[num_slots, *recurrent_shape]`` and
+    ``conv conv_dtype[num_slots, *conv_shape]``, allocated once.
+    """
+
+    def __init__(self, num_slots: int, *, recurrent_shape=None, conv_shape=None,
+                 conv_dtype=torch.float32, slot_bytes: int = 0, device="cpu") -> None:
+        self.num_slots = num_slots
+        self.refcount = [0] * num_slots
+        self.published = [False] * num_slots   # owner: the index (attach/detach)
+        self.boundary: list[int | None] = [None] * num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.recurrent = self.conv = None
+        if recurrent_shape is not None:
+            self.recurrent = torch.zeros((num_slots, *recurrent_shape), dtype=torch.float32, device=device)
+            self.conv = torch.zeros((num_slots, *conv_shape), dtype=conv_dtype, device=device)
+            slot_bytes = (self.recurrent[0].numel() * 4 + self.conv[0].numel() * self.conv.element_size())
+        self.slot_bytes = slot_bytes
+
+    @property
+    def num_free(self) -> int:
+        """Unused slots."""
+        return len(self._free)
+
+    @property
+    def num_published(self) -> int:
+        """Slots holding a published checkpoint."""
+        return sum(self.published)
+
+    def lru_evictable(self) -> int | None:
+        """Least recently used published, unreferenced slot, or ``None``."""
+        return next(iter(self._evictable), None)
+
+    def take_free(self) -> int | None:
+        """Reserve a free slot for writing (not yet published); ``None`` if none."""
+        return self._free.popleft() if self._free else None
+
+    def write(self, slot: int, ckpt: KDACheckpoint | None) -> None:
+        """Copy ``ckpt`` into ``slot`` (the slot becomes cache-owned bytes)."""
+        if self.recurrent is not None:
+            if ckpt is None:
+                raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
+            self.recurrent[slot].copy_(ckpt.recurrent)
+            self.conv[slot].copy_(ckpt.conv)
+        self.boundary[slot] = None if ckpt is None else ckpt.boundary
+
+    def publish(self, slot: int) -> None:
+        """Mark a written slot published (attached to an index node); it becomes evictable."""
+        self.published[slot] = True
+        self._evictable[slot] = None
+
+    def release_unpublished(self, slot: int) -> None:
+        """Give back a slot reserved by :meth:`take_free` but never published."""
+        self._free.append(slot)
+
+    def read(self, slot: int, boundary: int) -> KDACheckpoint | None:
+        """A private copy of the checkpoint in ``slot`` (``None`` when tensor-less)."""
+        if self.recurrent is None:
+            return None
+        return KDACheckpoint(self.recurrent[slot].clone(), self.conv[slot].clone(), boundary)
+
+    def ref(self, slot: int) -> None:
+        """Hold a published slot while a request copies it."""
+        if not self.published[slot]:
+            raise RuntimeError(f"checkpoint slot {slot} is not published")
+        if self.refcount[slot] == 0:
+            self._evictable.pop(slot)
+        self.refcount[slot] += 1
+
+    def unref(self, slot: int) -> None:
+        """Release a reference; an unreferenced published slot becomes MRU evictable."""
+        if self.refcount[slot] <= 0:
+            raise RuntimeError(f"checkpoint slot {slot} refcount would go below zero")
+        self.refcount[slot] -= 1
+        if self.refcount[slot] == 0:
+            if self.published[slot]:
+                self._evictable[slot] = None
+            else:
+                self._free.append(slot)
+
+    def touch(self, slot: int) -> None:
+        """Mark an evictable slot most recently used."""
+        if slot in self._evictable:
+            self._evictable.move_to_end(slot)
+
+    def unpublish(self, slot: int) -> None:
+        """Detach a slot from the index; it is freed once unreferenced."""
+        self.published[slot] = False
+        self.boundary[slot] = None
+        if self.refcount[slot] == 0:
+            self._evictable.pop(slot, None)
+            self._free.append(slot)
+
+    def check_invariants(self) -> None:
+        """Every slot is free, evictable or referenced; raise ``AssertionError`` otherwise."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate slot in free queue"
+        for s in range(self.num_slots):
+            rc, pub = self.refcount[s], self.published[s]
+            assert rc >= 0, f"slot {s}: negative refcount"
+            assert (s in self._evictable) == (pub and rc == 0), f"slot {s}: evictable membership wrong"
+            if s in free:
+                assert not pub and rc == 0, f"slot {s}: free but in use"

@@ -1,0 +1,132 @@
+"""Compute backends behind the engine: the real model, or a cost model for simulation.
+
+The engine hands a backend a list of :class:`StepItem` (one per scheduled
+sequence) and gets :class:`StepOutput` back. The torch backend runs
+:meth:`hybridkv.model.model.HybridModel.forward_paged`; the simulated backend
+runs nothing and returns the same shapes of answers without tensors, so the
+index, matcher, policy and scheduler make identical decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.cache.groups import FullAttentionSpec, KDASpec
+from hybridkv.cache.pools import CheckpointPool
+from hybridkv.model.state import ForwardRequest, KDACheckpoint
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One sequence in one engine step.
+
+    Attributes:
+        token_ids: ``int64[n]`` ids of positions ``[start, start + n)``.
+        start: first position computed.
+        block_table: page ids covering ``start + n``.
+        state: KDA working state at ``start`` (``None``: zeros or simulation).
+        capture: boundaries in ``(start, start + n]`` to return checkpoints for.
+        all_logits: logits of every position instead of the last.
+    """
+
+    token_ids: torch.Tensor
+    start: int
+    block_table: list[int]
+    state: KDACheckpoint | None
+    capture: list[int] = field(default_factory=list)
+    all_logits: bool = False
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Backend answer for one :class:`StepItem`.
+
+    Attributes:
+        next_token: greedy token after the last position.
+        logits: ``float32[1 or n, vocab]`` or ``None`` (simulation).
+        end_state: KDA state at the end (``None`` in simulation).
+        checkpoints: boundary -> checkpoint for every captured boundary.
+    """
+
+    next_token: int
+    logits: torch.Tensor | None
+    end_state: KDACheckpoint | None
+    checkpoints: dict[int, KDACheckpoint | None]
+
+
+class TorchBackend:
+    """Runs the real model over a paged KV pool.
+
+    Args:
+        model: a :class:`hybridkv.model.model.HybridModel`.
+        num_pages, block_size: KV pool geometry (pages, tokens per page).
+    """
+
+    def __init__(self, model, num_pages: int, block_size: int) -> None:
+        self.model = model
+        self.kv_pool = model.new_kv_pool(num_pages, block_size)
+        cfg = model.config
+        self.full_spec = FullAttentionSpec(block_size, cfg.num_mla_layers, cfg.kv_latent_dim,
+                                           self.kv_pool.latents.element_size())
+        zero = model.zero_checkpoint()
+        self.kda_spec = KDASpec(cfg.num_kda_layers, cfg.kda_num_heads, cfg.kda_head_dim,
+                                cfg.conv_dim, cfg.conv_kernel_size - 1, zero.conv.element_size())
+        self._zero = zero
+
+    def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:
+        """A tensor-backed pool shaped like this model's checkpoints."""
+        return CheckpointPool(num_slots, recurrent_shape=tuple(self._zero.recurrent.shape),
+                              conv_shape=tuple(self._zero.conv.shape), conv_dtype=self._zero.conv.dtype,
+                              device=self._zero.recurrent.device)
+
+    def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` latents of page ``src`` into ``dst`` (all MLA layers)."""
+        self.kv_pool.copy_page(src, dst, num_tokens)
+
+    @torch.no_grad()
+    def run(self, items: list[StepItem]) -> list[StepOutput]:
+        """One batched forward over every item."""
+        reqs = [ForwardRequest(token_ids=it.token_ids, start=it.start,
+                               page_table=torch.tensor(it.block_table, dtype=torch.long),
+                               initial_state=it.state, capture=tuple(it.capture), all_logits=it.all_logits)
+                for it in items]
+        outs = self.model.forward_paged(reqs, self.kv_pool)
+        return [StepOutput(next_token=int(o.logits[-1].argmax()), logits=o.logits, end_state=o.end_state,
+                           checkpoints=dict(o.checkpoints)) for o in outs]
+
+
+class SimulatedBackend:
+    """No tensors: every answer is a placeholder; compute time comes from a cost model.
+
+    Cost model (seconds) for a step: ``sum(n_i) / prefill_tokens_per_second``
+    plus ``decode_seconds`` per single-token item. The defaults are the measured
+    throughput of the ``small`` preset on 2 CPU cores; override for other models.
+
+    Args:
+        full_spec, kda_spec: group specs (bytes per page / checkpoint for metrics).
+        prefill_tokens_per_second: modelled prefill throughput.
+    """
+
+    def __init__(self, full_spec: FullAttentionSpec, kda_spec: KDASpec,
+                 prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005) -> None:
+        self.full_spec = full_spec
+        self.kda_spec = kda_spec
+        self.prefill_tokens_per_second = prefill_tokens_per_second
+        self.decode_seconds = decode_seconds
+        self.modelled_seconds = 0.0
+
+    def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:
+        """A bookkeeping-only pool."""
+        return CheckpointPool(num_slots, slot_bytes=self.kda_spec.page_size_bytes)
+
+    copy_page = None
+
+    def run(self, items: list[StepItem]) -> list[StepOutput]:
+        """Account the modelled time and answer with placeholders."""
+        for it in items:
+            n = int(it.token_ids.shape[0])
+            self.modelled_seconds += self.decode_seconds if n == 1 else n / self.prefill_tokens_per_second
+        return [StepOutput(next_token=0, logits=None, end_state=None,
+                           checkpoints={b: None for b in it.capture}) for it in items]

@@ -1,0 +1,179 @@
+"""The engine loop: admit -> lookup -> schedule -> run -> publish -> decode -> finish (DESIGN §7).
+
+Collaborators are passed in: a backend (real model or simulation) and a
+validated :class:`~hybridkv.cache.config.CacheConfig`. The engine never looks
+at tensors beyond handing them between the backend and the cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cache.coordinator import HybridCacheCoordinator
+from hybridkv.engine.backend import StepItem
+from hybridkv.engine.request import Request, Status
+from hybridkv.engine.scheduler import plan_captures, schedule
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters over all admitted requests (tokens unless named otherwise)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    reused_tokens: int = 0
+    kv_hit_tokens: int = 0
+    requests_with_hit: int = 0
+    branch_recompute_tokens: int = 0
+    checkpoints_created: dict[str, int] = field(default_factory=dict)
+    checkpoints_skipped: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    steps: int = 0
+
+
+class Engine:
+    """A small continuous-batching engine over the hybrid prefix cache.
+
+    Args:
+        config: validated cache / scheduler config.
+        backend: :class:`~hybridkv.engine.backend.TorchBackend` or
+            :class:`~hybridkv.engine.backend.SimulatedBackend`.
+        namespace: namespace digest (:meth:`CacheIdentity.digest`).
+    """
+
+    def __init__(self, config: CacheConfig, backend, namespace: bytes) -> None:
+        self.config = config
+        self.backend = backend
+        pool = backend.new_checkpoint_pool(config.num_checkpoint_slots)
+        self.cache = HybridCacheCoordinator(config, namespace, pool,
+                                            page_bytes=backend.full_spec.page_size_bytes,
+                                            copy_page=backend.copy_page)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = EngineStats(checkpoints_created={n: 0 for n in config.policy.names()})
+
+    # -- requests --------------------------------------------------------
+    def add_request(self, req: Request) -> Request:
+        """Queue a request after validating it.
+
+        Raises:
+            ValueError: empty prompt, ``max_output_tokens < 1`` or a hint that is
+                not a positive multiple of ``prefix_match_unit`` (message names it).
+        """
+        req.prompt = np.asarray(req.prompt, dtype=np.int64)
+        if req.prompt.ndim != 1 or req.prompt.shape[0] == 0:
+            raise ValueError(f"request {req.request_id}: prompt must be a non-empty 1-D id list")
+        if req.max_output_tokens < 1:
+            raise ValueError(f"request {req.request_id}: max_output_tokens={req.max_output_tokens} < 1")
+        g = self.config.prefix_match_unit
+        for h in req.hints:
+            if h <= 0 or h % g:
+                raise ValueError(f"request {req.request_id}: hint {h} is not a positive multiple of {g}")
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Cancel at any point; every reference the request holds is released."""
+        if req.done:
+            return
+        if req.status == Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            self.cache.release(req.alloc)
+        req.status = Status.CANCELLED
+        self.stats.cancelled += 1
+
+    @property
+    def has_work(self) -> bool:
+        """Requests are waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def run_until_done(self) -> None:
+        """Step until every queued request is finished, cancelled or rejected."""
+        while self.has_work:
+            self.step()
+
+    # -- the step --------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            t = req.prompt_len
+            match = self.cache.lookup(req.prompt)
+            alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
+            if alloc is None:
+                if self.running:
+                    return                    # wait for running requests to free pages
+                self.waiting.popleft()
+                req.status = Status.REJECTED
+                req.reject_reason = (f"needs {-(-(t + req.max_output_tokens - 1) // self.config.block_size)} "
+                                     f"pages; the pool has {self.config.num_kv_pages}")
+                self.stats.rejected += 1
+                continue
+            self.waiting.popleft()
+            req.match, req.alloc, req.computed = match, alloc, match.hit
+            req.capture = plan_captures(self.config, match, t, req.hints)
+            req.status = Status.PREFILL
+            self.running.append(req)
+            s = self.stats
+            s.requests += 1
+            s.prompt_tokens += t
+            s.reused_tokens += match.hit
+            s.computed_prompt_tokens += t - match.hit
+            s.kv_hit_tokens += match.kv_hit
+            s.requests_with_hit += match.hit > 0
+            s.branch_recompute_tokens += match.kv_hit - match.hit
+
+    def step(self) -> list[Request]:
+        """Run one engine step; returns the requests that finished in it."""
+        self._admit()
+        chunks = schedule(self.config, self.running)
+        if not chunks:
+            return []
+        items = []
+        for c in chunks:
+            r = c.request
+            if r.status == Status.DECODE:
+                ids = torch.tensor([r.output[-1]], dtype=torch.long)
+            else:
+                ids = torch.from_numpy(r.prompt[c.start:c.end])
+            capture = c.capture if self.config.mechanism == "extract" else []
+            items.append(StepItem(ids, c.start, r.alloc.block_table, r.alloc.state, capture, r.record_logits))
+        outs = self.backend.run(items)
+        self.stats.steps += 1
+        finished = []
+        for c, out in zip(chunks, outs):
+            r = c.request
+            r.alloc.state = out.end_state
+            if r.record_logits and out.logits is not None:
+                for i, pos in enumerate(range(c.end - out.logits.shape[0], c.end)):
+                    r.logits[pos] = out.logits[i]
+            if r.status == Status.PREFILL:
+                r.computed = c.end
+                self.cache.publish_units(r.alloc, r.match.hashes, c.end)
+                for b in c.capture:
+                    ckpt = out.end_state if b == c.end and self.config.mechanism == "split" else out.checkpoints[b]
+                    if self.cache.publish_checkpoint(r.alloc, r.match.hashes, ckpt, b):
+                        self.stats.checkpoints_created[r.capture[b]] += 1
+                    else:
+                        self.stats.checkpoints_skipped += 1
+                if c.end < r.prompt_len:
+                    continue
+                r.status = Status.DECODE
+            r.output.append(out.next_token)
+            if len(r.output) >= r.max_output_tokens:
+                self._finish(r)
+                finished.append(r)
+        return finished
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.release(req.alloc)
+        req.status = Status.FINISHED

@@ -1,0 +1,79 @@
+"""Request state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hybridkv.cache.coordinator import Allocation, MatchResult
+
+
+class Status(enum.Enum):
+    """Lifecycle: WAITING -> PREFILL -> DECODE -> FINISHED, or CANCELLED / REJECTED."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: caller's id (never logged together with tokens).
+        prompt: ``int64[T]`` prompt token ids.
+        max_output_tokens: tokens to generate greedily (>= 1).
+        hints: caller-supplied checkpoint boundaries (tokens; policy ``hint``).
+        record_logits: keep logits of every computed position (verification).
+        status: lifecycle state (owned by the engine).
+        match: lookup result at admission.
+        alloc: pages and working state while running.
+        computed: prompt tokens whose state is in ``alloc`` (starts at the hit).
+        output: generated token ids.
+        capture: boundary -> policy name, planned at admission.
+        logits: position -> ``float32[vocab]`` when ``record_logits``.
+        reject_reason: why admission failed.
+    """
+
+    request_id: str
+    prompt: np.ndarray
+    max_output_tokens: int = 1
+    hints: tuple[int, ...] = ()
+    record_logits: bool = False
+    status: Status = Status.WAITING
+    match: MatchResult | None = None
+    alloc: Allocation | None = None
+    computed: int = 0
+    output: list[int] = field(default_factory=list)
+    capture: dict[int, str] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    reject_reason: str = ""
+
+    @property
+    def prompt_len(self) -> int:
+        """``T`` in tokens."""
+        return int(self.prompt.shape[0])
+
+    @property
+    def reused(self) -> int:
+        """Tokens taken from the cache (the joint hit)."""
+        return self.match.hit if self.match is not None else 0
+
+    @property
+    def done(self) -> bool:
+        """Finished, cancelled or rejected."""
+        return self.status in (Status.FINISHED, Status.CANCELLED, Status.REJECTED)
+
+    @property
+    def position(self) -> int:
+        """Next position to compute (prompt, then generated tokens)."""
+        if self.status == Status.DECODE:
+            return self.prompt_len + len(self.output) - 1
+        return self.computed

@@ -1,0 +1,82 @@
+"""Step planning: which tokens of which request run in the next step (DESIGN §3, §7).
+
+The scheduler never branches on a model type; it asks the request's capture
+plan (made from the coordinator's match and the policy) where steps must end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cache.coordinator import MatchResult
+from hybridkv.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Tokens ``[start, end)`` of ``request`` in this step; ``capture`` in ``(start, end]``."""
+
+    request: Request
+    start: int
+    end: int
+    capture: list[int]
+
+
+def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
+                  hints: tuple[int, ...] = ()) -> dict[int, str]:
+    """Checkpoint boundaries to create for one request, boundary -> policy name.
+
+    Only unit-aligned boundaries in ``(match.hit, prompt_len]`` qualify. When
+    two policies claim one boundary, the first of branch, tail, interval, hint
+    is credited.
+    """
+    g, p = config.prefix_match_unit, config.policy
+    lo, hi = match.hit, prompt_len
+    plan: dict[int, str] = {}
+
+    def claim(b: int, name: str) -> None:
+        if lo < b <= hi and b % g == 0 and b not in plan:
+            plan[b] = name
+
+    if p.branch and match.branching_boundary is not None:
+        claim(match.branching_boundary, "branch")
+    if p.tail:
+        a = config.tail_alignment
+        claim(hi // a * a, "tail")
+    if p.interval:
+        for b in range(p.interval, hi + 1, p.interval):
+            claim(b, "interval")
+    if p.hint:
+        for b in hints:
+            claim(b, "hint")
+    return plan
+
+
+def schedule(config: CacheConfig, running: list[Request]) -> list[Chunk]:
+    """Chunks for one step within ``max_num_batched_tokens``.
+
+    Decoding requests get one token each first; prefills follow in admission
+    order. With ``mechanism == "split"`` a prefill chunk ends exactly at the
+    next planned capture boundary, so its end state is the checkpoint; with
+    ``"extract"`` chunks run to the budget and captures are passed inside.
+    """
+    budget = config.max_num_batched_tokens
+    chunks: list[Chunk] = []
+    for r in running:
+        if r.status == Status.DECODE and budget > 0:
+            pos = r.position
+            chunks.append(Chunk(r, pos, pos + 1, []))
+            budget -= 1
+    for r in running:
+        if r.status != Status.PREFILL or budget <= 0:
+            continue
+        start = r.computed
+        end = min(r.prompt_len, start + budget)
+        inside = sorted(b for b in r.capture if start < b <= end)
+        if config.mechanism == "split" and inside:
+            end = inside[0]
+            inside = inside[:1]
+        chunks.append(Chunk(r, start, end, inside))
+        budget -= end - start
+    return chunks
