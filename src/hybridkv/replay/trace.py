@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -107,7 +106,7 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
             raise _BadLine("wrong_type", f"field 'hash_ids'[{pos}] must be an integer, got {hid!r}")
         if hid < 0:
             raise _BadLine("negative_hash_id", f"field 'hash_ids'[{pos}] is negative: {hid}")
-    expected = math.ceil(obj["input_length"] / trace_block_tokens)
+    expected = -(-obj["input_length"] // trace_block_tokens)
     if len(hash_ids) != expected:
         raise _BadLine(
             "hash_ids_length",
@@ -244,8 +243,21 @@ def request_token_ids(
     where ``last_real = input_length - 512 * (len(hash_ids) - 1)``. With
     ``block_tokens == 512`` the length is exactly ``input_length``.
     """
+    return request_token_array(req, block_tokens, vocab_size, seed,
+                               trace_block_tokens=trace_block_tokens).tolist()
+
+
+def request_token_array(
+    req: TraceRequest,
+    block_tokens: int,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> np.ndarray:
+    """:func:`request_token_ids` as a new ``int64[T]`` array (no Python list; fast for whole traces)."""
     _check_synth_args(block_tokens, vocab_size)
     last = _last_block_tokens(req, block_tokens, trace_block_tokens)
     parts = [_block_array(h, block_tokens, vocab_size, seed) for h in req.hash_ids]
     parts[-1] = parts[-1][:last]
-    return np.concatenate(parts).tolist()
+    return np.concatenate(parts)
