@@ -92,19 +92,22 @@ class HybridCacheCoordinator:
         self.evicted_checkpoints = 0
 
     # -- lookup ----------------------------------------------------------
-    def hash_prompt(self, token_ids) -> list[bytes]:
-        """Chained hashes of every whole ``prefix_match_unit`` of ``token_ids``."""
-        return chained_block_hashes(self.namespace, token_ids, self.config.prefix_match_unit)
+    def hash_prompt(self, token_ids, namespace: bytes | None = None) -> list[bytes]:
+        """Chained hashes of every whole ``prefix_match_unit`` of ``token_ids``.
 
-    def lookup(self, token_ids, hashes: list[bytes] | None = None) -> MatchResult:
+        ``namespace`` overrides the engine's namespace digest (per-request
+        tenant or adapter); different namespaces never share a hash.
+        """
+        return chained_block_hashes(namespace or self.namespace, token_ids, self.config.prefix_match_unit)
+
+    def lookup(self, token_ids, namespace: bytes | None = None) -> MatchResult:
         """Joint hit for a prompt of ``T = len(token_ids)`` tokens.
 
         At most ``T - 1`` tokens are reused, rounded down to a unit boundary,
         so the last prompt position is always computed.
         """
         g = self.config.prefix_match_unit
-        if hashes is None:
-            hashes = self.hash_prompt(token_ids)
+        hashes = self.hash_prompt(token_ids, namespace)
         cap_units = max(len(token_ids) - 1, 0) // g
         path = self.index.walk(hashes[:cap_units])
         limit = cap_units * g
@@ -248,6 +251,16 @@ class HybridCacheCoordinator:
     def _evict_checkpoint(self, slot: int) -> None:
         self.index.detach_checkpoint(self.index.slot_node[slot])
         self.evicted_checkpoints += 1
+
+    def clear(self) -> int:
+        """Evict every unreferenced entry (explicit purge); returns pages evicted."""
+        n = 0
+        while (victim := self.pages.lru_evictable()) is not None:
+            self.index.evict_page(victim)
+            n += 1
+        while (slot := self.checkpoints.lru_evictable()) is not None:
+            self._evict_checkpoint(slot)
+        return n
 
     # -- metrics and checks ---------------------------------------------
     def _note_peaks(self) -> None:

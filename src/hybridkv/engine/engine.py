@@ -106,7 +106,7 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             t = req.prompt_len
-            match = self.cache.lookup(req.prompt)
+            match = self.cache.lookup(req.prompt, req.namespace)
             alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
             if alloc is None:
                 if self.running:

@@ -40,6 +40,8 @@ class Request:
         capture: boundary -> policy name, planned at admission.
         logits: position -> ``float32[vocab]`` when ``record_logits``.
         reject_reason: why admission failed.
+        namespace: namespace digest of this request (tenant / adapter); ``None``
+            means the engine's.
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class Request:
     capture: dict[int, str] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
     reject_reason: str = ""
+    namespace: bytes | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,103 @@
+"""Command line: ``hybridkv replay`` (the main job).
+
+Exit status: 0 on success, 2 on bad input (trace line, option, model), with
+one ``error:`` line naming the offending value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{n} must be positive")
+    return n
+
+
+def _non_negative(text: str) -> int:
+    n = _positive(text) if text.strip() != "0" else 0
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="hybridkv", description="Exact prefix cache for hybrid (MLA + KDA) LLMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("replay", help="replay a Mooncake-format request trace through the engine",
+                       description="Replay a trace (default: the bundled one-hour Kimi conversation trace) "
+                                   "through the engine with the real model, or with --simulate a cost model.")
+    r.add_argument("--trace", help="trace path (JSONL, Mooncake format); default: the bundled trace")
+    r.add_argument("--limit", type=_positive, default=None, help="first N requests (default 40; --simulate: all)")
+    r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
+    r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
+    r.add_argument("--block-tokens", type=_positive, default=512,
+                   help="tokens per trace hash id (default 512; smaller scales the trace down)")
+    r.add_argument("--block-size", type=_positive, default=512, help="KV page size in tokens (default 512)")
+    r.add_argument("--prefix-match-unit", type=_positive, default=64, help="hash/lookup unit in tokens (default 64)")
+    r.add_argument("--policy", default=None,
+                   help="checkpoint policy, e.g. 'branch+tail=512', 'interval=2048+branch' "
+                        "(default: branch+tail=<block-tokens>)")
+    r.add_argument("--mechanism", choices=("extract", "split"), default="extract")
+    r.add_argument("--max-output-tokens", type=_positive, default=4,
+                   help="cap on generated tokens per request (default 4)")
+    r.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
+    r.add_argument("--max-num-seqs", type=_positive, default=4)
+    r.add_argument("--kv-pages", type=_positive, default=None, help="KV pool pages (default: no eviction)")
+    r.add_argument("--checkpoint-slots", type=_positive, default=None,
+                   help="checkpoint pool slots (default: 4 per request)")
+    r.add_argument("--verify", type=_non_negative, default=0,
+                   help="re-run N sampled requests without cache and compare logits")
+    r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
+    r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
+    r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens")
+    r.add_argument("--json", dest="json_path", help="write the JSON report here")
+    r.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hybridkv`` command."""
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    if args.command == "replay":
+        return _replay(args, console)
+    return 2
+
+
+def _replay(args, console: Console) -> int:
+    from hybridkv.cache.config import ConfigError
+    from hybridkv.replay.report import render_summary
+    from hybridkv.replay.runner import ReplayOptions, run_replay
+    from hybridkv.replay.trace import TraceError
+
+    limit = args.limit if args.limit is not None else (None if args.simulate else 40)
+    if args.all:
+        limit = None
+    opts = ReplayOptions(
+        trace=args.trace, limit=limit, model=args.model, block_tokens=args.block_tokens,
+        block_size=args.block_size, prefix_match_unit=args.prefix_match_unit, policy=args.policy,
+        mechanism=args.mechanism, max_output_tokens=args.max_output_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
+        simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress)
+    try:
+        report = run_replay(opts, console)
+    except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        return 2
+    render_summary(report, Console())
+    if args.json_path:
+        report.write_json(args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
