@@ -102,13 +102,15 @@ class Engine:
             self.step()
 
     # -- the step --------------------------------------------------------
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Admit waiting requests in order while sequences and pages allow (lookup + acquire)."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             t = req.prompt_len
             match = self.cache.lookup(req.prompt, req.namespace)
             alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
             if alloc is None:
+                req.admission_failures += 1
                 if self.running:
                     return                    # wait for running requests to free pages
                 self.waiting.popleft()
@@ -133,7 +135,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that finished in it."""
-        self._admit()
+        self.admit()
         chunks = schedule(self.config, self.running)
         if not chunks:
             return []

@@ -40,6 +40,7 @@ class Request:
         capture: boundary -> policy name, planned at admission.
         logits: position -> ``float32[vocab]`` when ``record_logits``.
         reject_reason: why admission failed.
+        admission_failures: admission attempts that found no room.
         namespace: namespace digest of this request (tenant / adapter); ``None``
             means the engine's.
     """
@@ -58,6 +59,7 @@ class Request:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
     reject_reason: str = ""
     namespace: bytes | None = None
+    admission_failures: int = 0
 
     @property
     def prompt_len(self) -> int:
