@@ -148,7 +148,7 @@ def _prepare_chunks(q, k, v, g, beta):
     Aqk, Akk = _intra_scores(q, k, G)
     eG = G.exp()
     C = q.shape[1]
-    L = torch.eye(C, dtype=q.dtype, device=q.device) + beta[:, :, None] * Akk
+    L = (torch.eye(C, dtype=q.dtype, device=q.device) + beta[:, :, None] * Akk).contiguous()
     rhs = torch.cat([beta[..., None] * v, beta[..., None] * k * eG], dim=-1)
     sol = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
     u, w = sol.split([v.shape[-1], k.shape[-1]], dim=-1)

@@ -17,7 +17,7 @@ from hybridkv.model.config import HybridConfig
 from hybridkv.model.kv_pool import PagedKVPool
 from hybridkv.model.ops import rms_norm
 
-_Q_BLOCK = 2048  # query rows per attention call when a mask is needed
+_Q_ALIGN = 64  # query rows per attention call (aligned to absolute positions)
 
 
 class NormWeight(nn.Module):
@@ -88,16 +88,18 @@ class MLAttention(nn.Module):
         key = torch.cat([k_nope, k_rot], dim=-1).transpose(0, 1)  # [heads, end, d]
         v = v.transpose(0, 1)
         qh = q.transpose(0, 1)  # [heads, n, d]
-        if n == 1 or (start == 0 and n == end):
-            o = F.scaled_dot_product_attention(qh, key, v, is_causal=n > 1, scale=self.scaling)
+        if n == 1:
+            o = F.scaled_dot_product_attention(qh, key, v, scale=self.scaling)
             return o.transpose(0, 1)
+        # Query blocks aligned to absolute multiples of _Q_ALIGN, each over keys
+        # [0, block end): a block computes the same call whether or not the
+        # sequence was split at an aligned position before it.
         outs = []
         kpos = torch.arange(end, device=q.device)
-        for r0 in range(0, n, _Q_BLOCK):
-            r1 = min(n, r0 + _Q_BLOCK)
-            last = start + r1  # keys needed: [0, last)
-            qpos = torch.arange(start + r0, start + r1, device=q.device)
-            mask = kpos[None, :last] <= qpos[:, None]
-            outs.append(F.scaled_dot_product_attention(qh[:, r0:r1], key[:, :last], v[:, :last],
+        cuts = sorted({start, start + n} | set(range(-(-start // _Q_ALIGN) * _Q_ALIGN, start + n, _Q_ALIGN)))
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            qpos = torch.arange(a, b, device=q.device)
+            mask = kpos[None, :b] <= qpos[:, None]
+            outs.append(F.scaled_dot_product_attention(qh[:, a - start:b - start], key[:, :b], v[:, :b],
                                                        attn_mask=mask, scale=self.scaling))
         return torch.cat(outs, dim=1).transpose(0, 1)
