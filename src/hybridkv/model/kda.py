@@ -63,13 +63,15 @@ def _init_state(state, B, H, K, V, device) -> torch.Tensor:
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, initial_state: torch.Tensor | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  use_fla: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token KDA (the oracle, and the decode path).
 
     Args:
         q, k: ``[T, H, K]`` or ``[B, T, H, K]``; q already scaled.
         v: ``[.., T, H, V]``.  g: ``[.., T, H, K]`` log-decay.  beta: ``[.., T, H]``.
         initial_state: ``[.., H, K, V]`` float32 or ``None`` (zeros); not modified.
+        use_fla: on CUDA with ``fla`` installed, run ``fused_recurrent_kda`` (the
+            decode path uses this; the default keeps the pure-torch oracle).
 
     Returns:
         ``(o, final_state)``: ``o`` float32 ``[.., T, H, V]``, state float32 ``[.., H, K, V]``.
@@ -78,6 +80,10 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         ValueError: mismatched shapes.
     """
     _check(q, k, v, g, beta)
+    if use_fla and q.is_cuda:
+        from hybridkv.model import kda_fla
+        if kda_fla.available():
+            return kda_fla.recurrent(q, k, v, g, beta, initial_state)
     (q, k, v, g, beta), state, squeeze = _batched(q, k, v, g, beta, state=initial_state, nd=3)
     B, T, H, K = q.shape
     S = _init_state(state, B, H, K, v.shape[-1], q.device)

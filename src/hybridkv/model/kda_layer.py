@@ -100,7 +100,7 @@ class KDAttention(nn.Module):
             k = l2_normalize(kc)
             args = (q, k, vc.float(), g[s.rows], beta[s.rows])
             if n == 1:
-                o, s.end_state = kda_recurrent(*args, initial_state=s.state)
+                o, s.end_state = kda_recurrent(*args, initial_state=s.state, use_fla=True)
                 s.states = {1: s.end_state.clone()} if s.capture else {}
             else:
                 o, s.end_state, s.states = kda_chunked(*args, initial_state=s.state,
