@@ -30,6 +30,10 @@ class CheckpointPolicy:
         interval: create one every ``interval`` tokens inside prefills
             (``None``: off).
         hint: create ones at caller-supplied boundaries (request hints).
+        min_gain: a tail or interval checkpoint is created only if it lies at
+            least this many tokens past the nearest checkpoint behind it (the
+            request's hit or the previous planned one): a checkpoint that can
+            save fewer tokens than this does not pay for its bytes. 0 = off.
     """
 
     branch: bool = True
@@ -37,18 +41,20 @@ class CheckpointPolicy:
     tail_alignment: int | None = None
     interval: int | None = None
     hint: bool = False
+    min_gain: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "CheckpointPolicy":
-        """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch"``, ``"hint"``, ``"none"``.
+        """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch+gain=1024"``, ``"hint"``, ``"none"``.
 
         Terms are joined by ``+`` or ``,``. ``tail=N`` sets the tail alignment
-        in tokens; ``interval=N`` the spacing in tokens.
+        in tokens; ``interval=N`` the spacing in tokens; ``gain=N`` the
+        ``min_gain`` in tokens.
 
         Raises:
             ConfigError: unknown term or a non-positive / non-integer number.
         """
-        kw: dict = dict(branch=False, tail=False, tail_alignment=None, interval=None, hint=False)
+        kw: dict = dict(branch=False, tail=False, tail_alignment=None, interval=None, hint=False, min_gain=0)
         terms = [t.strip() for t in text.replace(",", "+").split("+") if t.strip()]
         if not terms:
             raise ConfigError(f"policy {text!r} is empty; use e.g. 'branch+tail'")
@@ -64,9 +70,12 @@ class CheckpointPolicy:
                     kw["tail_alignment"] = _positive_int("policy tail", value)
             elif name == "interval" and value:
                 kw["interval"] = _positive_int("policy interval", value)
+            elif name == "gain" and value:
+                kw["min_gain"] = _positive_int("policy gain", value)
             else:
                 raise ConfigError(
-                    f"policy term {term!r} in {text!r} is not one of branch, tail, tail=N, interval=N, hint, none")
+                    f"policy term {term!r} in {text!r} is not one of branch, tail, tail=N, interval=N, "
+                    "gain=N, hint, none")
         return cls(**kw)
 
     def names(self) -> list[str]:
@@ -87,6 +96,8 @@ class CheckpointPolicy:
             parts.append("branch")
         if self.hint:
             parts.append("hint")
+        if self.min_gain:
+            parts.append(f"gain={self.min_gain}")
         return "+".join(parts) or "none"
 
 

@@ -29,7 +29,8 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
 
     Only unit-aligned boundaries in ``(match.hit, prompt_len]`` qualify. When
     two policies claim one boundary, the first of branch, tail, interval, hint
-    is credited.
+    is credited. Interval and tail boundaries closer than ``policy.min_gain``
+    to the nearest checkpoint behind them are dropped.
     """
     g, p = config.prefix_match_unit, config.policy
     lo, hi = match.hit, prompt_len
@@ -47,6 +48,13 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
     if p.interval:
         for b in range(p.interval, hi + 1, p.interval):
             claim(b, "interval")
+    if p.min_gain:
+        behind = lo
+        for b in sorted(plan):
+            if plan[b] in ("tail", "interval") and b - behind < p.min_gain:
+                del plan[b]
+            else:
+                behind = b
     if p.hint:
         for b in hints:
             claim(b, "hint")

@@ -65,6 +65,13 @@ def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
     return "branch+tail"
 
 
+def _default_slots(opts: ReplayOptions, prompts) -> int:
+    """Slots so that nothing is evicted: one per unit when simulating (no tensors), else 4 per request."""
+    if opts.simulate:
+        return 16 + sum(len(p) // opts.prefix_match_unit for p in prompts)
+    return max(16, 4 * len(prompts))
+
+
 def _model_config(name: str) -> HybridConfig:
     path = Path(name)
     return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(name)
@@ -103,7 +110,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
-        num_checkpoint_slots=opts.num_checkpoint_slots or max(16, 4 * len(reqs)),
+        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs)
 
     if opts.simulate:
