@@ -233,7 +233,9 @@ class HybridCacheCoordinator:
         self.publish_units(alloc, hashes, boundary)
         if len(alloc.nodes) < boundary // g:
             raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
-        node = alloc.nodes[boundary // g - 1]
+        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt)
+
+    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None) -> bool:
         if node.checkpoint is not None:
             return False
         slot = self.checkpoints.take_free()
@@ -247,6 +249,46 @@ class HybridCacheCoordinator:
         self.index.attach_checkpoint(node, slot)
         self._note_peaks()
         return True
+
+    # -- installs from lower tiers --------------------------------------
+    def install_kv(self, hashes: list[bytes], start: int, end: int, write_pages) -> bool:
+        """Install verified KV of ``[start, end)`` (whole pages) as cached, unreferenced entries.
+
+        ``write_pages(pages)`` copies the latents into the freshly taken pages
+        before any node points at them. The path ``[0, start)`` must be indexed.
+
+        Returns:
+            ``False`` when the path is missing or no pages can be freed.
+        """
+        b, g = self.config.block_size, self.config.prefix_match_unit
+        if start % b or end % b or end <= start:
+            raise ValueError(f"install range [{start}, {end}) is not whole pages of {b}")
+        path = self.index.walk(hashes[: start // g])
+        if len(path) * g < start:
+            return False
+        held = list({n.page for n in path})
+        for p in held:
+            self.pages.ref(p)
+        pages = self._take_pages((end - start) // b)
+        if pages is not None:
+            write_pages(pages)
+            parent = path[-1] if path else self.index.root
+            for i in range(start // g, end // g):
+                parent, _ = self.index.get_or_insert(parent, hashes[i], pages[(i * g - start) // b])
+            held += pages
+        for p in held:
+            self.pages.unref(p)
+        self._note_peaks()
+        return pages is not None
+
+    def install_checkpoint(self, hashes: list[bytes], ckpt: KDACheckpoint | None, boundary: int) -> bool:
+        """Attach a verified checkpoint at ``boundary`` of an indexed path (no-op if one exists)."""
+        g = self.config.prefix_match_unit
+        path = self.index.walk(hashes[: boundary // g])
+        if len(path) * g < boundary:
+            return False
+        node = path[-1]
+        return node.checkpoint is not None or self._attach_new(node, ckpt)
 
     def _evict_checkpoint(self, slot: int) -> None:
         self.index.detach_checkpoint(self.index.slot_node[slot])

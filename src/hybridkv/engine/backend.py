@@ -85,6 +85,21 @@ class TorchBackend:
         """Copy the first ``num_tokens`` latents of page ``src`` into ``dst`` (all MLA layers)."""
         self.kv_pool.copy_page(src, dst, num_tokens)
 
+    def read_kv(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Latents ``float32[L_mla, end - start, D]`` of positions ``[start, end)`` (a copy)."""
+        b = self.kv_pool.block_size
+        pages = block_table[start // b: -(-end // b)]
+        flat = self.kv_pool.latents[:, pages].reshape(self.kv_pool.latents.shape[0], -1,
+                                                       self.kv_pool.latents.shape[-1])
+        off = start - (start // b) * b
+        return flat[:, off: off + end - start].to(torch.float32).clone()
+
+    def write_pages(self, pages: list[int], latents: torch.Tensor) -> None:
+        """Fill whole ``pages`` with ``latents [L_mla, len(pages) * block_size, D]``."""
+        b = self.kv_pool.block_size
+        view = latents.reshape(latents.shape[0], len(pages), b, latents.shape[-1])
+        self.kv_pool.latents[:, pages] = view.to(self.kv_pool.latents.dtype)
+
     @torch.no_grad()
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """One batched forward over every item."""
@@ -122,6 +137,13 @@ class SimulatedBackend:
         return CheckpointPool(num_slots, slot_bytes=self.kda_spec.page_size_bytes)
 
     copy_page = None
+
+    def read_kv(self, block_table, start, end):
+        """No tensors in simulation."""
+        return None
+
+    def write_pages(self, pages, latents) -> None:
+        """No tensors in simulation."""
 
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """Account the modelled time and answer with placeholders."""

@@ -46,15 +46,20 @@ class Engine:
         backend: :class:`~hybridkv.engine.backend.TorchBackend` or
             :class:`~hybridkv.engine.backend.SimulatedBackend`.
         namespace: namespace digest (:meth:`CacheIdentity.digest`).
+        tiers: lower tiers (:class:`~hybridkv.store.tier.StoreTier`), nearest first.
     """
 
-    def __init__(self, config: CacheConfig, backend, namespace: bytes) -> None:
+    def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=()) -> None:
         self.config = config
         self.backend = backend
         pool = backend.new_checkpoint_pool(config.num_checkpoint_slots)
         self.cache = HybridCacheCoordinator(config, namespace, pool,
                                             page_bytes=backend.full_spec.page_size_bytes,
                                             copy_page=backend.copy_page)
+        self.connector = None
+        if tiers:
+            from hybridkv.store.connector import TierConnector
+            self.connector = TierConnector(self.cache, backend, list(tiers))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats(checkpoints_created={n: 0 for n in config.policy.names()})
@@ -108,6 +113,9 @@ class Engine:
             req = self.waiting[0]
             t = req.prompt_len
             match = self.cache.lookup(req.prompt, req.namespace)
+            remote_branch = None
+            if self.connector is not None:
+                match, remote_branch = self.connector.fetch(req.prompt, match, req.namespace)
             alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
             if alloc is None:
                 req.admission_failures += 1
@@ -121,7 +129,7 @@ class Engine:
                 continue
             self.waiting.popleft()
             req.match, req.alloc, req.computed = match, alloc, match.hit
-            req.capture = plan_captures(self.config, match, t, req.hints)
+            req.capture = plan_captures(self.config, match, t, req.hints, remote_branch)
             req.status = Status.PREFILL
             self.running.append(req)
             s = self.stats
@@ -160,12 +168,15 @@ class Engine:
             if r.status == Status.PREFILL:
                 r.computed = c.end
                 self.cache.publish_units(r.alloc, r.match.hashes, c.end)
+                made = {}
                 for b in c.capture:
-                    ckpt = out.end_state if b == c.end and self.config.mechanism == "split" else out.checkpoints[b]
-                    if self.cache.publish_checkpoint(r.alloc, r.match.hashes, ckpt, b):
+                    made[b] = out.end_state if b == c.end and self.config.mechanism == "split" else out.checkpoints[b]
+                    if self.cache.publish_checkpoint(r.alloc, r.match.hashes, made[b], b):
                         self.stats.checkpoints_created[r.capture[b]] += 1
                     else:
                         self.stats.checkpoints_skipped += 1
+                if self.connector is not None:
+                    self.connector.upload(r.alloc, r.match.hashes, c.end, made)
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE

@@ -24,12 +24,13 @@ class Chunk:
 
 
 def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
-                  hints: tuple[int, ...] = ()) -> dict[int, str]:
+                  hints: tuple[int, ...] = (), remote_branch: int | None = None) -> dict[int, str]:
     """Checkpoint boundaries to create for one request, boundary -> policy name.
 
     Only unit-aligned boundaries in ``(match.hit, prompt_len]`` qualify. When
     two policies claim one boundary, the first of branch, tail, interval, hint
-    is credited. Interval and tail boundaries closer than ``policy.min_gain``
+    is credited. ``remote_branch`` is a lower tier's missing branching
+    boundary; it counts as a branch boundary. Interval and tail boundaries closer than ``policy.min_gain``
     to the nearest checkpoint behind them are dropped.
     """
     g, p = config.prefix_match_unit, config.policy
@@ -40,8 +41,10 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
         if lo < b <= hi and b % g == 0 and b not in plan:
             plan[b] = name
 
-    if p.branch and match.branching_boundary is not None:
-        claim(match.branching_boundary, "branch")
+    if p.branch:
+        for b in (match.branching_boundary, remote_branch):
+            if b is not None:
+                claim(b, "branch")
     if p.tail:
         a = config.tail_alignment
         claim(hi // a * a, "tail")

@@ -1,0 +1,93 @@
+"""Moves entries between the device cache and lower tiers (DESIGN §4, §5).
+
+At admission, :meth:`TierConnector.fetch` asks each tier (in order) for a
+per-group result; when a tier's joint boundary beats the device hit, the
+verified KV segments and the checkpoint are installed into the device pools as
+cached entries, and the device lookup is repeated. The last tier's *missing
+branching boundary* (remote KV longer than any remote checkpoint) is returned
+so the scheduler computes once up to it, creates the checkpoint and
+:meth:`upload` commits it with its pages — a second instance then gets the
+full hit (SCENARIOS S9).
+
+A directory hit is not data: the computed-token count moves only through the
+repeated device lookup, after transfer, checksum and install.
+"""
+
+from __future__ import annotations
+
+from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
+from hybridkv.model.state import KDACheckpoint
+from hybridkv.store.tier import StoreTier
+
+
+class TierConnector:
+    """Fetch from and upload to lower tiers for one engine.
+
+    Args:
+        cache: the device coordinator.
+        backend: the torch backend (``read_kv`` / ``write_pages``).
+        tiers: lower tiers, nearest first (host, then store).
+    """
+
+    def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[StoreTier]) -> None:
+        self.cache = cache
+        self.backend = backend
+        self.tiers = tiers
+        self.device_hit_tokens = 0
+
+    def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None) -> tuple[MatchResult, int | None]:
+        """Improve ``match`` from lower tiers.
+
+        Returns:
+            ``(match, missing_branching_boundary)``; the boundary (tokens) is
+            where the last tier has KV but no checkpoint beyond the joint hit.
+        """
+        self.device_hit_tokens += match.hit
+        g = self.cache.config.prefix_match_unit
+        cap = max(len(prompt) - 1, 0) // g * g
+        missing = None
+        for tier in self.tiers:
+            rm = tier.lookup(match.hashes, cap)
+            if rm.best_joint > match.hit and self._install(tier, match, rm.best_joint):
+                before = match.hit
+                match = self.cache.lookup(prompt, namespace)
+                tier.stats.hit_tokens += max(match.hit - before, 0)
+            missing = rm.missing_branching_boundary
+        if missing is not None and missing <= match.hit:
+            missing = None
+        return match, missing
+
+    def _install(self, tier: StoreTier, match: MatchResult, boundary: int) -> bool:
+        a = tier.alignment
+        hashes = match.hashes
+        seg = min(match.kv_hit, boundary) // a * a
+        while seg < boundary:
+            latents = tier.load_kv(hashes, seg + a)
+            if latents is None or not self.cache.install_kv(
+                    hashes, seg, seg + a, lambda pages, lat=latents: self.backend.write_pages(pages, lat)):
+                return False
+            seg += a
+        ckpt = tier.load_checkpoint(hashes, boundary)
+        return ckpt is not None and self.cache.install_checkpoint(hashes, ckpt, boundary)
+
+    def upload(self, alloc: Allocation, hashes: list[bytes], computed: int,
+               checkpoints: dict[int, KDACheckpoint]) -> None:
+        """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the tiers lack.
+
+        KV segments are written before any checkpoint that needs them; each
+        entry's manifest is written after its components.
+        """
+        for tier in self.tiers:
+            a = tier.alignment
+            bounds = list(range(a, computed // a * a + 1, a))
+            present = tier.has(hashes, bounds, "kv")
+            if present is None:
+                continue
+            for b, ok in zip(bounds, present):
+                if not ok and not tier.save_kv(hashes, b, self.backend.read_kv(alloc.block_table, b - a, b)):
+                    break
+            aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
+            have = tier.has(hashes, aligned, "kda") or [True] * len(aligned)
+            for b, ok in zip(aligned, have):
+                if not ok:
+                    tier.save_checkpoint(hashes, b, checkpoints[b])

@@ -1,0 +1,226 @@
+"""One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
+
+A :class:`StoreTier` speaks cache ABI v1 (:mod:`hybridkv.store.layout`) to an
+:class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
+``alignment`` (``store_alignment``) become entries. Every failure is a counted
+miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
+store exception escapes except bugs. While the store is unreachable, calls
+fail fast for ``retry_seconds`` before the store is tried again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridkv.model.state import KDACheckpoint
+from hybridkv.store.base import ObjectStore, StoreUnavailable
+from hybridkv.store.layout import EntryError, decode_manifest, encode_entry, entry_key, verify_component
+
+log = logging.getLogger("hybridkv.store")
+
+MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier (tokens and bytes)."""
+
+    hit_tokens: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    misses: Counter = field(default_factory=lambda: Counter({r: 0 for r in MISS_REASONS}))
+
+    def as_dict(self) -> dict:
+        """``{hit_tokens, bytes_loaded, bytes_saved}`` for the JSON report."""
+        return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved}
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteMatch:
+    """Per-group result of a remote lookup (tokens).
+
+    Attributes:
+        kv_length: contiguous remote KV from 0 (aligned).
+        checkpoint_boundaries: aligned boundaries ``<= kv_length`` with a checkpoint manifest.
+        best_joint: deepest of those (0 = none).
+        missing_branching_boundary: ``kv_length`` when it exceeds ``best_joint``, else ``None``.
+    """
+
+    kv_length: int
+    checkpoint_boundaries: tuple[int, ...]
+    best_joint: int
+    missing_branching_boundary: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EntryShapes:
+    """What this model's entries look like: component -> (dtype, shape)."""
+
+    kv: dict
+    kda: dict
+
+    @classmethod
+    def for_model(cls, num_mla_layers: int, segment: int, latent_dim: int, recurrent_shape: tuple,
+                  conv_shape: tuple, conv_dtype: str = "float32") -> "EntryShapes":
+        """Shapes for a model; ``conv_shape`` is the whole window ``(L_kda, 3*H*K, k-1)``."""
+        third = (conv_shape[0], conv_shape[1] // 3, conv_shape[2])
+        return cls(kv={"latents": ("float32", (num_mla_layers, segment, latent_dim))},
+                   kda={"recurrent": ("float32", tuple(recurrent_shape)), "conv.q": (conv_dtype, third),
+                        "conv.k": (conv_dtype, third), "conv.v": (conv_dtype, third)})
+
+
+class StoreTier:
+    """Entries of one namespace in one object store.
+
+    Args:
+        store: the backend.
+        namespace: namespace digest.
+        unit: ``prefix_match_unit`` (tokens per chained hash).
+        alignment: ``store_alignment`` A (tokens); a multiple of ``unit``.
+        shapes: this model's entry shapes.
+        retry_seconds: fail-fast window after the store was unreachable.
+        name: tier name in reports (``host`` or ``store``).
+    """
+
+    def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+                 retry_seconds: float = 2.0, name: str = "store") -> None:
+        if alignment % unit:
+            raise ValueError(f"store_alignment={alignment} must be a multiple of prefix_match_unit={unit}")
+        self.store = store
+        self.namespace = namespace
+        self.unit = unit
+        self.alignment = alignment
+        self.shapes = shapes
+        self.retry_seconds = retry_seconds
+        self.name = name
+        self.stats = TierStats()
+        self._down_until = 0.0
+        self._warned = False
+
+    # -- plumbing --------------------------------------------------------
+    def _call(self, fn, *args):
+        """Run a store call; ``None`` (and an ``unreachable`` miss) if the store is down."""
+        if time.monotonic() < self._down_until:
+            self.stats.misses["unreachable"] += 1
+            return None
+        try:
+            return fn(*args)
+        except StoreUnavailable as exc:
+            self._down_until = time.monotonic() + self.retry_seconds
+            self.stats.misses["unreachable"] += 1
+            if not self._warned:
+                log.warning("%s tier unreachable, continuing without it: %s", self.name, exc)
+                self._warned = True
+            return None
+
+    def _hash(self, hashes: list[bytes], boundary: int) -> bytes:
+        return hashes[boundary // self.unit - 1]
+
+    def _key(self, hashes, boundary, group, component="manifest"):
+        return entry_key(self.namespace, self._hash(hashes, boundary), group, component)
+
+    # -- lookup ------------------------------------------------------------
+    def lookup(self, hashes: list[bytes], cap: int) -> RemoteMatch:
+        """Remote per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``."""
+        a = self.alignment
+        bounds = list(range(a, min(cap, len(hashes) * self.unit) + 1, a))
+        if not bounds:
+            return RemoteMatch(0, (), 0, None)
+        keys = [self._key(hashes, b, "kv") for b in bounds] + [self._key(hashes, b, "kda") for b in bounds]
+        found = self._call(self.store.exists, keys)
+        if found is None:
+            return RemoteMatch(0, (), 0, None)
+        kv_len = 0
+        for b, ok in zip(bounds, found[: len(bounds)]):
+            if not ok:
+                break
+            kv_len = b
+        ckpts = tuple(b for b, ok in zip(bounds, found[len(bounds):]) if ok and b <= kv_len)
+        best = ckpts[-1] if ckpts else 0
+        return RemoteMatch(kv_len, ckpts, best, kv_len if kv_len > best else None)
+
+    # -- loads -------------------------------------------------------------
+    def _load(self, hashes, boundary, group) -> dict[str, torch.Tensor] | None:
+        mkey = self._key(hashes, boundary, group)
+        got = self._call(self.store.get, [mkey])
+        if got is None:
+            return None
+        if got[0] is None:
+            self.stats.misses["absent"] += 1
+            return None
+        try:
+            comps = decode_manifest(got[0], group, boundary, getattr(self.shapes, group))
+        except EntryError as exc:
+            self.stats.misses[exc.reason] += 1
+            return None
+        blobs = self._call(self.store.get, [c.key for c in comps])
+        if blobs is None:
+            return None
+        try:
+            out = {c.name: verify_component(c, data) for c, data in zip(comps, blobs)}
+        except EntryError as exc:
+            self.stats.misses[exc.reason] += 1
+            return None
+        self.stats.bytes_loaded += len(got[0]) + sum(c.nbytes for c in comps)
+        return out
+
+    def load_kv(self, hashes: list[bytes], boundary: int) -> torch.Tensor | None:
+        """Verified latents ``float32[L_mla, A, D]`` of tokens ``[boundary - A, boundary)``, or ``None``."""
+        got = self._load(hashes, boundary, "kv")
+        return None if got is None else got["latents"]
+
+    def load_checkpoint(self, hashes: list[bytes], boundary: int) -> KDACheckpoint | None:
+        """Verified ``C(P_boundary)``, or ``None`` (a counted miss)."""
+        got = self._load(hashes, boundary, "kda")
+        if got is None:
+            return None
+        conv = torch.cat([got["conv.q"], got["conv.k"], got["conv.v"]], dim=1)
+        return KDACheckpoint(got["recurrent"], conv, boundary)
+
+    # -- saves -------------------------------------------------------------
+    def _save(self, hashes, boundary, group, tensors) -> bool:
+        parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
+        comps, manifest = encode_entry(self.namespace, self._hash(hashes, boundary), parent, group, boundary,
+                                       self.alignment, tensors)
+        ok = self._call(self.store.put, comps)
+        if ok is None or not all(ok):
+            return False                       # no manifest: the entry stays invisible
+        ok = self._call(self.store.put, [manifest])
+        if ok is None or not ok[0]:
+            return False
+        self.stats.bytes_saved += sum(len(d) for _, d in comps) + len(manifest[1])
+        return True
+
+    def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
+        """Whether each boundary's manifest exists (``None`` if unreachable)."""
+        if not boundaries:
+            return []
+        return self._call(self.store.exists, [self._key(hashes, b, group) for b in boundaries])
+
+    def save_kv(self, hashes: list[bytes], boundary: int, latents: torch.Tensor) -> bool:
+        """Commit the ``kv`` entry at ``boundary`` (latents of the last A tokens)."""
+        self._check_aligned(boundary)
+        return self._save(hashes, boundary, "kv", {"latents": latents})
+
+    def save_checkpoint(self, hashes: list[bytes], boundary: int, ckpt: KDACheckpoint) -> bool:
+        """Commit the ``kda`` entry ``C(P_boundary)``: recurrent and the three conv parts."""
+        self._check_aligned(boundary)
+        q, k, v = ckpt.conv.chunk(3, dim=1)
+        return self._save(hashes, boundary, "kda", {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k,
+                                                    "conv.v": v})
+
+    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+        """Remove an entry: the manifest first, then its components."""
+        mkey = self._key(hashes, boundary, group)
+        self._call(self.store.remove, [mkey])
+        names = getattr(self.shapes, group)
+        self._call(self.store.remove, [self._key(hashes, boundary, group, n) for n in names])
+
+    def _check_aligned(self, boundary: int) -> None:
+        if boundary <= 0 or boundary % self.alignment:
+            raise ValueError(f"boundary {boundary} is not a positive multiple of store_alignment={self.alignment}")
