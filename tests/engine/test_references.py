@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hybridkv.engine.request import Request, Status
 
-from engine_helpers import assert_exact, make_engine, tokens
+from hkv_helpers import assert_exact, make_engine, tokens
 
 
 def _assert_all_released(engine):

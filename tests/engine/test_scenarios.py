@@ -13,7 +13,7 @@ import torch
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.request import Request
 
-from engine_helpers import assert_exact, make_engine, run_one, tokens
+from hkv_helpers import assert_exact, make_engine, run_one, tokens
 
 
 def checkpoint_at(engine, prompt, boundary):

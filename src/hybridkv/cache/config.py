@@ -126,6 +126,9 @@ class CacheConfig:
         mechanism: ``"extract"`` (intermediate states of one long step) or
             ``"split"`` (end a step exactly at each boundary).
         max_num_seqs: requests admitted at once.
+        store_alignment: the only boundaries that may become store entries
+            (A_store); a multiple of ``block_size`` (hence of
+            ``prefix_match_unit``). ``None`` means ``block_size``.
 
     Raises:
         ConfigError: from :meth:`validate` (called by ``__post_init__``).
@@ -139,6 +142,7 @@ class CacheConfig:
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     mechanism: str = "extract"
     max_num_seqs: int = 8
+    store_alignment: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -156,6 +160,10 @@ class CacheConfig:
                 f"prefix_match_unit={g} must be a multiple of the KDA kernel chunk {KERNEL_CHUNK}")
         if b % g:
             raise ConfigError(f"prefix_match_unit={g} must divide block_size={b}")
+        a = self.store_alignment
+        if a is not None and (not isinstance(a, int) or a <= 0 or a % b):
+            raise ConfigError(f"store_alignment={a!r} must be a positive multiple of block_size={b} "
+                              f"(and so of prefix_match_unit={g})")
         if self.mechanism not in MECHANISMS:
             raise ConfigError(f"mechanism={self.mechanism!r} must be one of {MECHANISMS}")
         p = self.policy
@@ -165,6 +173,11 @@ class CacheConfig:
         if p.interval is not None and p.interval % g:
             raise ConfigError(
                 f"policy interval={p.interval} must be a multiple of prefix_match_unit={g}")
+
+    @property
+    def store_boundary(self) -> int:
+        """``store_alignment`` with its default applied (tokens)."""
+        return self.store_alignment or self.block_size
 
     @property
     def tail_alignment(self) -> int:

@@ -17,7 +17,18 @@ from __future__ import annotations
 
 from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
 from hybridkv.model.state import KDACheckpoint
-from hybridkv.store.tier import StoreTier
+from hybridkv.store.base import ObjectStore
+from hybridkv.store.tier import EntryShapes, StoreTier
+
+
+def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment: int,
+             name: str = "store") -> StoreTier:
+    """A :class:`StoreTier` shaped for ``backend``'s model (KV segments of ``alignment`` tokens)."""
+    cfg = backend.model.config
+    zero = backend.model.zero_checkpoint()
+    shapes = EntryShapes.for_model(cfg.num_mla_layers, alignment, cfg.kv_latent_dim, tuple(zero.recurrent.shape),
+                                   tuple(zero.conv.shape), str(zero.conv.dtype).removeprefix("torch."))
+    return StoreTier(store, namespace, unit, alignment, shapes, name=name)
 
 
 class TierConnector:
@@ -48,6 +59,10 @@ class TierConnector:
         missing = None
         for tier in self.tiers:
             rm = tier.lookup(match.hashes, cap)
+            if rm is None:
+                continue
+            if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
+                tier.stats.misses["absent"] += 1        # the tier has nothing beyond the device hit
             if rm.best_joint > match.hit and self._install(tier, match, rm.best_joint):
                 before = match.hit
                 match = self.cache.lookup(prompt, namespace)

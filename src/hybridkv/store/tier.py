@@ -125,8 +125,11 @@ class StoreTier:
         return entry_key(self.namespace, self._hash(hashes, boundary), group, component)
 
     # -- lookup ------------------------------------------------------------
-    def lookup(self, hashes: list[bytes], cap: int) -> RemoteMatch:
-        """Remote per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``."""
+    def lookup(self, hashes: list[bytes], cap: int) -> RemoteMatch | None:
+        """Remote per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``.
+
+        ``None`` when the store is unreachable (counted as an ``unreachable`` miss).
+        """
         a = self.alignment
         bounds = list(range(a, min(cap, len(hashes) * self.unit) + 1, a))
         if not bounds:
@@ -134,7 +137,7 @@ class StoreTier:
         keys = [self._key(hashes, b, "kv") for b in bounds] + [self._key(hashes, b, "kda") for b in bounds]
         found = self._call(self.store.exists, keys)
         if found is None:
-            return RemoteMatch(0, (), 0, None)
+            return None
         kv_len = 0
         for b, ok in zip(bounds, found[: len(bounds)]):
             if not ok:

@@ -1,0 +1,500 @@
+"""Mooncake Store backend (``mooncake://127.0.0.1:50051``), DESIGN §5 and §11.
+
+Where the bytes live: a Mooncake master only keeps metadata. Object bytes live
+in the memory *segments* that client processes mount. An engine's
+:class:`MooncakeStore` mounts no segment by default (``segment_bytes=0``), so
+its objects land in the segment of the long-lived storage process started by
+``hybridkv store start`` (:mod:`hybridkv.store.service`) and survive engines
+exiting. When the process holding a segment exits, its objects vanish (the
+master notices after ~10 s; until then ``exists`` may still say True and a read
+fails). Killing the master forgets every object; the storage process remounts
+its segment when a master comes back on the same port.
+
+How Mooncake's answers map onto the :class:`ObjectStore` contract:
+
+* data moves only through ``batch_put_from`` / ``batch_get_into`` on
+  registered memory (zero-copy for ``get_into`` and for large ``put`` items);
+  Mooncake's bytes ``get`` returns ``b''`` for a miss and for a failed
+  transfer alike, so it is never used;
+* put of an existing key leaves it unchanged and reports True (Mooncake
+  answers 0, or -705 while another client's put of the key is in flight);
+* no space (-200) is retried briefly (eviction runs in the background and frees
+  space within tens of ms), then reported as False; eviction itself is silent;
+* a key missing on read is ``None`` / ``-1`` (-704); a key named twice in one
+  batch read is fetched once and copied to every destination (Mooncake itself
+  fills only one of them and reports success for both);
+* master RPC failure (-900), or the master port refusing connections, raises
+  :class:`StoreUnavailable`; so does a failed transfer (-800, the process
+  holding the bytes is gone). After an RPC failure, calls fail fast (no
+  Mooncake call) for ``retry_interval_s``; then one TCP probe of the master
+  decides whether to try again; a client that keeps failing while the master
+  answers is replaced by a new one;
+* remove uses ``force=True``: every read leases the object for ~10 s and a
+  plain remove would fail with -706 during that time.
+
+Blocking: a Mooncake call against a dead master returns after its own RPC
+timeout (measured ~4.5 s here); only the first call after the master dies pays
+it. Setup is preceded by a TCP probe, so an absent master fails in
+milliseconds. A client whose master is gone is never closed: its destructor
+blocks for 10-20 s, so it is kept alive until the process exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "the mooncake:// store needs the Mooncake transfer engine: "
+    "pip install mooncake-transfer-engine-non-cuda (and the system library: apt-get install -y libibverbs1)"
+)
+
+# Mooncake ErrorCode values (mooncake-store types.h) that this backend tells apart.
+NO_SPACE = -200
+INVALID_PARAMS = -600  # also "destination buffer too small" on reads
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
+TRANSFER_FAIL = -800
+WRITE_FAIL = -500
+RPC_FAIL = -900
+_TRANSFER_CODES = (TRANSFER_FAIL, WRITE_FAIL, LEASE_EXPIRED)
+
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller non-zero segments
+_SMALL_ITEM_BYTES = 64 << 10  # put items below this are packed into one staging buffer
+_NO_SPACE_RETRY_S = (0.02, 0.05, 0.1)
+
+_ABANDONED: list[object] = []  # clients whose master died; never destroyed (see _abandon)
+
+
+class MooncakeNotInstalled(ImportError):
+    """The ``mooncake`` package (or its system library) is missing; the message says how to install it."""
+
+
+class MooncakeError(RuntimeError):
+    """Mooncake answered a code this backend does not expect: a bug, not an outage."""
+
+
+def load_client_class():
+    """``mooncake.store.MooncakeDistributedStore``, imported on first use.
+
+    Raises:
+        MooncakeNotInstalled: with the pip / apt-get commands.
+    """
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except (ImportError, OSError) as exc:
+        raise MooncakeNotInstalled(f"{INSTALL_HINT} [{exc}]") from exc
+    return MooncakeDistributedStore
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; ValueError names a malformed address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"Mooncake master address {address!r} must be host:port, e.g. 127.0.0.1:50051")
+    return host, int(port)
+
+
+def master_reachable(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether a TCP connection to the master's RPC port is accepted."""
+    host, port = split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass(slots=True)
+class MooncakeStats:
+    """Counters of the things that are not plain hits or misses."""
+
+    rpc_failures: int = 0
+    transfer_failures: int = 0
+    no_space: int = 0  # put items refused after the retries
+    reconnects: int = 0  # clients created after the first
+    abandoned_clients: int = 0
+
+
+class MooncakeStore(ObjectStore):
+    """Client of a Mooncake Store master on loopback (tcp, P2P handshake).
+
+    Args:
+        master: the master's ``host:port``.
+        segment_bytes: memory this client contributes to the store; 0 (engines)
+            or at least 16 MiB (the storage process). Objects in it die with
+            this process.
+        local_buffer_bytes: Mooncake's staging buffer for its bytes API, which
+            this backend does not use; 0 is fine.
+        setup_retries: ``MC_STORE_CLIENT_SETUP_RETRIES`` (Mooncake's default
+            retries for ~90 s).
+        timeout_s: deadline of setup and close.
+        retry_interval_s: after a failure, how long calls fail fast before the
+            master is probed again.
+        local_hostname: address this client advertises; loopback only here.
+
+    Every argument may be given as a string (they come from URL query
+    parameters). Raises StoreUnavailable if the master cannot be reached.
+    """
+
+    scheme = "mooncake"
+
+    def __init__(
+        self,
+        master: str = "127.0.0.1:50051",
+        segment_bytes: int | str = 0,
+        local_buffer_bytes: int | str = 0,
+        setup_retries: int | str = 1,
+        timeout_s: float | str = 5.0,
+        retry_interval_s: float | str = 1.0,
+        local_hostname: str = "127.0.0.1",
+    ) -> None:
+        split_address(master)
+        self.master = master
+        self.segment_bytes = int(segment_bytes)
+        self.local_buffer_bytes = int(local_buffer_bytes)
+        self.setup_retries = int(setup_retries)
+        self.timeout_s = float(timeout_s)
+        self.retry_interval_s = float(retry_interval_s)
+        self.local_hostname = local_hostname
+        if self.segment_bytes and self.segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"segment_bytes={self.segment_bytes}: Mooncake needs 0 or at least {MIN_SEGMENT_BYTES}")
+        if self.local_buffer_bytes < 0 or self.setup_retries < 1 or self.timeout_s <= 0 or self.retry_interval_s < 0:
+            raise ValueError("local_buffer_bytes >= 0, setup_retries >= 1, timeout_s > 0, retry_interval_s >= 0")
+        self.stats = MooncakeStats()
+        self._cls = load_client_class()
+        self._lock = threading.RLock()
+        self._client = None  # None after close, or while no client could be set up
+        self._closed = False
+        self._healthy = False  # invariant: True only while _client is not None
+        self._failures = 0  # consecutive failed calls since the last success
+        self._retry_at = 0.0  # monotonic time before which calls fail fast
+        self._down_reason = ""
+        self._regions: list[tuple[int, int, np.ndarray]] = []  # long-lived registrations: (start, end, owner)
+        with self._lock:
+            self._connect()
+
+    # ------------------------------------------------------------------ public API
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        with self._lock:
+            client = self._ready()
+            codes = client.batch_is_exist(list(keys))
+            if any(c not in (0, 1) for c in codes):
+                self._rpc_failed("is_exist", min(codes))
+            self._succeeded()
+            return [c == 1 for c in codes]
+
+    def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        if not items:
+            return []
+        first: dict[str, int] = {}
+        for i, (key, data) in enumerate(items):
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"store key {key!r} must be a non-empty string")
+            if memoryview(data).nbytes == 0:
+                raise ValueError(f"object {key!r} is empty; empty objects are never stored")
+            first.setdefault(key, i)
+        keys = list(first)
+        arrays = [_byte_array(items[i][1]) for i in first.values()]
+        staging, ptrs = _pack_small(arrays)
+        sizes = [a.nbytes for a in arrays]
+        spans = [(a.ctypes.data, a.nbytes) for a, p in zip(arrays, ptrs) if p == a.ctypes.data]
+        if staging is not None:
+            spans.append((staging.ctypes.data, staging.nbytes))
+        with self._lock:
+            client = self._ready()
+            temp = self._register_temp(client, spans)
+            try:
+                codes = client.batch_put_from(keys, ptrs, sizes)
+                for pause in _NO_SPACE_RETRY_S:  # eviction runs in the background; give it a moment
+                    retry = [i for i, c in enumerate(codes) if c == NO_SPACE]
+                    if not retry:
+                        break
+                    time.sleep(pause)
+                    again = client.batch_put_from([keys[i] for i in retry], [ptrs[i] for i in retry],
+                                                  [sizes[i] for i in retry])
+                    for i, c in zip(retry, again):
+                        codes[i] = c
+            finally:
+                self._unregister_temp(client, temp)
+            result = {}
+            for key, code in zip(keys, codes):
+                if code in (0, OBJECT_ALREADY_EXISTS):
+                    result[key] = True
+                elif code == NO_SPACE:
+                    self.stats.no_space += 1
+                    result[key] = False
+                else:
+                    self._check_failure("put", code)
+            self._succeeded()
+        return [result[key] for key, _ in items]
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        unique = list(dict.fromkeys(keys))
+        with self._lock:
+            client = self._ready()
+            sizes = _memory_sizes(client.batch_get_replica_desc(unique))
+            unseen = [k for k in unique if k not in sizes]
+            if unseen:  # absent, or the descriptor query failed: is_exist tells which
+                codes = client.batch_is_exist(unseen)
+                if any(c < 0 for c in codes):
+                    self._rpc_failed("get", min(codes))
+            present = [k for k in unique if k in sizes]
+            found: dict[str, bytes] = {}
+            if present:
+                lengths = [sizes[k] for k in present]
+                buf = np.empty(sum(lengths), dtype=np.uint8)
+                offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+                base = buf.ctypes.data
+                temp = self._register_temp(client, [(base, buf.nbytes)])
+                try:
+                    codes = client.batch_get_into(present, [base + int(o) for o in offsets], lengths)
+                finally:
+                    self._unregister_temp(client, temp)
+                for key, off, n, code in zip(present, offsets, lengths, codes):
+                    if code == n:
+                        found[key] = buf[off:off + n].tobytes()
+                    elif code not in (OBJECT_NOT_FOUND, INVALID_PARAMS):  # gone or replaced since the query
+                        self._check_failure("get", code)
+            self._succeeded()
+        return [found.get(k) for k in keys]
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        arrays = [_writable_array(b) for b in buffers]
+        ptrs = [arrays[i].ctypes.data for i in first.values()]
+        caps = [arrays[i].nbytes for i in first.values()]
+        with self._lock:
+            client = self._ready()
+            temp = self._register_temp(client, list(zip(ptrs, caps)))
+            try:
+                codes = client.batch_get_into(list(first), ptrs, caps)
+            finally:
+                self._unregister_temp(client, temp)
+            read = {}
+            for key, code in zip(first, codes):
+                if code >= 0:
+                    read[key] = code
+                elif code in (OBJECT_NOT_FOUND, INVALID_PARAMS):  # absent / buffer too small
+                    read[key] = -1
+                else:
+                    self._check_failure("get_into", code)
+            self._succeeded()
+        out = []
+        for i, key in enumerate(keys):
+            n = read[key]
+            if i != first[key] and n >= 0:  # a repeated key: copy from its first destination
+                if arrays[i].nbytes < n:
+                    n = -1
+                else:
+                    arrays[i][:n] = arrays[first[key]][:n]
+            out.append(n)
+        return out
+
+    def remove(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        with self._lock:
+            client = self._ready()
+            codes = client.batch_remove(list(dict.fromkeys(keys)), True)
+            for code in codes:
+                if code not in (0, OBJECT_NOT_FOUND):
+                    self._check_failure("remove", code)
+            self._succeeded()
+
+    def register_memory(self, buffer: Buffer) -> None:
+        """Register a long-lived writable buffer (e.g. a host KV pool) once.
+
+        Reads and writes through views inside it then skip the per-call
+        registration (which matters on RDMA, where registering pins memory).
+        """
+        array = _writable_array(buffer)
+        with self._lock:
+            client = self._ready()
+            code = client.register_buffer(array.ctypes.data, array.nbytes)
+            if code != 0:
+                raise MooncakeError(f"register_buffer of {array.nbytes} bytes failed with code {code}")
+            self._regions.append((array.ctypes.data, array.ctypes.data + array.nbytes, array))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client, self._healthy = self._client, None, False
+            if client is None:
+                return
+            if not master_reachable(self.master, timeout_s=0.5):
+                self._abandon(client)
+                return
+            for start, _, _ in self._regions:
+                client.unregister_buffer(start)
+            self._regions.clear()
+            if not self._run_with_deadline(client.close, "close"):
+                self._abandon(client)
+
+    # ------------------------------------------------------------------ connection state
+
+    def _connect(self) -> None:
+        """Create and set up a new client; raises StoreUnavailable."""
+        if not master_reachable(self.master, timeout_s=min(1.0, self.timeout_s)):
+            self._mark_down(f"Mooncake master {self.master} is not accepting connections")
+        os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(self.setup_retries)
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
+        client = self._cls()
+        code: list[int] = []
+        setup = lambda: code.append(client.setup(  # noqa: E731
+            self.local_hostname, "P2PHANDSHAKE", self.segment_bytes, self.local_buffer_bytes, "tcp", "", self.master))
+        if not self._run_with_deadline(setup, "setup"):
+            self._abandon(client)
+            self._mark_down(f"Mooncake setup against {self.master} did not finish within {self.timeout_s:g} s")
+        if code[0] != 0:
+            self._abandon(client)
+            self._mark_down(f"Mooncake setup against {self.master} failed with code {code[0]}")
+        for start, end, _ in self._regions:
+            client.register_buffer(start, end - start)
+        self._client, self._healthy, self._failures = client, True, 0
+
+    def _ready(self):
+        """The client to call now, or StoreUnavailable (fast while the master is known down)."""
+        if self._closed:
+            raise RuntimeError("MooncakeStore used after close()")
+        if self._healthy:
+            return self._client
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise StoreUnavailable(f"{self._down_reason} (next retry in {self._retry_at - now:.1f} s)")
+        self._retry_at = now + self.retry_interval_s
+        if not master_reachable(self.master, timeout_s=0.5):
+            self._mark_down(f"Mooncake master {self.master} is not accepting connections")
+        if self._client is None or self._failures >= 2:
+            if self._client is not None:
+                self._abandon(self._client)
+                self._client = None
+            self._connect()
+            self.stats.reconnects += 1
+            log.info("mooncake: new client for master %s", self.master)
+        self._healthy = True
+        return self._client
+
+    def _succeeded(self) -> None:
+        self._failures = 0
+
+    def _check_failure(self, op: str, code: int) -> None:
+        """Raise for a per-key failure code of ``op``."""
+        if code in _TRANSFER_CODES:
+            self.stats.transfer_failures += 1
+            raise StoreUnavailable(f"Mooncake {op}: transfer failed with code {code} "
+                                   "(the process holding the object is gone?)")
+        if code == RPC_FAIL or code <= -1000:
+            self._rpc_failed(op, code)
+        raise MooncakeError(f"Mooncake {op} answered unexpected code {code}")
+
+    def _rpc_failed(self, op: str, code: int) -> None:
+        self.stats.rpc_failures += 1
+        self._failures += 1
+        self._mark_down(f"Mooncake {op} against master {self.master} failed with code {code}")
+
+    def _mark_down(self, reason: str) -> None:
+        self._healthy = False
+        self._down_reason = reason
+        self._retry_at = time.monotonic() + self.retry_interval_s
+        raise StoreUnavailable(reason)
+
+    def _abandon(self, client) -> None:
+        """Keep ``client`` alive until the process exits.
+
+        Its destructor unmounts segments through the master and blocks for
+        10-20 s when the master is gone, also at interpreter exit; an extra
+        reference taken at the C level keeps it from ever running.
+        """
+        _ABANDONED.append(client)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+        self.stats.abandoned_clients += 1
+
+    def _run_with_deadline(self, fn: Callable[[], object], what: str) -> bool:
+        """Run ``fn`` in a daemon thread; False if it is still running after ``timeout_s``."""
+        worker = threading.Thread(target=fn, name=f"mooncake-{what}", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        return not worker.is_alive()
+
+    def _register_temp(self, client, spans: list[tuple[int, int]]) -> list[int]:
+        """Register the spans not inside a long-lived region; returns their start addresses."""
+        temp = []
+        for ptr, size in dict.fromkeys(spans):
+            if size and ptr not in temp and not any(s <= ptr and ptr + size <= e for s, e, _ in self._regions):
+                if client.register_buffer(ptr, size) == 0:
+                    temp.append(ptr)
+        return temp
+
+    @staticmethod
+    def _unregister_temp(client, temp: list[int]) -> None:
+        for ptr in temp:
+            client.unregister_buffer(ptr)
+
+
+def _byte_array(data: Buffer) -> np.ndarray:
+    """A flat uint8 array over ``data`` (no copy when it is contiguous)."""
+    view = memoryview(data)
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    return np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
+
+
+def _writable_array(buffer: Buffer) -> np.ndarray:
+    view = memoryview(buffer)
+    if view.readonly or not view.c_contiguous:
+        raise ValueError("get_into and register_memory need writable, contiguous buffers")
+    return _byte_array(view)
+
+
+def _pack_small(arrays: list[np.ndarray]) -> tuple[np.ndarray | None, list[int]]:
+    """Copy the small arrays into one staging buffer; the address of every item's bytes."""
+    small = [i for i, a in enumerate(arrays) if a.nbytes < _SMALL_ITEM_BYTES]
+    ptrs = [a.ctypes.data for a in arrays]
+    if len(small) < 2:
+        return None, ptrs
+    staging = np.empty(sum(arrays[i].nbytes for i in small), dtype=np.uint8)
+    offset = 0
+    for i in small:
+        n = arrays[i].nbytes
+        staging[offset:offset + n] = arrays[i]
+        ptrs[i] = staging.ctypes.data + offset
+        offset += n
+    return staging, ptrs
+
+
+def _memory_sizes(descriptors: dict) -> dict[str, int]:
+    """Object sizes from ``batch_get_replica_desc`` (first complete memory replica per key)."""
+    sizes = {}
+    for key, replicas in descriptors.items():
+        for replica in replicas:
+            if replica.is_memory_replica():
+                sizes[key] = int(replica.get_memory_descriptor().buffer_descriptor.size)
+                break
+    return sizes

@@ -1,0 +1,117 @@
+"""S8, S9, S10, S13 (SCENARIOS.md) over the memory and disk backends; Mooncake in test_mooncake_tiers.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hkv_helpers import assert_exact, run_one, tokens
+from tier_helpers import instance
+
+from hybridkv.store.base import MemoryStore
+from hybridkv.store.disk import DiskStore
+
+
+@pytest.fixture(params=["memory", "disk"])
+def store(request, tmp_path):
+    if request.param == "memory":
+        yield MemoryStore()
+    else:
+        s = DiskStore(tmp_path / "store")
+        yield s
+        s.close()
+
+
+def test_s8_remote_full_hit(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    P = tokens(30, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(31, 300, v)]))
+    b, tier_b = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(32, 200, v)]))
+    assert r.reused == 1024 and tier_b.stats.hit_tokens == 1024
+    assert tier_b.stats.bytes_loaded > 0
+    assert_exact(tiny_model, r)
+
+
+def test_s9_remote_partial_group_backfill(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    P = tokens(33, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail")
+    run_one(a, np.concatenate([P, tokens(34, 1024, v)]))           # KV 1024, 2048 and C(P_2048) uploaded
+    b, tier_b = instance(tiny_model, store)
+    prompt_b = np.concatenate([P, tokens(35, 500, v)])
+    rm = tier_b.lookup(b.cache.hash_prompt(prompt_b), 1472)
+    assert (rm.kv_length, rm.checkpoint_boundaries, rm.missing_branching_boundary) == (1024, (), 1024)
+    rb = run_one(b, prompt_b)
+    assert rb.reused == 0 and rb.capture[1024] == "branch"           # computes once to 1024 and uploads
+    c, tier_c = instance(tiny_model, store)
+    rc = run_one(c, np.concatenate([P, tokens(36, 300, v)]))
+    assert rc.reused == 1024 and tier_c.stats.hit_tokens == 1024
+    assert_exact(tiny_model, rb)
+    assert_exact(tiny_model, rc)
+
+
+@pytest.mark.parametrize("fault,reason", [("drop_conv", "evicted"), ("flip_recurrent", "checksum"),
+                                          ("drop_manifest", "absent")])
+def test_s10_object_integrity(tiny_model, store, fault, reason):
+    v = tiny_model.config.vocab_size
+    P = tokens(37, 1024, v)
+    a, tier_a = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(38, 300, v)]))
+    hashes = a.cache.hash_prompt(P)
+    key = lambda comp: tier_a._key(hashes, 1024, "kda", comp)  # noqa: E731
+    if fault == "drop_conv":
+        store.remove([key("conv.k")])
+    elif fault == "drop_manifest":
+        store.remove([key("manifest")])
+    else:
+        blob = bytearray(store.get([key("recurrent")])[0])
+        blob[100] ^= 0x01
+        store.remove([key("recurrent")])
+        store.put([(key("recurrent"), bytes(blob))])
+    b, tier_b = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(39, 200, v)]))
+    assert r.reused == 0 and tier_b.stats.hit_tokens == 0            # never installed
+    assert tier_b.stats.misses[reason] >= 1
+    assert all(n.checkpoint is None for n in b.cache.index.walk(hashes)) or r.capture.get(1024) == "branch"
+    assert_exact(tiny_model, r)
+
+
+def test_s13_store_down_and_back(tiny_model):
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(40, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(41, 100, v)]))
+    store.available = False
+    b, tier_b = instance(tiny_model, store)
+    tier_b.retry_seconds = 0.0
+    r1 = run_one(b, np.concatenate([P, tokens(42, 100, v)]))         # served as a miss
+    assert r1.reused == 0 and tier_b.stats.misses["unreachable"] >= 1
+    assert_exact(tiny_model, r1)
+    store.available = True
+    c, tier_c = instance(tiny_model, store)
+    r2 = run_one(c, np.concatenate([P, tokens(43, 100, v)]))         # used again after restart
+    assert r2.reused == 1024 and tier_c.stats.hit_tokens == 1024
+    assert_exact(tiny_model, r2)
+
+
+def test_store_alignment_validation():
+    from hybridkv.cache.config import CacheConfig, ConfigError
+    with pytest.raises(ConfigError, match="store_alignment=1536 must be a positive multiple of block_size=1024"):
+        CacheConfig(block_size=1024, store_alignment=1536)
+    assert CacheConfig(block_size=1024).store_boundary == 1024
+
+
+def test_s7_only_aligned_boundaries_become_remote(tiny_model):
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(44, 6976, v)
+    a, tier = instance(tiny_model, store, policy="tail+interval=4096", block_size=4096, alignment=4096, pages=8)
+    run_one(a, P, max_output_tokens=1)
+    hashes = a.cache.hash_prompt(P)
+    local = [n.end for n in a.cache.index.walk(hashes) if n.checkpoint is not None]
+    assert local == [4096, 6976]
+    assert tier.has(hashes, [4096], "kda") == [True]
+    keys_6976 = tier._key(hashes, 6976, "kda")
+    assert store.exists([keys_6976]) == [False]

@@ -1,0 +1,20 @@
+"""Engines sharing one object store, for the tier scenarios."""
+
+from __future__ import annotations
+
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.engine.backend import TorchBackend
+from hybridkv.engine.engine import Engine
+from hybridkv.store.connector import tier_for
+
+
+def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, alignment=1024, pages=32, slots=8):
+    """A fresh engine (empty device cache) whose only lower tier is ``store``."""
+    cfg = CacheConfig(block_size=block_size, prefix_match_unit=unit, max_num_batched_tokens=8192,
+                      num_kv_pages=pages, num_checkpoint_slots=slots, policy=CheckpointPolicy.parse(policy),
+                      store_alignment=alignment)
+    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny", weight_digest=model.weight_digest()).digest()
+    tier = tier_for(store, backend, ns, unit, cfg.store_boundary)
+    return Engine(cfg, backend, ns, tiers=[tier]), tier
