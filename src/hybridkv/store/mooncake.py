@@ -72,11 +72,16 @@ WRITE_FAIL = -500
 RPC_FAIL = -900
 _TRANSFER_CODES = (TRANSFER_FAIL, WRITE_FAIL, LEASE_EXPIRED)
 
+#: File-name stem of the LD_PRELOAD library that keeps Mooncake's listeners on loopback
+#: (built by :func:`hybridkv.store.service.loopback_shim`).
+LOOPBACK_SHIM_NAME = "hybridkv_loopback_bind"
+
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller non-zero segments
 _SMALL_ITEM_BYTES = 64 << 10  # put items below this are packed into one staging buffer
 _NO_SPACE_RETRY_S = (0.02, 0.05, 0.1)
 
 _ABANDONED: list[object] = []  # clients whose master died; never destroyed (see _abandon)
+_warned_wildcard = False
 
 
 class MooncakeNotInstalled(ImportError):
@@ -363,6 +368,7 @@ class MooncakeStore(ObjectStore):
         """Create and set up a new client; raises StoreUnavailable."""
         if not master_reachable(self.master, timeout_s=min(1.0, self.timeout_s)):
             self._mark_down(f"Mooncake master {self.master} is not accepting connections")
+        _warn_wildcard_listeners()
         os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(self.setup_retries)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
         client = self._cls()
@@ -456,6 +462,17 @@ class MooncakeStore(ObjectStore):
     def _unregister_temp(client, temp: list[int]) -> None:
         for ptr in temp:
             client.unregister_buffer(ptr)
+
+
+def _warn_wildcard_listeners() -> None:
+    """Say once per process when Mooncake's listeners are not confined to loopback."""
+    global _warned_wildcard
+    if _warned_wildcard or LOOPBACK_SHIM_NAME in os.environ.get("LD_PRELOAD", ""):
+        return
+    _warned_wildcard = True
+    log.warning("mooncake: this process's transfer engine listens on all interfaces (0.0.0.0 and [::]) whatever "
+                "MC_TCP_BIND_ADDRESS says; start it with hybridkv.store.service.loopback_env() to confine it "
+                "to loopback")
 
 
 def _byte_array(data: Buffer) -> np.ndarray:

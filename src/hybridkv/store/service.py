@@ -1,0 +1,502 @@
+"""A loopback Mooncake Store for one machine: ``hybridkv store start|stop|status``.
+
+Two processes, both bound to 127.0.0.1 and stopped by PID:
+
+* ``mooncake_master`` (metadata, leases, eviction);
+* a storage process (``python -m hybridkv.store.service hold``) that mounts
+  the memory segment holding the object bytes, so objects outlive the engines
+  that wrote them (engine clients mount no memory).
+
+Their PIDs, ports and sizes are kept in ``<workdir>/store.json``; logs go to
+``<workdir>/master.log`` and ``storage.log``. Killing the master forgets every
+object; :func:`restart_master` does that on purpose for fault tests, and the
+storage process remounts its (now empty) segment on the new master.
+
+Mooncake's transfer engine listens on all interfaces whatever
+``MC_TCP_BIND_ADDRESS`` says (0.3.13.post1: the handshake port binds 0.0.0.0,
+the data port [::]). The storage process is therefore started with a tiny
+``LD_PRELOAD`` library (built here with the system C compiler) that rewrites
+wildcard binds to loopback; :func:`loopback_env` gives that environment to any
+other process that loads Mooncake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hybridkv.store.base import StoreUnavailable
+from hybridkv.store.mooncake import INSTALL_HINT, LOOPBACK_SHIM_NAME, MooncakeNotInstalled, MooncakeStore
+from hybridkv.store.mooncake import master_reachable
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+STATE_FILE = "store.json"
+DEFAULT_SEGMENT_MB = 1024
+
+
+class StoreServiceError(RuntimeError):
+    """The store service could not be started or stopped; the message says why (and where the log is)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHandle:
+    """A running loopback store, as recorded in ``<workdir>/store.json``."""
+
+    workdir: str
+    port: int
+    metrics_port: int
+    segment_bytes: int
+    master_pid: int
+    storage_pid: int
+
+    @property
+    def master(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The store URL engines take (``--store``)."""
+        return f"mooncake://{self.master}"
+
+
+def default_workdir() -> Path:
+    """``$XDG_CACHE_HOME/hybridkv/store`` (``~/.cache/hybridkv/store``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "hybridkv" / "store"
+
+
+# ---------------------------------------------------------------------- start / stop
+
+
+def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int = DEFAULT_SEGMENT_MB << 20,
+                workdir: str | os.PathLike | None = None, timeout_s: float = 30.0) -> StoreHandle:
+    """Start master and storage process on 127.0.0.1; return once a probe put/get succeeds.
+
+    Raises:
+        StoreServiceError: a store is already recorded as running in ``workdir``,
+            a port is taken, or a process failed to come up (the message quotes
+            its log).
+        MooncakeNotInstalled: the mooncake package is missing.
+    """
+    work = Path(workdir) if workdir is not None else default_workdir()
+    work.mkdir(parents=True, exist_ok=True)
+    old = read_state(work)
+    if old is not None and (_alive(old.master_pid) or _alive(old.storage_pid)):
+        raise StoreServiceError(f"a store is already running from {work} (master pid {old.master_pid}, "
+                                f"storage pid {old.storage_pid}); stop it first")
+    for p in (port, metrics_port):
+        _check_port_free(p)
+    master = _spawn_master(work, port, metrics_port)
+    storage = None
+    try:
+        _wait_for(lambda: master_reachable(f"{LOOPBACK}:{port}", 0.2), master, work / "master.log", timeout_s,
+                  "mooncake_master")
+        storage = _spawn_storage(work, port, segment_bytes)
+        ready = work / "storage.ready"
+        _wait_for(ready.exists, storage, work / "storage.log", timeout_s, "storage process")
+        handle = StoreHandle(str(work), port, metrics_port, segment_bytes, master.pid, storage.pid)
+        probe(handle.master)
+    except BaseException:
+        for proc in (storage, master):
+            if proc is not None:
+                _terminate(proc.pid, timeout_s=5.0)
+        raise
+    _write_state(work, handle)
+    log.info("store running at %s (master pid %d, storage pid %d)", handle.url, master.pid, storage.pid)
+    return handle
+
+
+def stop_store(workdir: str | os.PathLike | None = None, timeout_s: float = 10.0) -> bool:
+    """Stop the storage process, then the master (SIGTERM, SIGKILL after ``timeout_s``).
+
+    Returns False if no store was recorded in ``workdir``.
+    """
+    work = Path(workdir) if workdir is not None else default_workdir()
+    handle = read_state(work)
+    if handle is None:
+        return False
+    _terminate(handle.storage_pid, timeout_s, expect="hybridkv.store.service")
+    _terminate(handle.master_pid, timeout_s, expect="mooncake_master")
+    (work / STATE_FILE).unlink(missing_ok=True)
+    (work / "storage.ready").unlink(missing_ok=True)
+    return True
+
+
+def kill_master(workdir: str | os.PathLike) -> StoreHandle:
+    """SIGKILL the master (a crash: every object is forgotten); the storage process keeps running."""
+    handle = _require_state(Path(workdir))
+    if _alive(handle.master_pid):
+        _terminate(handle.master_pid, timeout_s=0.0, expect="mooncake_master")
+    return handle
+
+
+def restart_master(workdir: str | os.PathLike, timeout_s: float = 30.0) -> StoreHandle:
+    """Kill the master if it is running and start a new one on the same ports.
+
+    The storage process remounts its segment on the new master by itself
+    (within about a second); objects stored before are gone.
+    """
+    work = Path(workdir)
+    handle = kill_master(work)
+    deadline = time.monotonic() + timeout_s
+    while True:  # the old master's ports may linger briefly
+        try:
+            _check_port_free(handle.port)
+            _check_port_free(handle.metrics_port)
+            break
+        except StoreServiceError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    master = _spawn_master(work, handle.port, handle.metrics_port)
+    _wait_for(lambda: master_reachable(handle.master, 0.2), master, work / "master.log", timeout_s, "mooncake_master")
+    handle = StoreHandle(str(work), handle.port, handle.metrics_port, handle.segment_bytes, master.pid,
+                         handle.storage_pid)
+    _write_state(work, handle)
+    return handle
+
+
+def probe(master: str, timeout_s: float = 10.0) -> None:
+    """Put, read back and remove one object through a fresh client; StoreUnavailable if that fails.
+
+    Retries until ``timeout_s`` (a freshly mounted segment takes a moment to be usable).
+    """
+    key = f"hybridkv/probe/{os.getpid()}/{time.monotonic_ns()}"
+    payload = key.encode() * 4
+    deadline = time.monotonic() + timeout_s
+    with MooncakeStore(master, retry_interval_s=0.0) as store:
+        while True:
+            try:
+                if store.put([(key, payload)]) == [True] and store.get([key]) == [payload]:
+                    store.remove([key])
+                    return
+                reason = "probe object was refused or not read back"
+            except StoreUnavailable as exc:
+                reason = str(exc)
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"store at {master} failed its probe: {reason}")
+            time.sleep(0.2)
+
+
+def status(workdir: str | os.PathLike | None = None) -> dict:
+    """What is recorded in ``workdir`` and whether it is alive (no Mooncake client is created)."""
+    work = Path(workdir) if workdir is not None else default_workdir()
+    handle = read_state(work)
+    if handle is None:
+        return {"running": False, "workdir": str(work)}
+    info = asdict(handle) | {
+        "url": handle.url,
+        "master_alive": _alive(handle.master_pid),
+        "storage_alive": _alive(handle.storage_pid),
+        "master_reachable": master_reachable(handle.master, 0.5),
+    }
+    info["running"] = info["master_alive"] and info["storage_alive"] and info["master_reachable"]
+    try:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{handle.metrics_port}/metrics/summary", timeout=1.0) as r:
+            text = r.read(8192).decode(errors="replace")
+        info["summary"] = [part.strip().split("{")[-1] for part in text.split("|")
+                           if any(word in part for word in ("Mem Storage", "Keys:", "Clients:"))]
+    except OSError:
+        info["summary"] = None
+    return info
+
+
+def read_state(work: Path) -> StoreHandle | None:
+    """The handle recorded in ``work``, or None."""
+    try:
+        return StoreHandle(**json.loads((Path(work) / STATE_FILE).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------- loopback shim
+
+_SHIM_SOURCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <string.h>
+#include <sys/socket.h>
+/* Rewrite wildcard binds (0.0.0.0, ::) to loopback (127.0.0.1, ::ffff:127.0.0.1). */
+typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
+int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+    static bind_fn next_bind;
+    if (!next_bind) next_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
+    if (addr && addr->sa_family == AF_INET && len >= sizeof(struct sockaddr_in)) {
+        struct sockaddr_in a4 = *(const struct sockaddr_in *)addr;
+        if (a4.sin_addr.s_addr == htonl(INADDR_ANY)) a4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        return next_bind(fd, (const struct sockaddr *)&a4, sizeof a4);
+    }
+    if (addr && addr->sa_family == AF_INET6 && len >= sizeof(struct sockaddr_in6)) {
+        struct sockaddr_in6 a6 = *(const struct sockaddr_in6 *)addr;
+        if (IN6_IS_ADDR_UNSPECIFIED(&a6.sin6_addr)) {
+            static const unsigned char mapped[16] = {0,0,0,0, 0,0,0,0, 0,0,0xff,0xff, 127,0,0,1};
+            memcpy(&a6.sin6_addr, mapped, sizeof mapped);
+        }
+        return next_bind(fd, (const struct sockaddr *)&a6, sizeof a6);
+    }
+    return next_bind(fd, addr, len);
+}
+"""
+
+_shim_lock = threading.Lock()
+
+
+def loopback_shim(cache_dir: str | os.PathLike | None = None) -> str | None:
+    """Path of the bind-to-loopback ``LD_PRELOAD`` library, built on first use; None without a C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: Mooncake processes will listen on all interfaces, not only loopback")
+        return None
+    digest = hashlib.sha256(_SHIM_SOURCE.encode()).hexdigest()[:12]
+    out = Path(cache_dir) if cache_dir is not None else default_workdir().parent
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / f"{LOOPBACK_SHIM_NAME}-{digest}.so"
+    with _shim_lock:
+        if not lib.exists():
+            src = out / f"{LOOPBACK_SHIM_NAME}-{digest}.c"
+            src.write_text(_SHIM_SOURCE)
+            tmp = out / f".{lib.name}.{os.getpid()}"
+            done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src), "-ldl"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                log.warning("building %s failed: %s", lib, done.stderr.strip()[-500:])
+                return None
+            os.replace(tmp, lib)
+    return str(lib)
+
+
+def loopback_env(base: dict | None = None, cache_dir: str | os.PathLike | None = None) -> dict:
+    """Environment for a process that loads Mooncake: loopback bind address, fast setup failure, shim preloaded."""
+    env = dict(os.environ if base is None else base)
+    env["MC_TCP_BIND_ADDRESS"] = LOOPBACK
+    env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    shim = loopback_shim(cache_dir)
+    if shim is not None and shim not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(x for x in (shim, env.get("LD_PRELOAD", "")) if x)
+    return env
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def master_binary() -> str:
+    """The ``mooncake_master`` executable shipped inside the mooncake package."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise MooncakeNotInstalled(INSTALL_HINT)
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / "mooncake_master"
+        if path.is_file():
+            return str(path)
+    raise MooncakeNotInstalled(f"{INSTALL_HINT} [no mooncake_master binary in the mooncake package]")
+
+
+def _spawn_master(work: Path, port: int, metrics_port: int) -> subprocess.Popen:
+    cmd = [master_binary(), f"--rpc_address={LOOPBACK}", f"--rpc_port={port}", f"--metrics_host={LOOPBACK}",
+           f"--metrics_port={metrics_port}", "--enable_http_metadata_server=false"]
+    with open(work / "master.log", "ab") as out:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=work,
+                                env=loopback_env(cache_dir=work), start_new_session=True)
+
+
+def _spawn_storage(work: Path, port: int, segment_bytes: int) -> subprocess.Popen:
+    ready = work / "storage.ready"
+    ready.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "hybridkv.store.service", "hold", "--master", f"{LOOPBACK}:{port}",
+           "--segment-bytes", str(segment_bytes), "--ready-file", str(ready)]
+    with open(work / "storage.log", "ab") as out:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=work,
+                                env=loopback_env(cache_dir=work), start_new_session=True)
+
+
+def _wait_for(ready, proc: subprocess.Popen, logfile: Path, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None:
+            raise StoreServiceError(f"{what} exited with status {proc.returncode}; log {logfile}:\n{_tail(logfile)}")
+        if time.monotonic() > deadline:
+            raise StoreServiceError(f"{what} not ready after {timeout_s:g} s; log {logfile}:\n{_tail(logfile)}")
+        time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError as exc:
+            raise StoreServiceError(f"port {port} on {LOOPBACK} is not free ({exc.strerror})") from None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone and is reaped if it is our child)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    if state == "Z":
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        return False
+    return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _terminate(pid: int, timeout_s: float, expect: str | None = None) -> None:
+    """SIGTERM ``pid`` (SIGKILL at once when ``timeout_s`` is 0), SIGKILL after ``timeout_s``; wait until gone.
+
+    With ``expect``, a PID whose command line lacks that text is left alone
+    (the recorded process is gone and the PID was reused).
+    """
+    if not _alive(pid) or (expect is not None and expect not in _cmdline(pid)):
+        return
+    os.kill(pid, signal.SIGTERM if timeout_s > 0 else signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.02)
+
+
+def _write_state(work: Path, handle: StoreHandle) -> None:
+    tmp = work / f".{STATE_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(asdict(handle), indent=1))
+    os.replace(tmp, work / STATE_FILE)
+
+
+def _require_state(work: Path) -> StoreHandle:
+    handle = read_state(work)
+    if handle is None:
+        raise StoreServiceError(f"no store recorded in {work}")
+    return handle
+
+
+# ---------------------------------------------------------------------- storage process
+
+
+def hold(master: str, segment_bytes: int, ready_file: str | None) -> int:
+    """Mount ``segment_bytes`` on ``master`` and keep it until SIGTERM/SIGINT (the storage process)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    store = MooncakeStore(master, segment_bytes=segment_bytes, timeout_s=10.0)
+    print(f"storage process {os.getpid()}: {segment_bytes} bytes mounted on {master}", flush=True)
+    if ready_file:
+        Path(ready_file).write_text(str(os.getpid()))
+    while not stop.wait(1.0):
+        pass
+    store.close()  # unmounts cleanly while the master is up; never blocks on a dead one
+    print(f"storage process {os.getpid()}: stopped", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def register_cli(subparsers) -> None:
+    """Add ``store start|stop|status`` to the ``hybridkv`` command's subparsers."""
+    store = subparsers.add_parser("store", help="run a loopback Mooncake Store (master + storage process)",
+                                  description="Start, stop or inspect a Mooncake Store bound to 127.0.0.1.")
+    sub = store.add_subparsers(dest="store_command", required=True)
+    for name, fn, text in (("start", cmd_start, "start master and storage process"),
+                           ("stop", cmd_stop, "stop them by PID"),
+                           ("status", cmd_status, "show PIDs, ports and liveness")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--port", type=int, default=50051, help="master RPC port (default 50051)")
+        p.add_argument("--metrics-port", type=int, default=9003, help="master metrics port (default 9003)")
+        p.add_argument("--segment-mb", type=int, default=DEFAULT_SEGMENT_MB,
+                       help=f"memory of the storage process in MiB (default {DEFAULT_SEGMENT_MB}; at least 16)")
+        p.add_argument("--workdir", default=None, help=f"state and logs (default {default_workdir()})")
+        p.set_defaults(store_func=fn)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """``hybridkv store start``: exit 0 and print the store URL, or 2 with one ``error:`` line."""
+    if args.segment_mb < 16:
+        print(f"error: --segment-mb {args.segment_mb}: Mooncake needs at least 16", file=sys.stderr)
+        return 2
+    try:
+        handle = start_store(args.port, args.metrics_port, args.segment_mb << 20, args.workdir)
+    except (StoreServiceError, StoreUnavailable, MooncakeNotInstalled) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"store running: {handle.url}  (master pid {handle.master_pid}, storage pid {handle.storage_pid}, "
+          f"{args.segment_mb} MiB, workdir {handle.workdir})")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """``hybridkv store stop``: exit 0 (also when nothing was running)."""
+    work = args.workdir if args.workdir is not None else default_workdir()
+    print("store stopped" if stop_store(work) else f"no store recorded in {work}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``hybridkv store status``: exit 0 when running, 1 otherwise."""
+    info = status(args.workdir)
+    if not info["running"] and "port" not in info:
+        print(f"not running (nothing recorded in {info['workdir']})")
+        return 1
+    state = "running" if info["running"] else "NOT running"
+    print(f"{state}: {info['url']}  master pid {info['master_pid']} alive={info['master_alive']} "
+          f"reachable={info['master_reachable']}, storage pid {info['storage_pid']} alive={info['storage_alive']}, "
+          f"segment {info['segment_bytes'] >> 20} MiB, workdir {info['workdir']}")
+    if info["summary"]:
+        print("  " + " | ".join(s.strip() for s in info["summary"]))
+    return 0 if info["running"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hybridkv.store.service``: ``hold`` (the storage process) or the ``store`` subcommands."""
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.store.service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("hold", help="be the storage process (used by start_store)")
+    h.add_argument("--master", required=True)
+    h.add_argument("--segment-bytes", type=int, required=True)
+    h.add_argument("--ready-file", default=None)
+    register_cli(sub)
+    args = parser.parse_args(argv)
+    if args.command == "hold":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return hold(args.master, args.segment_bytes, args.ready_file)
+    return args.store_func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
