@@ -45,8 +45,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | Non
     w = weight.to(x.dtype)
     acc = xx[0:T] * w[:, 0]
     for i in range(1, kernel):
-        acc = acc + xx[i:i + T] * w[:, i]
-    y = F.silu(acc)
+        acc.addcmul_(xx[i:i + T], w[:, i])
+    y = F.silu(acc, inplace=True)
     windows = {}
     for b in boundaries:
         b = int(b)

@@ -132,13 +132,12 @@ def _intra_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor):
     Akk = q.new_zeros(N, C, C)
     for s0 in range(0, C, _SUB):
         s1 = min(s0 + _SUB, C)
-        n = s1 - s0
         Gi = G[:, s0:s1]
-        incl = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        diff = (Gi[:, :, None, :] - Gi[:, None, :, :]).masked_fill(~incl[:, :, None], float("-inf"))
-        kj_decay = k[:, None, s0:s1, :] * diff.exp()  # [N, i, j, K]
-        Aqk[:, s0:s1, s0:s1] = (q[:, s0:s1, None, :] * kj_decay).sum(-1)
-        Akk[:, s0:s1, s0:s1] = (k[:, s0:s1, None, :] * kj_decay).sum(-1).tril(-1)
+        # exp(G_i - G_j) for j <= i; entries j > i are clamped to finite junk and dropped
+        decay = (Gi[:, :, None, :] - Gi[:, None, :, :]).clamp_(max=0.0).exp_()
+        kj_decay = decay.mul_(k[:, None, s0:s1, :])  # [N, i, j, K]
+        Aqk[:, s0:s1, s0:s1] = torch.matmul(kj_decay, q[:, s0:s1, :, None])[..., 0].tril_()
+        Akk[:, s0:s1, s0:s1] = torch.matmul(kj_decay, k[:, s0:s1, :, None])[..., 0].tril_(-1)
         if s0:
             Gr = G[:, s0 - 1:s0]
             row = torch.exp(Gi - Gr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.model.config import HybridConfig
@@ -88,18 +87,16 @@ class MLAttention(nn.Module):
         key = torch.cat([k_nope, k_rot], dim=-1).transpose(0, 1)  # [heads, end, d]
         v = v.transpose(0, 1)
         qh = q.transpose(0, 1)  # [heads, n, d]
-        if n == 1:
-            o = F.scaled_dot_product_attention(qh, key, v, scale=self.scaling)
-            return o.transpose(0, 1)
         # Query blocks aligned to absolute multiples of _Q_ALIGN, each over keys
-        # [0, block end): a block computes the same call whether or not the
+        # [0, block end): a block does the same arithmetic whether or not the
         # sequence was split at an aligned position before it.
-        outs = []
-        kpos = torch.arange(end, device=q.device)
         cuts = sorted({start, start + n} | set(range(-(-start // _Q_ALIGN) * _Q_ALIGN, start + n, _Q_ALIGN)))
+        tri = torch.full((_Q_ALIGN, _Q_ALIGN), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
+        outs = []
         for a, b in zip(cuts[:-1], cuts[1:]):
-            qpos = torch.arange(a, b, device=q.device)
-            mask = kpos[None, :b] <= qpos[:, None]
-            outs.append(F.scaled_dot_product_attention(qh[:, a - start:b - start], key[:, :b], v[:, :b],
-                                                       attn_mask=mask, scale=self.scaling))
+            scores = torch.matmul(qh[:, a - start:b - start], key[:, :b].transpose(1, 2)).float()
+            scores.mul_(self.scaling)
+            scores[:, :, a:b] += tri[:b - a, :b - a]
+            probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            outs.append(torch.matmul(probs, v[:, :b]))
         return torch.cat(outs, dim=1).transpose(0, 1)
