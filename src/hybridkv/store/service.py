@@ -102,14 +102,14 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
                                 f"storage pid {old.storage_pid}); stop it first")
     for p in (port, metrics_port):
         _check_port_free(p)
-    master = _spawn_master(work, port, metrics_port)
+    master = spawn_master(work, port, metrics_port)
     storage = None
     try:
-        _wait_for(lambda: master_reachable(f"{LOOPBACK}:{port}", 0.2), master, work / "master.log", timeout_s,
+        wait_for(lambda: master_reachable(f"{LOOPBACK}:{port}", 0.2), master, work / "master.log", timeout_s,
                   "mooncake_master")
         storage = _spawn_storage(work, port, segment_bytes)
         ready = work / "storage.ready"
-        _wait_for(ready.exists, storage, work / "storage.log", timeout_s, "storage process")
+        wait_for(ready.exists, storage, work / "storage.log", timeout_s, "storage process")
         handle = StoreHandle(str(work), port, metrics_port, segment_bytes, master.pid, storage.pid)
         probe(handle.master)
     except BaseException:
@@ -164,8 +164,8 @@ def restart_master(workdir: str | os.PathLike, timeout_s: float = 30.0) -> Store
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-    master = _spawn_master(work, handle.port, handle.metrics_port)
-    _wait_for(lambda: master_reachable(handle.master, 0.2), master, work / "master.log", timeout_s, "mooncake_master")
+    master = spawn_master(work, handle.port, handle.metrics_port)
+    wait_for(lambda: master_reachable(handle.master, 0.2), master, work / "master.log", timeout_s, "mooncake_master")
     handle = StoreHandle(str(work), handle.port, handle.metrics_port, handle.segment_bytes, master.pid,
                          handle.storage_pid)
     _write_state(work, handle)
@@ -308,7 +308,8 @@ def master_binary() -> str:
     raise MooncakeNotInstalled(f"{INSTALL_HINT} [no mooncake_master binary in the mooncake package]")
 
 
-def _spawn_master(work: Path, port: int, metrics_port: int) -> subprocess.Popen:
+def spawn_master(work: Path, port: int, metrics_port: int) -> subprocess.Popen:
+    """Start a bare ``mooncake_master`` on 127.0.0.1 (log: ``work/master.log``); the caller stops it by PID."""
     cmd = [master_binary(), f"--rpc_address={LOOPBACK}", f"--rpc_port={port}", f"--metrics_host={LOOPBACK}",
            f"--metrics_port={metrics_port}", "--enable_http_metadata_server=false"]
     with open(work / "master.log", "ab") as out:
@@ -326,7 +327,8 @@ def _spawn_storage(work: Path, port: int, segment_bytes: int) -> subprocess.Pope
                                 env=loopback_env(cache_dir=work), start_new_session=True)
 
 
-def _wait_for(ready, proc: subprocess.Popen, logfile: Path, timeout_s: float, what: str) -> None:
+def wait_for(ready, proc: subprocess.Popen, logfile: Path, timeout_s: float, what: str) -> None:
+    """Poll ``ready()`` until true; StoreServiceError (quoting the log) if ``proc`` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         if proc.poll() is not None:

@@ -1,0 +1,293 @@
+"""MooncakeStore and the loopback store service against a real mooncake_master (DESIGN §5, §11).
+
+Every master here binds 127.0.0.1 on free ports; every process is stopped by
+PID. Skipped only when the mooncake package cannot be imported.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from hybridkv.store.base import StoreUnavailable, open_store
+from hybridkv.store.mooncake import MooncakeNotInstalled, MooncakeStore, load_client_class
+
+try:
+    load_client_class()
+except MooncakeNotInstalled as exc:
+    pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
+
+from hybridkv.store import service  # noqa: E402  (needs mooncake)
+
+MiB = 1 << 20
+FAST_S = 6.0  # "a few seconds": Mooncake's own RPC timeout against a dead master is ~4.5 s
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start(tmp_path_factory, segment_mb: int) -> service.StoreHandle:
+    port, metrics_port = free_ports(2)
+    work = tmp_path_factory.mktemp("mooncake")
+    return service.start_store(port, metrics_port, segment_mb * MiB, work)
+
+
+@pytest.fixture(scope="module")
+def store_service(tmp_path_factory):
+    handle = start(tmp_path_factory, segment_mb=64)
+    yield handle
+    service.stop_store(handle.workdir)
+
+
+@pytest.fixture(scope="module")
+def store(store_service):
+    with MooncakeStore(store_service.master) as s:
+        yield s
+
+
+@pytest.fixture
+def ns():
+    """A key prefix of its own for each test."""
+    return f"t/{uuid.uuid4().hex[:8]}/"
+
+
+def payload(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+# ------------------------------------------------------------------ contract
+
+
+def test_put_get_exists_remove_roundtrip(store, ns):
+    a, b = payload(1000, 1), payload(200_000, 2)
+    assert store.put([(ns + "a", a), (ns + "b", bytearray(b))]) == [True, True]
+    assert store.exists([ns + "a", ns + "b", ns + "missing"]) == [True, True, False]
+    assert store.get([ns + "b", ns + "a"]) == [b, a]
+    store.remove([ns + "a", ns + "missing"])
+    assert store.exists([ns + "a", ns + "b"]) == [False, True]
+    assert store.get([ns + "a"]) == [None]
+
+
+def test_put_never_overwrites(store, ns):
+    first, second = payload(4096, 3), payload(4096, 4)
+    assert store.put([(ns + "k", first)]) == [True]
+    assert store.put([(ns + "k", second)]) == [True]
+    assert store.put([(ns + "j", first), (ns + "j", second)]) == [True, True]  # first wins inside a batch too
+    assert store.get([ns + "k", ns + "j"]) == [first, first]
+
+
+def test_missing_key_is_none_and_minus_one(store, ns):
+    assert store.get([ns + "nope"]) == [None]
+    assert store.get_into([ns + "nope"], [memoryview(bytearray(16))]) == [-1]
+    assert store.exists([]) == [] and store.get([]) == [] and store.put([]) == []
+
+
+def test_duplicate_key_in_one_batch_fills_every_destination(store, ns):
+    data = payload(3 * MiB, 5)
+    store.put([(ns + "dup", data)])
+    assert store.get([ns + "dup", ns + "x", ns + "dup"]) == [data, None, data]
+    bufs = [np.zeros(4 * MiB, np.uint8) for _ in range(3)]
+    small = np.zeros(16, np.uint8)
+    got = store.get_into([ns + "dup", ns + "dup", ns + "dup", ns + "dup"],
+                         [memoryview(bufs[0]), memoryview(bufs[1]), memoryview(small), memoryview(bufs[2])])
+    assert got == [len(data), len(data), -1, len(data)]
+    for buf in bufs:
+        assert buf[: len(data)].tobytes() == data
+
+
+def test_get_into_reads_into_caller_memory(store, ns):
+    src = np.random.default_rng(6).integers(0, 256, (8, MiB), dtype=np.uint8)
+    items = [(ns + f"row{i}", memoryview(src[i])) for i in range(8)]  # zero-copy put from caller memory
+    assert store.put(items) == [True] * 8
+    dst = np.zeros((8, MiB), np.uint8)
+    assert store.get_into([k for k, _ in items], [memoryview(dst[i]) for i in range(8)]) == [MiB] * 8
+    assert np.array_equal(src, dst)
+    too_small = np.zeros(MiB - 1, np.uint8)
+    assert store.get_into([ns + "row0"], [memoryview(too_small)]) == [-1]
+
+
+def test_non_contiguous_and_registered_buffers(store, ns):
+    grid = np.arange(64 * 64, dtype=np.uint8).reshape(64, 64)
+    column = memoryview(grid[:, 3])  # strided: copied before the put
+    assert store.put([(ns + "col", column)]) == [True]
+    assert store.get([ns + "col"]) == [grid[:, 3].tobytes()]
+    pool = np.zeros(2 * MiB, np.uint8)
+    store.register_memory(memoryview(pool))
+    assert store.get_into([ns + "col"], [memoryview(pool[MiB:])]) == [64]
+    assert pool[MiB:MiB + 64].tobytes() == grid[:, 3].tobytes()
+    with pytest.raises(ValueError):
+        store.get_into([ns + "col"], [memoryview(b"read-only")])
+
+
+def test_empty_object_is_a_bug(store, ns):
+    with pytest.raises(ValueError, match="empty"):
+        store.put([(ns + "empty", b"")])
+
+
+def test_open_store_url_converts_query_strings(store_service):
+    with open_store(f"{store_service.url}?timeout_s=3&retry_interval_s=0.5&setup_retries=1") as s:
+        assert isinstance(s, MooncakeStore)
+        assert (s.timeout_s, s.retry_interval_s, s.setup_retries) == (3.0, 0.5, 1)
+        assert s.exists(["t/none"]) == [False]
+
+
+# ------------------------------------------------------------------ processes
+
+CLIENT = r"""
+import sys, time
+from hybridkv.store.mooncake import MooncakeStore
+master, key, fill, go_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+store = MooncakeStore(master)
+data = bytes([fill]) * (2 << 20)
+while time.time() < go_at:
+    pass
+print(store.put([(key, data)])[0], flush=True)
+store.close()
+"""
+
+
+def run_clients(master: str, key: str, fills: list[int], delay_s: float) -> list[str]:
+    go_at = time.time() + delay_s
+    env = service.loopback_env()
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, master, key, str(f), str(go_at)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for f in fills]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        outs.append(out.strip())
+    return outs
+
+
+def test_two_processes_put_the_same_key_at_once(store_service, store, ns):
+    key = ns + "race"
+    assert run_clients(store_service.master, key, [0x11, 0x22], delay_s=2.5) == ["True", "True"]
+    got = store.get([key])[0]
+    assert got in (bytes([0x11]) * (2 << 20), bytes([0x22]) * (2 << 20))
+
+
+def test_objects_outlive_the_client_that_wrote_them(store_service, store, ns):
+    run_clients(store_service.master, ns + "left", [0x33], delay_s=0.0)
+    assert store.get([ns + "left"]) == [bytes([0x33]) * (2 << 20)]
+
+
+def _listen_addresses(pid: int) -> list[str]:
+    """Hex local addresses of the TCP sockets ``pid`` listens on (from /proc/net)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+def _is_loopback(hex_addr: str) -> bool:
+    if len(hex_addr) == 8:  # IPv4, little-endian
+        return hex_addr.endswith("7F")
+    return hex_addr == "00000000000000000000000001000000" or (
+        hex_addr.startswith("0000000000000000FFFF0000") and hex_addr.endswith("7F"))
+
+
+def test_master_and_storage_process_listen_on_loopback_only(store_service):
+    if service.loopback_shim() is None:
+        pytest.skip("no C compiler to build the loopback LD_PRELOAD library")
+    for pid in (store_service.master_pid, store_service.storage_pid):
+        addrs = _listen_addresses(pid)
+        assert addrs and all(_is_loopback(a) for a in addrs), (pid, addrs)
+
+
+# ------------------------------------------------------------------ faults
+
+
+def test_master_absent_at_setup_fails_fast():
+    (port,) = free_ports(1)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="not accepting"):
+        MooncakeStore(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_master_killed_then_restarted(tmp_path_factory):
+    handle = start(tmp_path_factory, segment_mb=32)
+    try:
+        store = MooncakeStore(handle.master, retry_interval_s=0.5)
+        assert store.put([("before", b"x" * 1000)]) == [True]
+        service.kill_master(handle.workdir)
+        buf = memoryview(bytearray(1000))
+        calls = [lambda: store.exists(["before"]), lambda: store.get(["before"]),
+                 lambda: store.put([("during", b"y" * 1000)]), lambda: store.get_into(["before"], [buf]),
+                 lambda: store.remove(["before"])]
+        for call in calls:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                call()
+            assert time.monotonic() - t0 < FAST_S
+        service.restart_master(handle.workdir)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if store.put([("after", b"z" * 1000)]) == [True]:
+                    break
+            except StoreUnavailable:
+                pass
+            assert time.monotonic() < deadline, "store did not recover after the master restart"
+            time.sleep(0.25)
+        assert store.get(["after", "before"]) == [b"z" * 1000, None]  # the dead master forgot "before"
+        assert store.stats.rpc_failures >= 1
+        store.close()
+    finally:
+        service.stop_store(handle.workdir)
+
+
+def test_silent_eviction_in_a_full_segment(tmp_path_factory):
+    handle = start(tmp_path_factory, segment_mb=16)
+    try:
+        with MooncakeStore(handle.master) as store:
+            keys = [f"ev/{i}" for i in range(40)]
+            stored = [store.put([(k, bytes([i]) * MiB)])[0] for i, k in enumerate(keys)]
+            assert sum(stored) > 16  # more than fits: room was made by evicting
+            present = store.exists(keys)
+            assert not all(present[:8])  # the oldest are gone, without any error
+            assert present[-1] and store.get([keys[-1]]) == [bytes([39]) * MiB]
+            gone = [k for k, p in zip(keys, present) if not p]
+            assert store.get(gone) == [None] * len(gone)
+    finally:
+        service.stop_store(handle.workdir)
+
+
+def test_cli_start_status_stop(tmp_path, capsys):
+    port, metrics_port = free_ports(2)
+    argv = ["--port", str(port), "--metrics-port", str(metrics_port), "--segment-mb", "16", "--workdir", str(tmp_path)]
+    try:
+        assert service.main(["store", "start", *argv]) == 0
+        assert f"mooncake://127.0.0.1:{port}" in capsys.readouterr().out
+        assert service.main(["store", "start", *argv]) == 2  # already running
+        assert "already running" in capsys.readouterr().err
+        assert service.main(["store", "status", *argv]) == 0
+        assert "running" in capsys.readouterr().out
+    finally:
+        assert service.main(["store", "stop", *argv]) == 0
+    assert service.main(["store", "status", *argv]) == 1
+    assert service.main(["store", "start", *argv[:4], "--segment-mb", "8"]) == 2
