@@ -263,7 +263,8 @@ class HybridModel(nn.Module):
 
         ids = torch.cat([r.token_ids.reshape(-1) for r in requests]).to(dev)
         h = self.model.embed_tokens(ids)
-        kda_out: list[list[KDASeq]] = []
+        kda_out: list[list[KDASeq]] = []  # per KDA layer, per request
+        mla_index = 0
         for layer in self.model.layers:
             x = rms_norm(h, layer.input_layernorm.weight, layer.eps)
             if layer.is_kda:
@@ -274,7 +275,8 @@ class HybridModel(nn.Module):
                 h = h + layer.self_attn(x, seqs)
                 kda_out.append(seqs)
             else:
-                h = h + layer.self_attn(x, mla_seqs, kv_pool, self._mla_index(layer))
+                h = h + layer.self_attn(x, mla_seqs, kv_pool, mla_index)
+                mla_index += 1
             x = rms_norm(h, layer.post_attention_layernorm.weight, layer.eps)
             h = h + layer.block_sparse_moe(x)
 
@@ -293,11 +295,6 @@ class HybridModel(nn.Module):
             cps = {r.start + b: self._checkpoint(per_layer, b, r.start + b) for b in cap}
             results.append(ForwardResult(lg, end_state, cps))
         return results
-
-    def _mla_index(self, layer: DecoderLayer) -> int:
-        if not hasattr(self, "_mla_pos"):
-            self._mla_pos = {id(self.model.layers[i]): j for j, i in enumerate(self.config.mla_layers)}
-        return self._mla_pos[id(layer)]
 
     def _checkpoint(self, seqs: list[KDASeq], b: int | None, boundary: int) -> KDACheckpoint:
         cfg = self.config
