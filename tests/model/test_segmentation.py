@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings, strategies as st
 
 from hybridkv.model import HybridModel
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
@@ -35,7 +36,7 @@ def test_split_prefill_equals_one_shot(tiny):
     pool = tiny.new_kv_pool(-(-T // BLOCK), BLOCK)
     one = tiny.forward_paged([ForwardRequest(ids, 0, torch.arange(pool.num_pages),
                                              capture=aligned + [65, 333], all_logits=True)], pool)[0]
-    cuts = [1, 63, 64, 65, 128, 333, 512, 777, 999]
+    cuts = [1, 63, 64, 65, 72, 128, 333, 512, 777, 999]  # 1..16-token pieces attend in latent space
     logits, states = _run_split(tiny, ids, cuts)
     assert (logits - one.logits).abs().max().item() <= 1e-5
     end = states[T]
@@ -112,3 +113,17 @@ def test_batched_requests_equal_each_alone(tiny):
         assert alone.checkpoints.keys() == res.checkpoints.keys() == set(req.capture)
         for k in alone.checkpoints:
             assert (alone.checkpoints[k].recurrent - res.checkpoints[k].recurrent).abs().max() <= 1e-5
+
+
+@settings(max_examples=8, deadline=None)
+@given(cuts=st.lists(st.integers(1, 199), max_size=5), seed=st.integers(0, 1000))
+def test_random_splits_equal_one_shot(tiny, cuts, seed):
+    ids = _ids(200, seed)
+    pool = tiny.new_kv_pool(4, BLOCK)
+    one = tiny.forward_paged([ForwardRequest(ids, 0, torch.arange(4), capture=sorted(set(cuts)),
+                                             all_logits=True)], pool)[0]
+    logits, states = _run_split(tiny, ids, cuts)
+    assert (logits - one.logits).abs().max().item() <= 1e-5
+    for b in set(cuts):
+        assert (one.checkpoints[b].recurrent - states[b].recurrent).abs().max().item() <= 1e-5
+        assert (one.checkpoints[b].conv - states[b].conv).abs().max().item() <= 1e-5

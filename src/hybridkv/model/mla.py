@@ -17,6 +17,7 @@ from hybridkv.model.kv_pool import PagedKVPool
 from hybridkv.model.ops import rms_norm
 
 _Q_ALIGN = 64  # query rows per attention call (aligned to absolute positions)
+_ABSORB_MAX_ROWS = 16  # decode-sized requests attend in latent space (no per-key expansion)
 
 
 class NormWeight(nn.Module):
@@ -72,7 +73,8 @@ class MLAttention(nn.Module):
             pool.write(layer, s.new_slots, latent[s.rows])
         out = []
         for s in seqs:
-            out.append(self._attend(q[s.rows], pool.read(layer, s.all_slots).to(x.dtype), s.start))
+            attend = self._attend_absorbed if s.rows.stop - s.rows.start <= _ABSORB_MAX_ROWS else self._attend
+            out.append(attend(q[s.rows], pool.read(layer, s.all_slots).to(x.dtype), s.start))
         o = torch.cat(out, dim=0).reshape(N, self.heads * self.vdim)
         return self.o_proj(o)
 
@@ -100,3 +102,24 @@ class MLAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1).to(v.dtype)
             outs.append(torch.matmul(probs, v[:, :b]))
         return torch.cat(outs, dim=1).transpose(0, 1)
+
+    def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, start: int) -> torch.Tensor:
+        """Same result as :meth:`_attend` with ``kv_b_proj`` folded into the query and the
+        output (``q_nope W_uk · c`` and ``(p · c) W_uv``): per key it costs
+        ``heads * (2 * rank + rope)`` instead of expanding every key. Used for
+        decode-sized requests; returns ``[n, heads, v_head_dim]``."""
+        end, n = latent.shape[0], q.shape[0]
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.vdim, self.rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        c, r = latent[:, :self.rank], latent[:, self.rank:]
+        qh = q.transpose(0, 1)  # [heads, n, nope+rope]
+        q_lat = torch.matmul(qh[..., :self.nope], w_uk)  # [heads, n, rank]
+        scores = (torch.matmul(q_lat, c.t()) + torch.matmul(qh[..., self.nope:], r.t())).float()
+        scores.mul_(self.scaling)
+        if n > 1:
+            qpos = torch.arange(start, start + n, device=q.device)
+            kpos = torch.arange(end, device=q.device)
+            scores.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(c.dtype)
+        ctx = torch.matmul(probs, c)  # [heads, n, rank]
+        return torch.matmul(ctx, w_uv.transpose(1, 2)).transpose(0, 1)
