@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     r.add_argument("--block-tokens", type=_positive, default=512,
                    help="tokens per trace hash id (default 512; smaller scales the trace down)")
-    r.add_argument("--block-size", type=_positive, default=512, help="KV page size in tokens (default 512)")
+    r.add_argument("--block-size", type=_positive, default=None,
+                   help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
     r.add_argument("--prefix-match-unit", type=_positive, default=64, help="hash/lookup unit in tokens (default 64)")
     r.add_argument("--policy", default=None,
                    help="checkpoint policy, e.g. 'branch+tail=512', 'interval=2048+branch' "
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
     r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens")
+    r.add_argument("--store", default="none",
+                   help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051 "
+                        "(default none; several instances without one share a fresh disk store)")
+    r.add_argument("--store-alignment", type=_positive, default=None,
+                   help="tokens; only these boundaries become store entries (default: --block-size)")
+    r.add_argument("--instances", type=_positive, default=1,
+                   help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     return p
@@ -87,7 +95,8 @@ def _replay(args, console: Console) -> int:
         mechanism=args.mechanism, max_output_tokens=args.max_output_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
-        simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress)
+        simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
+        instances=args.instances, store=args.store, store_alignment=args.store_alignment)
     try:
         report = run_replay(opts, console)
     except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:

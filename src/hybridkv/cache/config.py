@@ -30,10 +30,11 @@ class CheckpointPolicy:
         interval: create one every ``interval`` tokens inside prefills
             (``None``: off).
         hint: create ones at caller-supplied boundaries (request hints).
-        min_gain: a tail or interval checkpoint is created only if it lies at
-            least this many tokens past the nearest checkpoint behind it (the
-            request's hit or the previous planned one): a checkpoint that can
-            save fewer tokens than this does not pay for its bytes. 0 = off.
+        min_gain: an interval checkpoint is created only if it lies at least
+            this many tokens from its neighbours (the request's hit, the
+            previous planned checkpoint, a following tail / branch / hint
+            checkpoint): closer, it saves too few tokens to pay for its bytes.
+            0 = off.
     """
 
     branch: bool = True

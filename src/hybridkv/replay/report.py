@@ -34,7 +34,7 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-OPTIONAL_KEYS = ("mode", "config", "skipped_lines")
+OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 
@@ -85,6 +85,10 @@ class ReplayReport:
     verify: the exactness check, or ``None`` (null) in simulate mode.
     wall_seconds: wall-clock time of the replay, seconds.
     prefill_tokens_per_second: ``computed_prompt_tokens / wall_seconds``, tokens/s.
+    tiers: per tier (``device``, ``host``, ``store``): ``hit_tokens`` (reused tokens
+        served from that tier), ``bytes_loaded``, ``bytes_saved`` (bytes).
+    store_misses: store lookups / loads that found nothing usable, by reason
+        (absent, evicted, checksum, incomplete, unreachable).
     mode, config, skipped_lines: optional; run mode (e.g. "simulate"), the run's
         configuration, malformed trace lines skipped.
     """
@@ -105,6 +109,8 @@ class ReplayReport:
     verify: VerifyReport | None
     wall_seconds: float
     prefill_tokens_per_second: float | None
+    tiers: dict[str, dict[str, int]] | None = None
+    store_misses: dict[str, int] | None = None
     mode: str | None = None
     config: dict[str, Any] | None = None
     skipped_lines: int | None = None
@@ -200,6 +206,13 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
         table.add_row("verified requests", _tokens(r.verify.requests))
         table.add_row("max |logit diff|", f"{r.verify.max_abs_logit_diff:.3g}")
         table.add_row("greedy mismatches", _tokens(r.verify.greedy_mismatches))
+    if r.tiers and r.tiers.get("store", {}).get("bytes_saved"):
+        for name, t in r.tiers.items():
+            table.add_row(f"{name} tier hit tokens", _tokens(t["hit_tokens"]))
+        table.add_row("store bytes loaded / saved",
+                      f"{_bytes(r.tiers['store']['bytes_loaded'])} / {_bytes(r.tiers['store']['bytes_saved'])}")
+    if r.store_misses and any(r.store_misses.values()):
+        table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
     tps = r.prefill_tokens_per_second
     table.add_row("prefill throughput", "-" if tps is None else f"{tps:,.0f} tok/s")

@@ -4,29 +4,29 @@ Real mode runs the model on every scheduled token and, with ``verify``,
 re-runs sampled requests without any cache and compares logits at every
 position the cached run computed. Simulate mode drives the same index,
 matcher, policy and scheduler through :class:`SimulatedBackend` (no tensors).
+With ``instances > 1`` the requests are dealt round-robin to engine instances
+in their own processes, sharing one store.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.cache.groups import FullAttentionSpec, KDASpec
-from hybridkv.cache.namespace import CacheIdentity
-from hybridkv.engine.backend import SimulatedBackend, TorchBackend
-from hybridkv.engine.engine import Engine
-from hybridkv.engine.request import Request, Status
-from hybridkv.model.config import HybridConfig
+from hybridkv.replay.instance import InstanceResult, InstanceSpec, model_config, run_instance
 from hybridkv.replay.oracle import oracle_from_trace
 from hybridkv.replay.report import ReplayReport, VerifyReport, ratio
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
+from hybridkv.store.tier import MISS_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +37,7 @@ class ReplayOptions:
     limit: int | None = 40
     model: str = "small"
     block_tokens: int = 512
-    block_size: int = 512
+    block_size: int | None = None
     prefix_match_unit: int = 64
     policy: str | None = None
     mechanism: str = "extract"
@@ -51,6 +51,9 @@ class ReplayOptions:
     skip_bad: bool = False
     seed: int = 0
     progress: bool = True
+    instances: int = 1
+    store: str = "none"
+    store_alignment: int | None = None
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -72,22 +75,6 @@ def _default_slots(opts: ReplayOptions, prompts) -> int:
     return max(16, 4 * len(prompts))
 
 
-def _model_config(name: str) -> HybridConfig:
-    path = Path(name)
-    return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(name)
-
-
-def _load_model(name: str, seed: int):
-    from hybridkv.model.model import HybridModel
-    path = Path(name)
-    model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(name, seed=seed)
-    return model.eval()
-
-
-def _identity(model_name: str, digest: str) -> CacheIdentity:
-    return CacheIdentity(model_repo=model_name, weight_digest=digest)
-
-
 def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayReport:
     """Replay the trace and return the report.
 
@@ -101,7 +88,10 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     load = load_trace(opts.trace, limit=opts.limit, skip_bad=opts.skip_bad)
     reqs = load.requests
     policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
-    mcfg = _model_config(opts.model)
+    if opts.block_size is None:       # pages follow the trace's sharing granularity
+        g = opts.prefix_match_unit
+        opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
+    mcfg = model_config(opts.model)
     prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
     out_lens = [1 if opts.simulate else min(opts.max_output_tokens, scaled_output_length(r, opts.block_tokens))
                 for r in reqs]
@@ -111,67 +101,103 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts),
-        policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs)
-
-    if opts.simulate:
-        model = None
-        full = FullAttentionSpec(cfg.block_size, mcfg.num_mla_layers, mcfg.kv_latent_dim)
-        kda = KDASpec(mcfg.num_kda_layers, mcfg.kda_num_heads, mcfg.kda_head_dim, mcfg.conv_dim,
-                      mcfg.conv_kernel_size - 1)
-        backend = SimulatedBackend(full, kda)
-        digest = "simulated"
-    else:
-        model = _load_model(opts.model, opts.seed)
-        backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
-        digest = model.weight_digest()
-    engine = Engine(cfg, backend, _identity(opts.model, digest).digest())
-
+        policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
+        store_alignment=opts.store_alignment)
+    if opts.instances < 1:
+        raise ValueError(f"instances={opts.instances} must be >= 1")
+    store_url = opts.store
+    if opts.instances > 1 and store_url == "none":
+        store_url = f"disk://{tempfile.mkdtemp(prefix='hybridkv-store-')}"
     oracle = oracle_from_trace(reqs, opts.block_tokens, opts.block_size)
     verify_ids = _pick_verify(oracle.per_request, opts.verify) if not opts.simulate else set()
-    requests = [Request(f"r{i}", p, o, record_logits=i in verify_ids)
-                for i, (p, o) in enumerate(zip(prompts, out_lens))]
-    for r in requests:
-        engine.add_request(r)
-
-    t_run = time.perf_counter()
+    n = opts.instances
+    specs = [InstanceSpec(instance_id=k, model=opts.model, seed=opts.seed, config=cfg,
+                          prompts=prompts[k::n], indices=list(range(k, len(reqs), n)), output_lengths=out_lens[k::n],
+                          verify={i for i in verify_ids if i % n == k}, store_url=store_url, simulate=opts.simulate)
+             for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
-        task = bar.add_task("requests", total=len(requests))
-        while engine.has_work:
-            done = engine.step()
-            if done:
-                bar.advance(task, len(done))
-        bar.update(task, completed=len(requests))
-    run_seconds = time.perf_counter() - t_run
+        task = bar.add_task("requests", total=len(reqs))
+        if n == 1:
+            results = [run_instance(specs[0], lambda k: bar.advance(task, k))]
+        else:
+            results = _run_processes(specs, lambda k: bar.advance(task, k))
+        bar.update(task, completed=len(reqs))
+    return _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
 
+
+def _run_processes(specs: list[InstanceSpec], progress) -> list[InstanceResult]:
+    """One worker process per instance (spawned: no state is inherited), progress via a queue.
+
+    Requests run one at a time in trace order across instances (see :func:`run_instance`).
+    """
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        queue = manager.Queue()
+        turn = manager.Value("i", 0)
+        with ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx) as pool:
+            futures = [pool.submit(_worker, spec, queue, turn) for spec in specs]
+            while not all(f.done() for f in futures):
+                try:
+                    progress(queue.get(timeout=0.2))
+                except Exception:  # noqa: BLE001 - queue.Empty from a manager proxy
+                    pass
+            return [f.result() for f in futures]
+
+
+def _worker(spec: InstanceSpec, queue, turn) -> InstanceResult:
+    return run_instance(spec, queue.put, turn)
+
+
+def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall) -> ReplayReport:
+    stats = Counter()
+    created = Counter()
+    for r in results:
+        for k, v in r.stats.items():
+            if k == "checkpoints_created":
+                created.update(v)
+            else:
+                stats[k] += v
+    kv_tok, ck = results[0].kv_bytes_per_token, results[0].checkpoint_bytes
+    total_bytes = stats["prompt_tokens"] * kv_tok + stats["requests"] * ck
+    reused_bytes = stats["reused_tokens"] * kv_tok + stats["requests_with_hit"] * ck
+    compute = max(r.compute_seconds for r in results)
+    tiers = {name: {k: sum(r.tiers[name][k] for r in results) for k in ("hit_tokens", "bytes_loaded", "bytes_saved")}
+             for name in ("device", "host", "store")}
+    misses = Counter({reason: 0 for reason in MISS_REASONS})
+    for r in results:
+        misses.update(r.store_misses)
     verify = None
     if not opts.simulate:
-        verify = _verify(model, [r for r in requests if r.record_logits], console)
-    s = engine.stats
-    kv_tok = backend.full_spec.bytes_per_token
-    ck = backend.kda_spec.page_size_bytes
-    total_bytes = s.prompt_tokens * kv_tok + s.requests * ck
-    reused_bytes = s.reused_tokens * kv_tok + s.requests_with_hit * ck
-    compute_seconds = backend.modelled_seconds if opts.simulate else run_seconds
-    return ReplayReport(
-        requests=s.requests, prompt_tokens=s.prompt_tokens, computed_prompt_tokens=s.computed_prompt_tokens,
-        reused_tokens=s.reused_tokens, token_hit_rate=ratio(s.reused_tokens, s.prompt_tokens),
-        request_hit_rate=ratio(s.requests_with_hit, s.requests),
+        verify = VerifyReport(requests=sum(r.verify_requests for r in results),
+                              max_abs_logit_diff=max(r.max_abs_logit_diff for r in results),
+                              greedy_mismatches=sum(r.greedy_mismatches for r in results))
+    report = ReplayReport(
+        requests=stats["requests"], prompt_tokens=stats["prompt_tokens"],
+        computed_prompt_tokens=stats["computed_prompt_tokens"], reused_tokens=stats["reused_tokens"],
+        token_hit_rate=ratio(stats["reused_tokens"], stats["prompt_tokens"]),
+        request_hit_rate=ratio(stats["requests_with_hit"], stats["requests"]),
         byte_weighted_hit_rate=ratio(reused_bytes, total_bytes),
-        oracle_reused_tokens=oracle.reused_tokens, oracle_fraction=ratio(s.reused_tokens, oracle.reused_tokens),
-        checkpoints_created=dict(s.checkpoints_created), branch_recompute_tokens=s.branch_recompute_tokens,
-        checkpoint_bytes_peak=engine.cache.checkpoint_bytes_peak, kv_bytes_peak=engine.cache.kv_bytes_peak,
-        verify=verify, wall_seconds=round(time.perf_counter() - t0, 3),
-        prefill_tokens_per_second=ratio(s.computed_prompt_tokens, compute_seconds),
+        oracle_reused_tokens=oracle.reused_tokens, oracle_fraction=ratio(stats["reused_tokens"], oracle.reused_tokens),
+        checkpoints_created={name: created.get(name, 0) for name in policy.names()},
+        branch_recompute_tokens=stats["branch_recompute_tokens"],
+        checkpoint_bytes_peak=sum(r.checkpoint_bytes_peak for r in results),
+        kv_bytes_peak=sum(r.kv_bytes_peak for r in results),
+        verify=verify, wall_seconds=round(wall, 3),
+        prefill_tokens_per_second=ratio(stats["computed_prompt_tokens"], compute),
         mode="simulate" if opts.simulate else "model",
         config={"model": opts.model, "block_tokens": opts.block_tokens, "block_size": cfg.block_size,
                 "prefix_match_unit": cfg.prefix_match_unit, "policy": str(policy), "mechanism": cfg.mechanism,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
-                "max_output_tokens": opts.max_output_tokens, "rejected": s.rejected,
-                "evicted_pages": engine.cache.evicted_pages,
-                "evicted_checkpoints": engine.cache.evicted_checkpoints},
+                "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
+                "store_alignment": cfg.store_boundary, "rejected": stats["rejected"],
+                "evicted_pages": sum(r.evicted_pages for r in results),
+                "evicted_checkpoints": sum(r.evicted_checkpoints for r in results)},
         skipped_lines=load.skipped)
+    report.tiers = tiers
+    report.store_misses = dict(misses)
+    return report
 
 
 def _pick_verify(oracle_per_request, n: int) -> set[int]:
@@ -182,20 +208,3 @@ def _pick_verify(oracle_per_request, n: int) -> set[int]:
     pool = sharing if len(sharing) >= n else list(range(len(oracle_per_request)))
     picks = np.linspace(0, len(pool) - 1, num=min(n, len(pool))).round().astype(int)
     return {pool[i] for i in picks}
-
-
-@torch.no_grad()
-def _verify(model, requests: list[Request], console: Console) -> VerifyReport:
-    """Re-run each request's tokens with no cache; compare every computed position."""
-    max_diff, mismatches = 0.0, 0
-    for r in requests:
-        if r.status != Status.FINISHED:
-            continue
-        ids = np.concatenate([r.prompt, np.asarray(r.output[:-1], dtype=np.int64)])
-        full = model(torch.from_numpy(ids)[None])[0]
-        for pos, row in r.logits.items():
-            max_diff = max(max_diff, float((row - full[pos]).abs().max()))
-        t = r.prompt_len
-        greedy = full[t - 1:].argmax(-1).tolist()
-        mismatches += greedy != r.output
-    return VerifyReport(requests=len(requests), max_abs_logit_diff=max_diff, greedy_mismatches=mismatches)

@@ -1,0 +1,179 @@
+"""One engine instance of a replay: builds backend, engine and tiers, runs its requests.
+
+The same function runs in-process (one instance) and in worker processes
+(several instances sharing a store); everything it takes and returns pickles.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cache.groups import FullAttentionSpec, KDASpec
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.engine.backend import SimulatedBackend, TorchBackend
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Request, Status
+from hybridkv.model.config import HybridConfig
+
+log = logging.getLogger("hybridkv.replay")
+
+
+@dataclass(slots=True)
+class InstanceSpec:
+    """Work of one instance.
+
+    Attributes:
+        instance_id: 0-based.
+        model: preset name or model directory.  seed: weight / token seed.
+        config: validated cache config.
+        prompts: ``int64[T]`` prompt ids, in trace order.
+        indices: trace indices of those prompts.
+        output_lengths: tokens to generate per prompt.
+        verify: trace indices whose logits are recorded and checked.
+        store_url: ``none`` or a store URL shared by all instances.
+        simulate: cost model instead of the model.
+    """
+
+    instance_id: int
+    model: str
+    seed: int
+    config: CacheConfig
+    prompts: list
+    indices: list[int]
+    output_lengths: list[int]
+    verify: set[int] = field(default_factory=set)
+    store_url: str = "none"
+    simulate: bool = False
+
+
+@dataclass(slots=True)
+class InstanceResult:
+    """Counters of one instance (picklable; merged by the runner)."""
+
+    stats: dict
+    kv_bytes_peak: int
+    checkpoint_bytes_peak: int
+    kv_bytes_per_token: int
+    checkpoint_bytes: int
+    evicted_pages: int
+    evicted_checkpoints: int
+    compute_seconds: float
+    tiers: dict = field(default_factory=dict)
+    store_misses: Counter = field(default_factory=Counter)
+    verify_requests: int = 0
+    max_abs_logit_diff: float = 0.0
+    greedy_mismatches: int = 0
+
+
+def model_config(name: str) -> HybridConfig:
+    """Config of a preset name or a model directory."""
+    path = Path(name)
+    return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(name)
+
+
+def load_model(name: str, seed: int):
+    """A preset (random weights from ``seed``) or a model directory, in eval mode."""
+    from hybridkv.model.model import HybridModel
+    path = Path(name)
+    model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(name, seed=seed)
+    return model.eval()
+
+
+def _open_tier(spec: InstanceSpec, backend, namespace: bytes):
+    from hybridkv.store.base import StoreUnavailable, open_store
+    from hybridkv.store.connector import tier_for
+    try:
+        store = open_store(spec.store_url)
+    except StoreUnavailable as exc:
+        log.warning("store %s unreachable at startup; running without it: %s", spec.store_url, exc)
+        return None
+    if store is None:
+        return None
+    return tier_for(store, backend, namespace, spec.config.prefix_match_unit, spec.config.store_boundary)
+
+
+def run_instance(spec: InstanceSpec, progress=None, turn=None) -> InstanceResult:
+    """Run every request of ``spec`` through one engine; ``progress(n)`` after requests finish.
+
+    With ``turn`` (a shared integer holding the next trace index to run), the
+    instance runs its requests one at a time in global trace order: request
+    ``i`` starts once ``turn == i`` and sets ``turn = i + 1`` when it finishes,
+    so instances see each other's store entries exactly as a single ordered
+    replay would. Without it, requests run concurrently up to ``max_num_seqs``.
+    """
+    cfg = spec.config
+    if spec.simulate:
+        mcfg = model_config(spec.model)
+        full = FullAttentionSpec(cfg.block_size, mcfg.num_mla_layers, mcfg.kv_latent_dim)
+        kda = KDASpec(mcfg.num_kda_layers, mcfg.kda_num_heads, mcfg.kda_head_dim, mcfg.conv_dim,
+                      mcfg.conv_kernel_size - 1)
+        model, backend, digest = None, SimulatedBackend(full, kda), "simulated"
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        model = load_model(spec.model, spec.seed)
+        backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+        digest = model.weight_digest()
+    namespace = CacheIdentity(model_repo=spec.model, weight_digest=digest).digest()
+    tier = None if spec.simulate else _open_tier(spec, backend, namespace)
+    engine = Engine(cfg, backend, namespace, tiers=[tier] if tier is not None else ())
+    requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
+                for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
+    t0 = time.perf_counter()
+    if turn is None:
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            done = engine.step()
+            if done and progress is not None:
+                progress(len(done))
+    else:
+        for i, r in zip(spec.indices, requests):
+            while turn.value != i:
+                time.sleep(0.002)
+            engine.add_request(r)
+            engine.run_until_done()
+            turn.value = i + 1
+            if progress is not None:
+                progress(1)
+    seconds = time.perf_counter() - t0
+    s = engine.stats
+    res = InstanceResult(
+        stats={k: getattr(s, k) for k in s.__slots__}, kv_bytes_peak=engine.cache.kv_bytes_peak,
+        checkpoint_bytes_peak=engine.cache.checkpoint_bytes_peak,
+        kv_bytes_per_token=backend.full_spec.bytes_per_token, checkpoint_bytes=backend.kda_spec.page_size_bytes,
+        evicted_pages=engine.cache.evicted_pages, evicted_checkpoints=engine.cache.evicted_checkpoints,
+        compute_seconds=backend.modelled_seconds if spec.simulate else seconds)
+    store_hits = tier.stats.hit_tokens if tier is not None else 0
+    res.tiers = {"device": {"hit_tokens": s.reused_tokens - store_hits, "bytes_loaded": 0, "bytes_saved": 0},
+                 "host": {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0},
+                 "store": tier.stats.as_dict() if tier is not None else
+                 {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}}
+    if tier is not None:
+        res.store_misses = Counter(tier.stats.misses)
+        tier.store.close()
+    if model is not None:
+        _verify(model, [r for r in requests if r.record_logits], res)
+    return res
+
+
+@torch.no_grad()
+def _verify(model, requests: list[Request], res: InstanceResult) -> None:
+    """Re-run each request's tokens with no cache; compare every computed position."""
+    for r in requests:
+        if r.status != Status.FINISHED:
+            continue
+        ids = np.concatenate([r.prompt, np.asarray(r.output[:-1], dtype=np.int64)])
+        full = model(torch.from_numpy(ids)[None])[0]
+        for pos, row in r.logits.items():
+            res.max_abs_logit_diff = max(res.max_abs_logit_diff, float((row - full[pos]).abs().max()))
+        greedy = full[r.prompt_len - 1:].argmax(-1).tolist()
+        res.greedy_mismatches += greedy != r.output
+        res.verify_requests += 1
