@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--limit", type=_positive, default=None, help="first N requests (default 40; --simulate: all)")
     r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
     r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
-    r.add_argument("--block-tokens", type=_positive, default=512,
-                   help="tokens per trace hash id (default 512; smaller scales the trace down)")
+    r.add_argument("--block-tokens", type=_positive, default=None,
+                   help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
+                        "smaller scales the trace down keeping its sharing (model runs default to 64)")
     r.add_argument("--block-size", type=_positive, default=None,
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
     r.add_argument("--prefix-match-unit", type=_positive, default=64, help="hash/lookup unit in tokens (default 64)")

@@ -36,7 +36,7 @@ class ReplayOptions:
     trace: str | None = None
     limit: int | None = 40
     model: str = "small"
-    block_tokens: int = 512
+    block_tokens: int | None = None
     block_size: int | None = None
     prefix_match_unit: int = 64
     policy: str | None = None
@@ -87,10 +87,12 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     t0 = time.perf_counter()
     load = load_trace(opts.trace, limit=opts.limit, skip_bad=opts.skip_bad)
     reqs = load.requests
-    policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
+    if opts.block_tokens is None:     # real lengths when simulating; scaled 1/8 for CPU model runs
+        opts = replace(opts, block_tokens=512 if opts.simulate else 64)
     if opts.block_size is None:       # pages follow the trace's sharing granularity
         g = opts.prefix_match_unit
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
+    policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
     prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
     out_lens = [1 if opts.simulate else min(opts.max_output_tokens, scaled_output_length(r, opts.block_tokens))

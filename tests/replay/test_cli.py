@@ -1,0 +1,65 @@
+"""``hybridkv replay`` end to end: the main job's report, errors and instances."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hybridkv.cli import main
+from hybridkv.replay.report import REPORT_KEYS
+
+
+def _replay(tmp_path, *args):
+    out = tmp_path / "report.json"
+    rc = main(["replay", "--no-progress", "--json", str(out), *args])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_replay_limit_40_verify_5_is_exact(tmp_path):
+    rep = _replay(tmp_path, "--limit", "40", "--verify", "5")
+    assert list(rep)[: len(REPORT_KEYS)] == list(REPORT_KEYS)
+    assert rep["requests"] == 40 and rep["verify"]["requests"] == 5
+    assert rep["verify"]["max_abs_logit_diff"] <= 1e-4
+    assert rep["verify"]["greedy_mismatches"] == 0
+    assert rep["reused_tokens"] > 0
+    assert rep["reused_tokens"] + rep["computed_prompt_tokens"] == rep["prompt_tokens"]
+    assert rep["reused_tokens"] <= rep["oracle_reused_tokens"]
+
+
+def test_simulate_has_same_fields_without_verify(tmp_path):
+    rep = _replay(tmp_path, "--simulate", "--limit", "300")
+    assert list(rep)[: len(REPORT_KEYS)] == list(REPORT_KEYS)
+    assert rep["verify"] is None and rep["mode"] == "simulate"
+    assert rep["requests"] == 300 and 0 < rep["oracle_fraction"] <= 1.0
+    assert set(rep["checkpoints_created"]) == {"branch", "tail"}
+
+
+def test_two_instances_share_a_store(tmp_path):
+    store = tmp_path / "store"
+    rep = _replay(tmp_path, "--limit", "60", "--model", "tiny", "--instances", "2", "--verify", "6",
+                  "--store", f"disk://{store}")
+    assert rep["verify"]["greedy_mismatches"] == 0 and rep["verify"]["max_abs_logit_diff"] <= 1e-4
+    assert rep["tiers"]["store"]["hit_tokens"] > 0 and rep["tiers"]["store"]["bytes_saved"] > 0
+    assert set(rep["store_misses"]) == {"absent", "evicted", "checksum", "incomplete", "unreachable"}
+    # a second fleet on the same disk store (restart) starts warm
+    rep2 = _replay(tmp_path, "--limit", "20", "--model", "tiny", "--store", f"disk://{store}")
+    assert rep2["tiers"]["store"]["hit_tokens"] > 0
+
+
+def test_bad_trace_line_names_file_and_line(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+                     '{"timestamp": 1, "input_length": -4, "output_length": 5, "hash_ids": [1]}\n')
+    proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", "replay", "--trace", str(trace), "--simulate",
+                           "--no-progress"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert f"{trace}:2" in proc.stderr and "input_length" in proc.stderr
+    rep = _replay(tmp_path, "--trace", str(trace), "--simulate", "--skip-bad")
+    assert rep["requests"] == 1 and rep["skipped_lines"] == 1
+
+
+def test_bad_option_names_the_value(capsys):
+    assert main(["replay", "--simulate", "--limit", "5", "--prefix-match-unit", "48", "--no-progress"]) == 2
+    assert "prefix_match_unit=48" in capsys.readouterr().err
