@@ -6,8 +6,6 @@ PID. Skipped only when the mooncake package cannot be imported.
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,21 +28,16 @@ MiB = 1 << 20
 FAST_S = 6.0  # "a few seconds": Mooncake's own RPC timeout against a dead master is ~4.5 s
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def start(tmp_path_factory, segment_mb: int) -> service.StoreHandle:
-    port, metrics_port = free_ports(2)
+    """A store on free ports (drawn again if another process takes one first)."""
     work = tmp_path_factory.mktemp("mooncake")
-    return service.start_store(port, metrics_port, segment_mb * MiB, work)
+    for attempt in range(3):
+        port, metrics_port = service.find_free_ports(2)
+        try:
+            return service.start_store(port, metrics_port, segment_mb * MiB, work)
+        except service.StoreServiceError:
+            if attempt == 2:
+                raise
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +154,11 @@ store.close()
 """
 
 
-def run_clients(master: str, key: str, fills: list[int], delay_s: float) -> list[str]:
+def run_clients(handle: service.StoreHandle, key: str, fills: list[int], delay_s: float) -> list[str]:
+    """Run one client process per fill byte; each puts 2 MiB of it under ``key`` at the same moment."""
     go_at = time.time() + delay_s
-    env = service.loopback_env()
+    env = service.loopback_env(cache_dir=handle.workdir)
+    master = handle.master
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, master, key, str(f), str(go_at)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for f in fills]
     outs = []
@@ -176,53 +171,29 @@ def run_clients(master: str, key: str, fills: list[int], delay_s: float) -> list
 
 def test_two_processes_put_the_same_key_at_once(store_service, store, ns):
     key = ns + "race"
-    assert run_clients(store_service.master, key, [0x11, 0x22], delay_s=2.5) == ["True", "True"]
+    assert run_clients(store_service, key, [0x11, 0x22], delay_s=2.5) == ["True", "True"]
     got = store.get([key])[0]
     assert got in (bytes([0x11]) * (2 << 20), bytes([0x22]) * (2 << 20))
 
 
 def test_objects_outlive_the_client_that_wrote_them(store_service, store, ns):
-    run_clients(store_service.master, ns + "left", [0x33], delay_s=0.0)
+    run_clients(store_service, ns + "left", [0x33], delay_s=0.0)
     assert store.get([ns + "left"]) == [bytes([0x33]) * (2 << 20)]
 
 
-def _listen_addresses(pid: int) -> list[str]:
-    """Hex local addresses of the TCP sockets ``pid`` listens on (from /proc/net)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    found.append(cols[1].split(":")[0])
-    return found
-
-
-def _is_loopback(hex_addr: str) -> bool:
-    if len(hex_addr) == 8:  # IPv4, little-endian
-        return hex_addr.endswith("7F")
-    return hex_addr == "00000000000000000000000001000000" or (
-        hex_addr.startswith("0000000000000000FFFF0000") and hex_addr.endswith("7F"))
-
-
 def test_master_and_storage_process_listen_on_loopback_only(store_service):
-    if service.loopback_shim() is None:
+    if service.loopback_shim(store_service.workdir) is None:
         pytest.skip("no C compiler to build the loopback LD_PRELOAD library")
     for pid in (store_service.master_pid, store_service.storage_pid):
-        addrs = _listen_addresses(pid)
-        assert addrs and all(_is_loopback(a) for a in addrs), (pid, addrs)
+        addrs = service.listen_addresses(pid)
+        assert addrs and all(service.is_loopback(a) for a, _ in addrs), (pid, addrs)
 
 
 # ------------------------------------------------------------------ faults
 
 
 def test_master_absent_at_setup_fails_fast():
-    (port,) = free_ports(1)
+    (port,) = service.find_free_ports(1)
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable, match="not accepting"):
         MooncakeStore(f"127.0.0.1:{port}")
@@ -233,8 +204,12 @@ def test_master_killed_then_restarted(tmp_path_factory):
     handle = start(tmp_path_factory, segment_mb=32)
     try:
         store = MooncakeStore(handle.master, retry_interval_s=0.5)
+        other = MooncakeStore(handle.master)
         assert store.put([("before", b"x" * 1000)]) == [True]
         service.kill_master(handle.workdir)
+        t0 = time.monotonic()
+        other.close()  # would block 10-20 s in Mooncake; the client is set aside instead
+        assert time.monotonic() - t0 < 2.0 and other.stats.abandoned_clients == 1
         buf = memoryview(bytearray(1000))
         calls = [lambda: store.exists(["before"]), lambda: store.get(["before"]),
                  lambda: store.put([("during", b"y" * 1000)]), lambda: store.get_into(["before"], [buf]),
@@ -261,6 +236,30 @@ def test_master_killed_then_restarted(tmp_path_factory):
         service.stop_store(handle.workdir)
 
 
+class _FailingClient:
+    """Fault injection: a Mooncake client whose is_exist always answers RPC failure (-900)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def batch_is_exist(self, keys):
+        return [-900] * len(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_client_that_keeps_failing_while_master_answers_is_replaced(store_service):
+    store = MooncakeStore(store_service.master, retry_interval_s=0.0)
+    store._client = _FailingClient(store._client)
+    for _ in range(2):
+        with pytest.raises(StoreUnavailable, match="-900"):
+            store.exists(["t/k"])
+    assert store.exists(["t/k"]) == [False]  # third call: a new client
+    assert (store.stats.rpc_failures, store.stats.reconnects, store.stats.abandoned_clients) == (2, 1, 1)
+    store.close()
+
+
 def test_silent_eviction_in_a_full_segment(tmp_path_factory):
     handle = start(tmp_path_factory, segment_mb=16)
     try:
@@ -278,7 +277,7 @@ def test_silent_eviction_in_a_full_segment(tmp_path_factory):
 
 
 def test_cli_start_status_stop(tmp_path, capsys):
-    port, metrics_port = free_ports(2)
+    port, metrics_port = service.find_free_ports(2)
     argv = ["--port", str(port), "--metrics-port", str(metrics_port), "--segment-mb", "16", "--workdir", str(tmp_path)]
     try:
         assert service.main(["store", "start", *argv]) == 0

@@ -115,3 +115,29 @@ def test_s7_only_aligned_boundaries_become_remote(tiny_model):
     assert tier.has(hashes, [4096], "kda") == [True]
     keys_6976 = tier._key(hashes, 6976, "kda")
     assert store.exists([keys_6976]) == [False]
+
+
+def test_host_tier_write_back_and_load_back(tiny_model):
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.store.connector import tier_for
+
+    v = tiny_model.config.vocab_size
+    cfg = CacheConfig(block_size=256, prefix_match_unit=64, num_kv_pages=8, num_checkpoint_slots=4,
+                      policy=CheckpointPolicy.parse("branch+tail=256"))
+    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny").digest()
+    host = tier_for(MemoryStore(capacity_bytes=64 << 20), backend, ns, 64, 256, name="host", write_through=False)
+    e = Engine(cfg, backend, ns, tiers=[host])
+    P = tokens(50, 1024, v)
+    run_one(e, np.concatenate([P, tokens(51, 30, v)]))             # C(P_1024) and 4 pages
+    for i in range(3):                                              # push P's pages out of the device pool
+        run_one(e, tokens(60 + i, 1000, v), max_output_tokens=1)
+    assert e.cache.evicted_pages > 0 and host.stats.bytes_saved > 0
+    assert len(e.cache.index.walk(e.cache.hash_prompt(P))) < 16     # no longer fully on the device
+    r = run_one(e, np.concatenate([P, tokens(52, 40, v)]))
+    assert r.reused == 1024 and host.stats.hit_tokens > 0
+    assert_exact(tiny_model, r)
+    e.cache.check_invariants()

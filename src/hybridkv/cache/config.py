@@ -30,11 +30,10 @@ class CheckpointPolicy:
         interval: create one every ``interval`` tokens inside prefills
             (``None``: off).
         hint: create ones at caller-supplied boundaries (request hints).
-        min_gain: an interval checkpoint is created only if it lies at least
-            this many tokens from its neighbours (the request's hit, the
-            previous planned checkpoint, a following tail / branch / hint
-            checkpoint): closer, it saves too few tokens to pay for its bytes.
-            0 = off.
+        supersede: when a request that continued from a tail checkpoint
+            publishes its own tail further along the same path, the older tail
+            is retired: the conversation has moved on, and only a request
+            branching between the two would have used it.
     """
 
     branch: bool = True
@@ -42,20 +41,19 @@ class CheckpointPolicy:
     tail_alignment: int | None = None
     interval: int | None = None
     hint: bool = False
-    min_gain: int = 0
+    supersede: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "CheckpointPolicy":
-        """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch+gain=1024"``, ``"hint"``, ``"none"``.
+        """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch+supersede"``, ``"hint"``, ``"none"``.
 
         Terms are joined by ``+`` or ``,``. ``tail=N`` sets the tail alignment
-        in tokens; ``interval=N`` the spacing in tokens; ``gain=N`` the
-        ``min_gain`` in tokens.
+        in tokens; ``interval=N`` the spacing in tokens.
 
         Raises:
             ConfigError: unknown term or a non-positive / non-integer number.
         """
-        kw: dict = dict(branch=False, tail=False, tail_alignment=None, interval=None, hint=False, min_gain=0)
+        kw: dict = dict(branch=False, tail=False, tail_alignment=None, interval=None, hint=False, supersede=False)
         terms = [t.strip() for t in text.replace(",", "+").split("+") if t.strip()]
         if not terms:
             raise ConfigError(f"policy {text!r} is empty; use e.g. 'branch+tail'")
@@ -63,7 +61,7 @@ class CheckpointPolicy:
             name, _, value = term.partition("=")
             if name == "none" and not value:
                 continue
-            if name in ("branch", "hint") and not value:
+            if name in ("branch", "hint", "supersede") and not value:
                 kw[name] = True
             elif name == "tail":
                 kw["tail"] = True
@@ -71,12 +69,10 @@ class CheckpointPolicy:
                     kw["tail_alignment"] = _positive_int("policy tail", value)
             elif name == "interval" and value:
                 kw["interval"] = _positive_int("policy interval", value)
-            elif name == "gain" and value:
-                kw["min_gain"] = _positive_int("policy gain", value)
             else:
                 raise ConfigError(
                     f"policy term {term!r} in {text!r} is not one of branch, tail, tail=N, interval=N, "
-                    "gain=N, hint, none")
+                    "hint, supersede, none")
         return cls(**kw)
 
     def names(self) -> list[str]:
@@ -97,8 +93,8 @@ class CheckpointPolicy:
             parts.append("branch")
         if self.hint:
             parts.append("hint")
-        if self.min_gain:
-            parts.append(f"gain={self.min_gain}")
+        if self.supersede:
+            parts.append("supersede")
         return "+".join(parts) or "none"
 
 

@@ -74,6 +74,11 @@ class HybridCacheCoordinator:
         checkpoints: the checkpoint pool (tensor-backed or bookkeeping-only).
         page_bytes: bytes of one KV page (metrics).
         copy_page: KV copy hook for partial-page copy-on-write (``None`` in simulation).
+
+    Attribute ``on_evict`` (``None`` or ``callable(nodes, kv)``) is called with
+    the nodes about to lose their state, before anything is freed: ``kv=True``
+    when their pages go (checkpoints on them go too), ``kv=False`` when only a
+    checkpoint is evicted. Lower tiers use it for write-back.
     """
 
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
@@ -90,6 +95,8 @@ class HybridCacheCoordinator:
         self.checkpoints_peak = 0
         self.evicted_pages = 0
         self.evicted_checkpoints = 0
+        self.labels: dict[int, str] = {}      # slot -> policy that created it (valid while published)
+        self.on_evict = None
 
     # -- lookup ----------------------------------------------------------
     def hash_prompt(self, token_ids, namespace: bytes | None = None) -> list[bytes]:
@@ -186,6 +193,8 @@ class HybridCacheCoordinator:
             victim = self.pages.lru_evictable()
             if victim is None:
                 return None
+            if self.on_evict is not None:
+                self.on_evict(self.index.subtree_nodes(victim), True)
             self.index.evict_page(victim)
             self.evicted_pages += 1
         return [self.pages.pop_free() for _ in range(n)]
@@ -217,7 +226,7 @@ class HybridCacheCoordinator:
             parent = node
 
     def publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
-                           boundary: int) -> bool:
+                           boundary: int, label: str = "") -> bool:
         """Publish ``C(P_boundary)`` at the request's node for ``boundary``.
 
         The bytes are copied into a cache-owned slot first and only then
@@ -233,9 +242,21 @@ class HybridCacheCoordinator:
         self.publish_units(alloc, hashes, boundary)
         if len(alloc.nodes) < boundary // g:
             raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
-        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt)
+        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label)
 
-    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None) -> bool:
+    def retire_checkpoint(self, alloc: Allocation, boundary: int, label: str) -> bool:
+        """Detach the request's checkpoint at ``boundary`` if it was published under ``label``."""
+        g = self.config.prefix_match_unit
+        if boundary <= 0 or len(alloc.nodes) < boundary // g:
+            return False
+        node = alloc.nodes[boundary // g - 1]
+        slot = node.checkpoint
+        if node.parent is None or slot is None or self.labels.get(slot) != label or self.checkpoints.refcount[slot]:
+            return False
+        self.index.detach_checkpoint(node)
+        return True
+
+    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None, label: str = "") -> bool:
         if node.checkpoint is not None:
             return False
         slot = self.checkpoints.take_free()
@@ -247,6 +268,7 @@ class HybridCacheCoordinator:
             slot = self.checkpoints.take_free()
         self.checkpoints.write(slot, ckpt)
         self.index.attach_checkpoint(node, slot)
+        self.labels[slot] = label
         self._note_peaks()
         return True
 
@@ -291,6 +313,8 @@ class HybridCacheCoordinator:
         return node.checkpoint is not None or self._attach_new(node, ckpt)
 
     def _evict_checkpoint(self, slot: int) -> None:
+        if self.on_evict is not None:
+            self.on_evict([self.index.slot_node[slot]], False)
         self.index.detach_checkpoint(self.index.slot_node[slot])
         self.evicted_checkpoints += 1
 

@@ -122,6 +122,19 @@ class PrefixIndex:
         self.num_nodes -= removed
         return removed
 
+    def subtree_nodes(self, page: int) -> list[BlockNode]:
+        """Every node that :meth:`evict_page` would remove, shallowest first."""
+        out, seen = [], set()
+        stack = sorted(self.by_page.get(page, ()), key=lambda n: -n.end)
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
     def evict_page(self, page: int) -> int:
         """Remove every node pointing at ``page`` (with subtrees); returns nodes removed."""
         removed = 0

@@ -94,6 +94,10 @@ class TorchBackend:
         off = start - (start // b) * b
         return flat[:, off: off + end - start].to(torch.float32).clone()
 
+    def page_latents(self, page: int) -> torch.Tensor:
+        """A copy of one whole page: ``float32[L_mla, block_size, D]``."""
+        return self.kv_pool.latents[:, page].to(torch.float32).clone()
+
     def write_pages(self, pages: list[int], latents: torch.Tensor) -> None:
         """Fill whole ``pages`` with ``latents [L_mla, len(pages) * block_size, D]``."""
         b = self.kv_pool.block_size

@@ -33,6 +33,7 @@ class EngineStats:
     branch_recompute_tokens: int = 0
     checkpoints_created: dict[str, int] = field(default_factory=dict)
     checkpoints_skipped: int = 0
+    checkpoints_retired: int = 0
     rejected: int = 0
     cancelled: int = 0
     steps: int = 0
@@ -171,8 +172,10 @@ class Engine:
                 made = {}
                 for b in c.capture:
                     made[b] = out.end_state if b == c.end and self.config.mechanism == "split" else out.checkpoints[b]
-                    if self.cache.publish_checkpoint(r.alloc, r.match.hashes, made[b], b):
+                    if self.cache.publish_checkpoint(r.alloc, r.match.hashes, made[b], b, r.capture[b]):
                         self.stats.checkpoints_created[r.capture[b]] += 1
+                        if r.capture[b] == "tail" and self.config.policy.supersede:
+                            self.stats.checkpoints_retired += self.cache.retire_checkpoint(r.alloc, r.reused, "tail")
                     else:
                         self.stats.checkpoints_skipped += 1
                 if self.connector is not None:

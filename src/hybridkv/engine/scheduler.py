@@ -30,9 +30,7 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
     Only unit-aligned boundaries in ``(match.hit, prompt_len]`` qualify. When
     two policies claim one boundary, the first of branch, tail, interval, hint
     is credited. ``remote_branch`` is a lower tier's missing branching
-    boundary; it counts as a branch boundary. Interval boundaries closer than
-    ``policy.min_gain`` to the checkpoint behind them or to a following
-    non-interval checkpoint are dropped.
+    boundary; it counts as a branch boundary.
     """
     g, p = config.prefix_match_unit, config.policy
     lo, hi = match.hit, prompt_len
@@ -52,19 +50,6 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
     if p.interval:
         for b in range(p.interval, hi + 1, p.interval):
             claim(b, "interval")
-    if p.min_gain:
-        # an interval checkpoint within min_gain of a neighbour (the hit, another planned
-        # checkpoint, the tail) saves less than min_gain tokens over that neighbour
-        kept: list[int] = []
-        for b in sorted(plan):
-            kept.append(b)
-        for i, b in enumerate(kept):
-            if plan[b] != "interval":
-                continue
-            prev = max([lo] + [x for x in kept[:i] if x in plan])
-            nxt = min([x for x in kept[i + 1:] if plan.get(x) != "interval"] + [hi + p.min_gain])
-            if b - prev < p.min_gain or nxt - b < p.min_gain:
-                del plan[b]
     if p.hint:
         for b in hints:
             claim(b, "hint")

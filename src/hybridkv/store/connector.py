@@ -18,17 +18,17 @@ from __future__ import annotations
 from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
-from hybridkv.store.tier import EntryShapes, StoreTier
+from hybridkv.store.tier import EntryShapes, StoreTier, checkpoint_components
 
 
 def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment: int,
-             name: str = "store") -> StoreTier:
+             name: str = "store", write_through: bool = True) -> StoreTier:
     """A :class:`StoreTier` shaped for ``backend``'s model (KV segments of ``alignment`` tokens)."""
     cfg = backend.model.config
     zero = backend.model.zero_checkpoint()
     shapes = EntryShapes.for_model(cfg.num_mla_layers, alignment, cfg.kv_latent_dim, tuple(zero.recurrent.shape),
                                    tuple(zero.conv.shape), str(zero.conv.dtype).removeprefix("torch."))
-    return StoreTier(store, namespace, unit, alignment, shapes, name=name)
+    return StoreTier(store, namespace, unit, alignment, shapes, name=name, write_through=write_through)
 
 
 class TierConnector:
@@ -45,6 +45,13 @@ class TierConnector:
         self.backend = backend
         self.tiers = tiers
         self.device_hit_tokens = 0
+        self._back = [t for t in tiers if not t.write_through]
+        for t in self._back:
+            if t.alignment != cache.config.block_size:
+                raise ValueError(f"write-back tier {t.name}: alignment {t.alignment} must equal "
+                                 f"block_size={cache.config.block_size}")
+        if self._back:
+            cache.on_evict = self._write_back
 
     def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None) -> tuple[MatchResult, int | None]:
         """Improve ``match`` from lower tiers.
@@ -58,7 +65,7 @@ class TierConnector:
         cap = max(len(prompt) - 1, 0) // g * g
         missing = None
         for tier in self.tiers:
-            rm = tier.lookup(match.hashes, cap)
+            rm = tier.lookup(match.hashes, cap, match.kv_hit)
             if rm is None:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
@@ -93,6 +100,8 @@ class TierConnector:
         entry's manifest is written after its components.
         """
         for tier in self.tiers:
+            if not tier.write_through:
+                continue
             a = tier.alignment
             bounds = list(range(a, computed // a * a + 1, a))
             present = tier.has(hashes, bounds, "kv")
@@ -106,3 +115,21 @@ class TierConnector:
             for b, ok in zip(aligned, have):
                 if not ok:
                     tier.save_checkpoint(hashes, b, checkpoints[b])
+
+    def _write_back(self, nodes, kv: bool) -> None:
+        """Save evicted device state into the write-back tiers (page-aligned entries only)."""
+        g = self.cache.config.prefix_match_unit
+        for tier in self._back:
+            a = tier.alignment
+            for n in nodes:
+                if n.end % a:
+                    continue
+                parent = n
+                for _ in range(a // g):
+                    parent = parent.parent
+                parent_key = parent.key if parent is not None and parent.end else None
+                if kv:
+                    tier.save_entry(n.key, parent_key, "kv", n.end, {"latents": self.backend.page_latents(n.page)})
+                if n.checkpoint is not None:
+                    ckpt = self.cache.checkpoints.read(n.checkpoint, n.end)
+                    tier.save_entry(n.key, parent_key, "kda", n.end, checkpoint_components(ckpt))

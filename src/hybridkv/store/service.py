@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import ipaddress
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -105,8 +107,7 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
     master = spawn_master(work, port, metrics_port)
     storage = None
     try:
-        wait_for(lambda: master_reachable(f"{LOOPBACK}:{port}", 0.2), master, work / "master.log", timeout_s,
-                  "mooncake_master")
+        wait_for(lambda: _serves(master, port), master, work / "master.log", timeout_s, "mooncake_master")
         storage = _spawn_storage(work, port, segment_bytes)
         ready = work / "storage.ready"
         wait_for(ready.exists, storage, work / "storage.log", timeout_s, "storage process")
@@ -165,7 +166,7 @@ def restart_master(workdir: str | os.PathLike, timeout_s: float = 30.0) -> Store
                 raise
             time.sleep(0.1)
     master = spawn_master(work, handle.port, handle.metrics_port)
-    wait_for(lambda: master_reachable(handle.master, 0.2), master, work / "master.log", timeout_s, "mooncake_master")
+    wait_for(lambda: _serves(master, handle.port), master, work / "master.log", timeout_s, "mooncake_master")
     handle = StoreHandle(str(work), handle.port, handle.metrics_port, handle.segment_bytes, master.pid,
                          handle.storage_pid)
     _write_state(work, handle)
@@ -336,6 +337,68 @@ def wait_for(ready, proc: subprocess.Popen, logfile: Path, timeout_s: float, wha
         if time.monotonic() > deadline:
             raise StoreServiceError(f"{what} not ready after {timeout_s:g} s; log {logfile}:\n{_tail(logfile)}")
         time.sleep(0.05)
+
+
+def _serves(proc: subprocess.Popen, port: int) -> bool:
+    """Whether ``proc`` itself listens on ``port`` (another process holding the port does not count)."""
+    return proc.poll() is None and any(p == port for _, p in listen_addresses(proc.pid))
+
+
+def listen_addresses(pid: int) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket ``pid`` listens on, read from /proc."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return []
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr_hex, port_hex = cols[1].split(":")
+            raw = bytes.fromhex(addr_hex)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # 32-bit words, host order
+            found.append((socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw),
+                          int(port_hex, 16)))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1 or an IPv4-mapped loopback address."""
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def find_free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1, drawn at random below the kernel's ephemeral range.
+
+    Ports from ``bind(0)`` come from the ephemeral range, where outgoing
+    connections may take them again before the master binds them.
+    """
+    ports: list[int] = []
+    for port in random.sample(range(low, high), k=min(high - low, 50 * n)):
+        try:
+            _check_port_free(port)
+        except StoreServiceError:
+            continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise StoreServiceError(f"no {n} free ports in [{low}, {high}) on {LOOPBACK}")
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -74,6 +74,12 @@ class EntryShapes:
                         "conv.k": (conv_dtype, third), "conv.v": (conv_dtype, third)})
 
 
+def checkpoint_components(ckpt: KDACheckpoint) -> dict[str, torch.Tensor]:
+    """The ``kda`` entry components of a checkpoint: recurrent and the q | k | v conv thirds."""
+    q, k, v = ckpt.conv.chunk(3, dim=1)
+    return {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k, "conv.v": v}
+
+
 class StoreTier:
     """Entries of one namespace in one object store.
 
@@ -85,10 +91,13 @@ class StoreTier:
         shapes: this model's entry shapes.
         retry_seconds: fail-fast window after the store was unreachable.
         name: tier name in reports (``host`` or ``store``).
+        write_through: entries are saved as soon as they are computed
+            (``True``, the store) or only when the device evicts them
+            (``False``: write-back, the host tier).
     """
 
     def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
-                 retry_seconds: float = 2.0, name: str = "store") -> None:
+                 retry_seconds: float = 2.0, name: str = "store", write_through: bool = True) -> None:
         if alignment % unit:
             raise ValueError(f"store_alignment={alignment} must be a multiple of prefix_match_unit={unit}")
         self.store = store
@@ -98,6 +107,7 @@ class StoreTier:
         self.shapes = shapes
         self.retry_seconds = retry_seconds
         self.name = name
+        self.write_through = write_through
         self.stats = TierStats()
         self._down_until = 0.0
         self._warned = False
@@ -125,25 +135,29 @@ class StoreTier:
         return entry_key(self.namespace, self._hash(hashes, boundary), group, component)
 
     # -- lookup ------------------------------------------------------------
-    def lookup(self, hashes: list[bytes], cap: int) -> RemoteMatch | None:
-        """Remote per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``.
+    def lookup(self, hashes: list[bytes], cap: int, local_kv: int = 0) -> RemoteMatch | None:
+        """Per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``.
 
+        ``local_kv`` tokens of KV are already on the device; KV contiguity is
+        counted from there, so only the missing segments must be in this tier.
         ``None`` when the store is unreachable (counted as an ``unreachable`` miss).
         """
         a = self.alignment
         bounds = list(range(a, min(cap, len(hashes) * self.unit) + 1, a))
         if not bounds:
             return RemoteMatch(0, (), 0, None)
-        keys = [self._key(hashes, b, "kv") for b in bounds] + [self._key(hashes, b, "kda") for b in bounds]
+        kv_bounds = [b for b in bounds if b > local_kv // a * a]
+        keys = [self._key(hashes, b, "kv") for b in kv_bounds] + [self._key(hashes, b, "kda") for b in bounds]
         found = self._call(self.store.exists, keys)
         if found is None:
             return None
-        kv_len = 0
-        for b, ok in zip(bounds, found[: len(bounds)]):
+        kv_len = local_kv // a * a
+        for b, ok in zip(kv_bounds, found[: len(kv_bounds)]):
             if not ok:
                 break
             kv_len = b
-        ckpts = tuple(b for b, ok in zip(bounds, found[len(bounds):]) if ok and b <= kv_len)
+        found = found[len(kv_bounds):]
+        ckpts = tuple(b for b, ok in zip(bounds, found) if ok and b <= kv_len)
         best = ckpts[-1] if ckpts else 0
         return RemoteMatch(kv_len, ckpts, best, kv_len if kv_len > best else None)
 
@@ -188,7 +202,12 @@ class StoreTier:
     # -- saves -------------------------------------------------------------
     def _save(self, hashes, boundary, group, tensors) -> bool:
         parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
-        comps, manifest = encode_entry(self.namespace, self._hash(hashes, boundary), parent, group, boundary,
+        return self.save_entry(self._hash(hashes, boundary), parent, group, boundary, tensors)
+
+    def save_entry(self, chain_hash: bytes, parent_hash: bytes | None, group: str, boundary: int,
+                   tensors: dict[str, torch.Tensor]) -> bool:
+        """Commit one entry: components first, then its manifest (nothing visible if a put fails)."""
+        comps, manifest = encode_entry(self.namespace, chain_hash, parent_hash, group, boundary,
                                        self.alignment, tensors)
         ok = self._call(self.store.put, comps)
         if ok is None or not all(ok):
@@ -213,9 +232,7 @@ class StoreTier:
     def save_checkpoint(self, hashes: list[bytes], boundary: int, ckpt: KDACheckpoint) -> bool:
         """Commit the ``kda`` entry ``C(P_boundary)``: recurrent and the three conv parts."""
         self._check_aligned(boundary)
-        q, k, v = ckpt.conv.chunk(3, dim=1)
-        return self._save(hashes, boundary, "kda", {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k,
-                                                    "conv.v": v})
+        return self._save(hashes, boundary, "kda", checkpoint_components(ckpt))
 
     def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
         """Remove an entry: the manifest first, then its components."""
