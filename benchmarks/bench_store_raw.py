@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,17 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv.store import service
-from hybridkv.store.mooncake import LOOPBACK_SHIM_NAME, MooncakeStore, load_client_class, master_reachable
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from hybridkv.store.mooncake import LOOPBACK_SHIM_NAME, MooncakeStore, load_client_class
 
 
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
@@ -74,11 +63,11 @@ def _raw_round(client, src: np.ndarray, dst: np.ndarray, prefix: str, times: dic
 
 def bench_local_segment(work: str, objects: int, object_bytes: int, repeats: int) -> tuple[float, float]:
     """(put, get) GB/s of the raw calls when this process mounts the only segment (after one warm-up round)."""
-    port, metrics_port = _free_ports(2)
+    port, metrics_port = service.find_free_ports(2)
     master = service.spawn_master(Path(work), port, metrics_port)
     try:
-        service.wait_for(lambda: master_reachable(f"127.0.0.1:{port}", 0.2), master, Path(work) / "master.log",
-                         30.0, "mooncake_master")
+        service.wait_for(lambda: any(p == port for _, p in service.listen_addresses(master.pid)), master,
+                         Path(work) / "master.log", 30.0, "mooncake_master")
         src = np.random.default_rng(1).integers(0, 256, (objects, object_bytes), dtype=np.uint8)
         dst = np.zeros_like(src)
         client = load_client_class()()
@@ -167,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     object_bytes = args.object_mb << 20
     total = args.objects * object_bytes
     segment = max(64 << 20, 3 * total)  # stays below the 90 % eviction watermark
-    port, metrics_port = _free_ports(2)
+    port, metrics_port = service.find_free_ports(2)
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-") as work:
         handle = service.start_store(port, metrics_port, segment, work)
         try:

@@ -418,19 +418,24 @@ def _check_port_free(port: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone and is reaped if it is our child)."""
+    """Whether ``pid`` runs; a finished zombie counts as gone (and is reaped if it is our child).
+
+    The main thread of a multi-threaded process turns zombie before the other
+    threads have finished exiting, and its sockets stay open until they have:
+    such a process still counts as running.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
+        if state != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1:
+            return True
     except (OSError, IndexError):
         return False
-    if state == "Z":
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        return False
-    return True
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return False
 
 
 def _cmdline(pid: int) -> str:
