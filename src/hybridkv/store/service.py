@@ -112,7 +112,7 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
         ready = work / "storage.ready"
         wait_for(ready.exists, storage, work / "storage.log", timeout_s, "storage process")
         handle = StoreHandle(str(work), port, metrics_port, segment_bytes, master.pid, storage.pid)
-        probe(handle.master)
+        _probe_in_subprocess(handle.master, work, timeout_s)
     except BaseException:
         for proc in (storage, master):
             if proc is not None:
@@ -193,6 +193,19 @@ def probe(master: str, timeout_s: float = 10.0) -> None:
             if time.monotonic() > deadline:
                 raise StoreUnavailable(f"store at {master} failed its probe: {reason}")
             time.sleep(0.2)
+
+
+def _probe_in_subprocess(master: str, work: Path, timeout_s: float) -> None:
+    """:func:`probe` in a child process under :func:`loopback_env` (this process never loads Mooncake)."""
+    cmd = [sys.executable, "-m", "hybridkv.store.service", "probe", "--master", master]
+    try:
+        done = subprocess.run(cmd, env=loopback_env(cache_dir=work), capture_output=True, text=True,
+                              timeout=timeout_s + 10)
+    except subprocess.TimeoutExpired:
+        raise StoreServiceError(f"probe of {master} did not finish within {timeout_s + 10:g} s") from None
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.splitlines() if not ln[:1] in "IWE" or not ln[1:5].isdigit()]
+        raise StoreServiceError(f"probe of {master} failed:\n" + "\n".join(lines[-10:]))
 
 
 def status(workdir: str | os.PathLike | None = None) -> dict:
@@ -553,18 +566,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hybridkv.store.service``: ``hold`` (the storage process) or the ``store`` subcommands."""
+    """``python -m hybridkv.store.service``: ``hold`` (the storage process), ``probe``, or ``store …``."""
     parser = argparse.ArgumentParser(prog="python -m hybridkv.store.service")
     sub = parser.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hold", help="be the storage process (used by start_store)")
     h.add_argument("--master", required=True)
     h.add_argument("--segment-bytes", type=int, required=True)
     h.add_argument("--ready-file", default=None)
+    pr = sub.add_parser("probe", help="put, read back and remove one object (used by start_store)")
+    pr.add_argument("--master", required=True)
     register_cli(sub)
     args = parser.parse_args(argv)
     if args.command == "hold":
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return hold(args.master, args.segment_bytes, args.ready_file)
+    if args.command == "probe":
+        probe(args.master)
+        return 0
     return args.store_func(args)
 
 
