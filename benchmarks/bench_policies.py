@@ -28,6 +28,11 @@ POLICIES = [
     "branch+tail=512+interval=8192",
     "branch+tail=512+interval=6144",
     "branch+tail=512+interval=4096",
+    "branch+tail=512+supersede",
+    "branch+tail=512+interval=8192+supersede",
+    "branch+tail=512+interval=7168+supersede",      # the replay default
+    "branch+tail=512+interval=6144+supersede",
+    "branch+tail=512+interval=4096+supersede",
 ]
 
 

@@ -33,7 +33,7 @@ def test_simulate_has_same_fields_without_verify(tmp_path):
     assert list(rep)[: len(REPORT_KEYS)] == list(REPORT_KEYS)
     assert rep["verify"] is None and rep["mode"] == "simulate"
     assert rep["requests"] == 300 and 0 < rep["oracle_fraction"] <= 1.0
-    assert set(rep["checkpoints_created"]) == {"branch", "tail"}
+    assert set(rep["checkpoints_created"]) == {"branch", "tail", "interval"}
 
 
 def test_two_instances_share_a_store(tmp_path):

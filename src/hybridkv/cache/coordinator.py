@@ -127,7 +127,7 @@ class HybridCacheCoordinator:
             hit = agreed
         kv_hit = per_group["full"]
         ckpt = per_group["kda"]
-        for node in path[: hit // g]:
+        for node in reversed(path):          # deepest first: the path's root end ends up most recent
             self.pages.touch(node.page)
         if hit:
             self.checkpoints.touch(path[hit // g - 1].checkpoint)
@@ -200,8 +200,12 @@ class HybridCacheCoordinator:
         return [self.pages.pop_free() for _ in range(n)]
 
     def release(self, alloc: Allocation) -> None:
-        """Drop every page reference the request holds (finish, cancel, failure)."""
-        for p in alloc.block_table:
+        """Drop every page reference the request holds (finish, cancel, failure).
+
+        Pages are released tail first, so the prefix end of the request's pages
+        is the most recently used and an LRU eviction takes leaves before roots.
+        """
+        for p in reversed(alloc.block_table):
             self.pages.unref(p)
         alloc.block_table = []
         alloc.nodes = []

@@ -39,6 +39,8 @@ class InstanceSpec:
         output_lengths: tokens to generate per prompt.
         verify: trace indices whose logits are recorded and checked.
         store_url: ``none`` or a store URL shared by all instances.
+        host_bytes: capacity of the host tier (write-back of evicted device
+            entries), bytes; 0 disables it.
         simulate: cost model instead of the model.
     """
 
@@ -51,6 +53,7 @@ class InstanceSpec:
     output_lengths: list[int]
     verify: set[int] = field(default_factory=set)
     store_url: str = "none"
+    host_bytes: int = 0
     simulate: bool = False
 
 
@@ -122,8 +125,17 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None) -> InstanceResult
         backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
         digest = model.weight_digest()
     namespace = CacheIdentity(model_repo=spec.model, weight_digest=digest).digest()
+    tiers = []
+    if not spec.simulate and spec.host_bytes:
+        from hybridkv.store.base import MemoryStore
+        from hybridkv.store.connector import tier_for
+        tiers.append(tier_for(MemoryStore(spec.host_bytes), backend, namespace, cfg.prefix_match_unit,
+                              cfg.block_size, name="host", write_through=False))
     tier = None if spec.simulate else _open_tier(spec, backend, namespace)
-    engine = Engine(cfg, backend, namespace, tiers=[tier] if tier is not None else ())
+    if tier is not None:
+        tiers.append(tier)
+    engine = Engine(cfg, backend, namespace, tiers=tiers)
+    host = tiers[0] if tiers and tiers[0].name == "host" else None
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
     t0 = time.perf_counter()
@@ -151,11 +163,11 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None) -> InstanceResult
         kv_bytes_per_token=backend.full_spec.bytes_per_token, checkpoint_bytes=backend.kda_spec.page_size_bytes,
         evicted_pages=engine.cache.evicted_pages, evicted_checkpoints=engine.cache.evicted_checkpoints,
         compute_seconds=backend.modelled_seconds if spec.simulate else seconds)
-    store_hits = tier.stats.hit_tokens if tier is not None else 0
-    res.tiers = {"device": {"hit_tokens": s.reused_tokens - store_hits, "bytes_loaded": 0, "bytes_saved": 0},
-                 "host": {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0},
-                 "store": tier.stats.as_dict() if tier is not None else
-                 {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}}
+    empty = {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}
+    res.tiers = {"host": host.stats.as_dict() if host is not None else dict(empty),
+                 "store": tier.stats.as_dict() if tier is not None else dict(empty)}
+    lower = res.tiers["host"]["hit_tokens"] + res.tiers["store"]["hit_tokens"]
+    res.tiers = {"device": {**empty, "hit_tokens": s.reused_tokens - lower}, **res.tiers}
     if tier is not None:
         res.store_misses = Counter(tier.stats.misses)
         tier.store.close()

@@ -206,7 +206,7 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
         table.add_row("verified requests", _tokens(r.verify.requests))
         table.add_row("max |logit diff|", f"{r.verify.max_abs_logit_diff:.3g}")
         table.add_row("greedy mismatches", _tokens(r.verify.greedy_mismatches))
-    if r.tiers and r.tiers.get("store", {}).get("bytes_saved"):
+    if r.tiers and any(t["bytes_saved"] or t["hit_tokens"] for n, t in r.tiers.items() if n != "device"):
         for name, t in r.tiers.items():
             table.add_row(f"{name} tier hit tokens", _tokens(t["hit_tokens"]))
         table.add_row("store bytes loaded / saved",

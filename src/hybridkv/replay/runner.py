@@ -54,18 +54,29 @@ class ReplayOptions:
     instances: int = 1
     store: str = "none"
     store_alignment: int | None = None
+    host_bytes: int = 256 << 20
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
-    """``branch+tail=<block_tokens>``: the tail lands on the last whole trace block.
+    """``branch+tail=B+interval=14B+supersede`` with ``B = block_tokens`` (512 unscaled).
 
-    The trace shares whole 512-token blocks (scaled: ``block_tokens``), so the
-    next turn of a conversation can only hit a tail checkpoint placed on a
-    block boundary; a unit-aligned tail inside the last partial block is never hit.
+    * ``tail=B``: the trace shares whole 512-token blocks (scaled: ``B``), so the
+      next turn of a conversation can only hit a tail on a block boundary; a
+      unit-aligned tail inside the last partial block is never hit.
+    * ``branch``: a request whose KV hit passes its checkpoint hit creates the
+      checkpoint there once, for every later request branching at that point.
+    * ``interval=14B``: a request branching inside a long shared prefix can
+      reuse only up to the checkpoint behind the branch; sparse dense tracking
+      bounds that recompute.
+    * ``supersede``: a conversation's older tail retires when its next turn
+      publishes a newer one.
+
+    On the whole trace (simulate) this reaches 98.1% of the every-block oracle
+    with 9.9% of its checkpoint bytes (docs/policies.md).
     """
     if block_tokens % prefix_match_unit == 0:
-        return f"branch+tail={block_tokens}"
-    return "branch+tail"
+        return f"branch+tail={block_tokens}+interval={14 * block_tokens}+supersede"
+    return "branch+tail+supersede"
 
 
 def _default_slots(opts: ReplayOptions, prompts) -> int:
@@ -115,7 +126,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     n = opts.instances
     specs = [InstanceSpec(instance_id=k, model=opts.model, seed=opts.seed, config=cfg,
                           prompts=prompts[k::n], indices=list(range(k, len(reqs), n)), output_lengths=out_lens[k::n],
-                          verify={i for i in verify_ids if i % n == k}, store_url=store_url, simulate=opts.simulate)
+                          verify={i for i in verify_ids if i % n == k}, store_url=store_url,
+                          host_bytes=opts.host_bytes, simulate=opts.simulate)
              for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:

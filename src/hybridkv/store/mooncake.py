@@ -64,6 +64,7 @@ INSTALL_HINT = (
 # Mooncake ErrorCode values (mooncake-store types.h) that this backend tells apart.
 NO_SPACE = -200
 INVALID_PARAMS = -600  # also "destination buffer too small" on reads
+REPLICA_IS_NOT_READY = -703  # another client's put of the key is still in flight
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 LEASE_EXPIRED = -707
@@ -71,6 +72,7 @@ TRANSFER_FAIL = -800
 WRITE_FAIL = -500
 RPC_FAIL = -900
 _TRANSFER_CODES = (TRANSFER_FAIL, WRITE_FAIL, LEASE_EXPIRED)
+_READ_MISS_CODES = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, INVALID_PARAMS)  # INVALID_PARAMS: buffer too small
 
 #: File-name stem of the LD_PRELOAD library that keeps Mooncake's listeners on loopback
 #: (built by :func:`hybridkv.store.service.loopback_shim`).
@@ -277,7 +279,7 @@ class MooncakeStore(ObjectStore):
                 for key, off, n, code in zip(present, offsets, lengths, codes):
                     if code == n:
                         found[key] = buf[off:off + n].tobytes()
-                    elif code not in (OBJECT_NOT_FOUND, INVALID_PARAMS):  # gone or replaced since the query
+                    elif code not in _READ_MISS_CODES:  # else: gone, not ready or replaced since the query
                         self._check_failure("get", code)
             self._succeeded()
         return [found.get(k) for k in keys]
@@ -304,7 +306,7 @@ class MooncakeStore(ObjectStore):
             for key, code in zip(first, codes):
                 if code >= 0:
                     read[key] = code
-                elif code in (OBJECT_NOT_FOUND, INVALID_PARAMS):  # absent / buffer too small
+                elif code in _READ_MISS_CODES:  # absent, not yet complete, or buffer too small
                     read[key] = -1
                 else:
                     self._check_failure("get_into", code)
@@ -373,8 +375,11 @@ class MooncakeStore(ObjectStore):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
         client = self._cls()
         code: list[int] = []
-        setup = lambda: code.append(client.setup(  # noqa: E731
-            self.local_hostname, "P2PHANDSHAKE", self.segment_bytes, self.local_buffer_bytes, "tcp", "", self.master))
+
+        def setup() -> None:
+            code.append(client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
+                                     self.local_buffer_bytes, "tcp", "", self.master))
+
         if not self._run_with_deadline(setup, "setup"):
             self._abandon(client)
             self._mark_down(f"Mooncake setup against {self.master} did not finish within {self.timeout_s:g} s")
@@ -511,7 +516,7 @@ def _memory_sizes(descriptors: dict) -> dict[str, int]:
     sizes = {}
     for key, replicas in descriptors.items():
         for replica in replicas:
-            if replica.is_memory_replica():
+            if replica.is_memory_replica() and replica.status.name == "COMPLETE":
                 sizes[key] = int(replica.get_memory_descriptor().buffer_descriptor.size)
                 break
     return sizes

@@ -1,0 +1,292 @@
+"""Cache bookkeeping overhead vs the prefill time that reuse saves (real `small` model, CPU).
+
+Run by hand (not part of the test suite)::
+
+    python benchmarks/bench_overhead.py                          # trace (30 requests) + synthetic (30)
+    python benchmarks/bench_overhead.py --workload synthetic --json out.json
+    python benchmarks/bench_overhead.py --simulate-trace         # also time `hybridkv replay --simulate` on the whole trace
+
+What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("small")``,
+``torch.set_num_threads(1)``) runs every request twice:
+
+* **cached**: default policy ``branch+tail=<block>``; the coordinator methods
+  ``hash_prompt``, ``lookup``, ``acquire``, ``publish_units``,
+  ``publish_checkpoint``, ``release`` and the scheduler's ``plan_captures`` are
+  wrapped (on the instance / module attribute, in this script only) with
+  ``time.perf_counter`` accumulators. Nested calls (``lookup`` -> ``hash_prompt``,
+  ``publish_checkpoint`` -> ``publish_units``) are timed per method *inclusive*, and
+  the overhead total counts only the outermost call so nothing is counted twice.
+* **baseline**: the same engine with policy ``none`` (no checkpoint can exist, so
+  every request prefills its whole prompt): the no-cache prefill time of the
+  same prompts, chunked the same way.
+
+``backend.run`` is timed in both; steps that carry prefill chunks are charged to
+their request (``--max-num-seqs 1`` by default, so every step holds one request).
+Saved prefill time per request = baseline prefill seconds - cached prefill
+seconds (measured; the cached side includes extracting checkpoints inside the
+forward). A second estimate multiplies reused tokens by the baseline's mean
+seconds per prefill token. Overhead / saved is reported against both.
+
+Workloads: ``trace`` = the first ``--requests`` requests of the bundled Mooncake
+trace, 64 tokens per hash id (``request_token_array``); ``synthetic`` =
+``--requests`` prompts of 2k-8k tokens over a few shared prefixes (system
+prompt + unique suffix), in an interleaved order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import hybridkv.engine.engine as engine_mod
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.engine.backend import TorchBackend
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Request, Status
+from hybridkv.model import HybridModel
+from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
+
+CACHE_METHODS = ("hash_prompt", "lookup", "acquire", "publish_units", "publish_checkpoint", "release")
+
+
+class Timers:
+    """Inclusive seconds per wrapped name, plus the outermost-only total."""
+
+    def __init__(self) -> None:
+        self.incl: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.total = 0.0
+        self.depth = 0
+
+    def wrap(self, name: str, fn):
+        self.incl.setdefault(name, 0.0)
+        self.calls.setdefault(name, 0)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self.depth += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                self.depth -= 1
+                self.incl[name] += dt
+                self.calls[name] += 1
+                if self.depth == 0:
+                    self.total += dt
+        return timed
+
+
+def trace_workload(n: int, block_tokens: int, vocab: int, max_out: int):
+    reqs = load_trace(limit=n).requests
+    prompts = [request_token_array(r, block_tokens, vocab) for r in reqs]
+    outs = [min(max_out, scaled_output_length(r, block_tokens)) for r in reqs]
+    return prompts, outs, block_tokens
+
+
+def synthetic_workload(n: int, vocab: int, max_out: int, seed: int = 0, num_prefixes: int = 5):
+    """``n`` prompts of 2k-8k tokens: one of ``num_prefixes`` shared prefixes (2k-6k) + a unique suffix."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(3, vocab, int(rng.integers(2048, 6145)), dtype=np.int64) for _ in range(num_prefixes)]
+    prompts = []
+    for i in range(n):
+        pre = prefixes[i % num_prefixes]
+        total = int(rng.integers(max(2048, len(pre) + 128), 8193))
+        prompts.append(np.concatenate([pre, rng.integers(3, vocab, total - len(pre), dtype=np.int64)]))
+    return prompts, [max_out] * n, 512
+
+
+def run_engine(model, prompts, outs, cfg: CacheConfig, namespace: bytes, instrument: bool):
+    """Run every prompt; per request: prefill seconds, prefill tokens, hit, kv_hit, cache overhead seconds."""
+    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    eng = Engine(cfg, backend, namespace)
+    timers = Timers()
+    saved_plan = engine_mod.plan_captures
+    if instrument:
+        for name in CACHE_METHODS:
+            setattr(eng.cache, name, timers.wrap(name, getattr(eng.cache, name)))
+        engine_mod.plan_captures = timers.wrap("plan_captures", saved_plan)
+    per_req: dict[str, dict] = {}
+    run = backend.run
+
+    def timed_run(items):
+        prefill = [r for r in eng.running if r.status == Status.PREFILL]
+        t = time.perf_counter()
+        out = run(items)
+        dt = time.perf_counter() - t
+        for r in prefill:   # one request per step with max_num_seqs=1; else split by tokens
+            share = 1.0 / len(prefill)
+            per_req[r.request_id]["prefill_s"] += dt * share
+        return out
+
+    backend.run = timed_run
+    reqs = [Request(f"r{i}", p, o) for i, (p, o) in enumerate(zip(prompts, outs))]
+    for r in reqs:
+        per_req[r.request_id] = {"prompt": len(r.prompt), "prefill_s": 0.0, "overhead_s": 0.0}
+        eng.add_request(r)
+    last_total = 0.0
+    t0 = time.perf_counter()
+    try:
+        while eng.has_work:
+            done = eng.step()
+            for r in done:        # with max_num_seqs=1 every call since the last finish is this request's
+                per_req[r.request_id]["overhead_s"] = timers.total - last_total
+                last_total = timers.total
+    finally:
+        engine_mod.plan_captures = saved_plan
+    wall = time.perf_counter() - t0
+    for r in reqs:
+        d = per_req[r.request_id]
+        d.update(hit=r.match.hit, kv_hit=r.match.kv_hit, matched_units=len(r.match.path),
+                 hashed_units=len(r.match.hashes), status=r.status.name)
+    return per_req, timers, wall, eng
+
+
+def bench_workload(name, model, prompts, outs, block, args, namespace):
+    g = 64
+    block_size = -(-block // g) * g
+    pages = sum(-(-(len(p) + o) // block_size) for p, o in zip(prompts, outs)) + 4
+    common = dict(block_size=block_size, prefix_match_unit=g, max_num_batched_tokens=args.max_num_batched_tokens,
+                  num_kv_pages=pages, num_checkpoint_slots=max(16, 4 * len(prompts)), max_num_seqs=args.max_num_seqs)
+    cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(f"branch+tail={block_size}"), **common)
+    base_cfg = CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
+    # warm-up (allocator, kernels) on a short prompt
+    run_engine(model, [prompts[0][:512]], [1], base_cfg, namespace, False)
+    runs = []
+    for rep in range(args.repeats):
+        cached, timers, wall_c, eng = run_engine(model, prompts, outs, cached_cfg, namespace, True)
+        base, _, wall_b, _ = run_engine(model, prompts, outs, base_cfg, namespace, False)
+        runs.append((cached, timers, base, wall_c, wall_b, eng))
+    # per request: the minimum over repeats of each measured time (least noise from other jobs)
+    ids = list(runs[0][0])
+    rows = []
+    for rid in ids:
+        c0 = runs[0][0][rid]
+        rows.append(dict(c0, prefill_cached_s=min(r[0][rid]["prefill_s"] for r in runs),
+                         prefill_base_s=min(r[2][rid]["prefill_s"] for r in runs),
+                         overhead_s=min(r[0][rid]["overhead_s"] for r in runs)))
+    n = len(rows)
+    hit_tokens = sum(r["hit"] for r in rows)
+    matched_units = sum(r["matched_units"] for r in rows)
+    hashed_units = sum(r["hashed_units"] for r in rows)
+    overhead = sum(r["overhead_s"] for r in rows)
+    base_prefill = sum(r["prefill_base_s"] for r in rows)
+    cached_prefill = sum(r["prefill_cached_s"] for r in rows)
+    prompt_tokens = sum(r["prompt"] for r in rows)
+    s_per_tok = base_prefill / prompt_tokens
+    saved_measured = base_prefill - cached_prefill
+    saved_est = hit_tokens * s_per_tok
+    best = min(runs, key=lambda r: r[1].total)[1]
+    breakdown = {k: {"calls": best.calls[k], "us_per_call": 1e6 * best.incl[k] / max(best.calls[k], 1),
+                     "us_per_request": 1e6 * best.incl[k] / n, "seconds": best.incl[k]} for k in best.incl}
+    hit_rows = [r for r in rows if r["hit"] > 0]
+    return {
+        "workload": name, "requests": n, "prompt_tokens": prompt_tokens, "reused_tokens": hit_tokens,
+        "requests_with_hit": len(hit_rows), "matched_units": matched_units, "hashed_units": hashed_units,
+        "block_size": block_size, "prefix_match_unit": g, "repeats": args.repeats,
+        "baseline_prefill_s": base_prefill, "cached_prefill_s": cached_prefill,
+        "prefill_tokens_per_s_baseline": prompt_tokens / base_prefill,
+        "saved_prefill_s_measured": saved_measured, "saved_prefill_s_estimated": saved_est,
+        "overhead_s": overhead, "overhead_us_per_request": 1e6 * overhead / n,
+        "overhead_us_per_matched_unit": 1e6 * overhead / matched_units if matched_units else None,
+        "overhead_us_per_hashed_unit": 1e6 * overhead / hashed_units,
+        "overhead_pct_of_saved_measured": 100 * overhead / saved_measured if saved_measured > 0 else None,
+        "overhead_pct_of_saved_estimated": 100 * overhead / saved_est if saved_est > 0 else None,
+        "overhead_pct_of_baseline_prefill": 100 * overhead / base_prefill,
+        "hit_requests_overhead_us_mean": (1e6 * statistics.mean(r["overhead_s"] for r in hit_rows)
+                                          if hit_rows else None),
+        "breakdown_best_repeat": breakdown,
+        "wall_cached_s": [r[3] for r in runs], "wall_baseline_s": [r[4] for r in runs],
+        "per_request": rows,
+    }
+
+
+def simulate_trace() -> dict:
+    """``hybridkv replay --simulate --all`` on the bundled trace: wall seconds and requests/s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "sim.json")
+        cmd = [sys.executable, "-m", "hybridkv.cli", "replay", "--simulate", "--no-progress", "--json", path]
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        process_s = time.perf_counter() - t
+        rep = json.load(open(path))
+    return {"command": "hybridkv replay --simulate --no-progress --json PATH", "requests": rep["requests"],
+            "prompt_tokens": rep["prompt_tokens"], "wall_seconds": rep["wall_seconds"],
+            "requests_per_s": rep["requests"] / rep["wall_seconds"],
+            "prompt_tokens_per_s": rep["prompt_tokens"] / rep["wall_seconds"], "process_seconds": process_s,
+            "token_hit_rate": rep["token_hit_rate"]}
+
+
+def _print(res: dict) -> None:
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    print(f"\n== {res['workload']}: {res['requests']} requests, {res['prompt_tokens']} prompt tokens, "
+          f"{res['reused_tokens']} reused ({res['requests_with_hit']} requests with a hit), "
+          f"{res['matched_units']} matched / {res['hashed_units']} hashed 64-token units")
+    print(f"baseline prefill {res['baseline_prefill_s']:.2f} s ({res['prefill_tokens_per_s_baseline']:.0f} tok/s), "
+          f"cached prefill {res['cached_prefill_s']:.2f} s")
+    print(f"saved prefill: measured {res['saved_prefill_s_measured']:.3f} s, "
+          f"estimated (reused x s/token) {res['saved_prefill_s_estimated']:.3f} s")
+    print(f"cache overhead {1e3 * res['overhead_s']:.2f} ms = {res['overhead_us_per_request']:.0f} us/request, "
+          f"{f(res['overhead_us_per_matched_unit'], '.1f')} us/matched unit, "
+          f"{res['overhead_us_per_hashed_unit']:.1f} us/hashed unit")
+    print(f"overhead / saved: {f(res['overhead_pct_of_saved_measured'], '.3f')} % (measured), "
+          f"{f(res['overhead_pct_of_saved_estimated'], '.3f')} % (estimated); "
+          f"/ baseline prefill {res['overhead_pct_of_baseline_prefill']:.3f} %")
+    print(f"{'method':<20}{'calls':>7}{'us/call':>10}{'us/request':>12}   (inclusive, best repeat)")
+    for k, v in res["breakdown_best_repeat"].items():
+        print(f"{k:<20}{v['calls']:>7}{v['us_per_call']:>10.1f}{v['us_per_request']:>12.1f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=("trace", "synthetic", "both"), default="both")
+    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--block-tokens", type=int, default=64, help="trace tokens per hash id")
+    p.add_argument("--max-output-tokens", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--simulate-trace", action="store_true", help="also time the whole-trace simulate replay")
+    p.add_argument("--json", dest="json_path")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = HybridModel.from_preset("small", seed=0).eval()
+    vocab = model.config.vocab_size
+    namespace = CacheIdentity(model_repo="small", weight_digest=model.weight_digest()).digest()
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+           f"torch {torch.__version__}, 1 thread", "results": []}
+    loads = []
+    if args.workload in ("trace", "both"):
+        loads.append(("trace", *trace_workload(args.requests, args.block_tokens, vocab, args.max_output_tokens)))
+    if args.workload in ("synthetic", "both"):
+        loads.append(("synthetic", *synthetic_workload(args.requests, vocab, args.max_output_tokens)))
+    for name, prompts, outs, block in loads:
+        res = bench_workload(name, model, prompts, outs, block, args, namespace)
+        _print(res)
+        out["results"].append(res)
+    if args.simulate_trace:
+        sim = simulate_trace()
+        out["simulate"] = sim
+        print(f"\nsimulate replay of the whole trace: {sim['requests']} requests in {sim['wall_seconds']:.2f} s "
+              f"= {sim['requests_per_s']:.0f} requests/s ({sim['prompt_tokens_per_s'] / 1e6:.1f} M prompt tokens/s)")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
