@@ -22,4 +22,4 @@ fi
 # torch first and pinned: 2.13.0 is a CPU build on this machine's local disk; any
 # other spec lets pip pull a CUDA build of several GB.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test,bench]'
+.venv/bin/python -m pip install -q -e '.[test,bench,mooncake]'

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
+    from hybridkv.store.service import register_cli
+    register_cli(sub)
     return p
 
 
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     if args.command == "replay":
         return _replay(args, console)
+    if args.command == "store":
+        return args.store_func(args)
     return 2
 
 

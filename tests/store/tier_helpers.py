@@ -18,3 +18,28 @@ def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, al
     ns = CacheIdentity(model_repo="tiny", weight_digest=model.weight_digest()).digest()
     tier = tier_for(store, backend, ns, unit, cfg.store_boundary)
     return Engine(cfg, backend, ns, tiers=[tier]), tier
+
+
+class PrefixedStore:
+    """Delegates to a shared store under a key prefix of its own (test isolation on one Mooncake master)."""
+
+    def __init__(self, inner, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+
+    def exists(self, keys):
+        return self.inner.exists([self.prefix + k for k in keys])
+
+    def put(self, items):
+        return self.inner.put([(self.prefix + k, v) for k, v in items])
+
+    def get(self, keys):
+        return self.inner.get([self.prefix + k for k in keys])
+
+    def get_into(self, keys, buffers):
+        return self.inner.get_into([self.prefix + k for k in keys], buffers)
+
+    def remove(self, keys):
+        return self.inner.remove([self.prefix + k for k in keys])
+
+    def close(self):
+        pass

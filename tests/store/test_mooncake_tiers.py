@@ -1,0 +1,86 @@
+"""S8, S9, S10 and S13 against a real mooncake_master on 127.0.0.1 (the same scenarios as test_tiers.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+from hkv_helpers import assert_exact, run_one, tokens
+from tier_helpers import PrefixedStore, instance
+
+from hybridkv.store.mooncake import MooncakeNotInstalled, MooncakeStore, load_client_class
+
+try:
+    load_client_class()
+except MooncakeNotInstalled as exc:
+    pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
+
+from hybridkv.store import service  # noqa: E402
+
+import test_tiers  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory):
+    work = tmp_path_factory.mktemp("mc-tiers")
+    port, metrics = service.find_free_ports(2)
+    handle = service.start_store(port, metrics, 256 << 20, work)
+    client = MooncakeStore(handle.master)
+    yield handle, client
+    client.close()
+    service.stop_store(handle.workdir)
+
+
+@pytest.fixture
+def store(mooncake):
+    return PrefixedStore(mooncake[1], f"t{uuid.uuid4().hex[:8]}/")
+
+
+def test_s8_remote_full_hit(tiny_model, store):
+    test_tiers.test_s8_remote_full_hit(tiny_model, store)
+
+
+def test_s9_remote_partial_group_backfill(tiny_model, store):
+    test_tiers.test_s9_remote_partial_group_backfill(tiny_model, store)
+
+
+@pytest.mark.parametrize("fault,reason", [("drop_conv", "evicted"), ("flip_recurrent", "checksum"),
+                                          ("drop_manifest", "absent")])
+def test_s10_object_integrity(tiny_model, store, fault, reason):
+    test_tiers.test_s10_object_integrity(tiny_model, store, fault, reason)
+
+
+def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):
+    handle, client = mooncake
+    v = tiny_model.config.vocab_size
+    store = PrefixedStore(client, f"s13{uuid.uuid4().hex[:8]}/")
+    P = tokens(70, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(71, 100, v)]))
+    b, tier_b = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(72, 100, v)]))
+    assert r.reused == 1024 and tier_b.stats.hit_tokens == 1024          # store in use
+    service.kill_master(handle.workdir)                                   # mid-run
+    c, tier_c = instance(tiny_model, store)
+    for i in range(3):                                                    # keeps serving, as misses
+        t0 = time.monotonic()
+        r = run_one(c, np.concatenate([P[:512], tokens(73 + i, 600, v)]))
+        assert time.monotonic() - t0 < 30                                 # no call blocks for long
+        assert_exact(tiny_model, r)
+    assert tier_c.stats.misses["unreachable"] >= 1 and tier_c.stats.hit_tokens == 0
+    service.restart_master(handle.workdir)                                # forgets every object
+    deadline = time.monotonic() + 30
+    d, tier_d = instance(tiny_model, store, policy="tail=1024")
+    tier_d.retry_seconds = 0.5
+    while True:                                                           # store used again after restart
+        r = run_one(d, np.concatenate([P, tokens(80, 100, v)]))
+        if tier_d.stats.bytes_saved > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert tier_d.stats.bytes_saved > 0
+    e, tier_e = instance(tiny_model, store)
+    r = run_one(e, np.concatenate([P, tokens(81, 100, v)]))
+    assert r.reused == 1024 and tier_e.stats.hit_tokens == 1024
+    assert_exact(tiny_model, r)
