@@ -81,6 +81,10 @@ LOOPBACK_SHIM_NAME = "hybridkv_loopback_bind"
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller non-zero segments
 _SMALL_ITEM_BYTES = 64 << 10  # put items below this are packed into one staging buffer
 _NO_SPACE_RETRY_S = (0.02, 0.05, 0.1)
+# Right after the master came back, segments are being remounted (~0.5 s measured) and
+# every put answers "no space" meanwhile: within this window, puts wait longer.
+_REMOUNT_WINDOW_S = 5.0
+_REMOUNT_RETRY_S = (0.2, 0.3, 0.5)
 
 _ABANDONED: list[object] = []  # clients whose master died; never destroyed (see _abandon)
 _warned_wildcard = False
@@ -190,6 +194,7 @@ class MooncakeStore(ObjectStore):
         self._failures = 0  # consecutive failed calls since the last success
         self._retry_at = 0.0  # monotonic time before which calls fail fast
         self._down_reason = ""
+        self._recovered_at = float("-inf")  # monotonic time the store last came back after a failure
         self._regions: list[tuple[int, int, np.ndarray]] = []  # long-lived registrations: (start, end, owner)
         with self._lock:
             self._connect()
@@ -229,7 +234,10 @@ class MooncakeStore(ObjectStore):
             temp = self._register_temp(client, spans)
             try:
                 codes = client.batch_put_from(keys, ptrs, sizes)
-                for pause in _NO_SPACE_RETRY_S:  # eviction runs in the background; give it a moment
+                pauses = _NO_SPACE_RETRY_S
+                if time.monotonic() - self._recovered_at < _REMOUNT_WINDOW_S:
+                    pauses += _REMOUNT_RETRY_S
+                for pause in pauses:  # eviction (or a remount) runs in the background; give it a moment
                     retry = [i for i, c in enumerate(codes) if c == NO_SPACE]
                     if not retry:
                         break
@@ -410,6 +418,7 @@ class MooncakeStore(ObjectStore):
             self.stats.reconnects += 1
             log.info("mooncake: new client for master %s", self.master)
         self._healthy = True
+        self._recovered_at = time.monotonic()
         return self._client
 
     def _succeeded(self) -> None:
