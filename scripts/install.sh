@@ -15,6 +15,11 @@ if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
   fi
 fi
 
+# gcc: builds the LD_PRELOAD library that keeps Mooncake's listeners on loopback (docs/mooncake.md).
+if ! command -v cc >/dev/null 2>&1; then
+  apt-get install -y -q gcc libc6-dev || { apt-get update -q; apt-get install -y -q gcc libc6-dev; }
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

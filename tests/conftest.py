@@ -1,9 +1,25 @@
-"""Fixture: the tiny real model (session-wide)."""
+"""Session setup: the tiny real model, and a loopback-only process for the Mooncake tests."""
+
+import importlib.util
+import sys
 
 import pytest
 import torch
 
 from hybridkv.model.model import HybridModel
+
+
+def pytest_configure(config):
+    """Restart pytest under the bind-to-loopback shim when Mooncake is installed.
+
+    Mooncake clients (the tests create some in this process) open wildcard
+    listeners; the preloaded shim keeps every one of them on 127.0.0.1 and only
+    works from process start (docs/mooncake.md).
+    """
+    if importlib.util.find_spec("mooncake") is None:
+        return
+    from hybridkv.store.service import reexec_under_loopback
+    reexec_under_loopback(list(sys.orig_argv))
 
 
 @pytest.fixture(scope="session")

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` command."""
     args = build_parser().parse_args(argv)
+    if argv is None and args.command == "replay" and args.store.startswith("mooncake://"):
+        from hybridkv.store.service import reexec_under_loopback
+        reexec_under_loopback([sys.executable, "-m", "hybridkv.cli", *sys.argv[1:]])
     console = Console(stderr=True)
     if args.command == "replay":
         return _replay(args, console)

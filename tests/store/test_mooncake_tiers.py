@@ -84,3 +84,13 @@ def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):
     r = run_one(e, np.concatenate([P, tokens(81, 100, v)]))
     assert r.reused == 1024 and tier_e.stats.hit_tokens == 1024
     assert_exact(tiny_model, r)
+
+
+def test_this_process_listens_on_loopback_only(mooncake):
+    import ipaddress
+    import os
+    addrs = service.listen_addresses(os.getpid())
+    assert addrs, "a Mooncake client should be listening in this process"
+    for host, _port in addrs:
+        ip = ipaddress.ip_address(host)
+        assert ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback), addrs

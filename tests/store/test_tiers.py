@@ -141,3 +141,36 @@ def test_host_tier_write_back_and_load_back(tiny_model):
     assert r.reused == 1024 and host.stats.hit_tokens > 0
     assert_exact(tiny_model, r)
     e.cache.check_invariants()
+
+
+def test_s2_sparse_joint_rule_holds_remotely(tiny_model):
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(90, 8256, v)
+    a, _ = instance(tiny_model, store, policy="hint", pages=16)
+    run_one(a, P, max_output_tokens=1, hints=(4096, 8192))             # KV to 8192, C at 4096 and 8192
+    b, tier_b = instance(tiny_model, store, pages=16)
+    prompt = np.concatenate([P[:7500], tokens(91, 300, v)])
+    rm = tier_b.lookup(b.cache.hash_prompt(prompt), 7488)
+    assert (rm.kv_length, rm.checkpoint_boundaries, rm.best_joint) == (7168, (4096,), 4096)
+    r = run_one(b, prompt)
+    assert r.reused == 4096 and tier_b.stats.hit_tokens == 4096
+    assert_exact(tiny_model, r)
+
+
+def test_store_absent_at_startup_runs_without_it(tmp_path, caplog):
+    import json
+    import socket
+
+    from hybridkv.cli import main
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                                    # nothing listens here
+    out = tmp_path / "r.json"
+    with caplog.at_level("WARNING"):
+        rc = main(["replay", "--limit", "3", "--model", "tiny", "--no-progress", "--json", str(out),
+                   "--store", f"mooncake://127.0.0.1:{port}"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == 3 and rep["tiers"]["store"]["bytes_saved"] == 0
+    assert sum("unreachable" in r.message or "running without it" in r.message for r in caplog.records) == 1

@@ -307,6 +307,24 @@ def loopback_env(base: dict | None = None, cache_dir: str | os.PathLike | None =
     return env
 
 
+def reexec_under_loopback(argv: list[str]) -> None:
+    """Replace this process with ``argv`` under :func:`loopback_env`, unless already there.
+
+    Mooncake clients open wildcard listeners whatever ``MC_TCP_BIND_ADDRESS``
+    says; the preloaded shim rebinds them to 127.0.0.1, and it only takes
+    effect from process start. Returns without doing anything when the shim is
+    already loaded or cannot be built (then one warning was logged).
+    """
+    if LOOPBACK_SHIM_NAME in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = loopback_env()
+    if LOOPBACK_SHIM_NAME not in env.get("LD_PRELOAD", ""):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
+
+
 # ---------------------------------------------------------------------- processes
 
 
