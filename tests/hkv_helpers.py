@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
@@ -11,7 +10,6 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.model.model import HybridModel
 
 
 def make_engine(model, *, policy="branch+tail", mechanism="extract", block_size=1024, unit=64,

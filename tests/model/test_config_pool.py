@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from hybridkv.model import HybridConfig, HybridModel, PagedKVPool
-from hybridkv.model.state import ForwardRequest, KDACheckpoint
+from hybridkv.model.state import ForwardRequest
 
 
 def test_published_48b_preset():
