@@ -179,7 +179,7 @@ class Engine:
                     else:
                         self.stats.checkpoints_skipped += 1
                 if self.connector is not None:
-                    self.connector.upload(r.alloc, r.match.hashes, c.end, made)
+                    self.connector.upload(r.alloc, r.match.hashes, c.end, made, repair=c.start == r.reused)
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE

@@ -103,7 +103,7 @@ def _open_tier(spec: InstanceSpec, backend, namespace: bytes):
     return tier_for(store, backend, namespace, spec.config.prefix_match_unit, spec.config.store_boundary)
 
 
-def run_instance(spec: InstanceSpec, progress=None, turn=None) -> InstanceResult:
+def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | None = None) -> InstanceResult:
     """Run every request of ``spec`` through one engine; ``progress(n)`` after requests finish.
 
     With ``turn`` (a shared integer holding the next trace index to run), the
@@ -111,8 +111,11 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None) -> InstanceResult
     ``i`` starts once ``turn == i`` and sets ``turn = i + 1`` when it finishes,
     so instances see each other's store entries exactly as a single ordered
     replay would. Without it, requests run concurrently up to ``max_num_seqs``.
+    ``threads`` sets torch's intra-op threads of this process.
     """
     cfg = spec.config
+    if threads is not None:
+        torch.set_num_threads(threads)
     if spec.simulate:
         mcfg = model_config(spec.model)
         full = FullAttentionSpec(cfg.block_size, mcfg.num_mla_layers, mcfg.kv_latent_dim)
@@ -120,7 +123,6 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None) -> InstanceResult
                       mcfg.conv_kernel_size - 1)
         model, backend, digest = None, SimulatedBackend(full, kda), "simulated"
     else:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         model = load_model(spec.model, spec.seed)
         backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
         digest = model.weight_digest()

@@ -11,6 +11,7 @@ in their own processes, sharing one store.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import tempfile
 import time
 from collections import Counter
@@ -150,7 +151,8 @@ def _run_processes(specs: list[InstanceSpec], progress) -> list[InstanceResult]:
         queue = manager.Queue()
         turn = manager.Value("i", 0)
         with ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx) as pool:
-            futures = [pool.submit(_worker, spec, queue, turn) for spec in specs]
+            threads = max(1, (os.cpu_count() or 1) // len(specs))    # no oversubscription
+            futures = [pool.submit(_worker, spec, queue, turn, threads) for spec in specs]
             while not all(f.done() for f in futures):
                 try:
                     progress(queue.get(timeout=0.2))
@@ -159,8 +161,8 @@ def _run_processes(specs: list[InstanceSpec], progress) -> list[InstanceResult]:
             return [f.result() for f in futures]
 
 
-def _worker(spec: InstanceSpec, queue, turn) -> InstanceResult:
-    return run_instance(spec, queue.put, turn)
+def _worker(spec: InstanceSpec, queue, turn, threads: int) -> InstanceResult:
+    return run_instance(spec, queue.put, turn, threads)
 
 
 def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall) -> ReplayReport:

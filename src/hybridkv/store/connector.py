@@ -93,12 +93,20 @@ class TierConnector:
         return ckpt is not None and self.cache.install_checkpoint(hashes, ckpt, boundary)
 
     def upload(self, alloc: Allocation, hashes: list[bytes], computed: int,
-               checkpoints: dict[int, KDACheckpoint]) -> None:
+               checkpoints: dict[int, KDACheckpoint], repair: bool = False) -> None:
         """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the tiers lack.
 
         KV segments are written before any checkpoint that needs them; each
-        entry's manifest is written after its components.
+        entry's manifest is written after its components. With ``repair``, the
+        checkpoint the request started from (its joint hit) is uploaded too if
+        a write-through tier lacks it, e.g. after the store lost its objects.
         """
+        checkpoints = dict(checkpoints)
+        g = self.cache.config.prefix_match_unit
+        if repair and alloc.start and alloc.start not in checkpoints and len(alloc.nodes) >= alloc.start // g:
+            node = alloc.nodes[alloc.start // g - 1]
+            if node.parent is not None and node.checkpoint is not None:
+                checkpoints[alloc.start] = None            # read from the device pool if a tier lacks it
         for tier in self.tiers:
             if not tier.write_through:
                 continue
@@ -113,8 +121,15 @@ class TierConnector:
             aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
             have = tier.has(hashes, aligned, "kda") or [True] * len(aligned)
             for b, ok in zip(aligned, have):
-                if not ok:
-                    tier.save_checkpoint(hashes, b, checkpoints[b])
+                if ok:
+                    continue
+                ckpt = checkpoints[b]
+                if ckpt is None:
+                    node = alloc.nodes[b // g - 1]
+                    if node.checkpoint is None:
+                        continue
+                    ckpt = self.cache.checkpoints.read(node.checkpoint, b)
+                tier.save_checkpoint(hashes, b, ckpt)
 
     def _write_back(self, nodes, kv: bool) -> None:
         """Save evicted device state into the write-back tiers (page-aligned entries only)."""
