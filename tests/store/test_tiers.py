@@ -146,15 +146,15 @@ def test_host_tier_write_back_and_load_back(tiny_model):
 def test_s2_sparse_joint_rule_holds_remotely(tiny_model):
     v = tiny_model.config.vocab_size
     store = MemoryStore()
-    P = tokens(90, 8256, v)
-    a, _ = instance(tiny_model, store, policy="hint", pages=16)
-    run_one(a, P, max_output_tokens=1, hints=(4096, 8192))             # KV to 8192, C at 4096 and 8192
-    b, tier_b = instance(tiny_model, store, pages=16)
-    prompt = np.concatenate([P[:7500], tokens(91, 300, v)])
-    rm = tier_b.lookup(b.cache.hash_prompt(prompt), 7488)
-    assert (rm.kv_length, rm.checkpoint_boundaries, rm.best_joint) == (7168, (4096,), 4096)
+    P = tokens(90, 4160, v)                                            # S2 at half scale, same ratios
+    a, _ = instance(tiny_model, store, policy="hint", block_size=512, alignment=512, pages=16)
+    run_one(a, P, max_output_tokens=1, hints=(2048, 4096))             # KV to 4096, C at 2048 and 4096
+    b, tier_b = instance(tiny_model, store, block_size=512, alignment=512, pages=16)
+    prompt = np.concatenate([P[:3750], tokens(91, 150, v)])
+    rm = tier_b.lookup(b.cache.hash_prompt(prompt), 3712)
+    assert (rm.kv_length, rm.checkpoint_boundaries, rm.best_joint) == (3584, (2048,), 2048)
     r = run_one(b, prompt)
-    assert r.reused == 4096 and tier_b.stats.hit_tokens == 4096
+    assert r.reused == 2048 and tier_b.stats.hit_tokens == 2048
     assert_exact(tiny_model, r)
 
 
