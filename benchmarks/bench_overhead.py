@@ -9,9 +9,10 @@ Run by hand (not part of the test suite)::
 What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("small")``,
 ``torch.set_num_threads(1)``) runs every request twice:
 
-* **cached**: default policy ``branch+tail=<block>``; the coordinator methods
-  ``hash_prompt``, ``lookup``, ``acquire``, ``publish_units``,
-  ``publish_checkpoint``, ``release`` and the scheduler's ``plan_captures`` are
+* **cached**: the replay's default policy (:func:`hybridkv.replay.runner.default_policy`
+  of the workload's block length, or ``--policy``); the coordinator methods
+  ``hash_prompt``, ``lookup``, ``acquire``, ``extend``, ``publish_units``,
+  ``publish_checkpoint``, ``retire_checkpoint``, ``release`` and the scheduler's ``plan_captures`` are
   wrapped (on the instance / module attribute, in this script only) with
   ``time.perf_counter`` accumulators. Nested calls (``lookup`` -> ``hash_prompt``,
   ``publish_checkpoint`` -> ``publish_units``) are timed per method *inclusive*, and
@@ -20,8 +21,11 @@ What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("s
   every request prefills its whole prompt): the no-cache prefill time of the
   same prompts, chunked the same way.
 
-``backend.run`` is timed in both; steps that carry prefill chunks are charged to
-their request (``--max-num-seqs 1`` by default, so every step holds one request).
+The two engines run in lockstep (one step of each in turn), so background load
+on a shared machine hits both alike. ``backend.run`` is timed in both; steps that
+carry prefill chunks are charged to their request (``--max-num-seqs 1`` by
+default, so every step holds one request). Per request, each time is the minimum
+over ``--repeats``.
 Saved prefill time per request = baseline prefill seconds - cached prefill
 seconds (measured; the cached side includes extracting checkpoints inside the
 forward). A second estimate multiplies reused tokens by the baseline's mean
@@ -56,9 +60,11 @@ from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.model import HybridModel
+from hybridkv.replay.runner import default_policy
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 
-CACHE_METHODS = ("hash_prompt", "lookup", "acquire", "publish_units", "publish_checkpoint", "release")
+CACHE_METHODS = ("hash_prompt", "lookup", "acquire", "extend", "publish_units", "publish_checkpoint",
+                 "retire_checkpoint", "release")
 
 
 class Timers:
@@ -109,50 +115,71 @@ def synthetic_workload(n: int, vocab: int, max_out: int, seed: int = 0, num_pref
     return prompts, [max_out] * n, 512
 
 
-def run_engine(model, prompts, outs, cfg: CacheConfig, namespace: bytes, instrument: bool):
-    """Run every prompt; per request: prefill seconds, prefill tokens, hit, kv_hit, cache overhead seconds."""
-    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
-    eng = Engine(cfg, backend, namespace)
-    timers = Timers()
-    saved_plan = engine_mod.plan_captures
-    if instrument:
-        for name in CACHE_METHODS:
-            setattr(eng.cache, name, timers.wrap(name, getattr(eng.cache, name)))
-        engine_mod.plan_captures = timers.wrap("plan_captures", saved_plan)
-    per_req: dict[str, dict] = {}
-    run = backend.run
+class EngineRun:
+    """One engine over every prompt; per request: prefill seconds, hit, kv_hit, cache overhead seconds."""
 
-    def timed_run(items):
-        prefill = [r for r in eng.running if r.status == Status.PREFILL]
+    def __init__(self, model, prompts, outs, cfg: CacheConfig, namespace: bytes, instrument: bool) -> None:
+        self.backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+        self.eng = Engine(cfg, self.backend, namespace)
+        self.timers = Timers()
+        self.cfg = cfg
+        if instrument:
+            for name in (m for m in CACHE_METHODS if hasattr(self.eng.cache, m)):   # retire_checkpoint is newer
+                setattr(self.eng.cache, name, self.timers.wrap(name, getattr(self.eng.cache, name)))
+        self.per_req: dict[str, dict] = {}
+        run = self.backend.run
+
+        def timed_run(items):
+            prefill = [r for r in self.eng.running if r.status == Status.PREFILL]
+            t = time.perf_counter()
+            out = run(items)
+            dt = time.perf_counter() - t
+            for r in prefill:   # one request per step with max_num_seqs=1; else split evenly
+                self.per_req[r.request_id]["prefill_s"] += dt / len(prefill)
+            return out
+
+        self.backend.run = timed_run
+        self.reqs = [Request(f"r{i}", p, o) for i, (p, o) in enumerate(zip(prompts, outs))]
+        for r in self.reqs:
+            self.per_req[r.request_id] = {"prompt": len(r.prompt), "prefill_s": 0.0, "overhead_s": 0.0}
+            self.eng.add_request(r)
+        self.last_total = 0.0
+        self.wall = 0.0
+
+    def step(self) -> None:
         t = time.perf_counter()
-        out = run(items)
-        dt = time.perf_counter() - t
-        for r in prefill:   # one request per step with max_num_seqs=1; else split by tokens
-            share = 1.0 / len(prefill)
-            per_req[r.request_id]["prefill_s"] += dt * share
-        return out
+        done = self.eng.step()
+        self.wall += time.perf_counter() - t
+        for r in done:        # with max_num_seqs=1 every call since the last finish is this request's
+            self.per_req[r.request_id]["overhead_s"] = self.timers.total - self.last_total
+            self.last_total = self.timers.total
 
-    backend.run = timed_run
-    reqs = [Request(f"r{i}", p, o) for i, (p, o) in enumerate(zip(prompts, outs))]
-    for r in reqs:
-        per_req[r.request_id] = {"prompt": len(r.prompt), "prefill_s": 0.0, "overhead_s": 0.0}
-        eng.add_request(r)
-    last_total = 0.0
-    t0 = time.perf_counter()
+    def result(self) -> dict[str, dict]:
+        for r in self.reqs:
+            d = self.per_req[r.request_id]
+            d.update(hit=r.match.hit, kv_hit=r.match.kv_hit, matched_units=len(r.match.path),
+                     hashed_units=len(r.match.hashes), status=r.status.name)
+        return self.per_req
+
+
+def run_lockstep(model, prompts, outs, cached_cfg, base_cfg, namespace):
+    """The cached and the baseline engine stepped alternately, so both see the same background load."""
+    cached = EngineRun(model, prompts, outs, cached_cfg, namespace, True)
+    base = EngineRun(model, prompts, outs, base_cfg, namespace, False)
+    real_plan = engine_mod.plan_captures
+    timed_plan = cached.timers.wrap("plan_captures", real_plan)
+    # the module function is shared by both engines: time only the cached engine's calls
+    engine_mod.plan_captures = lambda config, *a, **k: (timed_plan if config is cached_cfg else real_plan)(
+        config, *a, **k)
     try:
-        while eng.has_work:
-            done = eng.step()
-            for r in done:        # with max_num_seqs=1 every call since the last finish is this request's
-                per_req[r.request_id]["overhead_s"] = timers.total - last_total
-                last_total = timers.total
+        while cached.eng.has_work or base.eng.has_work:
+            if cached.eng.has_work:
+                cached.step()
+            if base.eng.has_work:
+                base.step()
     finally:
-        engine_mod.plan_captures = saved_plan
-    wall = time.perf_counter() - t0
-    for r in reqs:
-        d = per_req[r.request_id]
-        d.update(hit=r.match.hit, kv_hit=r.match.kv_hit, matched_units=len(r.match.path),
-                 hashed_units=len(r.match.hashes), status=r.status.name)
-    return per_req, timers, wall, eng
+        engine_mod.plan_captures = real_plan
+    return cached, base
 
 
 def bench_workload(name, model, prompts, outs, block, args, namespace):
@@ -161,15 +188,14 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
     pages = sum(-(-(len(p) + o) // block_size) for p, o in zip(prompts, outs)) + 4
     common = dict(block_size=block_size, prefix_match_unit=g, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_kv_pages=pages, num_checkpoint_slots=max(16, 4 * len(prompts)), max_num_seqs=args.max_num_seqs)
-    cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(f"branch+tail={block_size}"), **common)
+    policy = args.policy or default_policy(block, g)
+    cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(policy), **common)
     base_cfg = CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
-    # warm-up (allocator, kernels) on a short prompt
-    run_engine(model, [prompts[0][:512]], [1], base_cfg, namespace, False)
+    run_lockstep(model, [prompts[0][:512]], [1], cached_cfg, base_cfg, namespace)   # warm-up
     runs = []
     for rep in range(args.repeats):
-        cached, timers, wall_c, eng = run_engine(model, prompts, outs, cached_cfg, namespace, True)
-        base, _, wall_b, _ = run_engine(model, prompts, outs, base_cfg, namespace, False)
-        runs.append((cached, timers, base, wall_c, wall_b, eng))
+        c, b = run_lockstep(model, prompts, outs, cached_cfg, base_cfg, namespace)
+        runs.append((c.result(), c.timers, b.result(), c.wall, b.wall, c.eng))
     # per request: the minimum over repeats of each measured time (least noise from other jobs)
     ids = list(runs[0][0])
     rows = []
@@ -196,7 +222,9 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
     return {
         "workload": name, "requests": n, "prompt_tokens": prompt_tokens, "reused_tokens": hit_tokens,
         "requests_with_hit": len(hit_rows), "matched_units": matched_units, "hashed_units": hashed_units,
-        "block_size": block_size, "prefix_match_unit": g, "repeats": args.repeats,
+        "block_size": block_size, "prefix_match_unit": g, "repeats": args.repeats, "policy": policy,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "checkpoints_created": dict(runs[0][5].stats.checkpoints_created),
         "baseline_prefill_s": base_prefill, "cached_prefill_s": cached_prefill,
         "prefill_tokens_per_s_baseline": prompt_tokens / base_prefill,
         "saved_prefill_s_measured": saved_measured, "saved_prefill_s_estimated": saved_est,
@@ -234,7 +262,8 @@ def _print(res: dict) -> None:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     print(f"\n== {res['workload']}: {res['requests']} requests, {res['prompt_tokens']} prompt tokens, "
           f"{res['reused_tokens']} reused ({res['requests_with_hit']} requests with a hit), "
-          f"{res['matched_units']} matched / {res['hashed_units']} hashed 64-token units")
+          f"{res['matched_units']} matched / {res['hashed_units']} hashed 64-token units; policy {res['policy']}, "
+          f"checkpoints created {res['checkpoints_created']}")
     print(f"baseline prefill {res['baseline_prefill_s']:.2f} s ({res['prefill_tokens_per_s_baseline']:.0f} tok/s), "
           f"cached prefill {res['cached_prefill_s']:.2f} s")
     print(f"saved prefill: measured {res['saved_prefill_s_measured']:.3f} s, "
@@ -259,6 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--policy", help="checkpoint policy of the cached run (default: the replay default)")
     p.add_argument("--simulate-trace", action="store_true", help="also time the whole-trace simulate replay")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
