@@ -43,6 +43,12 @@ class CheckpointPolicy:
     hint: bool = False
     supersede: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("tail_alignment", "interval"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(f"policy {name}={v!r} must be a positive integer or None")
+
     @classmethod
     def parse(cls, text: str) -> "CheckpointPolicy":
         """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch+supersede"``, ``"hint"``, ``"none"``.
@@ -146,6 +152,9 @@ class CacheConfig:
 
     def validate(self) -> None:
         """Check every field and their relations; see class docstring."""
+        if not isinstance(self.policy, CheckpointPolicy):
+            raise ConfigError(f"policy={self.policy!r} must be a CheckpointPolicy "
+                              "(CheckpointPolicy.parse('branch+tail'))")
         for name in ("block_size", "prefix_match_unit", "max_num_batched_tokens",
                      "num_kv_pages", "num_checkpoint_slots", "max_num_seqs"):
             v = getattr(self, name)

@@ -150,31 +150,29 @@ class HybridCacheCoordinator:
         """
         b, g = self.config.block_size, self.config.prefix_match_unit
         hit = match.hit
-        shared = [match.path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
-        for p in shared:
+        path = match.path[: hit // g]
+        held = list(dict.fromkeys(n.page for n in path))    # every page on the hit path, before any eviction
+        for p in held:
             self.pages.ref(p)
-        cow_src = match.path[hit // g - 1].page if hit % b else None
-        if cow_src is not None:
-            self.pages.ref(cow_src)
-        need = -(-num_tokens // b) - len(shared)
-        fresh = self._take_pages(need)
-        if fresh is None:
-            for p in shared + ([cow_src] if cow_src is not None else []):
-                self.pages.unref(p)
-            return None
-        if cow_src is not None:
-            if self.copy_page is not None:
-                self.copy_page(cow_src, fresh[0], hit % b)
-            self.pages.unref(cow_src)
         state = None
-        if hit:
-            slot = match.path[hit // g - 1].checkpoint
+        if hit:                                              # copy the checkpoint out while it is held
+            slot = path[-1].checkpoint
             self.checkpoints.ref(slot)
             state = self.checkpoints.read(slot, hit)
             self.checkpoints.unref(slot)
+        shared = [path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
+        cow_src = path[-1].page if hit % b else None
+        fresh = self._take_pages(-(-num_tokens // b) - len(shared))
+        if fresh is not None and cow_src is not None and self.copy_page is not None:
+            self.copy_page(cow_src, fresh[0], hit % b)
+        for p in shared if fresh is not None else ():
+            self.pages.ref(p)                                # the block table's own references
+        for p in held:
+            self.pages.unref(p)
+        if fresh is None:
+            return None
         self._note_peaks()
-        return Allocation(block_table=shared + fresh, state=state, start=hit,
-                          nodes=list(match.path[: hit // g]))
+        return Allocation(block_table=shared + fresh, state=state, start=hit, nodes=list(path))
 
     def extend(self, alloc: Allocation, num_tokens: int) -> bool:
         """Grow ``alloc.block_table`` to cover ``num_tokens`` positions; ``False`` if no room."""

@@ -66,6 +66,7 @@ class TorchBackend:
 
     def __init__(self, model, num_pages: int, block_size: int) -> None:
         self.model = model
+        self.vocab_size = model.config.vocab_size
         self.kv_pool = model.new_kv_pool(num_pages, block_size)
         cfg = model.config
         self.full_spec = FullAttentionSpec(block_size, cfg.num_mla_layers, cfg.kv_latent_dim,
@@ -126,10 +127,13 @@ class SimulatedBackend:
     Args:
         full_spec, kda_spec: group specs (bytes per page / checkpoint for metrics).
         prefill_tokens_per_second: modelled prefill throughput.
+        vocab_size: checked against request token ids (``None``: not checked).
     """
 
     def __init__(self, full_spec: FullAttentionSpec, kda_spec: KDASpec,
-                 prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005) -> None:
+                 prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005,
+                 vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size
         self.full_spec = full_spec
         self.kda_spec = kda_spec
         self.prefill_tokens_per_second = prefill_tokens_per_second

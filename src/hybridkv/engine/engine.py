@@ -70,18 +70,36 @@ class Engine:
         """Queue a request after validating it.
 
         Raises:
-            ValueError: empty prompt, ``max_output_tokens < 1`` or a hint that is
-                not a positive multiple of ``prefix_match_unit`` (message names it).
+            ValueError: naming the request and the value: already submitted,
+                empty or non-integer prompt, a token id outside the vocabulary,
+                ``max_output_tokens`` not an integer >= 1, a namespace that is
+                not bytes, or a hint that is not a positive multiple of
+                ``prefix_match_unit``. Nothing is queued then.
         """
-        req.prompt = np.asarray(req.prompt, dtype=np.int64)
-        if req.prompt.ndim != 1 or req.prompt.shape[0] == 0:
-            raise ValueError(f"request {req.request_id}: prompt must be a non-empty 1-D id list")
-        if req.max_output_tokens < 1:
-            raise ValueError(f"request {req.request_id}: max_output_tokens={req.max_output_tokens} < 1")
+        rid = req.request_id
+        if req.status != Status.WAITING or req.alloc is not None or req in self.waiting:
+            raise ValueError(f"request {rid}: already submitted (status {req.status.value})")
+        prompt = np.asarray(req.prompt)
+        if prompt.ndim != 1 or prompt.shape[0] == 0:
+            raise ValueError(f"request {rid}: prompt must be a non-empty 1-D id list, got shape {prompt.shape}")
+        if prompt.dtype.kind not in "iu":
+            raise ValueError(f"request {rid}: token ids must be integers, got dtype {prompt.dtype}")
+        vocab = getattr(self.backend, "vocab_size", None)
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"request {rid}: token id {bad} outside [0, {vocab if vocab is not None else 'inf'})")
+        req.prompt = prompt.astype(np.int64)
+        if not isinstance(req.max_output_tokens, int) or isinstance(req.max_output_tokens, bool) \
+                or req.max_output_tokens < 1:
+            raise ValueError(f"request {rid}: max_output_tokens={req.max_output_tokens!r} must be an integer >= 1")
+        if req.namespace is not None and not isinstance(req.namespace, bytes):
+            raise ValueError(f"request {rid}: namespace must be a digest (bytes), got {type(req.namespace).__name__}")
         g = self.config.prefix_match_unit
         for h in req.hints:
-            if h <= 0 or h % g:
-                raise ValueError(f"request {req.request_id}: hint {h} is not a positive multiple of {g}")
+            if not isinstance(h, (int, np.integer)) or isinstance(h, bool) or h <= 0 or h % g:
+                raise ValueError(f"request {rid}: hint {h!r} is not a positive multiple of {g}")
+        req.hints = tuple(int(h) for h in req.hints)
         self.waiting.append(req)
         return req
 
@@ -114,9 +132,9 @@ class Engine:
             req = self.waiting[0]
             t = req.prompt_len
             match = self.cache.lookup(req.prompt, req.namespace)
-            remote_branch = None
+            remote_branch, gains = None, {}
             if self.connector is not None:
-                match, remote_branch = self.connector.fetch(req.prompt, match, req.namespace)
+                match, remote_branch, gains = self.connector.fetch(req.prompt, match, req.namespace)
             alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
             if alloc is None:
                 req.admission_failures += 1
@@ -129,6 +147,8 @@ class Engine:
                 self.stats.rejected += 1
                 continue
             self.waiting.popleft()
+            if self.connector is not None:
+                self.connector.credit(gains)
             req.match, req.alloc, req.computed = match, alloc, match.hit
             req.capture = plan_captures(self.config, match, t, req.hints, remote_branch)
             req.status = Status.PREFILL

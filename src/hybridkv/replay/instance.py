@@ -110,7 +110,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     instance runs its requests one at a time in global trace order: request
     ``i`` starts once ``turn == i`` and sets ``turn = i + 1`` when it finishes,
     so instances see each other's store entries exactly as a single ordered
-    replay would. Without it, requests run concurrently up to ``max_num_seqs``.
+    replay would. An instance that fails sets ``turn = -1`` and the others stop. Without it, requests run concurrently up to ``max_num_seqs``.
     ``threads`` sets torch's intra-op threads of this process.
     """
     cfg = spec.config
@@ -121,7 +121,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         full = FullAttentionSpec(cfg.block_size, mcfg.num_mla_layers, mcfg.kv_latent_dim)
         kda = KDASpec(mcfg.num_kda_layers, mcfg.kda_num_heads, mcfg.kda_head_dim, mcfg.conv_dim,
                       mcfg.conv_kernel_size - 1)
-        model, backend, digest = None, SimulatedBackend(full, kda), "simulated"
+        model, backend, digest = None, SimulatedBackend(full, kda, vocab_size=mcfg.vocab_size), "simulated"
     else:
         model = load_model(spec.model, spec.seed)
         backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
@@ -149,14 +149,20 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
             if done and progress is not None:
                 progress(len(done))
     else:
-        for i, r in zip(spec.indices, requests):
-            while turn.value != i:
-                time.sleep(0.002)
-            engine.add_request(r)
-            engine.run_until_done()
-            turn.value = i + 1
-            if progress is not None:
-                progress(1)
+        try:
+            for i, r in zip(spec.indices, requests):
+                while turn.value != i:
+                    if turn.value < 0:
+                        raise RuntimeError(f"instance {spec.instance_id}: another instance failed; stopping")
+                    time.sleep(0.002)
+                engine.add_request(r)
+                engine.run_until_done()
+                turn.value = i + 1
+                if progress is not None:
+                    progress(1)
+        except BaseException:
+            turn.value = -1                   # wake every other instance: the replay is over
+            raise
     seconds = time.perf_counter() - t0
     s = engine.stats
     res = InstanceResult(

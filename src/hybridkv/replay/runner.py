@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -119,9 +120,10 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         store_alignment=opts.store_alignment)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
-    store_url = opts.store
+    store_url, scratch = opts.store, None
     if opts.instances > 1 and store_url == "none":
-        store_url = f"disk://{tempfile.mkdtemp(prefix='hybridkv-store-')}"
+        scratch = tempfile.mkdtemp(prefix="hybridkv-store-")
+        store_url = f"disk://{scratch}"
     oracle = oracle_from_trace(reqs, opts.block_tokens, opts.block_size)
     verify_ids = _pick_verify(oracle.per_request, opts.verify) if not opts.simulate else set()
     n = opts.instances
@@ -133,10 +135,14 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
         task = bar.add_task("requests", total=len(reqs))
-        if n == 1:
-            results = [run_instance(specs[0], lambda k: bar.advance(task, k))]
-        else:
-            results = _run_processes(specs, lambda k: bar.advance(task, k))
+        try:
+            if n == 1:
+                results = [run_instance(specs[0], lambda k: bar.advance(task, k))]
+            else:
+                results = _run_processes(specs, lambda k: bar.advance(task, k))
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
     return _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
 
@@ -154,6 +160,8 @@ def _run_processes(specs: list[InstanceSpec], progress) -> list[InstanceResult]:
             threads = max(1, (os.cpu_count() or 1) // len(specs))    # no oversubscription
             futures = [pool.submit(_worker, spec, queue, turn, threads) for spec in specs]
             while not all(f.done() for f in futures):
+                if any(f.done() and f.exception() is not None for f in futures):
+                    turn.value = -1           # a worker died before it could say so
                 try:
                     progress(queue.get(timeout=0.2))
                 except Exception:  # noqa: BLE001 - queue.Empty from a manager proxy

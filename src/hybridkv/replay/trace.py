@@ -83,8 +83,8 @@ def _is_int(value: object) -> bool:
 def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tuple[int, ...]]:
     try:
         obj = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise _BadLine("invalid_json", f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, deep nesting
+        raise _BadLine("invalid_json", f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
     if not isinstance(obj, dict):
         raise _BadLine("not_object", f"expected a JSON object, got {type(obj).__name__}")
     for name in _FIELDS:

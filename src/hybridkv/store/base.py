@@ -147,16 +147,28 @@ def open_store(url: str) -> ObjectStore | None:
         return None
     parsed = urlparse(url)
     query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    def capacity() -> int | None:
+        if "capacity" not in query:
+            return None
+        try:
+            return int(query["capacity"])
+        except ValueError:
+            raise ValueError(f"store URL {url!r}: capacity={query['capacity']!r} is not a byte count") from None
+
     if parsed.scheme == "memory":
-        return MemoryStore(int(query["capacity"]) if "capacity" in query else None)
+        return MemoryStore(capacity())
     if parsed.scheme == "disk":
         from hybridkv.store.disk import DiskStore
-        if not parsed.path:
-            raise ValueError(f"store URL {url!r} has no path; use disk:///absolute/dir")
-        return DiskStore(parsed.path, capacity_bytes=int(query["capacity"]) if "capacity" in query else None)
+        if parsed.netloc or not parsed.path:
+            raise ValueError(f"store URL {url!r}: use disk:///absolute/dir (three slashes, no host)")
+        return DiskStore(parsed.path, capacity_bytes=capacity())
     if parsed.scheme == "mooncake":
         from hybridkv.store.mooncake import MooncakeStore
         if not parsed.hostname or not parsed.port:
             raise ValueError(f"store URL {url!r} needs host:port, e.g. mooncake://127.0.0.1:50051")
+        known = {"segment_bytes", "local_buffer_bytes", "setup_retries", "timeout_s", "retry_interval_s"}
+        unknown = sorted(set(query) - known)
+        if unknown:
+            raise ValueError(f"store URL {url!r}: unknown parameter {unknown[0]!r}; known: {sorted(known)}")
         return MooncakeStore(master=f"{parsed.hostname}:{parsed.port}", **query)
     raise ValueError(f"store URL {url!r}: scheme {parsed.scheme!r} is not one of none, memory, disk, mooncake")

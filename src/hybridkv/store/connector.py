@@ -44,7 +44,6 @@ class TierConnector:
         self.cache = cache
         self.backend = backend
         self.tiers = tiers
-        self.device_hit_tokens = 0
         self._back = [t for t in tiers if not t.write_through]
         for t in self._back:
             if t.alignment != cache.config.block_size:
@@ -53,14 +52,17 @@ class TierConnector:
         if self._back:
             cache.on_evict = self._write_back
 
-    def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None) -> tuple[MatchResult, int | None]:
+    def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None
+              ) -> tuple[MatchResult, int | None, dict[str, int]]:
         """Improve ``match`` from lower tiers.
 
         Returns:
-            ``(match, missing_branching_boundary)``; the boundary (tokens) is
-            where the last tier has KV but no checkpoint beyond the joint hit.
+            ``(match, missing_branching_boundary, gains)``; the boundary (tokens)
+            is where the last tier has KV but no checkpoint beyond the joint
+            hit; ``gains`` maps tier name -> hit tokens it added. Pass
+            ``gains`` to :meth:`credit` once the request is admitted.
         """
-        self.device_hit_tokens += match.hit
+        gains: dict[str, int] = {}
         g = self.cache.config.prefix_match_unit
         cap = max(len(prompt) - 1, 0) // g * g
         missing = None
@@ -70,14 +72,23 @@ class TierConnector:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
                 tier.stats.misses["absent"] += 1        # the tier has nothing beyond the device hit
-            if rm.best_joint > match.hit and self._install(tier, match, rm.best_joint):
-                before = match.hit
-                match = self.cache.lookup(prompt, namespace)
-                tier.stats.hit_tokens += max(match.hit - before, 0)
+            for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
+                if boundary <= match.hit:
+                    break
+                if self._install(tier, match, boundary):
+                    before = match.hit
+                    match = self.cache.lookup(prompt, namespace)
+                    gains[tier.name] = gains.get(tier.name, 0) + max(match.hit - before, 0)
+                    break
             missing = rm.missing_branching_boundary
         if missing is not None and missing <= match.hit:
             missing = None
-        return match, missing
+        return match, missing, gains
+
+    def credit(self, gains: dict[str, int]) -> None:
+        """Count the hit tokens a lower tier added to an admitted request."""
+        for tier in self.tiers:
+            tier.stats.hit_tokens += gains.get(tier.name, 0)
 
     def _install(self, tier: StoreTier, match: MatchResult, boundary: int) -> bool:
         a = tier.alignment

@@ -28,6 +28,7 @@ Needs a filesystem with hard links (ext4, xfs, btrfs, NFS).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -102,6 +103,17 @@ def _read_header(f: BinaryIO, key_bytes: bytes) -> int:
     return plen
 
 
+def _os_errors_unavailable(method):
+    """Any ``OSError`` a public method did not handle means the directory is unusable."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            raise self._unavailable(f"{method.__name__} failed:", e) from e
+    return wrapper
+
+
 class DiskStore(ObjectStore):
     """Objects as files under one directory; survives restart; LRU-evicting cache.
 
@@ -152,10 +164,12 @@ class DiskStore(ObjectStore):
         """File bytes currently accounted to this store (this process's view)."""
         return self._bytes
 
+    @_os_errors_unavailable
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key holds a readable object (header checked, payload not read)."""
         return [self._probe(key.encode("utf-8")) == "ok" for key in keys]
 
+    @_os_errors_unavailable
     def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """Publish each ``(key, bytes)``; an existing key is kept as it is.
 
@@ -169,6 +183,7 @@ class DiskStore(ObjectStore):
         """
         return [self._put_one(key, data) for key, data in items]
 
+    @_os_errors_unavailable
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Payload bytes per key, ``None`` where absent or the file is bad. Repeated keys are read once.
 
@@ -181,10 +196,12 @@ class DiskStore(ObjectStore):
                 seen[key] = self._read(key, None)
         return [seen[key] for key in keys]
 
+    @_os_errors_unavailable
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         """Read each payload straight into its buffer; bytes read, or ``-1`` if absent / bad / too small."""
         return [self._read(key, buf) for key, buf in zip(keys, buffers)]
 
+    @_os_errors_unavailable
     def remove(self, keys: Sequence[str]) -> None:
         """Delete keys; absent keys are ignored.
 
@@ -284,9 +301,21 @@ class DiskStore(ObjectStore):
         return StoreUnavailable(f"disk store {self.root!r}: {what} {err.filename or ''!s}: {err.strerror}")
 
     def _check_dir(self, path: str) -> None:
-        """A missing object is a miss only while its directory exists."""
-        if not os.path.isdir(os.path.dirname(path)):
-            raise StoreUnavailable(f"disk store {self.root!r}: directory {os.path.dirname(path)!r} vanished")
+        """A missing object is a miss only while its directory exists.
+
+        A fan-out directory that vanished while the root is still there is
+        made again (the store recovers once its root is back).
+        """
+        sub = os.path.dirname(path)
+        if os.path.isdir(sub):
+            return
+        if os.path.isdir(self.root):
+            try:
+                os.makedirs(sub, exist_ok=True)
+                return
+            except OSError:
+                pass
+        raise StoreUnavailable(f"disk store {self.root!r}: directory {sub!r} vanished")
 
     # ------------------------------------------------------------- accounting
 

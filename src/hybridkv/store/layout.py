@@ -107,15 +107,23 @@ def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None,
     return comps, (mkey, json.dumps(manifest, sort_keys=True).encode())
 
 
-def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, tuple[str, tuple]]) -> list[Component]:
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, tuple[str, tuple]],
+                    keys: dict[str, str]) -> list[Component]:
     """Parse and check a manifest against what this reader expects.
 
     Args:
         expected: component name -> (dtype, shape) this model needs.
+        keys: component name -> the key it must live under (this entry's
+            namespace, chained hash, group and rank): a manifest cannot point
+            at another entry's objects.
 
     Raises:
         EntryError: reason ``incomplete`` (unparseable, other ABI / layout /
-            group / length, or components that do not match ``expected``).
+            group / length, components that do not match ``expected``, a
+            byte size that does not fit the shape, or a foreign key).
     """
     try:
         m = json.loads(data)
@@ -128,11 +136,19 @@ def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, 
                  for c in m["components"]]
     except EntryError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EntryError("incomplete", f"manifest does not parse: {exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise EntryError("incomplete", f"manifest does not parse: {type(exc).__name__}") from None
     got = {c.name: (c.dtype, c.shape) for c in comps}
     if got != expected:
-        raise EntryError("incomplete", f"manifest components {got} differ from the expected {expected}")
+        raise EntryError("incomplete", f"manifest components {sorted(got)} differ from the expected {sorted(expected)}")
+    for c in comps:
+        if c.key != keys[c.name]:
+            raise EntryError("incomplete", f"manifest component {c.name} points outside its entry")
+        numel = 1
+        for d in c.shape:
+            numel *= d
+        if c.nbytes != numel * _ITEMSIZE[c.dtype]:
+            raise EntryError("incomplete", f"manifest component {c.name}: {c.nbytes} bytes do not fit {c.shape}")
     return comps
 
 

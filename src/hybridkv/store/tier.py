@@ -170,8 +170,10 @@ class StoreTier:
         if got[0] is None:
             self.stats.misses["absent"] += 1
             return None
+        names = getattr(self.shapes, group)
         try:
-            comps = decode_manifest(got[0], group, boundary, getattr(self.shapes, group))
+            comps = decode_manifest(got[0], group, boundary, names,
+                                    {n: self._key(hashes, boundary, group, n) for n in names})
         except EntryError as exc:
             self.stats.misses[exc.reason] += 1
             return None
