@@ -42,6 +42,7 @@ import contextlib
 import cProfile
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -68,6 +69,7 @@ from hybridkv.store.layout import bytes_tensor, decode_manifest, encode_entry, e
 
 UNIT = 64
 ALIGN = 512
+_DECODE_TAKES_KEYS = "keys" in inspect.signature(decode_manifest).parameters   # newer layout.py checks keys
 
 
 def make_data(model, entries: int, seed: int = 0):
@@ -169,7 +171,9 @@ def batched_path(store, ns_prefix, hashes, lat, ck, shapes):
         blobs = store.get(mkeys)
         listed = []
         for (e_ns, h, parent, group, b, _), blob in zip(entries(ns), blobs):
-            listed += decode_manifest(blob, group, b, getattr(shapes, group))
+            expected = getattr(shapes, group)
+            extra = ({n: entry_key(e_ns, h, group, n) for n in expected},) if _DECODE_TAKES_KEYS else ()
+            listed += decode_manifest(blob, group, b, expected, *extra)
         buf = np.empty(sum(c.nbytes for c in listed), dtype=np.uint8)
         views, off = [], 0
         for c in listed:
