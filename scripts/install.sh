@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
 
-# libibverbs1: needed to import the Mooncake transfer engine (DESIGN.md section 11).
+# libibverbs1: needed to import the Mooncake transfer engine (docs/DESIGN.md section 11).
 if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
   if ! apt-get install -y -q libibverbs1; then
     apt-get update -q
@@ -24,7 +24,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-# torch first and pinned: 2.13.0 is a CPU build on this machine's local disk; any
+# torch first and pinned: 2.13.0 is the CPU build for these machines; any
 # other spec lets pip pull a CUDA build of several GB.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test,bench,mooncake]'

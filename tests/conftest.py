@@ -22,6 +22,9 @@ def pytest_configure(config):
     reexec_under_loopback(list(sys.orig_argv))
 
 
+torch.set_num_threads(1)   # tiny shapes gain nothing from more; several threads collapse on a busy machine
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """The ``tiny`` preset, seed 0, fp32 on CPU."""

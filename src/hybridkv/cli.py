@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
     r.add_argument("--prefix-match-unit", type=_positive, default=64, help="hash/lookup unit in tokens (default 64)")
     r.add_argument("--policy", default=None,
-                   help="checkpoint policy, e.g. 'branch+tail=512', 'interval=2048+branch' "
-                        "(default: branch+tail=<block-tokens>)")
+                   help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
+                        "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
     r.add_argument("--mechanism", choices=("extract", "split"), default="extract")
     r.add_argument("--max-output-tokens", type=_positive, default=4,
                    help="cap on generated tokens per request (default 4)")
@@ -54,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-num-seqs", type=_positive, default=4)
     r.add_argument("--kv-pages", type=_positive, default=None, help="KV pool pages (default: no eviction)")
     r.add_argument("--checkpoint-slots", type=_positive, default=None,
-                   help="checkpoint pool slots (default: 4 per request)")
+                   help="checkpoint pool slots (default: enough that nothing is evicted)")
     r.add_argument("--verify", type=_non_negative, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
     r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens")
+    r.add_argument("--threads", type=_positive, default=1,
+                   help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051 "
                         "(default none; several instances without one share a fresh disk store)")
@@ -107,7 +109,7 @@ def _replay(args, console: Console) -> int:
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
-        host_bytes=max(args.host_mib, 0) << 20)
+        host_bytes=max(args.host_mib, 0) << 20, threads=args.threads)
     try:
         report = run_replay(opts, console)
     except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:

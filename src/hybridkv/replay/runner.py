@@ -11,7 +11,6 @@ in their own processes, sharing one store.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 import time
@@ -57,6 +56,7 @@ class ReplayOptions:
     store: str = "none"
     store_alignment: int | None = None
     host_bytes: int = 256 << 20
+    threads: int = 1
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -137,9 +137,9 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         task = bar.add_task("requests", total=len(reqs))
         try:
             if n == 1:
-                results = [run_instance(specs[0], lambda k: bar.advance(task, k))]
+                results = [run_instance(specs[0], lambda k: bar.advance(task, k), threads=opts.threads)]
             else:
-                results = _run_processes(specs, lambda k: bar.advance(task, k))
+                results = _run_processes(specs, lambda k: bar.advance(task, k), opts.threads)
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -147,7 +147,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     return _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
 
 
-def _run_processes(specs: list[InstanceSpec], progress) -> list[InstanceResult]:
+def _run_processes(specs: list[InstanceSpec], progress, threads: int) -> list[InstanceResult]:
     """One worker process per instance (spawned: no state is inherited), progress via a queue.
 
     Requests run one at a time in trace order across instances (see :func:`run_instance`).
@@ -157,7 +157,6 @@ def _run_processes(specs: list[InstanceSpec], progress) -> list[InstanceResult]:
         queue = manager.Queue()
         turn = manager.Value("i", 0)
         with ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx) as pool:
-            threads = max(1, (os.cpu_count() or 1) // len(specs))    # no oversubscription
             futures = [pool.submit(_worker, spec, queue, turn, threads) for spec in specs]
             while not all(f.done() for f in futures):
                 if any(f.done() and f.exception() is not None for f in futures):
