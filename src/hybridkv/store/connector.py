@@ -107,8 +107,8 @@ class TierConnector:
                checkpoints: dict[int, KDACheckpoint], repair: bool = False) -> None:
         """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the tiers lack.
 
-        KV segments are written before any checkpoint that needs them; each
-        entry's manifest is written after its components. With ``repair``, the
+        All components go out in one batched put, then the manifests of the
+        entries whose components landed in a second one. With ``repair``, the
         checkpoint the request started from (its joint hit) is uploaded too if
         a write-through tier lacks it, e.g. after the store lost its objects.
         """
@@ -126,9 +126,8 @@ class TierConnector:
             present = tier.has(hashes, bounds, "kv")
             if present is None:
                 continue
-            for b, ok in zip(bounds, present):
-                if not ok and not tier.save_kv(hashes, b, self.backend.read_kv(alloc.block_table, b - a, b)):
-                    break
+            entries = [tier.entry(hashes, b, "kv", {"latents": self.backend.read_kv(alloc.block_table, b - a, b)})
+                       for b, ok in zip(bounds, present) if not ok]
             aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
             have = tier.has(hashes, aligned, "kda") or [True] * len(aligned)
             for b, ok in zip(aligned, have):
@@ -140,7 +139,8 @@ class TierConnector:
                     if node.checkpoint is None:
                         continue
                     ckpt = self.cache.checkpoints.read(node.checkpoint, b)
-                tier.save_checkpoint(hashes, b, ckpt)
+                entries.append(tier.entry(hashes, b, "kda", checkpoint_components(ckpt)))
+            tier.save_entries(entries)                      # two batched puts per step
 
     def _write_back(self, nodes, kv: bool) -> None:
         """Save evicted device state into the write-back tiers (page-aligned entries only)."""

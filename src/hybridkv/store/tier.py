@@ -203,22 +203,53 @@ class StoreTier:
 
     # -- saves -------------------------------------------------------------
     def _save(self, hashes, boundary, group, tensors) -> bool:
-        parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
-        return self.save_entry(self._hash(hashes, boundary), parent, group, boundary, tensors)
+        return self.save_entries([self.entry(hashes, boundary, group, tensors)])[0]
 
     def save_entry(self, chain_hash: bytes, parent_hash: bytes | None, group: str, boundary: int,
                    tensors: dict[str, torch.Tensor]) -> bool:
         """Commit one entry: components first, then its manifest (nothing visible if a put fails)."""
-        comps, manifest = encode_entry(self.namespace, chain_hash, parent_hash, group, boundary,
-                                       self.alignment, tensors)
+        return self.save_entries([(chain_hash, parent_hash, group, boundary, tensors)])[0]
+
+    def save_entries(self, entries: list[tuple]) -> list[bool]:
+        """Commit several entries with two batched puts: every component, then the manifests
+        of the entries whose components all landed.
+
+        Args:
+            entries: ``(chain_hash, parent_hash, group, boundary, tensors)`` tuples.
+
+        Returns:
+            Per entry, whether it is now visible.
+        """
+        if not entries:
+            return []
+        encoded = [encode_entry(self.namespace, h, parent, group, boundary, self.alignment, tensors)
+                   for h, parent, group, boundary, tensors in entries]
+        comps = [c for cs, _ in encoded for c in cs]
         ok = self._call(self.store.put, comps)
-        if ok is None or not all(ok):
-            return False                       # no manifest: the entry stays invisible
-        ok = self._call(self.store.put, [manifest])
-        if ok is None or not ok[0]:
-            return False
-        self.stats.bytes_saved += sum(len(d) for _, d in comps) + len(manifest[1])
-        return True
+        if ok is None:
+            return [False] * len(entries)
+        done, i = [], 0
+        for cs, _ in encoded:
+            done.append(all(ok[i:i + len(cs)]))
+            i += len(cs)
+        manifests = [m for (_, m), d in zip(encoded, done) if d]
+        ok = self._call(self.store.put, manifests) if manifests else []
+        if ok is None:
+            return [False] * len(entries)
+        visible, j = [], 0
+        for (cs, m), d in zip(encoded, done):
+            v = d and ok[j]
+            j += d
+            visible.append(v)
+            if v:
+                self.stats.bytes_saved += sum(len(b) for _, b in cs) + len(m[1])
+        return visible
+
+    def entry(self, hashes: list[bytes], boundary: int, group: str, tensors: dict) -> tuple:
+        """An entry tuple for :meth:`save_entries` at an aligned ``boundary`` of a prompt."""
+        self._check_aligned(boundary)
+        parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
+        return (self._hash(hashes, boundary), parent, group, boundary, tensors)
 
     def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
         """Whether each boundary's manifest exists (``None`` if unreachable)."""
