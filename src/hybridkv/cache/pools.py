@@ -25,7 +25,51 @@ import torch
 from hybridkv.model.state import KDACheckpoint
 
 
-class PagePool:
+class _RefcountedLRU:
+    """Shared bookkeeping: per-item refcounts, a free queue and an LRU of cached, unreferenced items.
+
+    Subclasses say what "cached" means (:meth:`_cached`); an item is free when it
+    is neither referenced nor cached, evictable when cached and unreferenced.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.refcount = [0] * n                # owner: requests via ref/unref
+        self._free: deque[int] = deque(range(n))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    def _cached(self, i: int) -> bool:
+        raise NotImplementedError
+
+    def lru_evictable(self) -> int | None:
+        """Least recently used cached, unreferenced item, or ``None``."""
+        return next(iter(self._evictable), None)
+
+    def touch(self, i: int) -> None:
+        """Mark a cached, unreferenced item most recently used."""
+        if i in self._evictable:
+            self._evictable.move_to_end(i)
+
+    def ref(self, i: int) -> None:
+        """Add a reference to a cached (or already referenced) item."""
+        if self.refcount[i] == 0:
+            if not self._cached(i):
+                raise RuntimeError(f"{type(self).__name__} item {i} is not cached; it cannot be referenced")
+            self._evictable.pop(i)
+        self.refcount[i] += 1
+
+    def unref(self, i: int) -> None:
+        """Drop a reference; an unreferenced item becomes MRU evictable if cached, else free."""
+        if self.refcount[i] <= 0:
+            raise RuntimeError(f"{type(self).__name__} item {i} refcount would go below zero")
+        self.refcount[i] -= 1
+        if self.refcount[i] == 0:
+            if self._cached(i):
+                self._evictable[i] = None
+            else:
+                self._free.append(i)
+
+
+class PagePool(_RefcountedLRU):
     """Refcounted page ids with an LRU queue of cached, unreferenced pages.
 
     Args:
@@ -33,11 +77,12 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int) -> None:
+        super().__init__(num_pages)
         self.num_pages = num_pages
-        self.refcount = [0] * num_pages        # owner: requests via ref/unref
         self.node_count = [0] * num_pages      # owner: the index via add_node/remove_node
-        self._free: deque[int] = deque(range(num_pages))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    def _cached(self, page: int) -> bool:
+        return self.node_count[page] > 0
 
     # -- queries ---------------------------------------------------------
     @property
@@ -50,10 +95,6 @@ class PagePool:
         """Cached pages with no request reference."""
         return len(self._evictable)
 
-    def lru_evictable(self) -> int | None:
-        """Least recently used cached, unreferenced page, or ``None``."""
-        return next(iter(self._evictable), None)
-
     # -- transitions -----------------------------------------------------
     def pop_free(self) -> int | None:
         """Take a free page (refcount becomes 1) or return ``None`` when none is free."""
@@ -62,27 +103,6 @@ class PagePool:
         page = self._free.popleft()
         self.refcount[page] = 1
         return page
-
-    def ref(self, page: int) -> None:
-        """Add a request reference (a hit on a cached page)."""
-        if self.refcount[page] == 0:
-            if self.node_count[page] == 0:
-                raise RuntimeError(f"page {page} is free; it cannot be referenced")
-            self._evictable.pop(page)
-        self.refcount[page] += 1
-
-    def unref(self, page: int) -> None:
-        """Drop a request reference; the page becomes cached (MRU) or free."""
-        if self.refcount[page] <= 0:
-            raise RuntimeError(f"page {page} refcount would go below zero")
-        self.refcount[page] -= 1
-        if self.refcount[page] == 0:
-            self._park(page)
-
-    def touch(self, page: int) -> None:
-        """Mark a cached, unreferenced page most recently used."""
-        if page in self._evictable:
-            self._evictable.move_to_end(page)
 
     def add_node(self, page: int) -> None:
         """An index node now points at ``page`` (its content is published)."""
@@ -99,12 +119,6 @@ class PagePool:
             self._evictable.pop(page, None)
             self._free.append(page)
 
-    def _park(self, page: int) -> None:
-        if self.node_count[page] > 0:
-            self._evictable[page] = None
-        else:
-            self._free.append(page)
-
     def check_invariants(self) -> None:
         """Every page is in exactly one state; raise ``AssertionError`` otherwise."""
         free = set(self._free)
@@ -116,7 +130,7 @@ class PagePool:
             assert (p in self._evictable) == (rc == 0 and nc > 0), f"page {p}: evictable membership wrong"
 
 
-class CheckpointPool:
+class CheckpointPool(_RefcountedLRU):
     """Fixed number of published-checkpoint slots, with optional tensor storage.
 
     Args:
@@ -134,12 +148,10 @@ class CheckpointPool:
 
     def __init__(self, num_slots: int, *, recurrent_shape=None, conv_shape=None,
                  conv_dtype=torch.float32, slot_bytes: int = 0, device="cpu") -> None:
+        super().__init__(num_slots)
         self.num_slots = num_slots
-        self.refcount = [0] * num_slots
         self.published = [False] * num_slots   # owner: the index (attach/detach)
         self.boundary: list[int | None] = [None] * num_slots
-        self._free: deque[int] = deque(range(num_slots))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
         self.recurrent = self.conv = None
         if recurrent_shape is not None:
             self.recurrent = torch.zeros((num_slots, *recurrent_shape), dtype=torch.float32, device=device)
@@ -156,10 +168,6 @@ class CheckpointPool:
     def num_published(self) -> int:
         """Slots holding a published checkpoint."""
         return sum(self.published)
-
-    def lru_evictable(self) -> int | None:
-        """Least recently used published, unreferenced slot, or ``None``."""
-        return next(iter(self._evictable), None)
 
     def take_free(self) -> int | None:
         """Reserve a free slot for writing (not yet published); ``None`` if none."""
@@ -189,29 +197,8 @@ class CheckpointPool:
             return None
         return KDACheckpoint(self.recurrent[slot].clone(), self.conv[slot].clone(), boundary)
 
-    def ref(self, slot: int) -> None:
-        """Hold a published slot while a request copies it."""
-        if not self.published[slot]:
-            raise RuntimeError(f"checkpoint slot {slot} is not published")
-        if self.refcount[slot] == 0:
-            self._evictable.pop(slot)
-        self.refcount[slot] += 1
-
-    def unref(self, slot: int) -> None:
-        """Release a reference; an unreferenced published slot becomes MRU evictable."""
-        if self.refcount[slot] <= 0:
-            raise RuntimeError(f"checkpoint slot {slot} refcount would go below zero")
-        self.refcount[slot] -= 1
-        if self.refcount[slot] == 0:
-            if self.published[slot]:
-                self._evictable[slot] = None
-            else:
-                self._free.append(slot)
-
-    def touch(self, slot: int) -> None:
-        """Mark an evictable slot most recently used."""
-        if slot in self._evictable:
-            self._evictable.move_to_end(slot)
+    def _cached(self, slot: int) -> bool:
+        return self.published[slot]
 
     def unpublish(self, slot: int) -> None:
         """Detach a slot from the index; it is freed once unreferenced."""
