@@ -64,6 +64,7 @@ from hybridkv.model import HybridModel
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import MemoryStore
 from hybridkv.store.connector import tier_for
+from hybridkv.store.tier import checkpoint_components
 from hybridkv.store.disk import DiskStore
 from hybridkv.store.layout import bytes_tensor, decode_manifest, encode_entry, entry_key, tensor_bytes
 
@@ -136,6 +137,30 @@ def tier_path(name, store, backend, hashes, lat, ck):
         out = tier_pass(tier, hashes, lat, ck, check=(rep == 0))
         drop(tier, hashes, len(lat))
         return out
+    return run
+
+
+def tier_batched_path(name, store, backend, hashes, lat, ck):
+    """The library's batched upload (``StoreTier.save_entries``: one put for every component of
+    the pass, one for the manifests), then the per-entry loads; fresh namespace per call."""
+    bounds = [(i + 1) * ALIGN for i in range(len(lat))]
+
+    def run(rep: int):
+        ns = hashlib.sha256(f"bench_store/{name}/batched/{rep}/{time.time_ns()}".encode()).digest()
+        tier = tier_for(store, backend, ns, UNIT, ALIGN, name=name)
+        t = time.perf_counter()
+        entries = []
+        for b, latents, c in zip(bounds, lat, ck):
+            entries.append(tier.entry(hashes, b, "kv", {"latents": latents}))
+            entries.append(tier.entry(hashes, b, "kda", checkpoint_components(c)))
+        assert all(tier.save_entries(entries))
+        save = time.perf_counter() - t
+        t = time.perf_counter()
+        for b in bounds:
+            assert tier.load_kv(hashes, b) is not None and tier.load_checkpoint(hashes, b) is not None
+        load = time.perf_counter() - t
+        drop(tier, hashes, len(lat))
+        return save, load, None
     return run
 
 
@@ -475,6 +500,7 @@ def main(argv=None) -> int:
         shapes = tier_for(MemoryStore(), backend, b"", UNIT, ALIGN).shapes
         for name, store in stores:
             paths[name] = tier_path(name, store, backend, hashes, lat, ck)
+            paths[f"{name} save_entries"] = tier_batched_path(name, store, backend, hashes, lat, ck)
         if args.prototype:
             for name, store in stores:
                 paths[f"{name} batched*"] = batched_path(store, f"bench_store/{name}/batched", hashes, lat, ck,
