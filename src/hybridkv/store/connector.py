@@ -18,7 +18,7 @@ from __future__ import annotations
 from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
-from hybridkv.store.tier import EntryShapes, StoreTier, checkpoint_components
+from hybridkv.store.tier import EntryShapes, StoreTier, checkpoint_components, checkpoint_from_components
 
 
 def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment: int,
@@ -91,17 +91,19 @@ class TierConnector:
             tier.stats.hit_tokens += gains.get(tier.name, 0)
 
     def _install(self, tier: StoreTier, match: MatchResult, boundary: int) -> bool:
+        """Load the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)`` (two
+        batched gets), verify, then install them in order; ``False`` at the first miss."""
         a = tier.alignment
         hashes = match.hashes
-        seg = min(match.kv_hit, boundary) // a * a
-        while seg < boundary:
-            latents = tier.load_kv(hashes, seg + a)
-            if latents is None or not self.cache.install_kv(
-                    hashes, seg, seg + a, lambda pages, lat=latents: self.backend.write_pages(pages, lat)):
+        segs = list(range(min(match.kv_hit, boundary) // a * a + a, boundary + 1, a))
+        got = tier.load_many(hashes, [(b, "kv") for b in segs] + [(boundary, "kda")])
+        for b, entry in zip(segs, got):
+            if entry is None or not self.cache.install_kv(
+                    hashes, b - a, b, lambda pages, lat=entry["latents"]: self.backend.write_pages(pages, lat)):
                 return False
-            seg += a
-        ckpt = tier.load_checkpoint(hashes, boundary)
-        return ckpt is not None and self.cache.install_checkpoint(hashes, ckpt, boundary)
+        kda = got[-1]
+        return kda is not None and self.cache.install_checkpoint(
+            hashes, checkpoint_from_components(kda, boundary), boundary)
 
     def upload(self, alloc: Allocation, hashes: list[bytes], computed: int,
                checkpoints: dict[int, KDACheckpoint], repair: bool = False) -> None:

@@ -80,6 +80,12 @@ def checkpoint_components(ckpt: KDACheckpoint) -> dict[str, torch.Tensor]:
     return {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k, "conv.v": v}
 
 
+def checkpoint_from_components(parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
+    """Inverse of :func:`checkpoint_components`."""
+    conv = torch.cat([parts["conv.q"], parts["conv.k"], parts["conv.v"]], dim=1)
+    return KDACheckpoint(parts["recurrent"], conv, boundary)
+
+
 class StoreTier:
     """Entries of one namespace in one object store.
 
@@ -163,29 +169,51 @@ class StoreTier:
 
     # -- loads -------------------------------------------------------------
     def _load(self, hashes, boundary, group) -> dict[str, torch.Tensor] | None:
-        mkey = self._key(hashes, boundary, group)
-        got = self._call(self.store.get, [mkey])
+        return self.load_many(hashes, [(boundary, group)])[0]
+
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+        """Verified components of several entries with two batched gets (manifests, then components).
+
+        Args:
+            wanted: ``(boundary, group)`` pairs.
+
+        Returns:
+            Per pair, component name -> tensor, or ``None`` (a counted miss).
+        """
+        if not wanted:
+            return []
+        got = self._call(self.store.get, [self._key(hashes, b, grp) for b, grp in wanted])
         if got is None:
-            return None
-        if got[0] is None:
-            self.stats.misses["absent"] += 1
-            return None
-        names = getattr(self.shapes, group)
-        try:
-            comps = decode_manifest(got[0], group, boundary, names,
-                                    {n: self._key(hashes, boundary, group, n) for n in names})
-        except EntryError as exc:
-            self.stats.misses[exc.reason] += 1
-            return None
-        blobs = self._call(self.store.get, [c.key for c in comps])
+            return [None] * len(wanted)
+        listed: list = []
+        for (b, grp), blob in zip(wanted, got):
+            if blob is None:
+                self.stats.misses["absent"] += 1
+                listed.append(None)
+                continue
+            names = getattr(self.shapes, grp)
+            try:
+                listed.append(decode_manifest(blob, grp, b, names, {n: self._key(hashes, b, grp, n) for n in names}))
+            except EntryError as exc:
+                self.stats.misses[exc.reason] += 1
+                listed.append(None)
+        keys = [c.key for comps in listed if comps for c in comps]
+        blobs = self._call(self.store.get, keys) if keys else []
         if blobs is None:
-            return None
-        try:
-            out = {c.name: verify_component(c, data) for c, data in zip(comps, blobs)}
-        except EntryError as exc:
-            self.stats.misses[exc.reason] += 1
-            return None
-        self.stats.bytes_loaded += len(got[0]) + sum(c.nbytes for c in comps)
+            return [None] * len(wanted)
+        out, i = [], 0
+        for blob, comps in zip(got, listed):
+            if comps is None:
+                out.append(None)
+                continue
+            part, i = blobs[i:i + len(comps)], i + len(comps)
+            try:
+                out.append({c.name: verify_component(c, data) for c, data in zip(comps, part)})
+            except EntryError as exc:
+                self.stats.misses[exc.reason] += 1
+                out.append(None)
+                continue
+            self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return out
 
     def load_kv(self, hashes: list[bytes], boundary: int) -> torch.Tensor | None:
@@ -196,10 +224,7 @@ class StoreTier:
     def load_checkpoint(self, hashes: list[bytes], boundary: int) -> KDACheckpoint | None:
         """Verified ``C(P_boundary)``, or ``None`` (a counted miss)."""
         got = self._load(hashes, boundary, "kda")
-        if got is None:
-            return None
-        conv = torch.cat([got["conv.q"], got["conv.k"], got["conv.v"]], dim=1)
-        return KDACheckpoint(got["recurrent"], conv, boundary)
+        return None if got is None else checkpoint_from_components(got, boundary)
 
     # -- saves -------------------------------------------------------------
     def _save(self, hashes, boundary, group, tensors) -> bool:
