@@ -5,6 +5,11 @@ import sys
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run: CI results are reproducible.
+settings.register_profile("hybridkv", derandomize=True)
+settings.load_profile("hybridkv")
 
 from hybridkv.model.model import HybridModel
 
