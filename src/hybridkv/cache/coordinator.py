@@ -174,18 +174,6 @@ class HybridCacheCoordinator:
         self._note_peaks()
         return Allocation(block_table=shared + fresh, state=state, start=hit, nodes=list(path))
 
-    def extend(self, alloc: Allocation, num_tokens: int) -> bool:
-        """Grow ``alloc.block_table`` to cover ``num_tokens`` positions; ``False`` if no room."""
-        need = -(-num_tokens // self.config.block_size) - len(alloc.block_table)
-        if need <= 0:
-            return True
-        fresh = self._take_pages(need)
-        if fresh is None:
-            return False
-        alloc.block_table.extend(fresh)
-        self._note_peaks()
-        return True
-
     def _take_pages(self, n: int) -> list[int] | None:
         while self.pages.num_free < n:
             victim = self.pages.lru_evictable()

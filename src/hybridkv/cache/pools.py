@@ -151,7 +151,6 @@ class CheckpointPool(_RefcountedLRU):
         super().__init__(num_slots)
         self.num_slots = num_slots
         self.published = [False] * num_slots   # owner: the index (attach/detach)
-        self.boundary: list[int | None] = [None] * num_slots
         self.recurrent = self.conv = None
         if recurrent_shape is not None:
             self.recurrent = torch.zeros((num_slots, *recurrent_shape), dtype=torch.float32, device=device)
@@ -164,11 +163,6 @@ class CheckpointPool(_RefcountedLRU):
         """Unused slots."""
         return len(self._free)
 
-    @property
-    def num_published(self) -> int:
-        """Slots holding a published checkpoint."""
-        return sum(self.published)
-
     def take_free(self) -> int | None:
         """Reserve a free slot for writing (not yet published); ``None`` if none."""
         return self._free.popleft() if self._free else None
@@ -180,16 +174,11 @@ class CheckpointPool(_RefcountedLRU):
                 raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
             self.recurrent[slot].copy_(ckpt.recurrent)
             self.conv[slot].copy_(ckpt.conv)
-        self.boundary[slot] = None if ckpt is None else ckpt.boundary
 
     def publish(self, slot: int) -> None:
         """Mark a written slot published (attached to an index node); it becomes evictable."""
         self.published[slot] = True
         self._evictable[slot] = None
-
-    def release_unpublished(self, slot: int) -> None:
-        """Give back a slot reserved by :meth:`take_free` but never published."""
-        self._free.append(slot)
 
     def read(self, slot: int, boundary: int) -> KDACheckpoint | None:
         """A private copy of the checkpoint in ``slot`` (``None`` when tensor-less)."""
@@ -203,7 +192,6 @@ class CheckpointPool(_RefcountedLRU):
     def unpublish(self, slot: int) -> None:
         """Detach a slot from the index; it is freed once unreferenced."""
         self.published[slot] = False
-        self.boundary[slot] = None
         if self.refcount[slot] == 0:
             self._evictable.pop(slot, None)
             self._free.append(slot)

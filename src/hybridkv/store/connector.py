@@ -145,10 +145,11 @@ class TierConnector:
             tier.save_entries(entries)                      # two batched puts per step
 
     def _write_back(self, nodes, kv: bool) -> None:
-        """Save evicted device state into the write-back tiers (page-aligned entries only)."""
+        """Save evicted device state into the write-back tiers (page-aligned entries only), batched."""
         g = self.cache.config.prefix_match_unit
         for tier in self._back:
             a = tier.alignment
+            entries = []
             for n in nodes:
                 if n.end % a:
                     continue
@@ -157,7 +158,8 @@ class TierConnector:
                     parent = parent.parent
                 parent_key = parent.key if parent is not None and parent.end else None
                 if kv:
-                    tier.save_entry(n.key, parent_key, "kv", n.end, {"latents": self.backend.page_latents(n.page)})
+                    entries.append((n.key, parent_key, "kv", n.end, {"latents": self.backend.page_latents(n.page)}))
                 if n.checkpoint is not None:
                     ckpt = self.cache.checkpoints.read(n.checkpoint, n.end)
-                    tier.save_entry(n.key, parent_key, "kda", n.end, checkpoint_components(ckpt))
+                    entries.append((n.key, parent_key, "kda", n.end, checkpoint_components(ckpt)))
+            tier.save_entries(entries)
