@@ -117,19 +117,23 @@ def test_s7_only_aligned_boundaries_become_remote(tiny_model):
     assert store.exists([keys_6976]) == [False]
 
 
-def test_host_tier_write_back_and_load_back(tiny_model):
+@pytest.mark.parametrize("kind", ["tensors", "memory-store"])
+def test_host_tier_write_back_and_load_back(tiny_model, kind):
     from hybridkv.cache.config import CacheConfig, CheckpointPolicy
     from hybridkv.cache.namespace import CacheIdentity
     from hybridkv.engine.backend import TorchBackend
     from hybridkv.engine.engine import Engine
-    from hybridkv.store.connector import tier_for
+    from hybridkv.store.connector import host_tier_for, tier_for
 
     v = tiny_model.config.vocab_size
     cfg = CacheConfig(block_size=256, prefix_match_unit=64, num_kv_pages=8, num_checkpoint_slots=4,
                       policy=CheckpointPolicy.parse("branch+tail=256"))
     backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
     ns = CacheIdentity(model_repo="tiny").digest()
-    host = tier_for(MemoryStore(capacity_bytes=64 << 20), backend, ns, 64, 256, name="host", write_through=False)
+    if kind == "tensors":
+        host = host_tier_for(64 << 20, backend, ns, 64, 256)
+    else:
+        host = tier_for(MemoryStore(capacity_bytes=64 << 20), backend, ns, 64, 256, name="host", write_through=False)
     e = Engine(cfg, backend, ns, tiers=[host])
     P = tokens(50, 1024, v)
     run_one(e, np.concatenate([P, tokens(51, 30, v)]))             # C(P_1024) and 4 pages

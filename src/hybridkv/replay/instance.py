@@ -129,10 +129,8 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     namespace = CacheIdentity(model_repo=spec.model, weight_digest=digest).digest()
     tiers = []
     if not spec.simulate and spec.host_bytes:
-        from hybridkv.store.base import MemoryStore
-        from hybridkv.store.connector import tier_for
-        tiers.append(tier_for(MemoryStore(spec.host_bytes), backend, namespace, cfg.prefix_match_unit,
-                              cfg.block_size, name="host", write_through=False))
+        from hybridkv.store.connector import host_tier_for
+        tiers.append(host_tier_for(spec.host_bytes, backend, namespace, cfg.prefix_match_unit, cfg.block_size))
     tier = None if spec.simulate else _open_tier(spec, backend, namespace)
     if tier is not None:
         tiers.append(tier)

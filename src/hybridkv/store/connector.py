@@ -18,17 +18,30 @@ from __future__ import annotations
 from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
-from hybridkv.store.tier import EntryShapes, StoreTier, checkpoint_components, checkpoint_from_components
+from hybridkv.store.host import HostTier
+from hybridkv.store.tier import EntryShapes, StoreTier, Tier, checkpoint_components, checkpoint_from_components
+
+
+def entry_shapes(backend, alignment: int) -> EntryShapes:
+    """Entry shapes of ``backend``'s model with KV segments of ``alignment`` tokens."""
+    cfg = backend.model.config
+    zero = backend.model.zero_checkpoint()
+    return EntryShapes.for_model(cfg.num_mla_layers, alignment, cfg.kv_latent_dim, tuple(zero.recurrent.shape),
+                                 tuple(zero.conv.shape), str(zero.conv.dtype).removeprefix("torch."))
 
 
 def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment: int,
              name: str = "store", write_through: bool = True) -> StoreTier:
     """A :class:`StoreTier` shaped for ``backend``'s model (KV segments of ``alignment`` tokens)."""
-    cfg = backend.model.config
-    zero = backend.model.zero_checkpoint()
-    shapes = EntryShapes.for_model(cfg.num_mla_layers, alignment, cfg.kv_latent_dim, tuple(zero.recurrent.shape),
-                                   tuple(zero.conv.shape), str(zero.conv.dtype).removeprefix("torch."))
-    return StoreTier(store, namespace, unit, alignment, shapes, name=name, write_through=write_through)
+    return StoreTier(store, namespace, unit, alignment, entry_shapes(backend, alignment),
+                     name=name, write_through=write_through)
+
+
+def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
+                  write_through: bool = False) -> HostTier:
+    """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page)."""
+    return HostTier(capacity_bytes, namespace, unit, block_size, entry_shapes(backend, block_size),
+                    write_through=write_through)
 
 
 class TierConnector:
@@ -40,7 +53,7 @@ class TierConnector:
         tiers: lower tiers, nearest first (host, then store).
     """
 
-    def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[StoreTier]) -> None:
+    def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[Tier]) -> None:
         self.cache = cache
         self.backend = backend
         self.tiers = tiers
@@ -90,7 +103,7 @@ class TierConnector:
         for tier in self.tiers:
             tier.stats.hit_tokens += gains.get(tier.name, 0)
 
-    def _install(self, tier: StoreTier, match: MatchResult, boundary: int) -> bool:
+    def _install(self, tier: Tier, match: MatchResult, boundary: int) -> bool:
         """Load the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)`` (two
         batched gets), verify, then install them in order; ``False`` at the first miss."""
         a = tier.alignment

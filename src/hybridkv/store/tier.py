@@ -1,6 +1,6 @@
 """One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
 
-A :class:`StoreTier` speaks cache ABI v1 (:mod:`hybridkv.store.layout`) to an
+A :class:`StoreTier` speaks cache ABI v2 (:mod:`hybridkv.store.layout`) to an
 :class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
 ``alignment`` (``store_alignment``) become entries. Every failure is a counted
 miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
@@ -15,15 +15,32 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore, StoreUnavailable
-from hybridkv.store.layout import EntryError, decode_manifest, encode_entry, entry_key, verify_component
+from hybridkv.store.layout import (
+    ITEMSIZE,
+    MANIFEST_MAX_BYTES,
+    EntryError,
+    decode_manifest,
+    encode_entry,
+    entry_key,
+    verify_component,
+)
 
 log = logging.getLogger("hybridkv.store")
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
+_ALIGN = 64          # byte alignment of every slot in a load arena
+
+
+def _nbytes(dtype: str, shape: tuple) -> int:
+    n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass(slots=True)
@@ -86,53 +103,53 @@ def checkpoint_from_components(parts: dict[str, torch.Tensor], boundary: int) ->
     return KDACheckpoint(parts["recurrent"], conv, boundary)
 
 
-class StoreTier:
-    """Entries of one namespace in one object store.
+class Tier:
+    """What every lower tier shares: keys, alignment, per-group lookup and the entry helpers.
+
+    Subclasses implement :meth:`_exists`, :meth:`load_many`, :meth:`save_entries`
+    and :meth:`invalidate`.
 
     Args:
-        store: the backend.
         namespace: namespace digest.
         unit: ``prefix_match_unit`` (tokens per chained hash).
-        alignment: ``store_alignment`` A (tokens); a multiple of ``unit``.
+        alignment: A (tokens) of this tier's entries; a multiple of ``unit``.
         shapes: this model's entry shapes.
-        retry_seconds: fail-fast window after the store was unreachable.
         name: tier name in reports (``host`` or ``store``).
         write_through: entries are saved as soon as they are computed
             (``True``, the store) or only when the device evicts them
             (``False``: write-back, the host tier).
+
+    Raises:
+        ValueError: ``alignment`` is not a positive multiple of ``unit``.
     """
 
-    def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
-                 retry_seconds: float = 2.0, name: str = "store", write_through: bool = True) -> None:
-        if alignment % unit:
-            raise ValueError(f"store_alignment={alignment} must be a multiple of prefix_match_unit={unit}")
-        self.store = store
+    def __init__(self, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+                 name: str = "store", write_through: bool = True) -> None:
+        if alignment <= 0 or alignment % unit:
+            raise ValueError(f"store_alignment={alignment} must be a positive multiple of prefix_match_unit={unit}")
         self.namespace = namespace
         self.unit = unit
         self.alignment = alignment
         self.shapes = shapes
-        self.retry_seconds = retry_seconds
         self.name = name
         self.write_through = write_through
         self.stats = TierStats()
-        self._down_until = 0.0
-        self._warned = False
 
-    # -- plumbing --------------------------------------------------------
-    def _call(self, fn, *args):
-        """Run a store call; ``None`` (and an ``unreachable`` miss) if the store is down."""
-        if time.monotonic() < self._down_until:
-            self.stats.misses["unreachable"] += 1
-            return None
-        try:
-            return fn(*args)
-        except StoreUnavailable as exc:
-            self._down_until = time.monotonic() + self.retry_seconds
-            self.stats.misses["unreachable"] += 1
-            if not self._warned:
-                log.warning("%s tier unreachable, continuing without it: %s", self.name, exc)
-                self._warned = True
-            return None
+    def _exists(self, keys: list[str]) -> list[bool] | None:
+        """Whether each manifest key is present (``None``: unreachable)."""
+        raise NotImplementedError
+
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+        """Per ``(boundary, group)``: component name -> tensor, or ``None`` (a counted miss)."""
+        raise NotImplementedError
+
+    def save_entries(self, entries: list[tuple]) -> list[bool]:
+        """Commit ``(chain_hash, parent_hash, group, boundary, tensors)`` entries; per entry, visible now."""
+        raise NotImplementedError
+
+    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+        """Remove one entry (its manifest first)."""
+        raise NotImplementedError
 
     def _hash(self, hashes: list[bytes], boundary: int) -> bytes:
         return hashes[boundary // self.unit - 1]
@@ -154,7 +171,7 @@ class StoreTier:
             return RemoteMatch(0, (), 0, None)
         kv_bounds = [b for b in bounds if b > local_kv // a * a]
         keys = [self._key(hashes, b, "kv") for b in kv_bounds] + [self._key(hashes, b, "kda") for b in bounds]
-        found = self._call(self.store.exists, keys)
+        found = self._exists(keys)
         if found is None:
             return None
         kv_len = local_kv // a * a
@@ -167,54 +184,9 @@ class StoreTier:
         best = ckpts[-1] if ckpts else 0
         return RemoteMatch(kv_len, ckpts, best, kv_len if kv_len > best else None)
 
-    # -- loads -------------------------------------------------------------
+    # -- entry helpers -----------------------------------------------------
     def _load(self, hashes, boundary, group) -> dict[str, torch.Tensor] | None:
         return self.load_many(hashes, [(boundary, group)])[0]
-
-    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
-        """Verified components of several entries with two batched gets (manifests, then components).
-
-        Args:
-            wanted: ``(boundary, group)`` pairs.
-
-        Returns:
-            Per pair, component name -> tensor, or ``None`` (a counted miss).
-        """
-        if not wanted:
-            return []
-        got = self._call(self.store.get, [self._key(hashes, b, grp) for b, grp in wanted])
-        if got is None:
-            return [None] * len(wanted)
-        listed: list = []
-        for (b, grp), blob in zip(wanted, got):
-            if blob is None:
-                self.stats.misses["absent"] += 1
-                listed.append(None)
-                continue
-            names = getattr(self.shapes, grp)
-            try:
-                listed.append(decode_manifest(blob, grp, b, names, {n: self._key(hashes, b, grp, n) for n in names}))
-            except EntryError as exc:
-                self.stats.misses[exc.reason] += 1
-                listed.append(None)
-        keys = [c.key for comps in listed if comps for c in comps]
-        blobs = self._call(self.store.get, keys) if keys else []
-        if blobs is None:
-            return [None] * len(wanted)
-        out, i = [], 0
-        for blob, comps in zip(got, listed):
-            if comps is None:
-                out.append(None)
-                continue
-            part, i = blobs[i:i + len(comps)], i + len(comps)
-            try:
-                out.append({c.name: verify_component(c, data) for c, data in zip(comps, part)})
-            except EntryError as exc:
-                self.stats.misses[exc.reason] += 1
-                out.append(None)
-                continue
-            self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
-        return out
 
     def load_kv(self, hashes: list[bytes], boundary: int) -> torch.Tensor | None:
         """Verified latents ``float32[L_mla, A, D]`` of tokens ``[boundary - A, boundary)``, or ``None``."""
@@ -226,14 +198,148 @@ class StoreTier:
         got = self._load(hashes, boundary, "kda")
         return None if got is None else checkpoint_from_components(got, boundary)
 
-    # -- saves -------------------------------------------------------------
     def _save(self, hashes, boundary, group, tensors) -> bool:
         return self.save_entries([self.entry(hashes, boundary, group, tensors)])[0]
 
     def save_entry(self, chain_hash: bytes, parent_hash: bytes | None, group: str, boundary: int,
                    tensors: dict[str, torch.Tensor]) -> bool:
-        """Commit one entry: components first, then its manifest (nothing visible if a put fails)."""
+        """Commit one entry (nothing visible if it fails)."""
         return self.save_entries([(chain_hash, parent_hash, group, boundary, tensors)])[0]
+
+    def entry(self, hashes: list[bytes], boundary: int, group: str, tensors: dict) -> tuple:
+        """An entry tuple for :meth:`save_entries` at an aligned ``boundary`` of a prompt."""
+        self._check_aligned(boundary)
+        parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
+        return (self._hash(hashes, boundary), parent, group, boundary, tensors)
+
+    def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
+        """Whether each boundary's manifest exists (``None`` if unreachable)."""
+        if not boundaries:
+            return []
+        return self._exists([self._key(hashes, b, group) for b in boundaries])
+
+    def save_kv(self, hashes: list[bytes], boundary: int, latents: torch.Tensor) -> bool:
+        """Commit the ``kv`` entry at ``boundary`` (latents of the last A tokens)."""
+        self._check_aligned(boundary)
+        return self._save(hashes, boundary, "kv", {"latents": latents})
+
+    def save_checkpoint(self, hashes: list[bytes], boundary: int, ckpt: KDACheckpoint) -> bool:
+        """Commit the ``kda`` entry ``C(P_boundary)``: recurrent and the three conv parts."""
+        self._check_aligned(boundary)
+        return self._save(hashes, boundary, "kda", checkpoint_components(ckpt))
+
+    def _check_aligned(self, boundary: int) -> None:
+        if boundary <= 0 or boundary % self.alignment:
+            raise ValueError(f"boundary {boundary} is not a positive multiple of store_alignment={self.alignment}")
+
+
+class StoreTier(Tier):
+    """Entries of one namespace in one object store (cache ABI v2).
+
+    Args:
+        store: the backend.
+        namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
+        retry_seconds: fail-fast window after the store was unreachable.
+    """
+
+    def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+                 retry_seconds: float = 2.0, name: str = "store", write_through: bool = True) -> None:
+        super().__init__(namespace, unit, alignment, shapes, name, write_through)
+        self.store = store
+        self.retry_seconds = retry_seconds
+        self._down_until = 0.0
+        self._warned = False
+
+    def _call(self, fn, *args):
+        """Run a store call; ``None`` (and an ``unreachable`` miss) if the store is down."""
+        if time.monotonic() < self._down_until:
+            self.stats.misses["unreachable"] += 1
+            return None
+        try:
+            return fn(*args)
+        except StoreUnavailable as exc:
+            self._down_until = time.monotonic() + self.retry_seconds
+            self.stats.misses["unreachable"] += 1
+            if not self._warned:
+                log.warning("%s tier unreachable, continuing without it: %s", self.name, exc)
+                self._warned = True
+            return None
+
+    def _exists(self, keys):
+        return self._call(self.store.exists, keys)
+
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+        """Verified components of several entries in one batched ``get_into``.
+
+        Every manifest and every component this model expects lands in one
+        preallocated arena: a manifest slot of ``MANIFEST_MAX_BYTES`` and an
+        exact-size slot per component (sizes from :class:`EntryShapes`). Then
+        each manifest is decoded and checked, and each component is checked
+        against the manifest's size and checksum. The returned tensors view the
+        arena (no copy). Reading the manifest in the same batch as its
+        components is safe: components are committed before the manifest, and
+        whatever was read is checked against the manifest's checksums.
+
+        Args:
+            wanted: ``(boundary, group)`` pairs.
+
+        Returns:
+            Per pair, component name -> tensor, or ``None`` (a counted miss).
+        """
+        if not wanted:
+            return []
+        keys, offsets, sizes = [], [], []
+        pos = 0
+        for b, grp in wanted:
+            slots = [("manifest", MANIFEST_MAX_BYTES)] + [
+                (n, _nbytes(dt, shape)) for n, (dt, shape) in getattr(self.shapes, grp).items()]
+            for name, size in slots:
+                keys.append(self._key(hashes, b, grp, name))
+                offsets.append(pos)
+                sizes.append(size)
+                pos += -(-size // _ALIGN) * _ALIGN
+        arena = np.empty(max(pos, 1), dtype=np.uint8)
+        views = [memoryview(arena[o:o + n]) for o, n in zip(offsets, sizes)]
+        nread = self._call(self.store.get_into, keys, views)
+        if nread is None:
+            return [None] * len(wanted)
+        out, i = [], 0
+        for b, grp in wanted:
+            names = getattr(self.shapes, grp)
+            n_slots = 1 + len(names)
+            out.append(self._verify(hashes, b, grp, arena, offsets[i:i + n_slots], nread[i:i + n_slots]))
+            i += n_slots
+        return out
+
+    def _verify(self, hashes, b, grp, arena, offsets, nread) -> dict | None:
+        """Decode one entry read by :meth:`load_many` (``None`` and a counted miss on failure)."""
+        names = getattr(self.shapes, grp)
+        mo, mn = offsets[0], nread[0]
+        blob = arena[mo:mo + mn].tobytes() if mn >= 0 else None
+        if blob is None:                                    # absent, or larger than any manifest of ours
+            got = self._call(self.store.get, [self._key(hashes, b, grp)])
+            blob = got[0] if got is not None else None
+            if blob is None:
+                self.stats.misses["absent" if got is not None else "unreachable"] += 1
+                return None
+        try:
+            comps = decode_manifest(blob, grp, b, names, {n: self._key(hashes, b, grp, n) for n in names})
+            order = {n: j for j, n in enumerate(names)}
+            parts = {}
+            for c in comps:
+                j = 1 + order[c.name]
+                n = nread[j]
+                if n < 0:
+                    present = self._call(self.store.exists, [c.key])
+                    if present is not None and present[0]:
+                        raise EntryError("checksum", f"component {c.name} is larger than its manifest says")
+                    verify_component(c, None)
+                parts[c.name] = verify_component(c, arena, offsets[j], n)
+        except EntryError as exc:
+            self.stats.misses[exc.reason] += 1
+            return None
+        self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
+        return parts
 
     def save_entries(self, entries: list[tuple]) -> list[bool]:
         """Commit several entries with two batched puts: every component, then the manifests
@@ -270,28 +376,6 @@ class StoreTier:
                 self.stats.bytes_saved += sum(len(b) for _, b in cs) + len(m[1])
         return visible
 
-    def entry(self, hashes: list[bytes], boundary: int, group: str, tensors: dict) -> tuple:
-        """An entry tuple for :meth:`save_entries` at an aligned ``boundary`` of a prompt."""
-        self._check_aligned(boundary)
-        parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
-        return (self._hash(hashes, boundary), parent, group, boundary, tensors)
-
-    def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
-        """Whether each boundary's manifest exists (``None`` if unreachable)."""
-        if not boundaries:
-            return []
-        return self._call(self.store.exists, [self._key(hashes, b, group) for b in boundaries])
-
-    def save_kv(self, hashes: list[bytes], boundary: int, latents: torch.Tensor) -> bool:
-        """Commit the ``kv`` entry at ``boundary`` (latents of the last A tokens)."""
-        self._check_aligned(boundary)
-        return self._save(hashes, boundary, "kv", {"latents": latents})
-
-    def save_checkpoint(self, hashes: list[bytes], boundary: int, ckpt: KDACheckpoint) -> bool:
-        """Commit the ``kda`` entry ``C(P_boundary)``: recurrent and the three conv parts."""
-        self._check_aligned(boundary)
-        return self._save(hashes, boundary, "kda", checkpoint_components(ckpt))
-
     def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
         """Remove an entry: the manifest first, then its components."""
         mkey = self._key(hashes, boundary, group)
@@ -299,6 +383,3 @@ class StoreTier:
         names = getattr(self.shapes, group)
         self._call(self.store.remove, [self._key(hashes, boundary, group, n) for n in names])
 
-    def _check_aligned(self, boundary: int) -> None:
-        if boundary <= 0 or boundary % self.alignment:
-            raise ValueError(f"boundary {boundary} is not a positive multiple of store_alignment={self.alignment}")

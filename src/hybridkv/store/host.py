@@ -1,0 +1,159 @@
+"""Host-memory tier: whole entries kept as tensors in this process (DESIGN §4, §5).
+
+Unlike a :class:`~hybridkv.store.tier.StoreTier`, nothing here crosses a process
+or disk boundary, so entries are kept as tensors: no serialization and no
+checksum. A save copies each component once into host memory the tier owns; a
+load hands those tensors out without a copy (the device install copies them into
+its pools: ``write_pages`` / ``CheckpointPool.write``).
+
+On CUDA (``pin_memory=True``) the host copies are pinned and asynchronous: each
+entry records a CUDA event after its device-to-host copies, and the event is
+waited before the entry is read (load) or its memory is dropped (eviction). On
+CPU the same code runs with plain tensors and no events.
+
+Capacity is in bytes of component payload; the least recently used entries are
+dropped to make room (an entry larger than the whole capacity is refused).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.store.layout import entry_key
+from hybridkv.store.tier import EntryShapes, Tier
+
+
+@dataclass(slots=True)
+class _HostEntry:
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    ready: object = None          # torch.cuda.Event after async copies, else None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+
+class HostTier(Tier):
+    """Entries of one namespace in host memory (write-back by default).
+
+    Args:
+        capacity_bytes: payload bytes this tier may hold (> 0).
+        namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
+        pin_memory: pinned host buffers and async copies; default: when CUDA
+            is available.
+
+    Raises:
+        ValueError: ``capacity_bytes`` is not a positive integer, or ``alignment``
+            does not fit ``unit``.
+    """
+
+    def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+                 name: str = "host", write_through: bool = False, pin_memory: bool | None = None) -> None:
+        super().__init__(namespace, unit, alignment, shapes, name, write_through)
+        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
+            raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
+        self.capacity_bytes = capacity_bytes
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._entries: OrderedDict[str, _HostEntry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        """Payload bytes held now."""
+        return self._bytes
+
+    def _exists(self, keys):
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+        """The held tensors of each ``(boundary, group)`` (read-only by contract: callers copy).
+
+        An entry not held (never saved, or evicted) is an ``absent`` miss.
+        """
+        out = []
+        with self._lock:
+            for b, grp in wanted:
+                e = self._entries.get(self._key(hashes, b, grp))
+                if e is None:
+                    self.stats.misses["absent"] += 1
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(self._key(hashes, b, grp))
+                e.wait()
+                self.stats.bytes_loaded += e.nbytes
+                out.append(dict(e.tensors))
+        return out
+
+    def save_entries(self, entries: list[tuple]) -> list[bool]:
+        """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry into host memory.
+
+        An entry already held is left as it is (idempotent). Components must
+        match this model's shapes.
+
+        Returns:
+            Per entry, whether it is held now (``False``: larger than the capacity).
+
+        Raises:
+            ValueError: a component's name, dtype or shape differs from :class:`EntryShapes`.
+        """
+        out = []
+        with self._lock:
+            for chain_hash, _parent, group, _boundary, tensors in entries:
+                key = self._entry_key(chain_hash, group)
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    out.append(True)
+                    continue
+                self._check(group, tensors)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                if nbytes > self.capacity_bytes:
+                    out.append(False)
+                    continue
+                while self._bytes + nbytes > self.capacity_bytes:
+                    _, old = self._entries.popitem(last=False)
+                    old.wait()                     # its async copy must finish before the memory goes
+                    self._bytes -= old.nbytes
+                self._entries[key] = self._copy(tensors, nbytes)
+                self._bytes += nbytes
+                self.stats.bytes_saved += nbytes
+                out.append(True)
+        return out
+
+    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+        """Drop one entry if held."""
+        with self._lock:
+            e = self._entries.pop(self._key(hashes, boundary, group), None)
+            if e is not None:
+                e.wait()
+                self._bytes -= e.nbytes
+
+    def _entry_key(self, chain_hash: bytes, group: str) -> str:
+        return entry_key(self.namespace, chain_hash, group, "manifest")
+
+    def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        expected = getattr(self.shapes, group)
+        got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
+        if got != {n: (d, tuple(s)) for n, (d, s) in expected.items()}:
+            raise ValueError(f"{self.name} tier: {group} entry components {got} differ from {expected}")
+
+    def _copy(self, tensors: dict[str, torch.Tensor], nbytes: int) -> _HostEntry:
+        held, on_device = {}, False
+        for n, t in tensors.items():
+            t = t.detach()
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
+            dst.copy_(t, non_blocking=self.pin_memory and t.is_cuda)
+            on_device |= t.is_cuda
+            held[n] = dst
+        ready = None
+        if on_device and self.pin_memory:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _HostEntry(held, nbytes, ready)

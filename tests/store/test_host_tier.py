@@ -1,0 +1,68 @@
+"""HostTier: tensors held in host memory, LRU by bytes, idempotent saves, shape checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.store.host import HostTier
+from hybridkv.store.tier import EntryShapes, checkpoint_components
+
+UNIT, ALIGN = 64, 128
+SHAPES = EntryShapes.for_model(2, ALIGN, 8, (3, 2, 4, 4), (3, 24, 3))
+HASHES = [bytes([i]) * 32 for i in range(1, 17)]
+
+
+def kv(seed: int) -> dict:
+    return {"latents": torch.randn(2, ALIGN, 8, generator=torch.Generator().manual_seed(seed))}
+
+
+def kda(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    from hybridkv.model.state import KDACheckpoint
+    return checkpoint_components(KDACheckpoint(torch.randn(3, 2, 4, 4, generator=g),
+                                               torch.randn(3, 24, 3, generator=g), ALIGN))
+
+
+KV_BYTES = 2 * ALIGN * 8 * 4
+
+
+def test_save_load_roundtrip_and_private_copy():
+    t = HostTier(1 << 20, b"ns", UNIT, ALIGN, SHAPES)
+    src = kv(1)
+    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", src), t.entry(HASHES, ALIGN, "kda", kda(2))]) == [True, True]
+    expect = src["latents"].clone()
+    src["latents"].zero_()                                   # the tier copied: later writes do not leak in
+    got = t.load_many(HASHES, [(ALIGN, "kv"), (ALIGN, "kda"), (2 * ALIGN, "kv")])
+    assert torch.equal(got[0]["latents"], expect)
+    assert torch.equal(got[1]["conv.k"], kda(2)["conv.k"])
+    assert got[2] is None and t.stats.misses["absent"] == 1
+    assert t.stats.bytes_saved == t.used_bytes and t.stats.bytes_loaded > 0
+    rm = t.lookup(HASHES, 16 * UNIT)
+    assert (rm.kv_length, rm.best_joint, rm.missing_branching_boundary) == (ALIGN, ALIGN, None)
+
+
+def test_lru_eviction_by_bytes_and_idempotent_save():
+    t = HostTier(3 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES)
+    for i in range(1, 4):
+        assert t.save_entries([t.entry(HASHES, i * ALIGN, "kv", kv(i))]) == [True]
+    t.load_many(HASHES, [(ALIGN, "kv")])                     # touch the first: the second is now oldest
+    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", kv(99))]) == [True]   # held already: a no-op
+    assert torch.equal(t.load_many(HASHES, [(ALIGN, "kv")])[0]["latents"], kv(1)["latents"])
+    assert t.save_entries([t.entry(HASHES, 4 * ALIGN, "kv", kv(4))]) == [True]
+    assert t.has(HASHES, [ALIGN, 2 * ALIGN, 3 * ALIGN, 4 * ALIGN], "kv") == [True, False, True, True]
+    assert t.used_bytes == 3 * KV_BYTES
+    t.invalidate(HASHES, ALIGN, "kv")
+    assert t.has(HASHES, [ALIGN], "kv") == [False] and t.used_bytes == 2 * KV_BYTES
+
+
+def test_entry_larger_than_capacity_is_refused_and_bad_input_named():
+    t = HostTier(KV_BYTES - 1, b"ns", UNIT, ALIGN, SHAPES)
+    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", kv(1))]) == [False]
+    with pytest.raises(ValueError, match="kv entry components"):
+        t.save_entries([t.entry(HASHES, ALIGN, "kv", {"latents": torch.zeros(2, ALIGN, 9)})])
+    with pytest.raises(ValueError, match="capacity_bytes=0"):
+        HostTier(0, b"ns", UNIT, ALIGN, SHAPES)
+    with pytest.raises(ValueError, match="store_alignment=100"):
+        HostTier(1 << 20, b"ns", UNIT, 100, SHAPES)
+    assert t.used_bytes == 0
