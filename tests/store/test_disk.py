@@ -1,5 +1,6 @@
 """DiskStore: the ObjectStore contract on a directory, restart, LRU capacity, bad files, concurrency."""
 
+import errno
 import hashlib
 import multiprocessing as mp
 import os
@@ -7,8 +8,10 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from hybridkv.store import disk as disk_module
 from hybridkv.store.base import StoreUnavailable, open_store
 from hybridkv.store.disk import DiskStore, encode_object, object_file_size
 
@@ -56,11 +59,104 @@ def test_get_missing_and_duplicates(tmp_path):
 
 def test_get_into(tmp_path):
     store = DiskStore(tmp_path)
-    store.put([("a", b"hello"), ("b", b"0123456789")])
-    bufs = [memoryview(bytearray(8)) for _ in range(3)]
-    assert store.get_into(["a", "b", "missing"], bufs) == [5, -1, -1]
-    assert bytes(bufs[0][:5]) == b"hello"
-    assert bytes(bufs[1]) == bytes(8)  # too small: untouched
+    store.put([("a", b"hello"), ("b", b"0123456789"), ("e", b"")])
+    bufs = [memoryview(bytearray(b"\xee" * 8)) for _ in range(4)]
+    assert store.get_into(["a", "b", "missing", "e"], bufs) == [5, -1, -1, 0]
+    assert bytes(bufs[0]) == b"hello" + b"\xee" * 3  # payload at the start, the rest untouched
+    assert bytes(bufs[1]) == b"\xee" * 8  # too small: untouched
+    assert bytes(bufs[2]) == b"\xee" * 8  # absent: untouched
+    assert bytes(bufs[3]) == b"\xee" * 8  # empty object: nothing written
+    exact = bytearray(10)
+    assert store.get_into(["b"], [exact]) == [10] and exact == b"0123456789"
+    assert store.get_into([], []) == []
+    assert store.bad_objects == 0
+    store.check_invariants()
+
+
+def test_get_into_capacity_is_bytes_not_items(tmp_path):
+    store = DiskStore(tmp_path)
+    payload = bytes(range(12))
+    store.put([("k", payload)])
+    words = np.zeros(3, np.uint32)  # 3 items, 12 bytes
+    assert store.get_into(["k"], [memoryview(words)]) == [12]
+    assert words.tobytes() == payload
+    assert store.get_into(["k"], [memoryview(np.zeros(2, np.uint32))]) == [-1]
+    grid = np.zeros((3, 4), np.uint8)  # C-contiguous, 2-D
+    assert store.get_into(["k"], [memoryview(grid)]) == [12]
+    assert grid.tobytes() == payload
+
+
+def test_get_into_repeated_key_fills_every_buffer(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put([("d", b"dup-data"), ("x", b"x")])
+    bufs = [bytearray(8), bytearray(16), bytearray(4), bytearray(1), bytearray(8)]
+    got = store.get_into(["d", "d", "d", "x", "d"], [memoryview(b) for b in bufs])
+    assert got == [8, 8, -1, 1, 8]
+    assert bufs[0] == b"dup-data" and bufs[1][:8] == b"dup-data" and bufs[4] == b"dup-data"
+    assert bufs[2] == bytes(4) and bufs[3] == b"x"
+
+
+def test_get_into_touches_lru_like_get(tmp_path):
+    one = object_file_size("a", 100)
+    store = DiskStore(tmp_path, capacity_bytes=3 * one)
+    store.put([(k, k.encode() * 100) for k in "abc"])
+    buf = bytearray(100)
+    assert store.get_into(["a"], [memoryview(buf)]) == [100]  # a is now most recent; b is the LRU
+    assert store.get_into(["b"], [memoryview(bytearray(10))]) == [-1]  # too small: not a hit
+    store.put([("d", b"d" * 100)])
+    assert store.exists(["a", "b", "c", "d"]) == [True, False, True, True]
+    store.check_invariants()
+
+
+def test_get_into_bad_files_are_absent(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put([("t", b"payload" * 10), ("s", b"payload" * 10)])
+    for key in "ts":
+        path = object_path(tmp_path, key)
+        path.write_bytes(path.read_bytes()[:-3])  # truncated payload
+    object_path(tmp_path, "f").write_bytes(b"not an object at all, just some bytes")
+    object_path(tmp_path, "dir").mkdir()
+    bufs = [bytearray(b"\xee" * 128) for _ in range(3)]
+    small = bytearray(4)  # the header is checked before the size: still counted bad
+    got = store.get_into(["t", "f", "dir", "s"], [memoryview(b) for b in bufs] + [memoryview(small)])
+    assert got == [-1, -1, -1, -1]
+    assert small == bytes(4)
+    assert store.bad_objects == 4
+    assert store.bad_reasons["foreign file (bad magic)"] == 1
+    assert store.bad_reasons["not a regular file"] == 1
+    assert sum(n for r, n in store.bad_reasons.items() if r.startswith("truncated payload")) == 2
+    assert not object_path(tmp_path, "t").exists() and not object_path(tmp_path, "s").exists()
+    assert store.put([("t", b"fresh")]) == [True]
+    assert store.get_into(["t"], [memoryview(bufs[0])]) == [5] and bufs[0][:5] == b"fresh"
+    store.check_invariants()
+
+
+def test_get_into_read_error_is_a_bad_object(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    store.put([("k", b"value")])
+
+    def failing_read(f, key_bytes, into):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_module, "read_payload", failing_read)
+    assert store.get_into(["k"], [memoryview(bytearray(8))]) == [-1]
+    assert store.bad_reasons["read error: Input/output error"] == 1
+    monkeypatch.undo()
+    assert store.get(["k"]) == [None]  # like get: an unreadable file is dropped
+    store.check_invariants()
+
+
+def test_get_into_rejects_unusable_buffers(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put([("a", b"abc")])
+    good = bytearray(8)
+    with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+        store.get_into(["a", "a"], [memoryview(good)])
+    with pytest.raises(ValueError, match="writable"):
+        store.get_into(["a", "a"], [memoryview(good), memoryview(b"read-only")])
+    with pytest.raises(ValueError, match="contiguous"):
+        store.get_into(["a"], [memoryview(bytearray(16))[::2]])
+    assert good == bytes(8)  # checked before anything is read
 
 
 def test_remove(tmp_path):
@@ -185,7 +281,9 @@ def test_vanished_directory_unavailable(tmp_path):
     store = DiskStore(root)
     store.put([("k", b"v")])
     shutil.rmtree(root)
-    for call in (lambda: store.get(["k"]), lambda: store.put([("k2", b"v")]), lambda: store.exists(["k"])):
+    calls = (lambda: store.get(["k"]), lambda: store.put([("k2", b"v")]), lambda: store.exists(["k"]),
+             lambda: store.get_into(["k"], [memoryview(bytearray(8))]))
+    for call in calls:
         with pytest.raises(StoreUnavailable, match="gone"):
             call()
 
