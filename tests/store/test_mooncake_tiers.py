@@ -46,6 +46,10 @@ def test_s9_remote_partial_group_backfill(tiny_model, store):
     test_tiers.test_s9_remote_partial_group_backfill(tiny_model, store)
 
 
+def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
+    test_tiers.test_prefetch_loads_while_earlier_requests_run(tiny_model, store)
+
+
 @pytest.mark.parametrize("fault,reason", [("drop_conv", "evicted"), ("flip_recurrent", "checksum"),
                                           ("drop_manifest", "absent")])
 def test_s10_object_integrity(tiny_model, store, fault, reason):

@@ -178,3 +178,50 @@ def test_store_absent_at_startup_runs_without_it(tmp_path, caplog):
     rep = json.loads(out.read_text())
     assert rep["requests"] == 3 and rep["tiers"]["store"]["bytes_saved"] == 0
     assert sum("unreachable" in r.message or "running without it" in r.message for r in caplog.records) == 1
+
+
+def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
+    """Requests queued behind a running one get their store entries loaded in the background
+    (started before that step's compute) and installed at admission; outputs stay exact."""
+    from hybridkv.engine.request import Request, Status
+
+    v = tiny_model.config.vocab_size
+    P = tokens(70, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run_one(a, np.concatenate([P, tokens(71, 100, v)]), max_output_tokens=1)
+    b, tier_b = instance(tiny_model, store, max_num_seqs=1)    # the others wait while q0 runs
+    reqs = [b.add_request(Request(f"q{i}", np.concatenate([tokens(80 + i, 300, v)] if i == 0 else
+                                                          [P, tokens(80 + i, 50, v)]), 2, record_logits=True))
+            for i in range(3)]
+    b.step()                                                    # admits q0; q1's loads overlap its compute
+    assert reqs[1].prefetch
+    b.run_until_done()
+    assert all(r.status == Status.FINISHED for r in reqs)
+    assert reqs[1].reused == 2048 and tier_b.stats.hit_tokens >= 2048
+    assert b.connector.prefetch_used >= 1
+    for r in reqs:
+        assert_exact(tiny_model, r)
+    b.cache.check_invariants()
+
+
+
+def test_prefetch_take_rejects_stale_results():
+    """Prefetch.take hands out loads only for the same best checkpoint and when the device still
+    holds the KV the loads started from."""
+    from concurrent.futures import Future
+
+    from hybridkv.store.connector import Prefetch
+
+    def done(value):
+        f = Future()
+        f.set_result(value)
+        return f
+
+    loaded = {(1024, "kv"): {"latents": None}, (1024, "kda"): {}}
+    assert Prefetch(0, {"store": done((1024, loaded))}).take("store", 1024, 0) is loaded
+    assert Prefetch(0, {"store": done((1024, loaded))}).take("store", 2048, 0) is None      # newer entry now
+    assert Prefetch(1024, {"store": done((2048, loaded))}).take("store", 2048, 0) is None   # device lost KV
+    assert Prefetch(0, {"store": done((0, {}))}).take("store", 0, 0) is None
+    p = Prefetch(0, {"store": done((1024, loaded))})
+    p.cancel()
+    assert p.take("store", 1024, 0) is None

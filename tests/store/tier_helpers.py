@@ -9,11 +9,12 @@ from hybridkv.engine.engine import Engine
 from hybridkv.store.connector import tier_for
 
 
-def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, alignment=1024, pages=32, slots=8):
+def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, alignment=1024, pages=32, slots=8,
+             max_num_seqs=8):
     """A fresh engine (empty device cache) whose only lower tier is ``store``."""
     cfg = CacheConfig(block_size=block_size, prefix_match_unit=unit, max_num_batched_tokens=8192,
                       num_kv_pages=pages, num_checkpoint_slots=slots, policy=CheckpointPolicy.parse(policy),
-                      store_alignment=alignment)
+                      store_alignment=alignment, max_num_seqs=max_num_seqs)
     backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
     ns = CacheIdentity(model_repo="tiny", weight_digest=model.weight_digest()).digest()
     tier = tier_for(store, backend, ns, unit, cfg.store_boundary)
@@ -40,6 +41,12 @@ class PrefixedStore:
 
     def remove(self, keys):
         return self.inner.remove([self.prefix + k for k in keys])
+
+    def register_memory(self, buffer):
+        return self.inner.register_memory(buffer)
+
+    def unregister_memory(self, buffer):
+        return self.inner.unregister_memory(buffer)
 
     def close(self):
         pass

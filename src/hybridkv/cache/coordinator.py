@@ -107,11 +107,12 @@ class HybridCacheCoordinator:
         """
         return chained_block_hashes(namespace or self.namespace, token_ids, self.config.prefix_match_unit)
 
-    def lookup(self, token_ids, namespace: bytes | None = None) -> MatchResult:
+    def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True) -> MatchResult:
         """Joint hit for a prompt of ``T = len(token_ids)`` tokens.
 
         At most ``T - 1`` tokens are reused, rounded down to a unit boundary,
-        so the last prompt position is always computed.
+        so the last prompt position is always computed. ``touch=False`` leaves
+        the LRU order as it is (a peek, e.g. for a prefetch).
         """
         g = self.config.prefix_match_unit
         hashes = self.hash_prompt(token_ids, namespace)
@@ -127,10 +128,11 @@ class HybridCacheCoordinator:
             hit = agreed
         kv_hit = per_group["full"]
         ckpt = per_group["kda"]
-        for node in reversed(path):          # deepest first: the path's root end ends up most recent
-            self.pages.touch(node.page)
-        if hit:
-            self.checkpoints.touch(path[hit // g - 1].checkpoint)
+        if touch:
+            for node in reversed(path):      # deepest first: the path's root end ends up most recent
+                self.pages.touch(node.page)
+            if hit:
+                self.checkpoints.touch(path[hit // g - 1].checkpoint)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=ckpt,
                            branching_boundary=kv_hit if kv_hit > ckpt else None,
                            per_group=per_group, hashes=hashes, path=path[: kv_hit // g])

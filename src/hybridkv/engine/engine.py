@@ -7,6 +7,7 @@ at tensors beyond handing them between the backend and the cache.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -109,6 +110,7 @@ class Engine:
             return
         if req.status == Status.WAITING:
             self.waiting.remove(req)
+            self._drop_prefetch(req)
         else:
             self.running.remove(req)
             self.cache.release(req.alloc)
@@ -126,6 +128,20 @@ class Engine:
             self.step()
 
     # -- the step --------------------------------------------------------
+    def _drop_prefetch(self, req: Request) -> None:
+        if req.prefetch:
+            req.prefetch.cancel()
+        req.prefetch = None
+
+    def prefetch(self) -> None:
+        """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests
+        that have none yet (:meth:`TierConnector.prefetch`); they overlap this step's compute."""
+        if self.connector is None:
+            return
+        for req in itertools.islice(self.waiting, self.config.max_num_seqs):
+            if req.prefetch is None:
+                req.prefetch = self.connector.prefetch(req.prompt, req.namespace) or False
+
     def admit(self) -> None:
         """Admit waiting requests in order while sequences and pages allow (lookup + acquire)."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -134,13 +150,16 @@ class Engine:
             match = self.cache.lookup(req.prompt, req.namespace)
             remote_branch, gains = None, {}
             if self.connector is not None:
-                match, remote_branch, gains = self.connector.fetch(req.prompt, match, req.namespace)
+                match, remote_branch, gains = self.connector.fetch(req.prompt, match, req.namespace,
+                                                                   req.prefetch or None)
+                self._drop_prefetch(req)
             alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
             if alloc is None:
                 req.admission_failures += 1
                 if self.running:
                     return                    # wait for running requests to free pages
                 self.waiting.popleft()
+                self._drop_prefetch(req)
                 req.status = Status.REJECTED
                 req.reject_reason = (f"needs {-(-(t + req.max_output_tokens - 1) // self.config.block_size)} "
                                      f"pages; the pool has {self.config.num_kv_pages}")
@@ -165,6 +184,7 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that finished in it."""
         self.admit()
+        self.prefetch()                       # loads for the next waiting requests overlap this step
         chunks = schedule(self.config, self.running)
         if not chunks:
             return []

@@ -43,6 +43,8 @@ class Request:
         admission_failures: admission attempts that found no room.
         namespace: namespace digest of this request (tenant / adapter); ``None``
             means the engine's.
+        prefetch: background loads from lower tiers started while the request
+            waits (:class:`hybridkv.store.connector.Prefetch`), consumed at admission.
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class Request:
     reject_reason: str = ""
     namespace: bytes | None = None
     admission_failures: int = 0
+    prefetch: object = None
 
     @property
     def prompt_len(self) -> int:

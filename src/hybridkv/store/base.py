@@ -60,6 +60,13 @@ class ObjectStore(ABC):
             out.append(len(data))
         return out
 
+    def register_memory(self, buffer: Buffer) -> None:
+        """Declare a long-lived writable buffer that later ``put`` / ``get_into`` calls use
+        views of (backends that register memory for transfers do it once here). No-op by default."""
+
+    def unregister_memory(self, buffer: Buffer) -> None:
+        """Undo :meth:`register_memory`. No-op by default."""
+
     @abstractmethod
     def remove(self, keys: Sequence[str]) -> None:
         """Delete keys (absent keys are ignored)."""

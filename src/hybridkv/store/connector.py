@@ -15,6 +15,9 @@ repeated device lookup, after transfer, checksum and install.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
+
 from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
@@ -44,6 +47,34 @@ def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, blo
                     write_through=write_through)
 
 
+@dataclass(slots=True)
+class Prefetch:
+    """Background loads for one waiting request (see :meth:`TierConnector.prefetch`).
+
+    Attributes:
+        kv_from: the device KV hit (tokens) the loads started from.
+        jobs: tier name -> future of ``(boundary, {(b, group): components or None})``.
+    """
+
+    kv_from: int
+    jobs: dict[str, Future]
+
+    def take(self, tier: str, best_joint: int, kv_hit: int) -> dict | None:
+        """The loaded entries of ``tier`` if they are for ``best_joint`` and the device still holds
+        the KV they start from (``kv_hit >= kv_from``); waits for the job. ``None`` otherwise."""
+        job = self.jobs.pop(tier, None)
+        if job is None or kv_hit < self.kv_from:
+            return None
+        boundary, loaded = job.result()
+        return loaded if boundary == best_joint and loaded else None
+
+    def cancel(self) -> None:
+        """Drop jobs not started yet; running ones finish and are discarded."""
+        for job in self.jobs.values():
+            job.cancel()
+        self.jobs.clear()
+
+
 class TierConnector:
     """Fetch from and upload to lower tiers for one engine.
 
@@ -64,10 +95,51 @@ class TierConnector:
                                  f"block_size={cache.config.block_size}")
         if self._back:
             cache.on_evict = self._write_back
+        self.prefetch_used = 0          # installs served by a background prefetch
 
-    def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None
+    def prefetch(self, prompt, namespace: bytes | None = None) -> Prefetch | None:
+        """Start loading what write-through tiers hold beyond the device hit, in the background.
+
+        Called for requests near the head of the waiting queue, before their
+        admission. On each write-through tier's worker thread: a remote lookup
+        from the device's current KV hit, then one batched load of the best
+        checkpoint's missing KV segments and the checkpoint itself. Nothing is
+        installed here; :meth:`fetch` uses the verified results at admission.
+
+        Returns:
+            A handle to pass to :meth:`fetch`, or ``None`` when there is nothing
+            to prefetch (no write-through tier, or a prompt shorter than one unit).
+        """
+        remote = [t for t in self.tiers if t.write_through and hasattr(t, "submit")]
+        g = self.cache.config.prefix_match_unit
+        cap = max(len(prompt) - 1, 0) // g * g
+        if not remote or cap == 0:
+            return None
+        match = self.cache.lookup(prompt, namespace, touch=False)
+        if match.hit >= cap:
+            return None
+        jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
+        return Prefetch(kv_from=match.kv_hit, jobs=jobs)
+
+    @staticmethod
+    def _prefetch_job(tier: Tier, hashes, cap: int, local_kv: int, hit: int):
+        """Worker side of :meth:`prefetch`: ``(boundary, loaded)`` with ``loaded[(b, group)]`` verified."""
+        rm = tier.lookup(hashes, cap, local_kv)
+        if rm is None or rm.best_joint <= hit:
+            return 0, {}
+        a, boundary = tier.alignment, rm.best_joint
+        wanted = [(b, "kv") for b in range(min(local_kv, boundary) // a * a + a, boundary + 1, a)]
+        wanted.append((boundary, "kda"))
+        return boundary, dict(zip(wanted, tier.load_many(hashes, wanted)))
+
+    def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None, prefetched: Prefetch | None = None
               ) -> tuple[MatchResult, int | None, dict[str, int]]:
         """Improve ``match`` from lower tiers.
+
+        With ``prefetched`` (from :meth:`prefetch`), verified loads already done
+        in the background are installed when they still serve: the tier's
+        fresh lookup names the same best checkpoint, and the device has lost
+        none of the KV the prefetch counted on. Otherwise the loads run now.
 
         Returns:
             ``(match, missing_branching_boundary, gains)``; the boundary (tokens)
@@ -85,10 +157,11 @@ class TierConnector:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
                 tier.stats.misses["absent"] += 1        # the tier has nothing beyond the device hit
+            ready = prefetched.take(tier.name, rm.best_joint, match.kv_hit) if prefetched is not None else None
             for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
                 if boundary <= match.hit:
                     break
-                if self._install(tier, match, boundary):
+                if self._install(tier, match, boundary, ready if boundary == rm.best_joint else None):
                     before = match.hit
                     match = self.cache.lookup(prompt, namespace)
                     gains[tier.name] = gains.get(tier.name, 0) + max(match.hit - before, 0)
@@ -103,13 +176,21 @@ class TierConnector:
         for tier in self.tiers:
             tier.stats.hit_tokens += gains.get(tier.name, 0)
 
-    def _install(self, tier: Tier, match: MatchResult, boundary: int) -> bool:
-        """Load the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)`` (two
-        batched gets), verify, then install them in order; ``False`` at the first miss."""
+    def _install(self, tier: Tier, match: MatchResult, boundary: int, ready: dict | None = None) -> bool:
+        """Install the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)``, in order;
+        ``False`` at the first miss. The entries come from ``ready`` (a prefetch) when it has all of
+        them, else from one batched load into the tier's staging arena."""
         a = tier.alignment
         hashes = match.hashes
         segs = list(range(min(match.kv_hit, boundary) // a * a + a, boundary + 1, a))
-        got = tier.load_many(hashes, [(b, "kv") for b in segs] + [(boundary, "kda")])
+        wanted = [(b, "kv") for b in segs] + [(boundary, "kda")]
+        if ready is not None and all(ready.get(w) is not None for w in wanted):
+            got = [ready[w] for w in wanted]
+            self.prefetch_used += 1
+        elif isinstance(tier, StoreTier):
+            got = tier.load_many(hashes, wanted, staging=True)
+        else:
+            got = tier.load_many(hashes, wanted)
         for b, entry in zip(segs, got):
             if entry is None or not self.cache.install_kv(
                     hashes, b - a, b, lambda pages, lat=entry["latents"]: self.backend.write_pages(pages, lat)):

@@ -99,9 +99,33 @@ def view_tensor(buffer, offset: int, dtype: str, shape: tuple[int, ...]) -> torc
     return torch.frombuffer(buffer, dtype=tdt, count=numel, offset=offset).reshape(shape)
 
 
+def entry_components(namespace: bytes, chain_hash: bytes, group: str, tensors: dict[str, torch.Tensor],
+                     rank: int = 0) -> list[tuple[str, str, memoryview, torch.Tensor]]:
+    """The component objects of one entry: ``(name, key, bytes, tensor)`` per component.
+
+    The bytes are a memoryview over the tensor's own memory when it is a
+    contiguous CPU tensor (zero copy): the caller must not modify the tensors
+    until the put returns.
+    """
+    return [(name, entry_key(namespace, chain_hash, group, name, rank), tensor_view(t), t)
+            for name, t in tensors.items()]
+
+
+def entry_manifest(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None, group: str, boundary: int,
+                   segment: int, components: list[tuple[str, str, memoryview, torch.Tensor]],
+                   rank: int = 0) -> tuple[str, bytes]:
+    """The manifest object ``(key, UTF-8 JSON)`` of an entry, checksumming each component (XXH3-128)."""
+    listing = [{"name": name, "key": key, "nbytes": data.nbytes, "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape), "checksum": checksum(data)} for name, key, data, t in components]
+    manifest = {"abi": ABI_VERSION, "layout": LAYOUT_VERSION, "checksum": CHECKSUM, "group": group,
+                "token_length": boundary, "segment": segment, "parent": parent_hash.hex() if parent_hash else "",
+                "rank": rank, "components": listing}
+    return entry_key(namespace, chain_hash, group, "manifest", rank), json.dumps(manifest, sort_keys=True).encode()
+
+
 def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None, group: str,
                  boundary: int, segment: int, tensors: dict[str, torch.Tensor],
-                 rank: int = 0) -> tuple[list[tuple[str, bytes]], tuple[str, bytes]]:
+                 rank: int = 0) -> tuple[list[tuple[str, memoryview]], tuple[str, bytes]]:
     """Objects of one entry: the component objects, and the manifest object to write last.
 
     Args:
@@ -114,24 +138,12 @@ def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None,
         tensors: component name -> tensor.
 
     Returns:
-        ``(components, manifest)`` as ``(key, buffer)`` pairs. Component buffers
-        are memoryviews over the tensors' own memory when they are contiguous
-        CPU tensors (zero copy): the caller must not modify the tensors until
-        the put returns.
+        ``(components, manifest)`` as ``(key, buffer)`` pairs; component buffers
+        as in :func:`entry_components`.
     """
-    comps, listing = [], []
-    for name, t in tensors.items():
-        data = tensor_view(t)
-        key = entry_key(namespace, chain_hash, group, name, rank)
-        comps.append((key, data))
-        listing.append({"name": name, "key": key, "nbytes": len(data),
-                        "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                        "checksum": checksum(data)})
-    manifest = {"abi": ABI_VERSION, "layout": LAYOUT_VERSION, "checksum": CHECKSUM, "group": group, "token_length": boundary,
-                "segment": segment, "parent": parent_hash.hex() if parent_hash else "", "rank": rank,
-                "components": listing}
-    mkey = entry_key(namespace, chain_hash, group, "manifest", rank)
-    return comps, (mkey, json.dumps(manifest, sort_keys=True).encode())
+    comps = entry_components(namespace, chain_hash, group, tensors, rank)
+    return ([(key, data) for _, key, data, _ in comps],
+            entry_manifest(namespace, chain_hash, parent_hash, group, boundary, segment, comps, rank))
 
 
 def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, tuple[str, tuple]],

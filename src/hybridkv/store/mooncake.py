@@ -79,6 +79,7 @@ _READ_MISS_CODES = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, INVALID_PARAMS)  # I
 LOOPBACK_SHIM_NAME = "hybridkv_loopback_bind"
 
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller non-zero segments
+_MERGE_GAP_BYTES = 64  # spans this close are registered as one range (alignment padding)
 _SMALL_ITEM_BYTES = 64 << 10  # put items below this are packed into one staging buffer
 _NO_SPACE_RETRY_S = (0.02, 0.05, 0.1)
 # Right after the master came back, segments are being remounted (~0.5 s measured) and
@@ -355,6 +356,17 @@ class MooncakeStore(ObjectStore):
                 raise MooncakeError(f"register_buffer of {array.nbytes} bytes failed with code {code}")
             self._regions.append((array.ctypes.data, array.ctypes.data + array.nbytes, array))
 
+    def unregister_memory(self, buffer: Buffer) -> None:
+        """Undo :meth:`register_memory` for ``buffer`` (no-op if it is not registered)."""
+        start = _writable_array(buffer).ctypes.data
+        with self._lock:
+            kept = [r for r in self._regions if r[0] != start]
+            if len(kept) == len(self._regions):
+                return
+            self._regions = kept
+            if self._client is not None and self._healthy:
+                self._client.unregister_buffer(start)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -464,12 +476,23 @@ class MooncakeStore(ObjectStore):
         return not worker.is_alive()
 
     def _register_temp(self, client, spans: list[tuple[int, int]]) -> list[int]:
-        """Register the spans not inside a long-lived region; returns their start addresses."""
+        """Register the spans not inside a long-lived region; returns the registered start addresses.
+
+        Spans that touch or lie within ``_MERGE_GAP_BYTES`` of each other (slots of
+        one arena, separated only by alignment padding) are registered as one range.
+        """
+        outside = sorted((ptr, ptr + size) for ptr, size in spans
+                         if size and not any(s <= ptr and ptr + size <= e for s, e, _ in self._regions))
+        merged: list[list[int]] = []
+        for start, end in outside:
+            if merged and start <= merged[-1][1] + _MERGE_GAP_BYTES:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
         temp = []
-        for ptr, size in dict.fromkeys(spans):
-            if size and ptr not in temp and not any(s <= ptr and ptr + size <= e for s, e, _ in self._regions):
-                if client.register_buffer(ptr, size) == 0:
-                    temp.append(ptr)
+        for start, end in merged:
+            if client.register_buffer(start, end - start) == 0:
+                temp.append(start)
         return temp
 
     @staticmethod

@@ -11,8 +11,10 @@ fail fast for ``retry_seconds`` before the store is tried again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,8 +27,9 @@ from hybridkv.store.layout import (
     MANIFEST_MAX_BYTES,
     EntryError,
     decode_manifest,
-    encode_entry,
+    entry_components,
     entry_key,
+    entry_manifest,
     verify_component,
 )
 
@@ -83,12 +86,21 @@ class EntryShapes:
 
     @classmethod
     def for_model(cls, num_mla_layers: int, segment: int, latent_dim: int, recurrent_shape: tuple,
-                  conv_shape: tuple, conv_dtype: str = "float32") -> "EntryShapes":
+                  conv_shape: tuple, conv_dtype: str = "float32") -> EntryShapes:
         """Shapes for a model; ``conv_shape`` is the whole window ``(L_kda, 3*H*K, k-1)``."""
         third = (conv_shape[0], conv_shape[1] // 3, conv_shape[2])
         return cls(kv={"latents": ("float32", (num_mla_layers, segment, latent_dim))},
                    kda={"recurrent": ("float32", tuple(recurrent_shape)), "conv.q": (conv_dtype, third),
                         "conv.k": (conv_dtype, third), "conv.v": (conv_dtype, third)})
+
+    @classmethod
+    def for_config(cls, config, segment: int, conv_dtype: str = "float32") -> EntryShapes:
+        """Shapes for a :class:`~hybridkv.model.config.HybridConfig` (no weights needed);
+        ``conv_dtype`` is the model's compute dtype."""
+        rec = config.recurrent_state_shape
+        conv = config.conv_state_shape
+        return cls.for_model(config.num_mla_layers, segment, config.kv_latent_dim, tuple(rec), tuple(conv),
+                             conv_dtype)
 
 
 def checkpoint_components(ckpt: KDACheckpoint) -> dict[str, torch.Tensor]:
@@ -236,6 +248,10 @@ class Tier:
 class StoreTier(Tier):
     """Entries of one namespace in one object store (cache ABI v2).
 
+    Thread-safe: every store call and every statistics update runs under one
+    lock, so a background prefetch and the engine's own calls can share a tier.
+    Component puts run on one worker thread (see :meth:`save_entries`).
+
     Args:
         store: the backend.
         namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
@@ -249,39 +265,76 @@ class StoreTier(Tier):
         self.retry_seconds = retry_seconds
         self._down_until = 0.0
         self._warned = False
+        self._lock = threading.RLock()
+        self._worker: ThreadPoolExecutor | None = None   # component puts and prefetches, one at a time
+        self._staging: np.ndarray | None = None          # reusable load arena (staging=True loads)
 
     def _call(self, fn, *args):
-        """Run a store call; ``None`` (and an ``unreachable`` miss) if the store is down."""
-        if time.monotonic() < self._down_until:
-            self.stats.misses["unreachable"] += 1
-            return None
-        try:
-            return fn(*args)
-        except StoreUnavailable as exc:
-            self._down_until = time.monotonic() + self.retry_seconds
-            self.stats.misses["unreachable"] += 1
-            if not self._warned:
-                log.warning("%s tier unreachable, continuing without it: %s", self.name, exc)
-                self._warned = True
-            return None
+        """Run a store call under the tier lock; ``None`` (and an ``unreachable`` miss) if the store is down."""
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.stats.misses["unreachable"] += 1
+                return None
+            try:
+                return fn(*args)
+            except StoreUnavailable as exc:
+                self._down_until = time.monotonic() + self.retry_seconds
+                self.stats.misses["unreachable"] += 1
+                if not self._warned:
+                    log.warning("%s tier unreachable, continuing without it: %s", self.name, exc)
+                    self._warned = True
+                return None
 
     def _exists(self, keys):
         return self._call(self.store.exists, keys)
 
-    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+    def submit(self, fn, *args):
+        """Run ``fn(*args)`` on this tier's worker thread; a ``concurrent.futures.Future``."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hybridkv-{self.name}")
+            return self._worker.submit(fn, *args)
+
+    def close(self) -> None:
+        """Wait for the worker thread and release the staging arena. Idempotent."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+        with self._lock:
+            if self._staging is not None:
+                self.store.unregister_memory(self._staging)
+                self._staging = None
+
+    def _arena(self, nbytes: int, staging: bool) -> np.ndarray:
+        if not staging:
+            return np.empty(max(nbytes, 1), dtype=np.uint8)
+        if self._staging is None or self._staging.nbytes < nbytes:
+            if self._staging is not None:
+                self.store.unregister_memory(self._staging)
+            self._staging = np.zeros(max(nbytes, 1 << 20), dtype=np.uint8)   # zeroed: pages faulted in once
+            self.store.register_memory(self._staging)
+        return self._staging
+
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]], staging: bool = False
+                  ) -> list[dict | None]:
         """Verified components of several entries in one batched ``get_into``.
 
         Every manifest and every component this model expects lands in one
-        preallocated arena: a manifest slot of ``MANIFEST_MAX_BYTES`` and an
-        exact-size slot per component (sizes from :class:`EntryShapes`). Then
-        each manifest is decoded and checked, and each component is checked
-        against the manifest's size and checksum. The returned tensors view the
-        arena (no copy). Reading the manifest in the same batch as its
-        components is safe: components are committed before the manifest, and
-        whatever was read is checked against the manifest's checksums.
+        arena: a manifest slot of ``MANIFEST_MAX_BYTES`` and an exact-size slot
+        per component (sizes from :class:`EntryShapes`). Then each manifest is
+        decoded and checked, and each component is checked against the
+        manifest's size and checksum. The returned tensors view the arena (no
+        copy). Reading the manifest in the same batch as its components is
+        safe: components are committed before the manifest, and whatever was
+        read is checked against the manifest's checksums.
 
         Args:
             wanted: ``(boundary, group)`` pairs.
+            staging: read into this tier's reusable arena (allocated, faulted
+                in and registered with the store once) instead of fresh
+                memory. The tensors returned are then valid only until the
+                next ``staging=True`` load: install or copy them first.
 
         Returns:
             Per pair, component name -> tensor, or ``None`` (a counted miss).
@@ -298,17 +351,20 @@ class StoreTier(Tier):
                 offsets.append(pos)
                 sizes.append(size)
                 pos += -(-size // _ALIGN) * _ALIGN
-        arena = np.empty(max(pos, 1), dtype=np.uint8)
-        views = [memoryview(arena[o:o + n]) for o, n in zip(offsets, sizes)]
-        nread = self._call(self.store.get_into, keys, views)
-        if nread is None:
-            return [None] * len(wanted)
-        out, i = [], 0
-        for b, grp in wanted:
-            names = getattr(self.shapes, grp)
-            n_slots = 1 + len(names)
-            out.append(self._verify(hashes, b, grp, arena, offsets[i:i + n_slots], nread[i:i + n_slots]))
-            i += n_slots
+        with self._lock:
+            if time.monotonic() < self._down_until:      # fail fast before touching the arena
+                self.stats.misses["unreachable"] += 1
+                return [None] * len(wanted)
+            arena = self._arena(pos, staging)
+            views = [memoryview(arena[o:o + n]) for o, n in zip(offsets, sizes)]
+            nread = self._call(self.store.get_into, keys, views)
+            if nread is None:
+                return [None] * len(wanted)
+            out, i = [], 0
+            for b, grp in wanted:
+                n_slots = 1 + len(getattr(self.shapes, grp))
+                out.append(self._verify(hashes, b, grp, arena, offsets[i:i + n_slots], nread[i:i + n_slots]))
+                i += n_slots
         return out
 
     def _verify(self, hashes, b, grp, arena, offsets, nread) -> dict | None:
@@ -345,6 +401,10 @@ class StoreTier(Tier):
         """Commit several entries with two batched puts: every component, then the manifests
         of the entries whose components all landed.
 
+        The components' put runs on a worker thread while this thread computes
+        their checksums and the manifests (the store call releases the GIL, so
+        the two overlap); the manifests go out only after it returned.
+
         Args:
             entries: ``(chain_hash, parent_hash, group, boundary, tensors)`` tuples.
 
@@ -353,27 +413,32 @@ class StoreTier(Tier):
         """
         if not entries:
             return []
-        encoded = [encode_entry(self.namespace, h, parent, group, boundary, self.alignment, tensors)
-                   for h, parent, group, boundary, tensors in entries]
-        comps = [c for cs, _ in encoded for c in cs]
-        ok = self._call(self.store.put, comps)
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.stats.misses["unreachable"] += 1
+                return [False] * len(entries)
+        parts = [entry_components(self.namespace, h, group, tensors) for h, _, group, _, tensors in entries]
+        pending = self.submit(self._call, self.store.put, [(key, data) for cs in parts for _, key, data, _ in cs])
+        manifests = [entry_manifest(self.namespace, h, parent, group, boundary, self.alignment, cs)
+                     for (h, parent, group, boundary, _), cs in zip(entries, parts)]
+        ok = pending.result()
         if ok is None:
             return [False] * len(entries)
         done, i = [], 0
-        for cs, _ in encoded:
+        for cs in parts:
             done.append(all(ok[i:i + len(cs)]))
             i += len(cs)
-        manifests = [m for (_, m), d in zip(encoded, done) if d]
-        ok = self._call(self.store.put, manifests) if manifests else []
+        ok = self._call(self.store.put, [m for m, d in zip(manifests, done) if d]) if any(done) else []
         if ok is None:
             return [False] * len(entries)
         visible, j = [], 0
-        for (cs, m), d in zip(encoded, done):
-            v = d and ok[j]
-            j += d
-            visible.append(v)
-            if v:
-                self.stats.bytes_saved += sum(len(b) for _, b in cs) + len(m[1])
+        with self._lock:
+            for cs, m, d in zip(parts, manifests, done):
+                v = d and ok[j]
+                j += d
+                visible.append(v)
+                if v:
+                    self.stats.bytes_saved += sum(data.nbytes for _, _, data, _ in cs) + len(m[1])
         return visible
 
     def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
