@@ -13,8 +13,9 @@ one synthetic prompt; at each boundary one ``kv`` entry (MLA latents
 entry (recurrent ``float32[6, 4, 64, 64]`` = 384 KiB + three conv parts of
 18 KiB). A pass saves every entry with one :meth:`Tier.save_entries` call and
 loads them back with one :meth:`Tier.load_many` call: the calls
-``TierConnector.upload`` / ``fetch`` make (cache ABI v2: zero-copy puts,
-XXH3-128 checksums, one batched ``get_into`` into an arena for the loads). The
+``TierConnector.upload`` / ``fetch`` make (cache ABI v2: zero-copy puts whose
+checksums are computed while the component put runs, XXH3-128, one batched
+``get_into`` into the tier's reusable staging arena for the loads). The
 tiers are shaped for ``--preset`` (default ``small``; entry shapes only, no
 weights are built). GB/s = component payload bytes (manifests not counted) /
 seconds, 1 GB = 1e9 bytes, median of ``--repeats`` passes with fresh keys (a new
@@ -92,13 +93,15 @@ def components(lat, ck) -> list[torch.Tensor]:
     return out
 
 
-def tier_run(name, tier_factory, hashes, lat, ck):
-    """A timed pass: one ``save_entries`` of every entry, then one ``load_many`` (fresh namespace per pass)."""
+def tier_run(name, tier_factory, tokens, lat, ck):
+    """A timed pass: one ``save_entries`` of every entry, then one ``load_many``. One tier per path for
+    the whole run (as in an engine: its staging arena is reused); fresh keys per pass (the chained
+    hashes are salted with the pass)."""
     bounds = [(i + 1) * ALIGN for i in range(len(lat))]
+    tier = tier_factory(hashlib.sha256(f"bench_store/{name}".encode()).digest())
 
     def run(rep: int):
-        ns = hashlib.sha256(f"bench_store/{name}/{rep}/{time.time_ns()}".encode()).digest()
-        tier = tier_factory(ns)
+        hashes = chained_block_hashes(f"bench_store/{name}/{rep}/{time.time_ns()}".encode(), tokens, UNIT)
         entries = []
         for b, latents, c in zip(bounds, lat, ck):
             entries.append(tier.entry(hashes, b, "kv", {"latents": latents}))
@@ -107,7 +110,7 @@ def tier_run(name, tier_factory, hashes, lat, ck):
         t = time.perf_counter()
         ok = tier.save_entries(entries)
         t1 = time.perf_counter()
-        got = tier.load_many(hashes, wanted)
+        got = tier.load_many(hashes, wanted, **({"staging": True} if isinstance(tier, StoreTier) else {}))
         t2 = time.perf_counter()
         assert all(ok) and all(x is not None for x in got), (name, ok.count(False), got.count(None))
         if rep == 0:
@@ -290,7 +293,6 @@ def main(argv=None) -> int:
     conv_dtype = torch.float32 if args.preset in ("tiny", "small") else torch.bfloat16
     shapes = EntryShapes.for_config(cfg, ALIGN, str(conv_dtype).removeprefix("torch."))
     lat, ck, tokens = make_data(cfg, conv_dtype, args.entries)
-    hashes = chained_block_hashes(b"bench_store", tokens, UNIT)
     tensors = components(lat, ck)
     payload = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -327,7 +329,7 @@ def main(argv=None) -> int:
         for name, store in stores:
             tiers[name] = lambda ns, store=store: StoreTier(store, ns, UNIT, ALIGN, shapes)
         for name, factory in tiers.items():
-            paths[name] = tier_run(name, factory, hashes, lat, ck)
+            paths[name] = tier_run(name, factory, tokens, lat, ck)
         if raw is not None:
             for label in raw.batches:
                 paths[label] = raw.path(label)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.store.layout import entry_key
+from hybridkv.store.layout import DTYPES
 from hybridkv.store.tier import EntryShapes, Tier
 
 
@@ -60,7 +60,9 @@ class HostTier(Tier):
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
         self.capacity_bytes = capacity_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._entries: OrderedDict[str, _HostEntry] = OrderedDict()
+        self._entries: OrderedDict[tuple[bytes, str], _HostEntry] = OrderedDict()
+        self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in getattr(shapes, grp).items()}
+                          for grp in ("kv", "kda")}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -81,12 +83,13 @@ class HostTier(Tier):
         out = []
         with self._lock:
             for b, grp in wanted:
-                e = self._entries.get(self._key(hashes, b, grp))
+                key = self._key(hashes, b, grp)
+                e = self._entries.get(key)
                 if e is None:
                     self.stats.misses["absent"] += 1
                     out.append(None)
                     continue
-                self._entries.move_to_end(self._key(hashes, b, grp))
+                self._entries.move_to_end(key)
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
                 out.append(dict(e.tensors))
@@ -107,7 +110,7 @@ class HostTier(Tier):
         out = []
         with self._lock:
             for chain_hash, _parent, group, _boundary, tensors in entries:
-                key = self._entry_key(chain_hash, group)
+                key = (chain_hash, group)
                 if key in self._entries:
                     self._entries.move_to_end(key)
                     out.append(True)
@@ -135,21 +138,27 @@ class HostTier(Tier):
                 e.wait()
                 self._bytes -= e.nbytes
 
-    def _entry_key(self, chain_hash: bytes, group: str) -> str:
-        return entry_key(self.namespace, chain_hash, group, "manifest")
+    def _key(self, hashes, boundary, group, component="manifest"):
+        """Entries are keyed by ``(chained hash, group)``: one namespace per tier, nothing serialized."""
+        return (hashes[boundary // self.unit - 1], group)
 
     def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
-        expected = getattr(self.shapes, group)
-        got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
-        if got != {n: (d, tuple(s)) for n, (d, s) in expected.items()}:
-            raise ValueError(f"{self.name} tier: {group} entry components {got} differ from {expected}")
+        expected = self._expected[group]
+        if len(tensors) != len(expected) or any(
+                (t.dtype, t.shape) != expected.get(n, (None, None)) for n, t in tensors.items()):
+            got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
+            raise ValueError(f"{self.name} tier: {group} entry components {got} differ from "
+                             f"{getattr(self.shapes, group)}")
 
     def _copy(self, tensors: dict[str, torch.Tensor], nbytes: int) -> _HostEntry:
         held, on_device = {}, False
         for n, t in tensors.items():
             t = t.detach()
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin_memory)
-            dst.copy_(t, non_blocking=self.pin_memory and t.is_cuda)
+            if self.pin_memory:
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                dst.copy_(t, non_blocking=t.is_cuda)
+            else:
+                dst = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
             on_device |= t.is_cuda
             held[n] = dst
         ready = None

@@ -40,7 +40,7 @@ GROUPS = ("kv", "kda")
 #: manifest into a slot of this size in the same batched get as the components.
 MANIFEST_MAX_BYTES = 16 << 10
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -88,7 +88,7 @@ def checksum(data) -> str:
 def view_tensor(buffer, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``buffer[offset:]``: no copy when ``buffer`` is writable (it must
     stay alive then), a private copy when it is read-only (``bytes``)."""
-    tdt = _DTYPES[dtype]
+    tdt = DTYPES[dtype]
     if memoryview(buffer).readonly:
         buffer = bytearray(buffer)
     numel = 1
