@@ -225,3 +225,31 @@ def test_prefetch_take_rejects_stale_results():
     p = Prefetch(0, {"store": done((1024, loaded))})
     p.cancel()
     assert p.take("store", 1024, 0) is None
+
+
+def test_upload_queries_each_boundary_once_per_request(tiny_model):
+    """A long prompt prefilled in many steps: the upload marks keep each step's existence query to
+    the new boundaries (not the whole prefix again), and every entry still lands."""
+    class CountingStore(MemoryStore):
+        def __init__(self):
+            super().__init__()
+            self.queried = []
+
+        def exists(self, keys):
+            self.queried += [k for k in keys if k.endswith("/kv/r0/manifest")]
+            return super().exists(keys)
+
+    v = tiny_model.config.vocab_size
+    store = CountingStore()
+    a, tier = instance(tiny_model, store, policy="tail", block_size=256, alignment=256, pages=32,
+                       max_num_batched_tokens=512)
+    P = tokens(90, 4096, v)
+    r = run_one(a, P, max_output_tokens=1)
+    hashes = a.cache.hash_prompt(P)
+    bounds = list(range(256, 4096 + 1, 256))
+    assert tier.has(hashes, bounds, "kv") == [True] * len(bounds)
+    from_uploads = len(store.queried) - len(bounds)          # the last has() above queried them all once more
+    # the admission lookup (15 boundaries below T - 1) plus one query per boundary; re-querying the
+    # prefix at each of the 8 steps would be 15 + (2 + 4 + ... + 16) = 87
+    assert from_uploads <= 2 * len(bounds), from_uploads
+    assert r.uploaded == {"store": 4096}

@@ -10,9 +10,9 @@ from hybridkv.store.connector import tier_for
 
 
 def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, alignment=1024, pages=32, slots=8,
-             max_num_seqs=8):
+             max_num_seqs=8, max_num_batched_tokens=8192):
     """A fresh engine (empty device cache) whose only lower tier is ``store``."""
-    cfg = CacheConfig(block_size=block_size, prefix_match_unit=unit, max_num_batched_tokens=8192,
+    cfg = CacheConfig(block_size=block_size, prefix_match_unit=unit, max_num_batched_tokens=max_num_batched_tokens,
                       num_kv_pages=pages, num_checkpoint_slots=slots, policy=CheckpointPolicy.parse(policy),
                       store_alignment=alignment, max_num_seqs=max_num_seqs)
     backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)

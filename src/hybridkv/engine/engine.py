@@ -219,7 +219,8 @@ class Engine:
                     else:
                         self.stats.checkpoints_skipped += 1
                 if self.connector is not None:
-                    self.connector.upload(r.alloc, r.match.hashes, c.end, made, repair=c.start == r.reused)
+                    self.connector.upload(r.alloc, r.match.hashes, c.end, made, repair=c.start == r.reused,
+                                          marks=r.uploaded)
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE

@@ -45,6 +45,8 @@ class Request:
             means the engine's.
         prefetch: background loads from lower tiers started while the request
             waits (:class:`hybridkv.store.connector.Prefetch`), consumed at admission.
+        uploaded: tier name -> tokens of this prompt's KV known to be in that
+            write-through tier (the connector's upload marks).
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class Request:
     namespace: bytes | None = None
     admission_failures: int = 0
     prefetch: object = None
+    uploaded: dict[str, int] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

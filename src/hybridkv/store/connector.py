@@ -200,13 +200,22 @@ class TierConnector:
             hashes, checkpoint_from_components(kda, boundary), boundary)
 
     def upload(self, alloc: Allocation, hashes: list[bytes], computed: int,
-               checkpoints: dict[int, KDACheckpoint], repair: bool = False) -> None:
+               checkpoints: dict[int, KDACheckpoint], repair: bool = False,
+               marks: dict[str, int] | None = None) -> None:
         """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the tiers lack.
 
-        All components go out in one batched put, then the manifests of the
-        entries whose components landed in a second one. With ``repair``, the
-        checkpoint the request started from (its joint hit) is uploaded too if
-        a write-through tier lacks it, e.g. after the store lost its objects.
+        One existence query per tier, then all components go out in one batched
+        put and the manifests of the entries whose components landed in a
+        second one. With ``repair``, the checkpoint the request started from
+        (its joint hit) is uploaded too if a write-through tier lacks it, e.g.
+        after the store lost its objects.
+
+        Args:
+            marks: per request, tier name -> tokens of KV known to be in that
+                tier (every aligned ``kv`` entry up to it is visible). Only
+                boundaries past the mark are queried, and the mark advances as
+                entries land, so a long prompt's later steps do not re-query
+                its whole prefix. Owned by the caller; ``None``: query all.
         """
         checkpoints = dict(checkpoints)
         g = self.cache.config.prefix_match_unit
@@ -214,19 +223,20 @@ class TierConnector:
             node = alloc.nodes[alloc.start // g - 1]
             if node.parent is not None and node.checkpoint is not None:
                 checkpoints[alloc.start] = None            # read from the device pool if a tier lacks it
+        marks = {} if marks is None else marks
         for tier in self.tiers:
             if not tier.write_through:
                 continue
             a = tier.alignment
-            bounds = list(range(a, computed // a * a + 1, a))
-            present = tier.has(hashes, bounds, "kv")
+            mark = marks.get(tier.name, 0)
+            kv = list(range(mark + a, computed // a * a + 1, a))
+            aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
+            present = tier.has_many(hashes, [(b, "kv") for b in kv] + [(b, "kda") for b in aligned])
             if present is None:
                 continue
             entries = [tier.entry(hashes, b, "kv", {"latents": self.backend.read_kv(alloc.block_table, b - a, b)})
-                       for b, ok in zip(bounds, present) if not ok]
-            aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
-            have = tier.has(hashes, aligned, "kda") or [True] * len(aligned)
-            for b, ok in zip(aligned, have):
+                       for b, ok in zip(kv, present) if not ok]
+            for b, ok in zip(aligned, present[len(kv):]):
                 if ok:
                     continue
                 ckpt = checkpoints[b]
@@ -236,7 +246,12 @@ class TierConnector:
                         continue
                     ckpt = self.cache.checkpoints.read(node.checkpoint, b)
                 entries.append(tier.entry(hashes, b, "kda", checkpoint_components(ckpt)))
-            tier.save_entries(entries)                      # two batched puts per step
+            visible = iter(tier.save_entries(entries))      # two batched puts per step
+            landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
+            for b in kv:                                    # the mark moves over contiguous visible entries
+                if not landed[b]:
+                    break
+                marks[tier.name] = b
 
     def _write_back(self, nodes, kv: bool) -> None:
         """Save evicted device state into the write-back tiers (page-aligned entries only), batched."""

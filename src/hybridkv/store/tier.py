@@ -224,6 +224,12 @@ class Tier:
         parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
         return (self._hash(hashes, boundary), parent, group, boundary, tensors)
 
+    def has_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[bool] | None:
+        """Whether each ``(boundary, group)`` entry's manifest exists, in one query (``None`` if unreachable)."""
+        if not wanted:
+            return []
+        return self._exists([self._key(hashes, b, grp) for b, grp in wanted])
+
     def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
         """Whether each boundary's manifest exists (``None`` if unreachable)."""
         if not boundaries:
