@@ -67,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default none; several instances without one share a fresh disk store)")
     r.add_argument("--store-alignment", type=_positive, default=None,
                    help="tokens; only these boundaries become store entries (default: --block-size)")
-    r.add_argument("--host-mib", type=int, default=256,
+    r.add_argument("--host-mib", type=_non_negative, default=256,
                    help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256)")
+    r.add_argument("--host-write-through", action="store_true",
+                   help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
     r.add_argument("--instances", type=_positive, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
@@ -109,7 +111,7 @@ def _replay(args, console: Console) -> int:
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
-        host_bytes=max(args.host_mib, 0) << 20, threads=args.threads)
+        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads)
     try:
         report = run_replay(opts, console)
     except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:

@@ -253,3 +253,27 @@ def test_upload_queries_each_boundary_once_per_request(tiny_model):
     # prefix at each of the 8 steps would be 15 + (2 + 4 + ... + 16) = 87
     assert from_uploads <= 2 * len(bounds), from_uploads
     assert r.uploaded == {"store": 4096}
+
+
+def test_host_tier_write_through_serves_after_device_clear(tiny_model):
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.store.connector import host_tier_for
+
+    v = tiny_model.config.vocab_size
+    cfg = CacheConfig(block_size=256, prefix_match_unit=64, num_kv_pages=16, num_checkpoint_slots=4,
+                      policy=CheckpointPolicy.parse("tail=256"))
+    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny").digest()
+    host = host_tier_for(64 << 20, backend, ns, 64, 256, write_through=True)
+    e = Engine(cfg, backend, ns, tiers=[host])
+    P = tokens(55, 1024, v)
+    run_one(e, np.concatenate([P, tokens(56, 30, v)]))
+    assert e.cache.evicted_pages == 0 and host.stats.bytes_saved > 0   # saved as computed, not on eviction
+    e.cache.clear()
+    r = run_one(e, np.concatenate([P, tokens(57, 40, v)]))
+    assert r.reused == 1024 and host.stats.hit_tokens == 1024
+    assert_exact(tiny_model, r)
+    e.cache.check_invariants()

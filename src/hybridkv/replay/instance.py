@@ -41,6 +41,7 @@ class InstanceSpec:
         store_url: ``none`` or a store URL shared by all instances.
         host_bytes: capacity of the host tier (write-back of evicted device
             entries), bytes; 0 disables it.
+        host_write_through: the host tier also saves entries as they are computed.
         simulate: cost model instead of the model.
     """
 
@@ -54,6 +55,7 @@ class InstanceSpec:
     verify: set[int] = field(default_factory=set)
     store_url: str = "none"
     host_bytes: int = 0
+    host_write_through: bool = False
     simulate: bool = False
 
 
@@ -130,7 +132,8 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     tiers = []
     if not spec.simulate and spec.host_bytes:
         from hybridkv.store.connector import host_tier_for
-        tiers.append(host_tier_for(spec.host_bytes, backend, namespace, cfg.prefix_match_unit, cfg.block_size))
+        tiers.append(host_tier_for(spec.host_bytes, backend, namespace, cfg.prefix_match_unit, cfg.block_size,
+                                   write_through=spec.host_write_through))
     tier = None if spec.simulate else _open_tier(spec, backend, namespace)
     if tier is not None:
         tiers.append(tier)
@@ -176,6 +179,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     res.tiers = {"device": {**empty, "hit_tokens": s.reused_tokens - lower}, **res.tiers}
     if tier is not None:
         res.store_misses = Counter(tier.stats.misses)
+        tier.close()                          # its worker thread and staging arena
         tier.store.close()
     if model is not None:
         _verify(model, [r for r in requests if r.record_logits], res)

@@ -56,6 +56,7 @@ class ReplayOptions:
     store: str = "none"
     store_alignment: int | None = None
     host_bytes: int = 256 << 20
+    host_write_through: bool = False
     threads: int = 1
 
 
@@ -130,7 +131,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     specs = [InstanceSpec(instance_id=k, model=opts.model, seed=opts.seed, config=cfg,
                           prompts=prompts[k::n], indices=list(range(k, len(reqs), n)), output_lengths=out_lens[k::n],
                           verify={i for i in verify_ids if i % n == k}, store_url=store_url,
-                          host_bytes=opts.host_bytes, simulate=opts.simulate)
+                          host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
+                          simulate=opts.simulate)
              for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
