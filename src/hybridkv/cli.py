@@ -23,7 +23,12 @@ def _positive(text: str) -> int:
 
 
 def _non_negative(text: str) -> int:
-    n = _positive(text) if text.strip() != "0" else 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
     return n
 
 
