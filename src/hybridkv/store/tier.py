@@ -272,6 +272,7 @@ class StoreTier(Tier):
         self._down_until = 0.0
         self._warned = False
         self._lock = threading.RLock()
+        self._submit_lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None   # component puts and prefetches, one at a time
         self._staging: np.ndarray | None = None          # reusable load arena (staging=True loads)
 
@@ -295,15 +296,18 @@ class StoreTier(Tier):
         return self._call(self.store.exists, keys)
 
     def submit(self, fn, *args):
-        """Run ``fn(*args)`` on this tier's worker thread; a ``concurrent.futures.Future``."""
-        with self._lock:
+        """Run ``fn(*args)`` on this tier's worker thread; a ``concurrent.futures.Future``.
+
+        Never waits for the store: a call in flight on the worker holds the
+        tier lock, not the submit lock."""
+        with self._submit_lock:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hybridkv-{self.name}")
             return self._worker.submit(fn, *args)
 
     def close(self) -> None:
         """Wait for the worker thread and release the staging arena. Idempotent."""
-        with self._lock:
+        with self._submit_lock:
             worker, self._worker = self._worker, None
         if worker is not None:
             worker.shutdown(wait=True)
