@@ -41,104 +41,49 @@ blocks for 10-20 s, so it is kept alive until the process exits.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
-
-log = logging.getLogger(__name__)
-
-INSTALL_HINT = (
-    "the mooncake:// store needs the Mooncake transfer engine: "
-    "pip install mooncake-transfer-engine-non-cuda (and the system library: apt-get install -y libibverbs1)"
+from hybridkv.store.mooncake_support import (  # noqa: F401  (the rest are re-exported)
+    INSTALL_HINT,
+    INVALID_PARAMS,
+    LEASE_EXPIRED,
+    LOOPBACK_SHIM_NAME,
+    MIN_SEGMENT_BYTES,
+    NO_SPACE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    READ_MISS_CODES,
+    REPLICA_IS_NOT_READY,
+    RPC_FAIL,
+    TRANSFER_CODES,
+    TRANSFER_FAIL,
+    WRITE_FAIL,
+    MooncakeError,
+    MooncakeNotInstalled,
+    MooncakeStats,
+    abandon_client,
+    byte_array,
+    load_client_class,
+    master_reachable,
+    memory_sizes,
+    no_space_pauses,
+    pack_small,
+    register_temp,
+    run_with_deadline,
+    split_address,
+    unregister_temp,
+    warn_wildcard_listeners,
+    writable_array,
 )
 
-# Mooncake ErrorCode values (mooncake-store types.h) that this backend tells apart.
-NO_SPACE = -200
-INVALID_PARAMS = -600  # also "destination buffer too small" on reads
-REPLICA_IS_NOT_READY = -703  # another client's put of the key is still in flight
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-LEASE_EXPIRED = -707
-TRANSFER_FAIL = -800
-WRITE_FAIL = -500
-RPC_FAIL = -900
-_TRANSFER_CODES = (TRANSFER_FAIL, WRITE_FAIL, LEASE_EXPIRED)
-_READ_MISS_CODES = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, INVALID_PARAMS)  # INVALID_PARAMS: buffer too small
-
-#: File-name stem of the LD_PRELOAD library that keeps Mooncake's listeners on loopback
-#: (built by :func:`hybridkv.store.service.loopback_shim`).
-LOOPBACK_SHIM_NAME = "hybridkv_loopback_bind"
-
-MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller non-zero segments
-_MERGE_GAP_BYTES = 64  # spans this close are registered as one range (alignment padding)
-_SMALL_ITEM_BYTES = 64 << 10  # put items below this are packed into one staging buffer
-_NO_SPACE_RETRY_S = (0.02, 0.05, 0.1)
-# Right after the master came back, segments are being remounted (~0.5 s measured) and
-# every put answers "no space" meanwhile: within this window, puts wait longer.
-_REMOUNT_WINDOW_S = 5.0
-_REMOUNT_RETRY_S = (0.2, 0.3, 0.5)
-
-_ABANDONED: list[object] = []  # clients whose master died; never destroyed (see _abandon)
-_warned_wildcard = False
-
-
-class MooncakeNotInstalled(ImportError):
-    """The ``mooncake`` package (or its system library) is missing; the message says how to install it."""
-
-
-class MooncakeError(RuntimeError):
-    """Mooncake answered a code this backend does not expect: a bug, not an outage."""
-
-
-def load_client_class():
-    """``mooncake.store.MooncakeDistributedStore``, imported on first use.
-
-    Raises:
-        MooncakeNotInstalled: with the pip / apt-get commands.
-    """
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except (ImportError, OSError) as exc:
-        raise MooncakeNotInstalled(f"{INSTALL_HINT} [{exc}]") from exc
-    return MooncakeDistributedStore
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``; ValueError names a malformed address."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"Mooncake master address {address!r} must be host:port, e.g. 127.0.0.1:50051")
-    return host, int(port)
-
-
-def master_reachable(address: str, timeout_s: float = 0.5) -> bool:
-    """Whether a TCP connection to the master's RPC port is accepted."""
-    host, port = split_address(address)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-@dataclass(slots=True)
-class MooncakeStats:
-    """Counters of the things that are not plain hits or misses."""
-
-    rpc_failures: int = 0
-    transfer_failures: int = 0
-    no_space: int = 0  # put items refused after the retries
-    reconnects: int = 0  # clients created after the first
-    abandoned_clients: int = 0
+log = logging.getLogger(__name__)
 
 
 class MooncakeStore(ObjectStore):
@@ -224,21 +169,18 @@ class MooncakeStore(ObjectStore):
                 raise ValueError(f"object {key!r} is empty; empty objects are never stored")
             first.setdefault(key, i)
         keys = list(first)
-        arrays = [_byte_array(items[i][1]) for i in first.values()]
-        staging, ptrs = _pack_small(arrays)
+        arrays = [byte_array(items[i][1]) for i in first.values()]
+        staging, ptrs = pack_small(arrays)
         sizes = [a.nbytes for a in arrays]
         spans = [(a.ctypes.data, a.nbytes) for a, p in zip(arrays, ptrs) if p == a.ctypes.data]
         if staging is not None:
             spans.append((staging.ctypes.data, staging.nbytes))
         with self._lock:
             client = self._ready()
-            temp = self._register_temp(client, spans)
+            temp = register_temp(client, spans, self._regions)
             try:
                 codes = client.batch_put_from(keys, ptrs, sizes)
-                pauses = _NO_SPACE_RETRY_S
-                if time.monotonic() - self._recovered_at < _REMOUNT_WINDOW_S:
-                    pauses += _REMOUNT_RETRY_S
-                for pause in pauses:  # eviction (or a remount) runs in the background; give it a moment
+                for pause in no_space_pauses(self._recovered_at):  # eviction (or a remount) frees space meanwhile
                     retry = [i for i, c in enumerate(codes) if c == NO_SPACE]
                     if not retry:
                         break
@@ -248,7 +190,7 @@ class MooncakeStore(ObjectStore):
                     for i, c in zip(retry, again):
                         codes[i] = c
             finally:
-                self._unregister_temp(client, temp)
+                unregister_temp(client, temp)
             result = {}
             for key, code in zip(keys, codes):
                 if code in (0, OBJECT_ALREADY_EXISTS):
@@ -267,7 +209,7 @@ class MooncakeStore(ObjectStore):
         unique = list(dict.fromkeys(keys))
         with self._lock:
             client = self._ready()
-            sizes = _memory_sizes(client.batch_get_replica_desc(unique))
+            sizes = memory_sizes(client.batch_get_replica_desc(unique))
             unseen = [k for k in unique if k not in sizes]
             if unseen:  # absent, or the descriptor query failed: is_exist tells which
                 codes = client.batch_is_exist(unseen)
@@ -280,15 +222,15 @@ class MooncakeStore(ObjectStore):
                 buf = np.empty(sum(lengths), dtype=np.uint8)
                 offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
                 base = buf.ctypes.data
-                temp = self._register_temp(client, [(base, buf.nbytes)])
+                temp = register_temp(client, [(base, buf.nbytes)], self._regions)
                 try:
                     codes = client.batch_get_into(present, [base + int(o) for o in offsets], lengths)
                 finally:
-                    self._unregister_temp(client, temp)
+                    unregister_temp(client, temp)
                 for key, off, n, code in zip(present, offsets, lengths, codes):
                     if code == n:
                         found[key] = buf[off:off + n].tobytes()
-                    elif code not in _READ_MISS_CODES:  # else: gone, not ready or replaced since the query
+                    elif code not in READ_MISS_CODES:  # else: gone, not ready or replaced since the query
                         self._check_failure("get", code)
             self._succeeded()
         return [found.get(k) for k in keys]
@@ -301,21 +243,21 @@ class MooncakeStore(ObjectStore):
         first: dict[str, int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
-        arrays = [_writable_array(b) for b in buffers]
+        arrays = [writable_array(b) for b in buffers]
         ptrs = [arrays[i].ctypes.data for i in first.values()]
         caps = [arrays[i].nbytes for i in first.values()]
         with self._lock:
             client = self._ready()
-            temp = self._register_temp(client, list(zip(ptrs, caps)))
+            temp = register_temp(client, list(zip(ptrs, caps)), self._regions)
             try:
                 codes = client.batch_get_into(list(first), ptrs, caps)
             finally:
-                self._unregister_temp(client, temp)
+                unregister_temp(client, temp)
             read = {}
             for key, code in zip(first, codes):
                 if code >= 0:
                     read[key] = code
-                elif code in _READ_MISS_CODES:  # absent, not yet complete, or buffer too small
+                elif code in READ_MISS_CODES:  # absent, not yet complete, or buffer too small
                     read[key] = -1
                 else:
                     self._check_failure("get_into", code)
@@ -348,7 +290,7 @@ class MooncakeStore(ObjectStore):
         Reads and writes through views inside it then skip the per-call
         registration (which matters on RDMA, where registering pins memory).
         """
-        array = _writable_array(buffer)
+        array = writable_array(buffer)
         with self._lock:
             client = self._ready()
             code = client.register_buffer(array.ctypes.data, array.nbytes)
@@ -358,7 +300,7 @@ class MooncakeStore(ObjectStore):
 
     def unregister_memory(self, buffer: Buffer) -> None:
         """Undo :meth:`register_memory` for ``buffer`` (no-op if it is not registered)."""
-        start = _writable_array(buffer).ctypes.data
+        start = writable_array(buffer).ctypes.data
         with self._lock:
             kept = [r for r in self._regions if r[0] != start]
             if len(kept) == len(self._regions):
@@ -376,13 +318,13 @@ class MooncakeStore(ObjectStore):
             if client is None:
                 return
             if not master_reachable(self.master, timeout_s=0.5):
-                self._abandon(client)
+                abandon_client(client, self.stats)
                 return
             for start, _, _ in self._regions:
                 client.unregister_buffer(start)
             self._regions.clear()
-            if not self._run_with_deadline(client.close, "close"):
-                self._abandon(client)
+            if not run_with_deadline(client.close, "close", self.timeout_s):
+                abandon_client(client, self.stats)
 
     # ------------------------------------------------------------------ connection state
 
@@ -390,7 +332,7 @@ class MooncakeStore(ObjectStore):
         """Create and set up a new client; raises StoreUnavailable."""
         if not master_reachable(self.master, timeout_s=min(1.0, self.timeout_s)):
             self._mark_down(f"Mooncake master {self.master} is not accepting connections")
-        _warn_wildcard_listeners()
+        warn_wildcard_listeners()
         os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(self.setup_retries)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
         client = self._cls()
@@ -400,11 +342,11 @@ class MooncakeStore(ObjectStore):
             code.append(client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes,
                                      self.local_buffer_bytes, "tcp", "", self.master))
 
-        if not self._run_with_deadline(setup, "setup"):
-            self._abandon(client)
+        if not run_with_deadline(setup, "setup", self.timeout_s):
+            abandon_client(client, self.stats)
             self._mark_down(f"Mooncake setup against {self.master} did not finish within {self.timeout_s:g} s")
         if code[0] != 0:
-            self._abandon(client)
+            abandon_client(client, self.stats)
             self._mark_down(f"Mooncake setup against {self.master} failed with code {code[0]}")
         for start, end, _ in self._regions:
             client.register_buffer(start, end - start)
@@ -424,7 +366,7 @@ class MooncakeStore(ObjectStore):
             self._mark_down(f"Mooncake master {self.master} is not accepting connections")
         if self._client is None or self._failures >= 2:
             if self._client is not None:
-                self._abandon(self._client)
+                abandon_client(self._client, self.stats)
                 self._client = None
             self._connect()
             self.stats.reconnects += 1
@@ -438,7 +380,7 @@ class MooncakeStore(ObjectStore):
 
     def _check_failure(self, op: str, code: int) -> None:
         """Raise for a per-key failure code of ``op``."""
-        if code in _TRANSFER_CODES:
+        if code in TRANSFER_CODES:
             self.stats.transfer_failures += 1
             raise StoreUnavailable(f"Mooncake {op}: transfer failed with code {code} "
                                    "(the process holding the object is gone?)")
@@ -456,99 +398,3 @@ class MooncakeStore(ObjectStore):
         self._down_reason = reason
         self._retry_at = time.monotonic() + self.retry_interval_s
         raise StoreUnavailable(reason)
-
-    def _abandon(self, client) -> None:
-        """Keep ``client`` alive until the process exits.
-
-        Its destructor unmounts segments through the master and blocks for
-        10-20 s when the master is gone, also at interpreter exit; an extra
-        reference taken at the C level keeps it from ever running.
-        """
-        _ABANDONED.append(client)
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
-        self.stats.abandoned_clients += 1
-
-    def _run_with_deadline(self, fn: Callable[[], object], what: str) -> bool:
-        """Run ``fn`` in a daemon thread; False if it is still running after ``timeout_s``."""
-        worker = threading.Thread(target=fn, name=f"mooncake-{what}", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        return not worker.is_alive()
-
-    def _register_temp(self, client, spans: list[tuple[int, int]]) -> list[int]:
-        """Register the spans not inside a long-lived region; returns the registered start addresses.
-
-        Spans that touch or lie within ``_MERGE_GAP_BYTES`` of each other (slots of
-        one arena, separated only by alignment padding) are registered as one range.
-        """
-        outside = sorted((ptr, ptr + size) for ptr, size in spans
-                         if size and not any(s <= ptr and ptr + size <= e for s, e, _ in self._regions))
-        merged: list[list[int]] = []
-        for start, end in outside:
-            if merged and start <= merged[-1][1] + _MERGE_GAP_BYTES:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        temp = []
-        for start, end in merged:
-            if client.register_buffer(start, end - start) == 0:
-                temp.append(start)
-        return temp
-
-    @staticmethod
-    def _unregister_temp(client, temp: list[int]) -> None:
-        for ptr in temp:
-            client.unregister_buffer(ptr)
-
-
-def _warn_wildcard_listeners() -> None:
-    """Say once per process when Mooncake's listeners are not confined to loopback."""
-    global _warned_wildcard
-    if _warned_wildcard or LOOPBACK_SHIM_NAME in os.environ.get("LD_PRELOAD", ""):
-        return
-    _warned_wildcard = True
-    log.warning("mooncake: this process's transfer engine listens on all interfaces (0.0.0.0 and [::]) whatever "
-                "MC_TCP_BIND_ADDRESS says; start it with hybridkv.store.service.loopback_env() to confine it "
-                "to loopback")
-
-
-def _byte_array(data: Buffer) -> np.ndarray:
-    """A flat uint8 array over ``data`` (no copy when it is contiguous)."""
-    view = memoryview(data)
-    if not view.c_contiguous:
-        view = memoryview(view.tobytes())
-    return np.frombuffer(view.cast("B"), dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
-
-
-def _writable_array(buffer: Buffer) -> np.ndarray:
-    view = memoryview(buffer)
-    if view.readonly or not view.c_contiguous:
-        raise ValueError("get_into and register_memory need writable, contiguous buffers")
-    return _byte_array(view)
-
-
-def _pack_small(arrays: list[np.ndarray]) -> tuple[np.ndarray | None, list[int]]:
-    """Copy the small arrays into one staging buffer; the address of every item's bytes."""
-    small = [i for i, a in enumerate(arrays) if a.nbytes < _SMALL_ITEM_BYTES]
-    ptrs = [a.ctypes.data for a in arrays]
-    if len(small) < 2:
-        return None, ptrs
-    staging = np.empty(sum(arrays[i].nbytes for i in small), dtype=np.uint8)
-    offset = 0
-    for i in small:
-        n = arrays[i].nbytes
-        staging[offset:offset + n] = arrays[i]
-        ptrs[i] = staging.ctypes.data + offset
-        offset += n
-    return staging, ptrs
-
-
-def _memory_sizes(descriptors: dict) -> dict[str, int]:
-    """Object sizes from ``batch_get_replica_desc`` (first complete memory replica per key)."""
-    sizes = {}
-    for key, replicas in descriptors.items():
-        for replica in replicas:
-            if replica.is_memory_replica() and replica.status.name == "COMPLETE":
-                sizes[key] = int(replica.get_memory_descriptor().buffer_descriptor.size)
-                break
-    return sizes

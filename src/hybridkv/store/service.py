@@ -15,21 +15,19 @@ storage process remounts its (now empty) segment on the new master.
 Mooncake's transfer engine listens on all interfaces whatever
 ``MC_TCP_BIND_ADDRESS`` says (0.3.13.post1: the handshake port binds 0.0.0.0,
 the data port [::]). The storage process is therefore started with a tiny
-``LD_PRELOAD`` library (built here with the system C compiler) that rewrites
-wildcard binds to loopback; :func:`loopback_env` gives that environment to any
-other process that loads Mooncake.
+``LD_PRELOAD`` library (built with the system C compiler by
+:mod:`hybridkv.store.loopback`) that rewrites wildcard binds to loopback;
+:func:`loopback_env` gives that environment to any other process that loads
+Mooncake. Spawning the processes, ports and PIDs: :mod:`hybridkv.store.service_procs`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,20 +38,36 @@ from pathlib import Path
 
 from hybridkv.store.base import StoreUnavailable
 from hybridkv.store.loopback import (  # noqa: F401  (re-exported)
-    is_loopback, listen_addresses, loopback_env, loopback_shim, reexec_under_loopback)
-from hybridkv.store.mooncake import INSTALL_HINT, MooncakeNotInstalled, MooncakeStore
-from hybridkv.store.mooncake import master_reachable
+    LOOPBACK,
+    is_loopback,
+    listen_addresses,
+    loopback_env,
+    loopback_shim,
+    reexec_under_loopback,
+)
+from hybridkv.store.mooncake import (  # noqa: F401  (INSTALL_HINT re-exported)
+    INSTALL_HINT,
+    MooncakeNotInstalled,
+    MooncakeStore,
+    master_reachable,
+)
+from hybridkv.store.service_procs import (  # noqa: F401  (re-exported)
+    StoreServiceError,
+    alive,
+    check_port_free,
+    find_free_ports,
+    master_binary,
+    serves,
+    spawn_master,
+    spawn_storage,
+    terminate,
+    wait_for,
+)
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 STATE_FILE = "store.json"
 DEFAULT_SEGMENT_MB = 1024
-
-
-class StoreServiceError(RuntimeError):
-    """The store service could not be started or stopped; the message says why (and where the log is)."""
-
 
 @dataclass(frozen=True, slots=True)
 class StoreHandle:
@@ -98,16 +112,16 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
     work = Path(workdir) if workdir is not None else default_workdir()
     work.mkdir(parents=True, exist_ok=True)
     old = read_state(work)
-    if old is not None and (_alive(old.master_pid) or _alive(old.storage_pid)):
+    if old is not None and (alive(old.master_pid) or alive(old.storage_pid)):
         raise StoreServiceError(f"a store is already running from {work} (master pid {old.master_pid}, "
                                 f"storage pid {old.storage_pid}); stop it first")
     for p in (port, metrics_port):
-        _check_port_free(p)
+        check_port_free(p)
     master = spawn_master(work, port, metrics_port)
     storage = None
     try:
-        wait_for(lambda: _serves(master, port), master, work / "master.log", timeout_s, "mooncake_master")
-        storage = _spawn_storage(work, port, segment_bytes)
+        wait_for(lambda: serves(master, port), master, work / "master.log", timeout_s, "mooncake_master")
+        storage = spawn_storage(work, port, segment_bytes)
         ready = work / "storage.ready"
         wait_for(ready.exists, storage, work / "storage.log", timeout_s, "storage process")
         handle = StoreHandle(str(work), port, metrics_port, segment_bytes, master.pid, storage.pid)
@@ -115,7 +129,7 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
     except BaseException:
         for proc in (storage, master):
             if proc is not None:
-                _terminate(proc.pid, timeout_s=5.0)
+                terminate(proc.pid, timeout_s=5.0)
         raise
     _write_state(work, handle)
     log.info("store running at %s (master pid %d, storage pid %d)", handle.url, master.pid, storage.pid)
@@ -131,8 +145,8 @@ def stop_store(workdir: str | os.PathLike | None = None, timeout_s: float = 10.0
     handle = read_state(work)
     if handle is None:
         return False
-    _terminate(handle.storage_pid, timeout_s, expect="hybridkv.store.service")
-    _terminate(handle.master_pid, timeout_s, expect="mooncake_master")
+    terminate(handle.storage_pid, timeout_s, expect="hybridkv.store.service")
+    terminate(handle.master_pid, timeout_s, expect="mooncake_master")
     (work / STATE_FILE).unlink(missing_ok=True)
     (work / "storage.ready").unlink(missing_ok=True)
     return True
@@ -141,8 +155,8 @@ def stop_store(workdir: str | os.PathLike | None = None, timeout_s: float = 10.0
 def kill_master(workdir: str | os.PathLike) -> StoreHandle:
     """SIGKILL the master (a crash: every object is forgotten); the storage process keeps running."""
     handle = _require_state(Path(workdir))
-    if _alive(handle.master_pid):
-        _terminate(handle.master_pid, timeout_s=0.0, expect="mooncake_master")
+    if alive(handle.master_pid):
+        terminate(handle.master_pid, timeout_s=0.0, expect="mooncake_master")
     return handle
 
 
@@ -157,15 +171,15 @@ def restart_master(workdir: str | os.PathLike, timeout_s: float = 30.0) -> Store
     deadline = time.monotonic() + timeout_s
     while True:  # the old master's ports may linger briefly
         try:
-            _check_port_free(handle.port)
-            _check_port_free(handle.metrics_port)
+            check_port_free(handle.port)
+            check_port_free(handle.metrics_port)
             break
         except StoreServiceError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
     master = spawn_master(work, handle.port, handle.metrics_port)
-    wait_for(lambda: _serves(master, handle.port), master, work / "master.log", timeout_s, "mooncake_master")
+    wait_for(lambda: serves(master, handle.port), master, work / "master.log", timeout_s, "mooncake_master")
     handle = StoreHandle(str(work), handle.port, handle.metrics_port, handle.segment_bytes, master.pid,
                          handle.storage_pid)
     _write_state(work, handle)
@@ -199,7 +213,7 @@ def _probe_in_subprocess(master: str, work: Path, timeout_s: float) -> None:
     cmd = [sys.executable, "-m", "hybridkv.store.service", "probe", "--master", master]
     try:
         done = subprocess.run(cmd, env=loopback_env(cache_dir=work), capture_output=True, text=True,
-                              timeout=timeout_s + 10)
+                              timeout=timeout_s + 10, check=False)
     except subprocess.TimeoutExpired:
         raise StoreServiceError(f"probe of {master} did not finish within {timeout_s + 10:g} s") from None
     if done.returncode != 0:
@@ -215,8 +229,8 @@ def status(workdir: str | os.PathLike | None = None) -> dict:
         return {"running": False, "workdir": str(work)}
     info = asdict(handle) | {
         "url": handle.url,
-        "master_alive": _alive(handle.master_pid),
-        "storage_alive": _alive(handle.storage_pid),
+        "master_alive": alive(handle.master_pid),
+        "storage_alive": alive(handle.storage_pid),
         "master_reachable": master_reachable(handle.master, 0.5),
     }
     info["running"] = info["master_alive"] and info["storage_alive"] and info["master_reachable"]
@@ -230,144 +244,15 @@ def status(workdir: str | os.PathLike | None = None) -> dict:
     return info
 
 
+# ---------------------------------------------------------------------- state file
+
+
 def read_state(work: Path) -> StoreHandle | None:
     """The handle recorded in ``work``, or None."""
     try:
         return StoreHandle(**json.loads((Path(work) / STATE_FILE).read_text()))
     except FileNotFoundError:
         return None
-
-
-# ---------------------------------------------------------------------- loopback shim
-
-# ---------------------------------------------------------------------- processes
-
-
-def master_binary() -> str:
-    """The ``mooncake_master`` executable shipped inside the mooncake package."""
-    spec = importlib.util.find_spec("mooncake")
-    if spec is None or not spec.submodule_search_locations:
-        raise MooncakeNotInstalled(INSTALL_HINT)
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / "mooncake_master"
-        if path.is_file():
-            return str(path)
-    raise MooncakeNotInstalled(f"{INSTALL_HINT} [no mooncake_master binary in the mooncake package]")
-
-
-def spawn_master(work: Path, port: int, metrics_port: int) -> subprocess.Popen:
-    """Start a bare ``mooncake_master`` on 127.0.0.1 (log: ``work/master.log``); the caller stops it by PID."""
-    cmd = [master_binary(), f"--rpc_address={LOOPBACK}", f"--rpc_port={port}", f"--metrics_host={LOOPBACK}",
-           f"--metrics_port={metrics_port}", "--enable_http_metadata_server=false"]
-    with open(work / "master.log", "ab") as out:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                env=loopback_env(cache_dir=work), start_new_session=True)
-
-
-def _spawn_storage(work: Path, port: int, segment_bytes: int) -> subprocess.Popen:
-    ready = work / "storage.ready"
-    ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "hybridkv.store.service", "hold", "--master", f"{LOOPBACK}:{port}",
-           "--segment-bytes", str(segment_bytes), "--ready-file", str(ready)]
-    with open(work / "storage.log", "ab") as out:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=work,
-                                env=loopback_env(cache_dir=work), start_new_session=True)
-
-
-def wait_for(ready, proc: subprocess.Popen, logfile: Path, timeout_s: float, what: str) -> None:
-    """Poll ``ready()`` until true; StoreServiceError (quoting the log) if ``proc`` exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if proc.poll() is not None:
-            raise StoreServiceError(f"{what} exited with status {proc.returncode}; log {logfile}:\n{_tail(logfile)}")
-        if time.monotonic() > deadline:
-            raise StoreServiceError(f"{what} not ready after {timeout_s:g} s; log {logfile}:\n{_tail(logfile)}")
-        time.sleep(0.05)
-
-
-def _serves(proc: subprocess.Popen, port: int) -> bool:
-    """Whether ``proc`` itself listens on ``port`` (another process holding the port does not count)."""
-    return proc.poll() is None and any(p == port for _, p in listen_addresses(proc.pid))
-
-
-def find_free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1, drawn at random below the kernel's ephemeral range.
-
-    Ports from ``bind(0)`` come from the ephemeral range, where outgoing
-    connections may take them again before the master binds them.
-    """
-    ports: list[int] = []
-    for port in random.sample(range(low, high), k=min(high - low, 50 * n)):
-        try:
-            _check_port_free(port)
-        except StoreServiceError:
-            continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise StoreServiceError(f"no {n} free ports in [{low}, {high}) on {LOOPBACK}")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _check_port_free(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError as exc:
-            raise StoreServiceError(f"port {port} on {LOOPBACK} is not free ({exc.strerror})") from None
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a finished zombie counts as gone (and is reaped if it is our child).
-
-    The main thread of a multi-threaded process turns zombie before the other
-    threads have finished exiting, and its sockets stay open until they have:
-    such a process still counts as running.
-    """
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        if state != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1:
-            return True
-    except (OSError, IndexError):
-        return False
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    return False
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _terminate(pid: int, timeout_s: float, expect: str | None = None) -> None:
-    """SIGTERM ``pid`` (SIGKILL at once when ``timeout_s`` is 0), SIGKILL after ``timeout_s``; wait until gone.
-
-    With ``expect``, a PID whose command line lacks that text is left alone
-    (the recorded process is gone and the PID was reused).
-    """
-    if not _alive(pid) or (expect is not None and expect not in _cmdline(pid)):
-        return
-    os.kill(pid, signal.SIGTERM if timeout_s > 0 else signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            deadline = float("inf")
-        time.sleep(0.02)
 
 
 def _write_state(work: Path, handle: StoreHandle) -> None:
