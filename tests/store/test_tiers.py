@@ -249,9 +249,9 @@ def test_upload_queries_each_boundary_once_per_request(tiny_model):
     bounds = list(range(256, 4096 + 1, 256))
     assert tier.has(hashes, bounds, "kv") == [True] * len(bounds)
     from_uploads = len(store.queried) - len(bounds)          # the last has() above queried them all once more
-    # the admission lookup (15 boundaries below T - 1) plus one query per boundary; re-querying the
-    # prefix at each of the 8 steps would be 15 + (2 + 4 + ... + 16) = 87
-    assert from_uploads <= 2 * len(bounds), from_uploads
+    # the admission lookup (15 boundaries below T - 1), one query per boundary, and the last step's
+    # repair pass over all 16; re-querying the prefix at each of the 8 steps would be 15 + (2 + ... + 16) = 87
+    assert from_uploads <= 3 * len(bounds), from_uploads
     assert r.uploaded == {"store": 4096}
 
 
@@ -277,3 +277,108 @@ def test_host_tier_write_through_serves_after_device_clear(tiny_model):
     assert r.reused == 1024 and host.stats.hit_tokens == 1024
     assert_exact(tiny_model, r)
     e.cache.check_invariants()
+
+
+def test_last_prefill_step_reuploads_what_the_store_lost_mid_request(tiny_model):
+    """The store loses everything after a request's first step: its last step re-queries the whole
+    prompt (whatever the upload mark says), so the next instance still gets the full prefix."""
+    from hybridkv.engine.request import Request
+
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(73, 4096, v)
+    a, tier_a = instance(tiny_model, store, policy="tail=1024", max_num_batched_tokens=1024)
+    r = a.add_request(Request("a", np.concatenate([P, tokens(74, 100, v)]), 2))
+    a.step()
+    assert r.uploaded == {"store": 1024}
+    store.remove(list(store._data))                                   # lost: restart or eviction
+    a.run_until_done()
+    assert tier_a.has(a.cache.hash_prompt(r.prompt), [1024, 2048, 3072, 4096], "kv") == [True] * 4
+    b, _ = instance(tiny_model, store)
+    rb = run_one(b, np.concatenate([P, tokens(75, 100, v)]))
+    assert rb.reused == 4096
+    assert_exact(tiny_model, rb)
+
+
+def test_host_write_through_still_writes_back_on_eviction(tiny_model):
+    """A write-through host tier also saves what the device evicts: an entry that fell out of the
+    host's LRU while hot on the device is saved again when the device drops it."""
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.store.connector import host_tier_for
+
+    v = tiny_model.config.vocab_size
+    cfg = CacheConfig(block_size=1024, prefix_match_unit=64, num_kv_pages=6, num_checkpoint_slots=3,
+                      policy=CheckpointPolicy.parse("tail=1024"))
+    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny").digest()
+    host = host_tier_for(64 << 20, backend, ns, 64, 1024, write_through=True)
+    assert host.write_through and host.write_back
+    e = Engine(cfg, backend, ns, tiers=[host])
+    P = tokens(58, 1024, v)
+    run_one(e, np.concatenate([P, tokens(59, 30, v)]))
+    host.invalidate(e.cache.hash_prompt(P), 1024, "kv")              # as if the host's LRU dropped it
+    host.invalidate(e.cache.hash_prompt(P), 1024, "kda")
+    for i in range(8):                                                # until the device evicts P
+        run_one(e, np.concatenate([tokens(300 + i, 1024, v), tokens(3, 30, v)]), max_output_tokens=1)
+        if e.cache.lookup(np.concatenate([P, tokens(4, 30, v)]), touch=False).kv_hit == 0:
+            break
+    assert host.has(e.cache.hash_prompt(P), [1024], "kv") == [True]
+    r = run_one(e, np.concatenate([P, tokens(4, 30, v)]))
+    assert r.reused == 1024
+    assert_exact(tiny_model, r)
+
+
+def _populated(model, seed=37):
+    store = MemoryStore()
+    P = tokens(seed, 1024, model.config.vocab_size)
+    a, tier = instance(model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(seed + 1, 300, model.config.vocab_size)]))
+    tier.close()
+    return store, P
+
+
+@pytest.mark.parametrize("tamper", ["float_shape", "list_name", "bool_nbytes", "repeated_component", "oversized"])
+def test_malformed_manifest_is_an_incomplete_miss(tiny_model, tamper):
+    import json
+
+    store, P = _populated(tiny_model)
+    key = next(k for k in store._data if k.endswith("/kda/r0/manifest"))
+    m = json.loads(store._data[key])
+    if tamper == "float_shape":
+        for c in m["components"]:
+            c["shape"] = [float(d) for d in c["shape"]]
+    elif tamper == "list_name":
+        m["components"][0]["name"] = ["recurrent"]
+    elif tamper == "bool_nbytes":
+        m["components"][0]["nbytes"] = True
+    elif tamper == "repeated_component":
+        m["components"][1] = m["components"][0]
+    blob = json.dumps(m).encode()
+    if tamper == "oversized":                                         # never read past the 16 KiB slot
+        blob = b'{"abi": 2, "pad": [' + b"0," * (1 << 20) + b'0]}'
+    store._data[key] = blob
+    b, tier = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(99, 200, tiny_model.config.vocab_size)]))
+    assert r.reused == 0 and tier.stats.misses["incomplete"] >= 1
+    assert_exact(tiny_model, r)
+
+
+def test_store_down_while_registering_the_staging_arena(tiny_model):
+    """Registering the staging arena is a store call like any other: unreachable is a counted miss,
+    and the arena is kept only once registered."""
+    from hybridkv.store.base import StoreUnavailable
+
+    class DownOnRegister(MemoryStore):
+        def register_memory(self, buffer):
+            raise StoreUnavailable("master down")
+
+    src, P = _populated(tiny_model)
+    store = DownOnRegister()
+    store._data = dict(src._data)
+    b, tier = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(98, 200, tiny_model.config.vocab_size)]))
+    assert r.reused == 0 and tier.stats.misses["unreachable"] >= 1 and tier._staging is None
+    assert_exact(tiny_model, r)

@@ -220,7 +220,7 @@ class Engine:
                         self.stats.checkpoints_skipped += 1
                 if self.connector is not None:
                     self.connector.upload(r.alloc, r.match.hashes, c.end, made, repair=c.start == r.reused,
-                                          marks=r.uploaded)
+                                          marks=r.uploaded, final=c.end >= r.prompt_len)
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE

@@ -105,6 +105,32 @@ def _open_tier(spec: InstanceSpec, backend, namespace: bytes):
     return tier_for(store, backend, namespace, spec.config.prefix_match_unit, spec.config.store_boundary)
 
 
+def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn) -> None:
+    """Run the requests: all queued at once, or one at a time in trace order when ``turn`` is shared."""
+    if turn is None:
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            done = engine.step()
+            if done and progress is not None:
+                progress(len(done))
+        return
+    try:
+        for i, r in zip(spec.indices, requests):
+            while turn.value != i:
+                if turn.value < 0:
+                    raise RuntimeError(f"instance {spec.instance_id}: another instance failed; stopping")
+                time.sleep(0.002)
+            engine.add_request(r)
+            engine.run_until_done()
+            turn.value = i + 1
+            if progress is not None:
+                progress(1)
+    except BaseException:
+        turn.value = -1                       # wake every other instance: the replay is over
+        raise
+
+
 def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | None = None) -> InstanceResult:
     """Run every request of ``spec`` through one engine; ``progress(n)`` after requests finish.
 
@@ -142,28 +168,12 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
     t0 = time.perf_counter()
-    if turn is None:
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            done = engine.step()
-            if done and progress is not None:
-                progress(len(done))
-    else:
-        try:
-            for i, r in zip(spec.indices, requests):
-                while turn.value != i:
-                    if turn.value < 0:
-                        raise RuntimeError(f"instance {spec.instance_id}: another instance failed; stopping")
-                    time.sleep(0.002)
-                engine.add_request(r)
-                engine.run_until_done()
-                turn.value = i + 1
-                if progress is not None:
-                    progress(1)
-        except BaseException:
-            turn.value = -1                   # wake every other instance: the replay is over
-            raise
+    try:
+        _drive(engine, spec, requests, progress, turn)
+    finally:
+        if tier is not None:
+            tier.close()                      # its worker thread and staging arena
+            tier.store.close()
     seconds = time.perf_counter() - t0
     s = engine.stats
     res = InstanceResult(
@@ -179,8 +189,6 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     res.tiers = {"device": {**empty, "hit_tokens": s.reused_tokens - lower}, **res.tiers}
     if tier is not None:
         res.store_misses = Counter(tier.stats.misses)
-        tier.close()                          # its worker thread and staging arena
-        tier.store.close()
     if model is not None:
         _verify(model, [r for r in requests if r.record_logits], res)
     return res

@@ -88,7 +88,7 @@ class TierConnector:
         self.cache = cache
         self.backend = backend
         self.tiers = tiers
-        self._back = [t for t in tiers if not t.write_through]
+        self._back = [t for t in tiers if t.write_back]
         for t in self._back:
             if t.alignment != cache.config.block_size:
                 raise ValueError(f"write-back tier {t.name}: alignment {t.alignment} must equal "
@@ -156,7 +156,7 @@ class TierConnector:
             if rm is None:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
-                tier.stats.misses["absent"] += 1        # the tier has nothing beyond the device hit
+                tier.count_miss("absent")               # the tier has nothing beyond the device hit
             ready = prefetched.take(tier.name, rm.best_joint, match.kv_hit) if prefetched is not None else None
             for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
                 if boundary <= match.hit:
@@ -174,7 +174,7 @@ class TierConnector:
     def credit(self, gains: dict[str, int]) -> None:
         """Count the hit tokens a lower tier added to an admitted request."""
         for tier in self.tiers:
-            tier.stats.hit_tokens += gains.get(tier.name, 0)
+            tier.add_hit_tokens(gains.get(tier.name, 0))
 
     def _install(self, tier: Tier, match: MatchResult, boundary: int, ready: dict | None = None) -> bool:
         """Install the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)``, in order;
@@ -201,7 +201,7 @@ class TierConnector:
 
     def upload(self, alloc: Allocation, hashes: list[bytes], computed: int,
                checkpoints: dict[int, KDACheckpoint], repair: bool = False,
-               marks: dict[str, int] | None = None) -> None:
+               marks: dict[str, int] | None = None, final: bool = False) -> None:
         """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the tiers lack.
 
         One existence query per tier, then all components go out in one batched
@@ -216,6 +216,9 @@ class TierConnector:
                 boundaries past the mark are queried, and the mark advances as
                 entries land, so a long prompt's later steps do not re-query
                 its whole prefix. Owned by the caller; ``None``: query all.
+            final: the request's last prefill step: every boundary is queried
+                again whatever the mark says, so segments the tier lost
+                while the request ran (eviction, restart) are uploaded again.
         """
         checkpoints = dict(checkpoints)
         g = self.cache.config.prefix_match_unit
@@ -228,7 +231,7 @@ class TierConnector:
             if not tier.write_through:
                 continue
             a = tier.alignment
-            mark = marks.get(tier.name, 0)
+            mark = 0 if final else marks.get(tier.name, 0)
             kv = list(range(mark + a, computed // a * a + 1, a))
             aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
             present = tier.has_many(hashes, [(b, "kv") for b in kv] + [(b, "kda") for b in aligned])

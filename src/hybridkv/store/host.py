@@ -17,7 +17,6 @@ dropped to make room (an entry larger than the whole capacity is refused).
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,7 +39,8 @@ class _HostEntry:
 
 
 class HostTier(Tier):
-    """Entries of one namespace in host memory (write-back by default).
+    """Entries of one namespace in host memory: written back when the device evicts them, and
+    also as they are computed with ``write_through=True``.
 
     Args:
         capacity_bytes: payload bytes this tier may hold (> 0).
@@ -55,7 +55,7 @@ class HostTier(Tier):
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None) -> None:
-        super().__init__(namespace, unit, alignment, shapes, name, write_through)
+        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
         self.capacity_bytes = capacity_bytes
@@ -64,7 +64,6 @@ class HostTier(Tier):
         self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in getattr(shapes, grp).items()}
                           for grp in ("kv", "kda")}
         self._bytes = 0
-        self._lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:

@@ -158,7 +158,8 @@ def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, 
 
     Raises:
         EntryError: reason ``incomplete`` (unparseable, other ABI / layout /
-            group / length, components that do not match ``expected``, a
+            group / length, fields of the wrong type (sizes must be JSON
+            integers), components that do not match ``expected`` or repeat, a
             byte size that does not fit the shape, or a foreign key).
     """
     try:
@@ -168,14 +169,18 @@ def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, 
         if m["group"] != group or m["token_length"] != boundary:
             raise EntryError("incomplete", f"manifest is for {m['group']}@{m['token_length']}, "
                                            f"expected {group}@{boundary}")
-        comps = [Component(c["name"], c["key"], int(c["nbytes"]), c["dtype"], tuple(c["shape"]), c["checksum"])
+        comps = [Component(c["name"], c["key"], c["nbytes"], c["dtype"], tuple(c["shape"]), c["checksum"])
                  for c in m["components"]]
+        for c in comps:
+            if not all(isinstance(x, str) for x in (c.name, c.key, c.dtype, c.checksum)) or not all(
+                    type(x) is int and x >= 0 for x in (c.nbytes, *c.shape)):
+                raise EntryError("incomplete", "manifest component fields have the wrong types")
+        got = {c.name: (c.dtype, c.shape) for c in comps}
     except EntryError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, UnicodeDecodeError) as exc:
         raise EntryError("incomplete", f"manifest does not parse: {type(exc).__name__}") from None
-    got = {c.name: (c.dtype, c.shape) for c in comps}
-    if got != expected:
+    if len(got) != len(comps) or got != expected:
         raise EntryError("incomplete", f"manifest components {sorted(got)} differ from the expected {sorted(expected)}")
     for c in comps:
         if c.key != keys[c.name]:

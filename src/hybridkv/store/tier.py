@@ -127,16 +127,17 @@ class Tier:
         alignment: A (tokens) of this tier's entries; a multiple of ``unit``.
         shapes: this model's entry shapes.
         name: tier name in reports (``host`` or ``store``).
-        write_through: entries are saved as soon as they are computed
-            (``True``, the store) or only when the device evicts them
-            (``False``: write-back, the host tier).
+        write_through: entries are saved as soon as they are computed.
+        write_back: entries are saved when the device evicts them; default
+            ``not write_through``. A host tier may do both.
 
     Raises:
-        ValueError: ``alignment`` is not a positive multiple of ``unit``.
+        ValueError: ``alignment`` is not a positive multiple of ``unit``, or
+            the tier would never be written (neither write-through nor write-back).
     """
 
     def __init__(self, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
-                 name: str = "store", write_through: bool = True) -> None:
+                 name: str = "store", write_through: bool = True, write_back: bool | None = None) -> None:
         if alignment <= 0 or alignment % unit:
             raise ValueError(f"store_alignment={alignment} must be a positive multiple of prefix_match_unit={unit}")
         self.namespace = namespace
@@ -145,7 +146,21 @@ class Tier:
         self.shapes = shapes
         self.name = name
         self.write_through = write_through
+        self.write_back = (not write_through) if write_back is None else write_back
+        if not (self.write_through or self.write_back):
+            raise ValueError(f"{name} tier: neither write-through nor write-back, so it would never be written")
         self.stats = TierStats()
+        self._lock = threading.RLock()            # guards store calls and statistics
+
+    def count_miss(self, reason: str) -> None:
+        """Count one miss with ``reason`` (one of :data:`MISS_REASONS`)."""
+        with self._lock:
+            self.stats.misses[reason] += 1
+
+    def add_hit_tokens(self, tokens: int) -> None:
+        """Credit ``tokens`` of hit to this tier."""
+        with self._lock:
+            self.stats.hit_tokens += tokens
 
     def _exists(self, keys: list[str]) -> list[bool] | None:
         """Whether each manifest key is present (``None``: unreachable)."""
@@ -265,14 +280,15 @@ class StoreTier(Tier):
     """
 
     def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
-                 retry_seconds: float = 2.0, name: str = "store", write_through: bool = True) -> None:
-        super().__init__(namespace, unit, alignment, shapes, name, write_through)
+                 retry_seconds: float = 2.0, name: str = "store", write_through: bool = True,
+                 write_back: bool | None = None) -> None:
+        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back)
         self.store = store
         self.retry_seconds = retry_seconds
         self._down_until = 0.0
         self._warned = False
-        self._lock = threading.RLock()
         self._submit_lock = threading.Lock()
+        self._closed = False
         self._worker: ThreadPoolExecutor | None = None   # component puts and prefetches, one at a time
         self._staging: np.ndarray | None = None          # reusable load arena (staging=True loads)
 
@@ -301,6 +317,8 @@ class StoreTier(Tier):
         Never waits for the store: a call in flight on the worker holds the
         tier lock, not the submit lock."""
         with self._submit_lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} tier used after close()")
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"hybridkv-{self.name}")
             return self._worker.submit(fn, *args)
@@ -308,7 +326,7 @@ class StoreTier(Tier):
     def close(self) -> None:
         """Wait for the worker thread and release the staging arena. Idempotent."""
         with self._submit_lock:
-            worker, self._worker = self._worker, None
+            worker, self._worker, self._closed = self._worker, None, True
         if worker is not None:
             worker.shutdown(wait=True)
         with self._lock:
@@ -316,14 +334,18 @@ class StoreTier(Tier):
                 self.store.unregister_memory(self._staging)
                 self._staging = None
 
-    def _arena(self, nbytes: int, staging: bool) -> np.ndarray:
+    def _arena(self, nbytes: int, staging: bool) -> np.ndarray | None:
+        """Memory for one load: fresh, or the staging arena (``None``: the store is unreachable)."""
         if not staging:
             return np.empty(max(nbytes, 1), dtype=np.uint8)
         if self._staging is None or self._staging.nbytes < nbytes:
             if self._staging is not None:
-                self.store.unregister_memory(self._staging)
-            self._staging = np.zeros(max(nbytes, 1 << 20), dtype=np.uint8)   # zeroed: pages faulted in once
-            self.store.register_memory(self._staging)
+                old, self._staging = self._staging, None
+                self._call(lambda: self.store.unregister_memory(old) or True)
+            arena = np.zeros(max(nbytes, 1 << 20), dtype=np.uint8)    # zeroed: pages faulted in once
+            if self._call(lambda: self.store.register_memory(arena) or True) is None:
+                return None
+            self._staging = arena                   # kept only once registered
         return self._staging
 
     def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]], staging: bool = False
@@ -366,6 +388,8 @@ class StoreTier(Tier):
                 self.stats.misses["unreachable"] += 1
                 return [None] * len(wanted)
             arena = self._arena(pos, staging)
+            if arena is None:
+                return [None] * len(wanted)
             views = [memoryview(arena[o:o + n]) for o, n in zip(offsets, sizes)]
             nread = self._call(self.store.get_into, keys, views)
             if nread is None:
@@ -381,13 +405,12 @@ class StoreTier(Tier):
         """Decode one entry read by :meth:`load_many` (``None`` and a counted miss on failure)."""
         names = getattr(self.shapes, grp)
         mo, mn = offsets[0], nread[0]
-        blob = arena[mo:mo + mn].tobytes() if mn >= 0 else None
-        if blob is None:                                    # absent, or larger than any manifest of ours
-            got = self._call(self.store.get, [self._key(hashes, b, grp)])
-            blob = got[0] if got is not None else None
-            if blob is None:
-                self.stats.misses["absent" if got is not None else "unreachable"] += 1
-                return None
+        if mn < 0:                                  # absent, or larger than any manifest a reader accepts
+            present = self._call(self.store.exists, [self._key(hashes, b, grp)])
+            if present is not None:                 # (None: counted unreachable already)
+                self.stats.misses["incomplete" if present[0] else "absent"] += 1
+            return None
+        blob = arena[mo:mo + mn].tobytes()
         try:
             comps = decode_manifest(blob, grp, b, names, {n: self._key(hashes, b, grp, n) for n in names})
             order = {n: j for j, n in enumerate(names)}
@@ -395,9 +418,11 @@ class StoreTier(Tier):
             for c in comps:
                 j = 1 + order[c.name]
                 n = nread[j]
-                if n < 0:
+                if n < 0:                           # absent, or larger than the manifest says
                     present = self._call(self.store.exists, [c.key])
-                    if present is not None and present[0]:
+                    if present is None:
+                        return None
+                    if present[0]:
                         raise EntryError("checksum", f"component {c.name} is larger than its manifest says")
                     verify_component(c, None)
                 parts[c.name] = verify_component(c, arena, offsets[j], n)
