@@ -34,7 +34,11 @@ References on the same bytes (same object sizes):
   clone of those clones (load): one in-process copy each way;
 * ``torch copy_ (preallocated)``: memcpy into tensors allocated once;
 * ``raw mooncake, one batch``: one ``batch_put_from`` / ``batch_get_into`` of all
-  component objects on buffers registered once (the floor of the backend).
+  component objects on buffers registered once (the floor of the backend; the
+  reference of the targets);
+* ``raw mooncake + manifests``: the same plus one 1 KiB object per entry, put in
+  a second call after the components (the commit protocol's call pattern) and
+  read in the same batch: the cost of the manifests alone.
 
 The script re-executes itself once under :func:`hybridkv.store.service.loopback_env`
 so that its Mooncake listeners stay on loopback.
@@ -193,9 +197,10 @@ class RawMooncake:
     def __init__(self, master: str, tensors, entries: int) -> None:
         from hybridkv.store.mooncake import load_client_class
 
-        self.sizes = [t.numel() * t.element_size() for t in tensors]
+        manifests = 2 * entries                  # one ~1 KiB manifest per kv and per kda entry
+        self.sizes = [t.numel() * t.element_size() for t in tensors] + [1024] * manifests
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
-        self.src = np.empty(sum(self.sizes), dtype=np.uint8)
+        self.src = np.ones(sum(self.sizes), dtype=np.uint8)
         for t, o, n in zip(tensors, self.offsets, self.sizes):
             self.src[o:o + n] = np.frombuffer(tensor_view(t), dtype=np.uint8)
         self.dst = np.zeros_like(self.src)
@@ -205,31 +210,36 @@ class RawMooncake:
             raise RuntimeError("raw mooncake client setup failed")
         for a in (self.src, self.dst, self.small):
             self.client.register_buffer(a.ctypes.data, a.nbytes)
-        self.batches = {
-            "raw mooncake, one batch": [list(range(len(tensors)))],
+        comps = list(range(len(tensors)))
+        extra = list(range(len(tensors), len(self.sizes)))
+        self.batches = {   # label -> (put batches, get batches)
+            "raw mooncake, one batch": ([comps], [comps]),
+            "raw mooncake + manifests": ([comps, extra], [comps + extra]),
         }
 
     def path(self, label):
-        batches = self.batches[label]
+        puts, gets = self.batches[label]
         c, src, dst, off, sizes = self.client, self.src, self.dst, self.offsets, self.sizes
+        used = sorted(i for b in puts for i in b)
 
         def run(rep):
             keys = [f"bench_store/raw/{rep}/{time.time_ns()}/{i}" for i in range(len(sizes))]
             t = time.perf_counter()
-            for b in batches:
+            for b in puts:
                 codes = c.batch_put_from([keys[i] for i in b], [src.ctypes.data + int(off[i]) for i in b],
                                          [sizes[i] for i in b])
                 assert all(x == 0 for x in codes), codes
             tp = time.perf_counter() - t
             dst[:] = 0
             t = time.perf_counter()
-            for b in batches:
+            for b in gets:
                 codes = c.batch_get_into([keys[i] for i in b], [dst.ctypes.data + int(off[i]) for i in b],
                                          [sizes[i] for i in b])
                 assert codes == [sizes[i] for i in b], codes
             tg = time.perf_counter() - t
-            assert np.array_equal(src, dst)
-            c.batch_remove(keys, True)
+            end = int(off[used[-1]]) + sizes[used[-1]]
+            assert np.array_equal(src[:end], dst[:end])
+            c.batch_remove([keys[i] for i in used], True)
             return tp, tg, None
         return run
 
