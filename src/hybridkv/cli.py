@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=_positive, default=1,
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
-                   help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051 "
+                   help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
                         "(default none; several instances without one share a fresh disk store)")
     r.add_argument("--store-alignment", type=_positive, default=None,
                    help="tokens; only these boundaries become store entries (default: --block-size)")
@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` command."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "replay" and args.host_write_through and args.host_mib == 0:
+        parser.error("--host-write-through needs a host tier: --host-mib is 0")
     if argv is None and args.command == "replay" and args.store.startswith("mooncake://"):
         from hybridkv.store.service import reexec_under_loopback
         reexec_under_loopback([sys.executable, "-m", "hybridkv.cli", *sys.argv[1:]])

@@ -200,7 +200,7 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     table.add_row("branch recompute tokens", _tokens(r.branch_recompute_tokens))
     table.add_row("checkpoint bytes (peak)", _bytes(r.checkpoint_bytes_peak))
     table.add_row("KV bytes (peak)", _bytes(r.kv_bytes_peak))
-    if r.verify is None:
+    if r.verify is None or not r.verify.requests:
         table.add_row("verify", "off")
     else:
         table.add_row("verified requests", _tokens(r.verify.requests))
@@ -209,8 +209,10 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     if r.tiers and any(t["bytes_saved"] or t["hit_tokens"] for n, t in r.tiers.items() if n != "device"):
         for name, t in r.tiers.items():
             table.add_row(f"{name} tier hit tokens", _tokens(t["hit_tokens"]))
-        table.add_row("store bytes loaded / saved",
-                      f"{_bytes(r.tiers['store']['bytes_loaded'])} / {_bytes(r.tiers['store']['bytes_saved'])}")
+        for name in ("host", "store"):
+            t = r.tiers.get(name)
+            if t and (t["bytes_loaded"] or t["bytes_saved"]):
+                table.add_row(f"{name} bytes loaded / saved", f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_saved'])}")
     if r.store_misses and any(r.store_misses.values()):
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
