@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.store.layout import DTYPES
-from hybridkv.store.tier import EntryShapes, Tier
+from hybridkv.store.tier_base import EntryShapes, Tier
 
 
 @dataclass(slots=True)
