@@ -16,6 +16,8 @@ from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.layout import entry_key
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters of one tier (tokens and bytes)."""
