@@ -205,6 +205,22 @@ def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
 
 
 
+def test_engine_without_prefetch_loads_at_admission(tiny_model, store):
+    from hybridkv.engine.request import Request
+
+    v = tiny_model.config.vocab_size
+    P = tokens(76, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run_one(a, np.concatenate([P, tokens(77, 100, v)]), max_output_tokens=1)
+    b, _ = instance(tiny_model, store, max_num_seqs=1)
+    b.prefetch_enabled = False
+    reqs = [b.add_request(Request(f"q{i}", np.concatenate([P, tokens(78 + i, 50, v)]), 2)) for i in range(2)]
+    b.step()
+    assert reqs[1].prefetch is None
+    b.run_until_done()
+    assert [r.reused for r in reqs] == [2048, 2048] and b.connector.prefetch_used == 0
+
+
 def test_prefetch_take_rejects_stale_results():
     """Prefetch.take hands out loads only for the same best checkpoint and when the device still
     holds the KV the loads started from."""

@@ -49,10 +49,13 @@ class Engine:
             :class:`~hybridkv.engine.backend.SimulatedBackend`.
         namespace: namespace digest (:meth:`CacheIdentity.digest`).
         tiers: lower tiers (:class:`~hybridkv.store.tier.StoreTier`), nearest first.
+        prefetch: start store loads for waiting requests in the background
+            (:meth:`prefetch`); ``False`` loads only at admission.
     """
 
-    def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=()) -> None:
+    def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True) -> None:
         self.config = config
+        self.prefetch_enabled = prefetch
         self.backend = backend
         pool = backend.new_checkpoint_pool(config.num_checkpoint_slots)
         self.cache = HybridCacheCoordinator(config, namespace, pool,
@@ -136,7 +139,7 @@ class Engine:
     def prefetch(self) -> None:
         """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests
         that have none yet (:meth:`TierConnector.prefetch`); they overlap this step's compute."""
-        if self.connector is None:
+        if self.connector is None or not self.prefetch_enabled:
             return
         for req in itertools.islice(self.waiting, self.config.max_num_seqs):
             if req.prefetch is None:
