@@ -66,3 +66,18 @@ def test_entry_larger_than_capacity_is_refused_and_bad_input_named():
     with pytest.raises(ValueError, match="store_alignment=100"):
         HostTier(1 << 20, b"ns", UNIT, 100, SHAPES)
     assert t.used_bytes == 0
+
+
+@pytest.mark.gpu
+def test_pinned_async_copies_from_cuda():
+    """On CUDA: entries land in pinned host memory through async copies, and the recorded event
+    is waited before the entry is handed out."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t = HostTier(1 << 20, b"ns", UNIT, ALIGN, SHAPES, pin_memory=True)
+    src = {"latents": kv(3)["latents"].cuda()}
+    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", src)]) == [True]
+    held = t._entries[(HASHES[ALIGN // UNIT - 1], "kv")]
+    assert held.tensors["latents"].is_pinned() and held.ready is not None
+    got = t.load_many(HASHES, [(ALIGN, "kv")])[0]["latents"]
+    assert held.ready is None and torch.equal(got, src["latents"].cpu())
