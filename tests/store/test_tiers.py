@@ -198,11 +198,31 @@ def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
     b.run_until_done()
     assert all(r.status == Status.FINISHED for r in reqs)
     assert reqs[1].reused == 2048 and tier_b.stats.hit_tokens >= 2048
-    assert b.connector.prefetch_used >= 1
+    assert b.connector.prefetch_used >= 1 and b.connector.prefetch_held_bytes == 0
     for r in reqs:
         assert_exact(tiny_model, r)
     b.cache.check_invariants()
 
+
+
+def test_prefetch_byte_budget(tiny_model, store):
+    """Prefetches that would hold more than prefetch_limit_bytes load nothing (the request loads at
+    admission), and the budget is whole again once the queue is done."""
+    from hybridkv.engine.request import Request
+
+    v = tiny_model.config.vocab_size
+    P = tokens(81, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run_one(a, np.concatenate([P, tokens(82, 100, v)]), max_output_tokens=1)
+    b, tier_b = instance(tiny_model, store, max_num_seqs=1)
+    b.connector.prefetch_limit_bytes = tier_b.entry_nbytes("kda")            # less than one prefix
+    reqs = [b.add_request(Request(f"q{i}", np.concatenate([tokens(83, 300, v)] if i == 0 else
+                                                          [P, tokens(83 + i, 50, v)]), 2, record_logits=True))
+            for i in range(2)]
+    b.run_until_done()
+    assert b.connector.prefetch_skipped >= 1 and b.connector.prefetch_used == 0
+    assert reqs[1].reused == 2048 and b.connector.prefetch_held_bytes == 0
+    assert_exact(tiny_model, reqs[1])
 
 
 def test_engine_without_prefetch_loads_at_admission(tiny_model, store):
@@ -223,24 +243,31 @@ def test_engine_without_prefetch_loads_at_admission(tiny_model, store):
 
 def test_prefetch_take_rejects_stale_results():
     """Prefetch.take hands out loads only for the same best checkpoint and when the device still
-    holds the KV the loads started from."""
+    holds the KV the loads started from; every job's reserved bytes are released exactly once."""
     from concurrent.futures import Future
 
     from hybridkv.store.connector import Prefetch
+
+    released = []
 
     def done(value):
         f = Future()
         f.set_result(value)
         return f
 
+    def handle(kv_from, result):
+        return Prefetch(kv_from, {"store": done(result)}, release=released.append)
+
     loaded = {(1024, "kv"): {"latents": None}, (1024, "kda"): {}}
-    assert Prefetch(0, {"store": done((1024, loaded))}).take("store", 1024, 0) is loaded
-    assert Prefetch(0, {"store": done((1024, loaded))}).take("store", 2048, 0) is None      # newer entry now
-    assert Prefetch(1024, {"store": done((2048, loaded))}).take("store", 2048, 0) is None   # device lost KV
-    assert Prefetch(0, {"store": done((0, {}))}).take("store", 0, 0) is None
-    p = Prefetch(0, {"store": done((1024, loaded))})
+    assert handle(0, (1024, loaded, 10)).take("store", 1024, 0) is loaded
+    assert handle(0, (1024, loaded, 20)).take("store", 2048, 0) is None        # newer entry now
+    assert handle(1024, (2048, loaded, 30)).take("store", 2048, 0) is None     # device lost KV
+    assert handle(0, (0, {}, 0)).take("store", 0, 0) is None
+    p = handle(0, (1024, loaded, 40))
     p.cancel()
     assert p.take("store", 1024, 0) is None
+    assert released == [10, 20, 30, 0, 40]
+
 
 
 def test_upload_queries_each_boundary_once_per_request(tiny_model):

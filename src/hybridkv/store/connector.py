@@ -15,6 +15,8 @@ repeated device lookup, after transfer, checksum and install.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -22,7 +24,13 @@ from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, Match
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
 from hybridkv.store.host import HostTier
-from hybridkv.store.tier import EntryShapes, StoreTier, Tier, checkpoint_components, checkpoint_from_components
+from hybridkv.store.tier import (
+    EntryShapes,
+    StoreTier,
+    Tier,
+    checkpoint_components,
+    checkpoint_from_components,
+)
 
 
 def entry_shapes(backend, alignment: int) -> EntryShapes:
@@ -53,26 +61,38 @@ class Prefetch:
 
     Attributes:
         kv_from: the device KV hit (tokens) the loads started from.
-        jobs: tier name -> future of ``(boundary, {(b, group): components or None})``.
+        jobs: tier name -> future of ``(boundary, {(b, group): components or None}, reserved bytes)``.
+        release: called with each job's reserved bytes once its loads are dropped
+            (taken, cancelled or stale), so the connector's prefetch budget is returned.
     """
 
     kv_from: int
     jobs: dict[str, Future]
+    release: Callable[[int], None] = lambda nbytes: None
 
     def take(self, tier: str, best_joint: int, kv_hit: int) -> dict | None:
         """The loaded entries of ``tier`` if they are for ``best_joint`` and the device still holds
         the KV they start from (``kv_hit >= kv_from``); waits for the job. ``None`` otherwise."""
         job = self.jobs.pop(tier, None)
-        if job is None or kv_hit < self.kv_from:
+        if job is None:
             return None
-        boundary, loaded = job.result()
+        boundary, loaded, nbytes = job.result()
+        self.release(nbytes)
+        if kv_hit < self.kv_from:
+            return None
         return loaded if boundary == best_joint and loaded else None
 
     def cancel(self) -> None:
-        """Drop jobs not started yet; running ones finish and are discarded."""
+        """Drop every job: not started yet ones are cancelled, running ones finish and are discarded;
+        their reserved bytes are released either way."""
         for job in self.jobs.values():
-            job.cancel()
+            if not job.cancel():
+                job.add_done_callback(self._release_done)
         self.jobs.clear()
+
+    def _release_done(self, job: Future) -> None:
+        if not job.cancelled() and job.exception() is None:
+            self.release(job.result()[2])
 
 
 class TierConnector:
@@ -82,9 +102,13 @@ class TierConnector:
         cache: the device coordinator.
         backend: the torch backend (``read_kv`` / ``write_pages``).
         tiers: lower tiers, nearest first (host, then store).
+        prefetch_limit_bytes: most bytes that background prefetches may hold
+            at once (loaded and not yet installed); a prefetch that would
+            exceed it loads nothing and the request loads at admission.
     """
 
-    def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[Tier]) -> None:
+    def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[Tier],
+                 prefetch_limit_bytes: int = 512 << 20) -> None:
         self.cache = cache
         self.backend = backend
         self.tiers = tiers
@@ -96,6 +120,10 @@ class TierConnector:
         if self._back:
             cache.on_evict = self._write_back
         self.prefetch_used = 0          # installs served by a background prefetch
+        self.prefetch_skipped = 0       # prefetches not loaded: over the byte budget
+        self.prefetch_limit_bytes = prefetch_limit_bytes
+        self.prefetch_held_bytes = 0    # loaded (or being loaded) by prefetches not yet taken
+        self._prefetch_lock = threading.Lock()
 
     def prefetch(self, prompt, namespace: bytes | None = None) -> Prefetch | None:
         """Start loading what write-through tiers hold beyond the device hit, in the background.
@@ -119,18 +147,29 @@ class TierConnector:
         if match.hit >= cap:
             return None
         jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
-        return Prefetch(kv_from=match.kv_hit, jobs=jobs)
+        return Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release)
 
-    @staticmethod
-    def _prefetch_job(tier: Tier, hashes, cap: int, local_kv: int, hit: int):
-        """Worker side of :meth:`prefetch`: ``(boundary, loaded)`` with ``loaded[(b, group)]`` verified."""
+    def _prefetch_job(self, tier: Tier, hashes, cap: int, local_kv: int, hit: int):
+        """Worker side of :meth:`prefetch`: ``(boundary, loaded, reserved bytes)`` with ``loaded[(b, group)]``
+        verified. Loads nothing when they would take the bytes held by prefetches past
+        ``prefetch_limit_bytes``."""
         rm = tier.lookup(hashes, cap, local_kv)
         if rm is None or rm.best_joint <= hit:
-            return 0, {}
+            return 0, {}, 0
         a, boundary = tier.alignment, rm.best_joint
         wanted = [(b, "kv") for b in range(min(local_kv, boundary) // a * a + a, boundary + 1, a)]
         wanted.append((boundary, "kda"))
-        return boundary, dict(zip(wanted, tier.load_many(hashes, wanted)))
+        need = sum(tier.entry_nbytes(grp) for _, grp in wanted)
+        with self._prefetch_lock:
+            if self.prefetch_held_bytes + need > self.prefetch_limit_bytes:
+                self.prefetch_skipped += 1
+                return 0, {}, 0
+            self.prefetch_held_bytes += need
+        return boundary, dict(zip(wanted, tier.load_many(hashes, wanted))), need
+
+    def _release(self, nbytes: int) -> None:
+        with self._prefetch_lock:
+            self.prefetch_held_bytes -= nbytes
 
     def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None, prefetched: Prefetch | None = None
               ) -> tuple[MatchResult, int | None, dict[str, int]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.model.state import KDACheckpoint
-from hybridkv.store.layout import entry_key
+from hybridkv.store.layout import ITEMSIZE, entry_key
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
 
@@ -123,6 +123,16 @@ class Tier:
             raise ValueError(f"{name} tier: neither write-through nor write-back, so it would never be written")
         self.stats = TierStats()
         self._lock = threading.RLock()            # guards store calls and statistics
+
+    def entry_nbytes(self, group: str) -> int:
+        """Payload bytes of one ``group`` entry of this model (components only)."""
+        total = 0
+        for dtype, shape in getattr(self.shapes, group).values():
+            n = ITEMSIZE[dtype]
+            for d in shape:
+                n *= d
+            total += n
+        return total
 
     def count_miss(self, reason: str) -> None:
         """Count one miss with ``reason`` (one of :data:`MISS_REASONS`)."""
