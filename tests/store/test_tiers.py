@@ -425,3 +425,151 @@ def test_store_down_while_registering_the_staging_arena(tiny_model):
     r = run_one(b, np.concatenate([P, tokens(98, 200, tiny_model.config.vocab_size)]))
     assert r.reused == 0 and tier.stats.misses["unreachable"] >= 1 and tier._staging is None
     assert_exact(tiny_model, r)
+
+
+def test_broken_entry_is_dropped_by_its_reader_and_committed_again(tiny_model):
+    """A store that keeps a manifest but loses a component (silent eviction): the reader that finds it
+    counts an `evicted` miss and removes the entry, the next writer commits it again, and the
+    instance after that gets the full prefix."""
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(73, 4096, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(74, 100, v)]), max_output_tokens=1)
+    lost = [k for k in store._data if k.endswith("/kv/r0/latents")][:1]
+    store.remove(lost)
+    b, tier_b = instance(tiny_model, store)
+    rb = run_one(b, np.concatenate([P, tokens(75, 100, v)]))
+    assert rb.reused < 4096 and tier_b.stats.misses["evicted"] >= 1
+    assert lost[0] in store._data                                      # b re-committed the entry
+    c, _ = instance(tiny_model, store)
+    rc = run_one(c, np.concatenate([P, tokens(76, 100, v)]))
+    assert rc.reused == 4096
+    assert_exact(tiny_model, rc)
+
+
+def test_prefetch_of_another_engine_is_ignored(tiny_model, store):
+    """A request moved from one engine's queue to another's does not bring the first engine's loads."""
+    from hybridkv.engine.request import Request
+
+    v = tiny_model.config.vocab_size
+    P = tokens(5, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run_one(a, np.concatenate([P, tokens(6, 100, v)]), max_output_tokens=1)
+    first, _ = instance(tiny_model, store)
+    r = Request("r", np.concatenate([P, tokens(7, 50, v)]), 2, record_logits=True)
+    first.add_request(r)
+    first.prefetch()
+    handle = r.prefetch
+    assert handle
+    second, _ = instance(tiny_model, store)
+    second.add_request(r)
+    assert r.prefetch is None and r.uploaded == {}
+    assert second.connector.fetch(r.prompt, second.cache.lookup(r.prompt), None, handle)[0].hit == 2048
+    assert second.connector.prefetch_used == 0                          # loaded again, not taken from handle
+    assert first.connector.prefetch_held_bytes == 0                     # the dropped handle gave its bytes back
+
+
+def test_failed_install_repeats_the_device_lookup(tiny_model):
+    """An install that evicts a cached page of the device hit and then fails for lack of pages must
+    not leave admission holding a match that names the freed page."""
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.engine.request import Request, Status
+    from hybridkv.store.connector import tier_for
+
+    v = tiny_model.config.vocab_size
+    ns = CacheIdentity(model_repo="tiny", weight_digest=tiny_model.weight_digest()).digest()
+
+    def engine(store, pages, policy):
+        cfg = CacheConfig(block_size=256, prefix_match_unit=64, max_num_batched_tokens=4096, num_kv_pages=pages,
+                          num_checkpoint_slots=4, policy=CheckpointPolicy.parse(policy), store_alignment=512,
+                          max_num_seqs=2)
+        be = TorchBackend(tiny_model, pages, 256)
+        return Engine(cfg, be, ns, tiers=[tier_for(store, be, ns, 64, 512)])
+
+    store = MemoryStore()
+    P = tokens(1, 1024, v)
+    run_one(engine(store, 64, "interval=1024"), np.concatenate([P, tokens(2, 10, v)]), 1)
+    e = engine(store, 5, "tail=256")
+    run_one(e, np.concatenate([P[:768], tokens(3, 10, v)]), 1)      # device: [0, 768) cached
+    e.add_request(Request("R", tokens(9, 300, v), 100))              # takes the free pages first
+    z = e.add_request(Request("Z", np.concatenate([P, tokens(4, 10, v)]), 1, record_logits=True))
+    e.run_until_done()
+    assert z.status == Status.FINISHED
+    assert_exact(tiny_model, z)
+    e.cache.check_invariants()
+
+
+def test_prefetch_job_error_returns_its_bytes(tiny_model):
+    from hybridkv.engine.request import Request
+
+    class BuggyOnce(MemoryStore):
+        boom = False
+
+        def get_into(self, keys, buffers):
+            if self.boom:
+                self.boom = False
+                raise RuntimeError("backend bug")
+            return super().get_into(keys, buffers)
+
+    v = tiny_model.config.vocab_size
+    store = BuggyOnce()
+    P = tokens(5, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run_one(a, np.concatenate([P, tokens(6, 100, v)]), max_output_tokens=1)
+    e, _ = instance(tiny_model, store)
+    store.boom = True
+    r = e.add_request(Request("r", np.concatenate([P, tokens(7, 50, v)]), 2))
+    e.prefetch()
+    with pytest.raises(RuntimeError, match="backend bug"):
+        r.prefetch.jobs["store"].result()
+    assert e.connector.prefetch_held_bytes == 0
+    e.cancel(r)
+    assert e.connector.prefetch_held_bytes == 0
+
+
+def test_connector_rejects_tiers_with_one_name(tiny_model):
+    from hybridkv.cache.config import CacheConfig
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.store.connector import tier_for
+
+    be = TorchBackend(tiny_model, 8, 1024)
+    tiers = [tier_for(MemoryStore(), be, b"ns", 64, 1024), tier_for(MemoryStore(), be, b"ns", 64, 1024)]
+    with pytest.raises(ValueError, match="distinct names"):
+        Engine(CacheConfig(block_size=1024, num_kv_pages=8), be, b"ns", tiers=tiers)
+
+
+def test_write_back_skips_entries_the_tier_holds(tiny_model):
+    """Evicting a prefix the write-back tier already holds sends nothing again."""
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.store.connector import tier_for
+
+    v = tiny_model.config.vocab_size
+    cfg = CacheConfig(block_size=1024, prefix_match_unit=64, num_kv_pages=4, num_checkpoint_slots=4,
+                      policy=CheckpointPolicy.parse("tail=1024"))
+    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny").digest()
+    store = MemoryStore()
+    host = tier_for(store, backend, ns, 64, 1024, name="host", write_through=False)
+    e = Engine(cfg, backend, ns, tiers=[host])
+    P = tokens(1, 1024, v)
+
+    def evict(seed):
+        for i in range(3):
+            run_one(e, np.concatenate([tokens(seed + i, 1024, v), tokens(2, 20, v)]), 1)
+
+    run_one(e, np.concatenate([P, tokens(3, 20, v)]), 1)
+    evict(100)
+    assert run_one(e, np.concatenate([P, tokens(4, 20, v)]), 1).reused == 1024    # back from the tier
+    saved = host.stats.bytes_saved
+    held = store._bytes
+    evict(200)                                                        # P evicted again: already held
+    new = store._bytes - held
+    assert host.stats.bytes_saved - saved == new                      # only the new prompts' entries

@@ -104,6 +104,8 @@ class Engine:
             if not isinstance(h, (int, np.integer)) or isinstance(h, bool) or h <= 0 or h % g:
                 raise ValueError(f"request {rid}: hint {h!r} is not a positive multiple of {g}")
         req.hints = tuple(int(h) for h in req.hints)
+        self._drop_prefetch(req)              # state another engine may have left on the request
+        req.uploaded = {}
         self.waiting.append(req)
         return req
 

@@ -15,6 +15,7 @@ repeated device lookup, after transfer, checksum and install.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from hybridkv.store.tier import (
     checkpoint_from_components,
 )
 
+log = logging.getLogger("hybridkv.store")
 
 def entry_shapes(backend, alignment: int) -> EntryShapes:
     """Entry shapes of ``backend``'s model with KV segments of ``alignment`` tokens."""
@@ -64,11 +66,13 @@ class Prefetch:
         jobs: tier name -> future of ``(boundary, {(b, group): components or None}, reserved bytes)``.
         release: called with each job's reserved bytes once its loads are dropped
             (taken, cancelled or stale), so the connector's prefetch budget is returned.
+        owner: the connector that started the jobs; another connector ignores them.
     """
 
     kv_from: int
     jobs: dict[str, Future]
     release: Callable[[int], None] = lambda nbytes: None
+    owner: object = None
 
     def take(self, tier: str, best_joint: int, kv_hit: int) -> dict | None:
         """The loaded entries of ``tier`` if they are for ``best_joint`` and the device still holds
@@ -91,8 +95,12 @@ class Prefetch:
         self.jobs.clear()
 
     def _release_done(self, job: Future) -> None:
-        if not job.cancelled() and job.exception() is None:
-            self.release(job.result()[2])
+        if job.cancelled():
+            return
+        if job.exception() is not None:     # a bug in a job nobody waits for any more: say so
+            log.error("prefetch job failed: %r", job.exception())
+            return
+        self.release(job.result()[2])
 
 
 class TierConnector:
@@ -112,6 +120,10 @@ class TierConnector:
         self.cache = cache
         self.backend = backend
         self.tiers = tiers
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lower tiers need distinct names (they key reports, prefetches and upload marks), "
+                             f"got {names}")
         self._back = [t for t in tiers if t.write_back]
         for t in self._back:
             if t.alignment != cache.config.block_size:
@@ -147,7 +159,7 @@ class TierConnector:
         if match.hit >= cap:
             return None
         jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
-        return Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release)
+        return Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release, owner=self)
 
     def _prefetch_job(self, tier: Tier, hashes, cap: int, local_kv: int, hit: int):
         """Worker side of :meth:`prefetch`: ``(boundary, loaded, reserved bytes)`` with ``loaded[(b, group)]``
@@ -165,7 +177,12 @@ class TierConnector:
                 self.prefetch_skipped += 1
                 return 0, {}, 0
             self.prefetch_held_bytes += need
-        return boundary, dict(zip(wanted, tier.load_many(hashes, wanted))), need
+        try:
+            loaded = tier.load_many(hashes, wanted)
+        except BaseException:
+            self._release(need)
+            raise
+        return boundary, dict(zip(wanted, loaded)), need
 
     def _release(self, nbytes: int) -> None:
         with self._prefetch_lock:
@@ -196,13 +213,16 @@ class TierConnector:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
                 tier.count_miss("absent")               # the tier has nothing beyond the device hit
-            ready = prefetched.take(tier.name, rm.best_joint, match.kv_hit) if prefetched is not None else None
+            ready = None
+            if prefetched is not None and prefetched.owner is self:
+                ready = prefetched.take(tier.name, rm.best_joint, match.kv_hit)
             for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
                 if boundary <= match.hit:
                     break
-                if self._install(tier, match, boundary, ready if boundary == rm.best_joint else None):
-                    before = match.hit
-                    match = self.cache.lookup(prompt, namespace)
+                installed = self._install(tier, match, boundary, ready if boundary == rm.best_joint else None)
+                before = match.hit
+                match = self.cache.lookup(prompt, namespace)   # installing may have evicted pages of the hit
+                if installed:
                     gains[tier.name] = gains.get(tier.name, 0) + max(match.hit - before, 0)
                     break
             missing = rm.missing_branching_boundary
@@ -296,11 +316,12 @@ class TierConnector:
                 marks[tier.name] = b
 
     def _write_back(self, nodes, kv: bool) -> None:
-        """Save evicted device state into the write-back tiers (page-aligned entries only), batched."""
+        """Save evicted device state into the write-back tiers (page-aligned entries only), batched;
+        entries a tier already holds are skipped before their tensors are read."""
         g = self.cache.config.prefix_match_unit
         for tier in self._back:
             a = tier.alignment
-            entries = []
+            wanted = []                                     # (node, parent key, group)
             for n in nodes:
                 if n.end % a:
                     continue
@@ -309,8 +330,19 @@ class TierConnector:
                     parent = parent.parent
                 parent_key = parent.key if parent is not None and parent.end else None
                 if kv:
-                    entries.append((n.key, parent_key, "kv", n.end, {"latents": self.backend.page_latents(n.page)}))
+                    wanted.append((n, parent_key, "kv"))
                 if n.checkpoint is not None:
-                    ckpt = self.cache.checkpoints.read(n.checkpoint, n.end)
-                    entries.append((n.key, parent_key, "kda", n.end, checkpoint_components(ckpt)))
+                    wanted.append((n, parent_key, "kda"))
+            if not wanted:
+                continue
+            held = tier.has_entries([(n.key, grp) for n, _, grp in wanted]) or [False] * len(wanted)
+            entries = []
+            for (n, parent_key, grp), ok in zip(wanted, held):
+                if ok:
+                    continue
+                if grp == "kv":
+                    tensors = {"latents": self.backend.page_latents(n.page)}
+                else:
+                    tensors = checkpoint_components(self.cache.checkpoints.read(n.checkpoint, n.end))
+                entries.append((n.key, parent_key, grp, n.end, tensors))
             tier.save_entries(entries)

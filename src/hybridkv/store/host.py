@@ -109,7 +109,7 @@ class HostTier(Tier):
         out = []
         with self._lock:
             for chain_hash, _parent, group, _boundary, tensors in entries:
-                key = (chain_hash, group)
+                key = self._entry_key(chain_hash, group)
                 if key in self._entries:
                     self._entries.move_to_end(key)
                     out.append(True)
@@ -140,6 +140,9 @@ class HostTier(Tier):
     def _key(self, hashes, boundary, group, component="manifest"):
         """Entries are keyed by ``(chained hash, group)``: one namespace per tier, nothing serialized."""
         return (hashes[boundary // self.unit - 1], group)
+
+    def _entry_key(self, chain_hash: bytes, group: str):
+        return (chain_hash, group)
 
     def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
         expected = self._expected[group]

@@ -211,6 +211,8 @@ class StoreTier(Tier):
                 parts[c.name] = verify_component(c, arena, offsets[j], n)
         except EntryError as exc:
             self.stats.misses[exc.reason] += 1
+            if exc.reason in ("evicted", "checksum"):   # broken entry: drop it so a writer can commit it again
+                self.invalidate(hashes, b, grp)
             return None
         self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return parts

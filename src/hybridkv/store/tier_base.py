@@ -166,6 +166,16 @@ class Tier:
     def _key(self, hashes, boundary, group, component="manifest"):
         return entry_key(self.namespace, self._hash(hashes, boundary), group, component)
 
+    def _entry_key(self, chain_hash: bytes, group: str):
+        """The key whose presence means the entry exists (its manifest)."""
+        return entry_key(self.namespace, chain_hash, group, "manifest")
+
+    def has_entries(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
+        """Whether each ``(chained hash, group)`` entry exists, in one query (``None`` if unreachable)."""
+        if not wanted:
+            return []
+        return self._exists([self._entry_key(h, grp) for h, grp in wanted])
+
     # -- lookup ------------------------------------------------------------
     def lookup(self, hashes: list[bytes], cap: int, local_kv: int = 0) -> RemoteMatch | None:
         """Per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``.
