@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hkv_helpers import assert_exact, run_one, tokens
-from tier_helpers import instance
+from tier_helpers import host_instance, instance
 
 from hybridkv.store.base import MemoryStore
 from hybridkv.store.disk import DiskStore
@@ -119,22 +119,8 @@ def test_s7_only_aligned_boundaries_become_remote(tiny_model):
 
 @pytest.mark.parametrize("kind", ["tensors", "memory-store"])
 def test_host_tier_write_back_and_load_back(tiny_model, kind):
-    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-    from hybridkv.cache.namespace import CacheIdentity
-    from hybridkv.engine.backend import TorchBackend
-    from hybridkv.engine.engine import Engine
-    from hybridkv.store.connector import host_tier_for, tier_for
-
     v = tiny_model.config.vocab_size
-    cfg = CacheConfig(block_size=256, prefix_match_unit=64, num_kv_pages=8, num_checkpoint_slots=4,
-                      policy=CheckpointPolicy.parse("branch+tail=256"))
-    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
-    ns = CacheIdentity(model_repo="tiny").digest()
-    if kind == "tensors":
-        host = host_tier_for(64 << 20, backend, ns, 64, 256)
-    else:
-        host = tier_for(MemoryStore(capacity_bytes=64 << 20), backend, ns, 64, 256, name="host", write_through=False)
-    e = Engine(cfg, backend, ns, tiers=[host])
+    e, host = host_instance(tiny_model, block_size=256, pages=8, policy="branch+tail=256", kind=kind)
     P = tokens(50, 1024, v)
     run_one(e, np.concatenate([P, tokens(51, 30, v)]))             # C(P_1024) and 4 pages
     for i in range(3):                                              # push P's pages out of the device pool
@@ -299,19 +285,8 @@ def test_upload_queries_each_boundary_once_per_request(tiny_model):
 
 
 def test_host_tier_write_through_serves_after_device_clear(tiny_model):
-    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-    from hybridkv.cache.namespace import CacheIdentity
-    from hybridkv.engine.backend import TorchBackend
-    from hybridkv.engine.engine import Engine
-    from hybridkv.store.connector import host_tier_for
-
     v = tiny_model.config.vocab_size
-    cfg = CacheConfig(block_size=256, prefix_match_unit=64, num_kv_pages=16, num_checkpoint_slots=4,
-                      policy=CheckpointPolicy.parse("tail=256"))
-    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
-    ns = CacheIdentity(model_repo="tiny").digest()
-    host = host_tier_for(64 << 20, backend, ns, 64, 256, write_through=True)
-    e = Engine(cfg, backend, ns, tiers=[host])
+    e, host = host_instance(tiny_model, block_size=256, pages=16, policy="tail=256", write_through=True)
     P = tokens(55, 1024, v)
     run_one(e, np.concatenate([P, tokens(56, 30, v)]))
     assert e.cache.evicted_pages == 0 and host.stats.bytes_saved > 0   # saved as computed, not on eviction
@@ -346,20 +321,9 @@ def test_last_prefill_step_reuploads_what_the_store_lost_mid_request(tiny_model)
 def test_host_write_through_still_writes_back_on_eviction(tiny_model):
     """A write-through host tier also saves what the device evicts: an entry that fell out of the
     host's LRU while hot on the device is saved again when the device drops it."""
-    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-    from hybridkv.cache.namespace import CacheIdentity
-    from hybridkv.engine.backend import TorchBackend
-    from hybridkv.engine.engine import Engine
-    from hybridkv.store.connector import host_tier_for
-
     v = tiny_model.config.vocab_size
-    cfg = CacheConfig(block_size=1024, prefix_match_unit=64, num_kv_pages=6, num_checkpoint_slots=3,
-                      policy=CheckpointPolicy.parse("tail=1024"))
-    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
-    ns = CacheIdentity(model_repo="tiny").digest()
-    host = host_tier_for(64 << 20, backend, ns, 64, 1024, write_through=True)
+    e, host = host_instance(tiny_model, block_size=1024, pages=6, policy="tail=1024", write_through=True)
     assert host.write_through and host.write_back
-    e = Engine(cfg, backend, ns, tiers=[host])
     P = tokens(58, 1024, v)
     run_one(e, np.concatenate([P, tokens(59, 30, v)]))
     host.invalidate(e.cache.hash_prompt(P), 1024, "kv")              # as if the host's LRU dropped it
@@ -545,20 +509,9 @@ def test_connector_rejects_tiers_with_one_name(tiny_model):
 
 def test_write_back_skips_entries_the_tier_holds(tiny_model):
     """Evicting a prefix the write-back tier already holds sends nothing again."""
-    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-    from hybridkv.cache.namespace import CacheIdentity
-    from hybridkv.engine.backend import TorchBackend
-    from hybridkv.engine.engine import Engine
-    from hybridkv.store.connector import tier_for
-
     v = tiny_model.config.vocab_size
-    cfg = CacheConfig(block_size=1024, prefix_match_unit=64, num_kv_pages=4, num_checkpoint_slots=4,
-                      policy=CheckpointPolicy.parse("tail=1024"))
-    backend = TorchBackend(tiny_model, cfg.num_kv_pages, cfg.block_size)
-    ns = CacheIdentity(model_repo="tiny").digest()
     store = MemoryStore()
-    host = tier_for(store, backend, ns, 64, 1024, name="host", write_through=False)
-    e = Engine(cfg, backend, ns, tiers=[host])
+    e, host = host_instance(tiny_model, block_size=1024, pages=4, policy="tail=1024", kind="store", store=store)
     P = tokens(1, 1024, v)
 
     def evict(seed):

@@ -6,7 +6,8 @@ from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
-from hybridkv.store.connector import tier_for
+from hybridkv.store.base import MemoryStore
+from hybridkv.store.connector import host_tier_for, tier_for
 
 
 def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, alignment=1024, pages=32, slots=8,
@@ -19,6 +20,21 @@ def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, al
     ns = CacheIdentity(model_repo="tiny", weight_digest=model.weight_digest()).digest()
     tier = tier_for(store, backend, ns, unit, cfg.store_boundary)
     return Engine(cfg, backend, ns, tiers=[tier]), tier
+
+
+def host_instance(model, *, block_size, pages, policy, kind="tensors", write_through=False, store=None):
+    """A fresh engine whose only lower tier is a host tier of 64 MiB: a :class:`HostTier`
+    (``kind="tensors"``) or a write-back ``StoreTier`` over ``store`` (default a MemoryStore)."""
+    cfg = CacheConfig(block_size=block_size, prefix_match_unit=64, num_kv_pages=pages, num_checkpoint_slots=4,
+                      policy=CheckpointPolicy.parse(policy))
+    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny").digest()
+    if kind == "tensors":
+        host = host_tier_for(64 << 20, backend, ns, 64, block_size, write_through=write_through)
+    else:
+        store = MemoryStore(capacity_bytes=64 << 20) if store is None else store
+        host = tier_for(store, backend, ns, 64, block_size, name="host", write_through=False)
+    return Engine(cfg, backend, ns, tiers=[host]), host
 
 
 class PrefixedStore:
