@@ -150,7 +150,7 @@ class TierConnector:
             A handle to pass to :meth:`fetch`, or ``None`` when there is nothing
             to prefetch (no write-through tier, or a prompt shorter than one unit).
         """
-        remote = [t for t in self.tiers if t.write_through and hasattr(t, "submit")]
+        remote = [t for t in self.tiers if t.write_through and isinstance(t, StoreTier)]
         g = self.cache.config.prefix_match_unit
         cap = max(len(prompt) - 1, 0) // g * g
         if not remote or cap == 0:

@@ -137,11 +137,8 @@ class HostTier(Tier):
                 e.wait()
                 self._bytes -= e.nbytes
 
-    def _key(self, hashes, boundary, group, component="manifest"):
-        """Entries are keyed by ``(chained hash, group)``: one namespace per tier, nothing serialized."""
-        return (hashes[boundary // self.unit - 1], group)
-
     def _entry_key(self, chain_hash: bytes, group: str):
+        """Entries are keyed by ``(chained hash, group)``: one namespace per tier, nothing serialized."""
         return (chain_hash, group)
 
     def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -44,6 +44,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def component_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a component of ``dtype`` (a :data:`DTYPES` name) and ``shape``."""
+    n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
 class EntryError(ValueError):
     """A store object does not decode into a valid entry; ``reason`` is a miss reason."""
 
@@ -91,9 +99,7 @@ def view_tensor(buffer, offset: int, dtype: str, shape: tuple[int, ...]) -> torc
     tdt = DTYPES[dtype]
     if memoryview(buffer).readonly:
         buffer = bytearray(buffer)
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = component_nbytes(dtype, shape) // ITEMSIZE[dtype]
     if numel == 0:
         return torch.empty(shape, dtype=tdt)
     return torch.frombuffer(buffer, dtype=tdt, count=numel, offset=offset).reshape(shape)
@@ -185,10 +191,7 @@ def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, 
     for c in comps:
         if c.key != keys[c.name]:
             raise EntryError("incomplete", f"manifest component {c.name} points outside its entry")
-        numel = 1
-        for d in c.shape:
-            numel *= d
-        if c.nbytes != numel * ITEMSIZE[c.dtype]:
+        if c.nbytes != component_nbytes(c.dtype, c.shape):
             raise EntryError("incomplete", f"manifest component {c.name}: {c.nbytes} bytes do not fit {c.shape}")
     return comps
 

@@ -19,9 +19,9 @@ import numpy as np
 
 from hybridkv.store.base import ObjectStore, StoreUnavailable
 from hybridkv.store.layout import (
-    ITEMSIZE,
     MANIFEST_MAX_BYTES,
     EntryError,
+    component_nbytes,
     decode_manifest,
     entry_components,
     entry_manifest,
@@ -40,13 +40,6 @@ from hybridkv.store.tier_base import (  # noqa: F401  (re-exported: the public n
 log = logging.getLogger("hybridkv.store")
 
 _ALIGN = 64          # byte alignment of every slot in a load arena
-
-
-def _nbytes(dtype: str, shape: tuple) -> int:
-    n = ITEMSIZE[dtype]
-    for d in shape:
-        n *= d
-    return n
 
 
 class StoreTier(Tier):
@@ -160,7 +153,7 @@ class StoreTier(Tier):
         pos = 0
         for b, grp in wanted:
             slots = [("manifest", MANIFEST_MAX_BYTES)] + [
-                (n, _nbytes(dt, shape)) for n, (dt, shape) in getattr(self.shapes, grp).items()]
+                (n, component_nbytes(dt, shape)) for n, (dt, shape) in getattr(self.shapes, grp).items()]
             for name, size in slots:
                 keys.append(self._key(hashes, b, grp, name))
                 offsets.append(pos)

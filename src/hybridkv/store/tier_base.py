@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.model.state import KDACheckpoint
-from hybridkv.store.layout import ITEMSIZE, entry_key
+from hybridkv.store.layout import component_nbytes, entry_key
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
 
@@ -126,13 +126,7 @@ class Tier:
 
     def entry_nbytes(self, group: str) -> int:
         """Payload bytes of one ``group`` entry of this model (components only)."""
-        total = 0
-        for dtype, shape in getattr(self.shapes, group).values():
-            n = ITEMSIZE[dtype]
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(component_nbytes(dtype, shape) for dtype, shape in getattr(self.shapes, group).values())
 
     def count_miss(self, reason: str) -> None:
         """Count one miss with ``reason`` (one of :data:`MISS_REASONS`)."""
@@ -164,7 +158,9 @@ class Tier:
         return hashes[boundary // self.unit - 1]
 
     def _key(self, hashes, boundary, group, component="manifest"):
-        return entry_key(self.namespace, self._hash(hashes, boundary), group, component)
+        """Key of ``component`` of the entry at ``boundary``; the manifest's is :meth:`_entry_key`."""
+        h = self._hash(hashes, boundary)
+        return self._entry_key(h, group) if component == "manifest" else entry_key(self.namespace, h, group, component)
 
     def _entry_key(self, chain_hash: bytes, group: str):
         """The key whose presence means the entry exists (its manifest)."""
@@ -233,15 +229,11 @@ class Tier:
 
     def has_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[bool] | None:
         """Whether each ``(boundary, group)`` entry's manifest exists, in one query (``None`` if unreachable)."""
-        if not wanted:
-            return []
-        return self._exists([self._key(hashes, b, grp) for b, grp in wanted])
+        return self.has_entries([(self._hash(hashes, b), grp) for b, grp in wanted])
 
     def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
         """Whether each boundary's manifest exists (``None`` if unreachable)."""
-        if not boundaries:
-            return []
-        return self._exists([self._key(hashes, b, group) for b in boundaries])
+        return self.has_many(hashes, [(b, group) for b in boundaries])
 
     def save_kv(self, hashes: list[bytes], boundary: int, latents: torch.Tensor) -> bool:
         """Commit the ``kv`` entry at ``boundary`` (latents of the last A tokens)."""
