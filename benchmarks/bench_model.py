@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hybridkv.model import HybridModel
+from hybridkv.model.model import HybridModel
 from hybridkv.model.kda import kda_chunked, kda_recurrent
 from hybridkv.model.state import ForwardRequest
 

@@ -59,7 +59,7 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.model import HybridModel
+from hybridkv.model.model import HybridModel
 from hybridkv.replay.runner import default_policy
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 

@@ -40,8 +40,8 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.model import HybridModel
-from hybridkv.store.connector import tier_for
+from hybridkv.model.model import HybridModel
+from hybridkv.tiers.connector import tier_for
 
 ALIGN = 1024
 
@@ -90,10 +90,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.store == "mooncake":
-        from hybridkv.store import service
-        from hybridkv.store.mooncake import LOOPBACK_SHIM_NAME, MooncakeStore
+        from hybridkv.store.mooncake import loopback, procs, service
+        from hybridkv.store.mooncake.client import MooncakeStore
+        from hybridkv.store.mooncake.support import LOOPBACK_SHIM_NAME
         if LOOPBACK_SHIM_NAME not in os.environ.get("LD_PRELOAD", ""):
-            env = service.loopback_env()
+            env = loopback.loopback_env()
             env.setdefault("GLOG_minloglevel", "1")
             if LOOPBACK_SHIM_NAME in env.get("LD_PRELOAD", ""):
                 os.execve(sys.executable, [sys.executable, *sys.argv], env)
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="hybridkv-bench-prefetch-")
     stop = None
     if args.store == "mooncake":
-        port, metrics_port = service.find_free_ports(2)
+        port, metrics_port = procs.find_free_ports(2)
         service.start_store(port, metrics_port, 2 << 30, work)
         stop = lambda: service.stop_store(work)  # noqa: E731
         store = MooncakeStore(f"127.0.0.1:{port}")

@@ -25,7 +25,7 @@ rotating order, and ratios are medians of per-repeat ratios.
 Paths: ``HostTier`` (tensors in this process); ``StoreTier`` over
 ``MemoryStore``, ``DiskStore`` in a temp dir (reads come from the page cache)
 and ``MooncakeStore`` against a loopback store started with
-:func:`hybridkv.store.service.start_store` (master + storage process holding the
+:func:`hybridkv.store.mooncake.service.start_store` (master + storage process holding the
 segment; stopped at the end) when the mooncake package imports.
 
 References on the same bytes (same object sizes):
@@ -40,7 +40,7 @@ References on the same bytes (same object sizes):
   a second call after the components (the commit protocol's call pattern) and
   read in the same batch: the cost of the manifests alone.
 
-The script re-executes itself once under :func:`hybridkv.store.service.loopback_env`
+The script re-executes itself once under :func:`hybridkv.store.mooncake.loopback.loopback_env`
 so that its Mooncake listeners stay on loopback.
 """
 
@@ -66,11 +66,12 @@ import torch
 from hybridkv.cache.namespace import chained_block_hashes
 from hybridkv.model.config import PRESETS, HybridConfig
 from hybridkv.model.state import KDACheckpoint
-from hybridkv.store.base import MemoryStore
-from hybridkv.store.host import HostTier
+from hybridkv.store.memory import MemoryStore
+from hybridkv.tiers.host import HostTier
 from hybridkv.store.disk import DiskStore
-from hybridkv.store.layout import checksum, tensor_view
-from hybridkv.store.tier import EntryShapes, StoreTier, checkpoint_components, checkpoint_from_components
+from hybridkv.tiers.layout import checksum, tensor_view
+from hybridkv.tiers.store_tier import StoreTier
+from hybridkv.tiers.base import EntryShapes, checkpoint_components, checkpoint_from_components
 
 UNIT = 64
 ALIGN = 512
@@ -195,7 +196,7 @@ class RawMooncake:
     """Raw zero-copy calls of one Mooncake client on buffers registered once, same objects as the tier writes."""
 
     def __init__(self, master: str, tensors, entries: int) -> None:
-        from hybridkv.store.mooncake import load_client_class
+        from hybridkv.store.mooncake.support import load_client_class
 
         manifests = 2 * entries                  # one ~1 KiB manifest per kv and per kda entry
         self.sizes = [t.numel() * t.element_size() for t in tensors] + [1024] * manifests
@@ -286,14 +287,14 @@ def main(argv=None) -> int:
     mooncake_ok, why = False, ""
     if "mooncake" in backends:
         try:
-            from hybridkv.store import service
-            from hybridkv.store.mooncake import LOOPBACK_SHIM_NAME, load_client_class
+            from hybridkv.store.mooncake import loopback, procs, service
+            from hybridkv.store.mooncake.support import LOOPBACK_SHIM_NAME, load_client_class
             load_client_class()
             mooncake_ok = True
         except ImportError as exc:
             why = str(exc)
         if mooncake_ok and LOOPBACK_SHIM_NAME not in os.environ.get("LD_PRELOAD", ""):
-            env = service.loopback_env()
+            env = loopback.loopback_env()
             env.setdefault("GLOG_minloglevel", "1")      # Mooncake's INFO lines
             if LOOPBACK_SHIM_NAME in env.get("LD_PRELOAD", ""):
                 os.execve(sys.executable, [sys.executable, *sys.argv], env)
@@ -320,8 +321,8 @@ def main(argv=None) -> int:
             stores.append(("DiskStore", DiskStore(d)))
         raw = None
         if "mooncake" in backends and mooncake_ok:
-            from hybridkv.store.mooncake import MooncakeStore
-            port, metrics_port = service.find_free_ports(2)
+            from hybridkv.store.mooncake.client import MooncakeStore
+            port, metrics_port = procs.find_free_ports(2)
             work = stack.enter_context(tempfile.TemporaryDirectory(prefix="hybridkv-bench-mc-"))
             service.start_store(port, metrics_port, max(256 << 20, 8 * payload), work)
             stack.callback(service.stop_store, work)

@@ -20,7 +20,7 @@ keys, and prints the median GB/s (1 GB = 1e9 bytes) and the ratios:
 
 In the first three the bytes live in the storage process, so every put and
 get crosses a loopback TCP connection. The script re-executes itself once under
-:func:`hybridkv.store.service.loopback_env` so that its own Mooncake listeners
+:func:`hybridkv.store.mooncake.loopback.loopback_env` so that its own Mooncake listeners
 stay on loopback.
 """
 
@@ -37,8 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridkv.store import service
-from hybridkv.store.mooncake import LOOPBACK_SHIM_NAME, MooncakeStore, load_client_class
+from hybridkv.store.mooncake import loopback, procs, service
+from hybridkv.store.mooncake.client import MooncakeStore
+from hybridkv.store.mooncake.support import LOOPBACK_SHIM_NAME, load_client_class
 
 
 def _median_gbps(nbytes: int, seconds: list[float]) -> float:
@@ -63,10 +64,10 @@ def _raw_round(client, src: np.ndarray, dst: np.ndarray, prefix: str, times: dic
 
 def bench_local_segment(work: str, objects: int, object_bytes: int, repeats: int) -> tuple[float, float]:
     """(put, get) GB/s of the raw calls when this process mounts the only segment (after one warm-up round)."""
-    port, metrics_port = service.find_free_ports(2)
-    master = service.spawn_master(Path(work), port, metrics_port)
+    port, metrics_port = procs.find_free_ports(2)
+    master = procs.spawn_master(Path(work), port, metrics_port)
     try:
-        service.wait_for(lambda: any(p == port for _, p in service.listen_addresses(master.pid)), master,
+        procs.wait_for(lambda: any(p == port for _, p in loopback.listen_addresses(master.pid)), master,
                          Path(work) / "master.log", 30.0, "mooncake_master")
         src = np.random.default_rng(1).integers(0, 256, (objects, object_bytes), dtype=np.uint8)
         dst = np.zeros_like(src)
@@ -149,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", dest="json_path", help="write the figures here")
     args = p.parse_args(argv)
     if LOOPBACK_SHIM_NAME not in os.environ.get("LD_PRELOAD", ""):
-        env = service.loopback_env()
+        env = loopback.loopback_env()
         if LOOPBACK_SHIM_NAME in env.get("LD_PRELOAD", ""):
             os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     object_bytes = args.object_mb << 20
     total = args.objects * object_bytes
     segment = max(64 << 20, 3 * total)  # stays below the 90 % eviction watermark
-    port, metrics_port = service.find_free_ports(2)
+    port, metrics_port = procs.find_free_ports(2)
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-") as work:
         handle = service.start_store(port, metrics_port, segment, work)
         try:

@@ -23,7 +23,7 @@ def pytest_configure(config):
     """
     if importlib.util.find_spec("mooncake") is None:
         return
-    from hybridkv.store.service import reexec_under_loopback
+    from hybridkv.store.mooncake.loopback import reexec_under_loopback
     reexec_under_loopback(list(sys.orig_argv))
 
 

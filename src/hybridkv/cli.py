@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
-    from hybridkv.store.service import register_cli
+    from hybridkv.store.mooncake.service import register_cli
     register_cli(sub)
     return p
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
     if argv is None and args.command == "replay" and args.store.startswith("mooncake://"):
-        from hybridkv.store.service import reexec_under_loopback
+        from hybridkv.store.mooncake.loopback import reexec_under_loopback
         reexec_under_loopback([sys.executable, "-m", "hybridkv.cli", *sys.argv[1:]])
     console = Console(stderr=True)
     if args.command == "replay":

@@ -7,7 +7,7 @@ import pytest
 from hkv_helpers import assert_exact, make_engine, run_one, tokens
 
 from hybridkv.engine.request import Request, Status
-from hybridkv.store.layout import EntryError, decode_manifest, encode_entry, entry_key
+from hybridkv.tiers.layout import EntryError, decode_manifest, encode_entry, entry_key
 
 
 def test_acquire_holds_the_whole_hit_path_before_evicting(tiny_model):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridkv.model import HybridModel
+from hybridkv.model.model import HybridModel
 
 TINY_HF = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from hybridkv.model import HybridConfig, HybridModel, PagedKVPool
+from hybridkv.model.config import HybridConfig
+from hybridkv.model.model import HybridModel
+from hybridkv.model.kv_pool import PagedKVPool
 from hybridkv.model.state import ForwardRequest
 
 

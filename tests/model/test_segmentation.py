@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hybridkv.model import HybridModel
+from hybridkv.model.model import HybridModel
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
 
 T = 1000

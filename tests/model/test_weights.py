@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridkv.model import HybridModel
+from hybridkv.model.model import HybridModel
 from hybridkv.model.weights import INDEX, SINGLE
 
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from hybridkv.store import disk as disk_module
-from hybridkv.store.base import StoreUnavailable, open_store
-from hybridkv.store.disk import DiskStore, encode_object, object_file_size
+from hybridkv.store.base import StoreUnavailable
+from hybridkv.store.url import open_store
+from hybridkv.store.disk import DiskStore
+from hybridkv.store.disk_files import encode_object, object_file_size
 
 
 def object_path(root: Path, key: str) -> Path:

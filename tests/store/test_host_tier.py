@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.store.host import HostTier
-from hybridkv.store.tier import EntryShapes, checkpoint_components
+from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.base import EntryShapes, checkpoint_components
 
 UNIT, ALIGN = 64, 128
 SHAPES = EntryShapes.for_model(2, ALIGN, 8, (3, 2, 4, 4), (3, 24, 3))

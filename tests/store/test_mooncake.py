@@ -14,15 +14,17 @@ import uuid
 import numpy as np
 import pytest
 
-from hybridkv.store.base import StoreUnavailable, open_store
-from hybridkv.store.mooncake import MooncakeNotInstalled, MooncakeStore, load_client_class
+from hybridkv.store.base import StoreUnavailable
+from hybridkv.store.url import open_store
+from hybridkv.store.mooncake.client import MooncakeStore
+from hybridkv.store.mooncake.support import MooncakeNotInstalled, load_client_class
 
 try:
     load_client_class()
 except MooncakeNotInstalled as exc:
     pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
 
-from hybridkv.store import service  # noqa: E402  (needs mooncake)
+from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402  (needs mooncake)
 
 MiB = 1 << 20
 FAST_S = 6.0  # "a few seconds": Mooncake's own RPC timeout against a dead master is ~4.5 s
@@ -32,10 +34,10 @@ def start(tmp_path_factory, segment_mb: int) -> service.StoreHandle:
     """A store on free ports (drawn again if another process takes one first)."""
     work = tmp_path_factory.mktemp("mooncake")
     for attempt in range(3):
-        port, metrics_port = service.find_free_ports(2)
+        port, metrics_port = procs.find_free_ports(2)
         try:
             return service.start_store(port, metrics_port, segment_mb * MiB, work)
-        except service.StoreServiceError:
+        except procs.StoreServiceError:
             if attempt == 2:
                 raise
 
@@ -143,7 +145,7 @@ def test_open_store_url_converts_query_strings(store_service):
 
 CLIENT = r"""
 import sys, time
-from hybridkv.store.mooncake import MooncakeStore
+from hybridkv.store.mooncake.client import MooncakeStore
 master, key, fill, go_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 store = MooncakeStore(master)
 data = bytes([fill]) * (2 << 20)
@@ -157,7 +159,7 @@ store.close()
 def run_clients(handle: service.StoreHandle, key: str, fills: list[int], delay_s: float) -> list[str]:
     """Run one client process per fill byte; each puts 2 MiB of it under ``key`` at the same moment."""
     go_at = time.time() + delay_s
-    env = service.loopback_env(cache_dir=handle.workdir)
+    env = loopback.loopback_env(cache_dir=handle.workdir)
     master = handle.master
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, master, key, str(f), str(go_at)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for f in fills]
@@ -182,18 +184,18 @@ def test_objects_outlive_the_client_that_wrote_them(store_service, store, ns):
 
 
 def test_master_and_storage_process_listen_on_loopback_only(store_service):
-    if service.loopback_shim(store_service.workdir) is None:
+    if loopback.loopback_shim(store_service.workdir) is None:
         pytest.skip("no C compiler to build the loopback LD_PRELOAD library")
     for pid in (store_service.master_pid, store_service.storage_pid):
-        addrs = service.listen_addresses(pid)
-        assert addrs and all(service.is_loopback(a) for a, _ in addrs), (pid, addrs)
+        addrs = loopback.listen_addresses(pid)
+        assert addrs and all(loopback.is_loopback(a) for a, _ in addrs), (pid, addrs)
 
 
 # ------------------------------------------------------------------ faults
 
 
 def test_master_absent_at_setup_fails_fast():
-    (port,) = service.find_free_ports(1)
+    (port,) = procs.find_free_ports(1)
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable, match="not accepting"):
         MooncakeStore(f"127.0.0.1:{port}")
@@ -277,7 +279,7 @@ def test_silent_eviction_in_a_full_segment(tmp_path_factory):
 
 
 def test_cli_start_status_stop(tmp_path, capsys):
-    port, metrics_port = service.find_free_ports(2)
+    port, metrics_port = procs.find_free_ports(2)
     argv = ["--port", str(port), "--metrics-port", str(metrics_port), "--segment-mb", "16", "--workdir", str(tmp_path)]
     try:
         assert service.main(["store", "start", *argv]) == 0

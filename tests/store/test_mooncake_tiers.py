@@ -10,14 +10,15 @@ import pytest
 from hkv_helpers import assert_exact, run_one, tokens
 from tier_helpers import PrefixedStore, instance
 
-from hybridkv.store.mooncake import MooncakeNotInstalled, MooncakeStore, load_client_class
+from hybridkv.store.mooncake.client import MooncakeStore
+from hybridkv.store.mooncake.support import MooncakeNotInstalled, load_client_class
 
 try:
     load_client_class()
 except MooncakeNotInstalled as exc:
     pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
 
-from hybridkv.store import service  # noqa: E402
+from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402
 
 import test_tiers  # noqa: E402
 
@@ -25,7 +26,7 @@ import test_tiers  # noqa: E402
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory):
     work = tmp_path_factory.mktemp("mc-tiers")
-    port, metrics = service.find_free_ports(2)
+    port, metrics = procs.find_free_ports(2)
     handle = service.start_store(port, metrics, 256 << 20, work)
     client = MooncakeStore(handle.master)
     yield handle, client
@@ -94,7 +95,7 @@ def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):
 def test_this_process_listens_on_loopback_only(mooncake):
     import ipaddress
     import os
-    addrs = service.listen_addresses(os.getpid())
+    addrs = loopback.listen_addresses(os.getpid())
     assert addrs, "a Mooncake client should be listening in this process"
     for host, _port in addrs:
         ip = ipaddress.ip_address(host)

@@ -7,7 +7,7 @@ import pytest
 from hkv_helpers import assert_exact, run_one, tokens
 from tier_helpers import host_instance, instance
 
-from hybridkv.store.base import MemoryStore
+from hybridkv.store.memory import MemoryStore
 from hybridkv.store.disk import DiskStore
 
 
@@ -232,7 +232,7 @@ def test_prefetch_take_rejects_stale_results():
     holds the KV the loads started from; every job's reserved bytes are released exactly once."""
     from concurrent.futures import Future
 
-    from hybridkv.store.connector import Prefetch
+    from hybridkv.tiers.connector import Prefetch
 
     released = []
 
@@ -442,7 +442,7 @@ def test_failed_install_repeats_the_device_lookup(tiny_model):
     from hybridkv.engine.backend import TorchBackend
     from hybridkv.engine.engine import Engine
     from hybridkv.engine.request import Request, Status
-    from hybridkv.store.connector import tier_for
+    from hybridkv.tiers.connector import tier_for
 
     v = tiny_model.config.vocab_size
     ns = CacheIdentity(model_repo="tiny", weight_digest=tiny_model.weight_digest()).digest()
@@ -499,7 +499,7 @@ def test_connector_rejects_tiers_with_one_name(tiny_model):
     from hybridkv.cache.config import CacheConfig
     from hybridkv.engine.backend import TorchBackend
     from hybridkv.engine.engine import Engine
-    from hybridkv.store.connector import tier_for
+    from hybridkv.tiers.connector import tier_for
 
     be = TorchBackend(tiny_model, 8, 1024)
     tiers = [tier_for(MemoryStore(), be, b"ns", 64, 1024), tier_for(MemoryStore(), be, b"ns", 64, 1024)]

@@ -6,8 +6,8 @@ from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
-from hybridkv.store.base import MemoryStore
-from hybridkv.store.connector import host_tier_for, tier_for
+from hybridkv.store.memory import MemoryStore
+from hybridkv.tiers.connector import host_tier_for, tier_for
 
 
 def instance(model, store, *, policy="branch+tail", block_size=1024, unit=64, alignment=1024, pages=32, slots=8,

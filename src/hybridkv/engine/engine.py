@@ -48,7 +48,7 @@ class Engine:
         backend: :class:`~hybridkv.engine.backend.TorchBackend` or
             :class:`~hybridkv.engine.backend.SimulatedBackend`.
         namespace: namespace digest (:meth:`CacheIdentity.digest`).
-        tiers: lower tiers (:class:`~hybridkv.store.tier.StoreTier`), nearest first.
+        tiers: lower tiers (:class:`~hybridkv.tiers.store_tier.StoreTier`), nearest first.
         prefetch: start store loads for waiting requests in the background
             (:meth:`prefetch`); ``False`` loads only at admission.
     """
@@ -63,7 +63,7 @@ class Engine:
                                             copy_page=backend.copy_page)
         self.connector = None
         if tiers:
-            from hybridkv.store.connector import TierConnector
+            from hybridkv.tiers.connector import TierConnector
             self.connector = TierConnector(self.cache, backend, list(tiers))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

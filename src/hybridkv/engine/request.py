@@ -44,7 +44,7 @@ class Request:
         namespace: namespace digest of this request (tenant / adapter); ``None``
             means the engine's.
         prefetch: background loads from lower tiers started while the request
-            waits (:class:`hybridkv.store.connector.Prefetch`), consumed at admission.
+            waits (:class:`hybridkv.tiers.connector.Prefetch`), consumed at admission.
         uploaded: tier name -> tokens of this prompt's KV known to be in that
             write-through tier (the connector's upload marks).
     """

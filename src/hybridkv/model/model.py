@@ -24,7 +24,7 @@ from hybridkv.model.mla import MLASeq, MLAttention, NormWeight
 from hybridkv.model.moe import DenseMLP, SparseMoE
 from hybridkv.model.ops import rms_norm
 from hybridkv.model.state import ForwardRequest, ForwardResult, KDACheckpoint
-from hybridkv.model.weights import read_tensors, write_tensors, load_into
+from hybridkv.model.weights import load_into, read_tensors, write_tensors
 
 
 class DecoderLayer(nn.Module):

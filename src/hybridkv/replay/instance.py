@@ -93,8 +93,9 @@ def load_model(name: str, seed: int):
 
 
 def _open_tier(spec: InstanceSpec, backend, namespace: bytes):
-    from hybridkv.store.base import StoreUnavailable, open_store
-    from hybridkv.store.connector import tier_for
+    from hybridkv.store.base import StoreUnavailable
+    from hybridkv.store.url import open_store
+    from hybridkv.tiers.connector import tier_for
     try:
         store = open_store(spec.store_url)
     except StoreUnavailable as exc:
@@ -157,7 +158,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     namespace = CacheIdentity(model_repo=spec.model, weight_digest=digest).digest()
     tiers = []
     if not spec.simulate and spec.host_bytes:
-        from hybridkv.store.connector import host_tier_for
+        from hybridkv.tiers.connector import host_tier_for
         tiers.append(host_tier_for(spec.host_bytes, backend, namespace, cfg.prefix_match_unit, cfg.block_size,
                                    write_through=spec.host_write_through))
     tier = None if spec.simulate else _open_tier(spec, backend, namespace)

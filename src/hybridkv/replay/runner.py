@@ -20,14 +20,25 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.replay.instance import InstanceResult, InstanceSpec, model_config, run_instance
+from hybridkv.replay.instance import (
+    InstanceResult,
+    InstanceSpec,
+    model_config,
+    run_instance,
+)
 from hybridkv.replay.oracle import oracle_from_trace
 from hybridkv.replay.report import ReplayReport, VerifyReport, ratio
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
-from hybridkv.store.tier import MISS_REASONS
+from hybridkv.tiers.base import MISS_REASONS
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,14 +37,11 @@ from typing import BinaryIO
 
 from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
 from hybridkv.store.disk_files import (
-    MAGIC,
     NO_SPACE,
-    STALE_TMP_S,
     BadObject,
     check_fanout_dir,
     create_layout,
     drop_file,
-    encode_object,
     fsync_dir,
     object_digest,
     object_file_size,
@@ -57,8 +54,6 @@ from hybridkv.store.disk_files import (
     writable_bytes,
     write_object_file,
 )
-
-__all__ = ["MAGIC", "STALE_TMP_S", "DiskStore", "encode_object", "object_file_size"]
 
 log = logging.getLogger(__name__)
 

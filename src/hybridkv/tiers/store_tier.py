@@ -1,6 +1,6 @@
 """One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
 
-A :class:`StoreTier` speaks cache ABI v2 (:mod:`hybridkv.store.layout`) to an
+A :class:`StoreTier` speaks cache ABI v2 (:mod:`hybridkv.tiers.layout`) to an
 :class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
 ``alignment`` (``store_alignment``) become entries. Every failure is a counted
 miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
@@ -18,7 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hybridkv.store.base import ObjectStore, StoreUnavailable
-from hybridkv.store.layout import (
+from hybridkv.tiers.base import (
+    EntryShapes,
+    Tier,
+)
+from hybridkv.tiers.layout import (
     MANIFEST_MAX_BYTES,
     EntryError,
     component_nbytes,
@@ -26,15 +30,6 @@ from hybridkv.store.layout import (
     entry_components,
     entry_manifest,
     verify_component,
-)
-from hybridkv.store.tier_base import (  # noqa: F401  (re-exported: the public names of the tier API)
-    MISS_REASONS,
-    EntryShapes,
-    RemoteMatch,
-    Tier,
-    TierStats,
-    checkpoint_components,
-    checkpoint_from_components,
 )
 
 log = logging.getLogger("hybridkv.store")

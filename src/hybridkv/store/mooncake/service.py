@@ -3,7 +3,7 @@
 Two processes, both bound to 127.0.0.1 and stopped by PID:
 
 * ``mooncake_master`` (metadata, leases, eviction);
-* a storage process (``python -m hybridkv.store.service hold``) that mounts
+* a storage process (``python -m hybridkv.store.mooncake.service hold``) that mounts
   the memory segment holding the object bytes, so objects outlive the engines
   that wrote them (engine clients mount no memory).
 
@@ -16,9 +16,9 @@ Mooncake's transfer engine listens on all interfaces whatever
 ``MC_TCP_BIND_ADDRESS`` says (0.3.13.post1: the handshake port binds 0.0.0.0,
 the data port [::]). The storage process is therefore started with a tiny
 ``LD_PRELOAD`` library (built with the system C compiler by
-:mod:`hybridkv.store.loopback`) that rewrites wildcard binds to loopback;
+:mod:`hybridkv.store.mooncake.loopback`) that rewrites wildcard binds to loopback;
 :func:`loopback_env` gives that environment to any other process that loads
-Mooncake. Spawning the processes, ports and PIDs: :mod:`hybridkv.store.service_procs`.
+Mooncake. Spawning the processes, ports and PIDs: :mod:`hybridkv.store.mooncake.procs`.
 """
 
 from __future__ import annotations
@@ -37,26 +37,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hybridkv.store.base import StoreUnavailable
-from hybridkv.store.loopback import (  # noqa: F401  (re-exported)
+from hybridkv.store.mooncake.client import MooncakeStore
+from hybridkv.store.mooncake.support import MooncakeNotInstalled, master_reachable
+from hybridkv.store.mooncake.loopback import (
     LOOPBACK,
-    is_loopback,
-    listen_addresses,
     loopback_env,
-    loopback_shim,
-    reexec_under_loopback,
 )
-from hybridkv.store.mooncake import (  # noqa: F401  (INSTALL_HINT re-exported)
-    INSTALL_HINT,
-    MooncakeNotInstalled,
-    MooncakeStore,
-    master_reachable,
-)
-from hybridkv.store.service_procs import (  # noqa: F401  (re-exported)
+from hybridkv.store.mooncake.procs import (
     StoreServiceError,
     alive,
     check_port_free,
-    find_free_ports,
-    master_binary,
     serves,
     spawn_master,
     spawn_storage,
@@ -145,7 +135,7 @@ def stop_store(workdir: str | os.PathLike | None = None, timeout_s: float = 10.0
     handle = read_state(work)
     if handle is None:
         return False
-    terminate(handle.storage_pid, timeout_s, expect="hybridkv.store.service")
+    terminate(handle.storage_pid, timeout_s, expect="hybridkv.store.mooncake.service")
     terminate(handle.master_pid, timeout_s, expect="mooncake_master")
     (work / STATE_FILE).unlink(missing_ok=True)
     (work / "storage.ready").unlink(missing_ok=True)
@@ -210,7 +200,7 @@ def probe(master: str, timeout_s: float = 10.0) -> None:
 
 def _probe_in_subprocess(master: str, work: Path, timeout_s: float) -> None:
     """:func:`probe` in a child process under :func:`loopback_env` (this process never loads Mooncake)."""
-    cmd = [sys.executable, "-m", "hybridkv.store.service", "probe", "--master", master]
+    cmd = [sys.executable, "-m", "hybridkv.store.mooncake.service", "probe", "--master", master]
     try:
         done = subprocess.run(cmd, env=loopback_env(cache_dir=work), capture_output=True, text=True,
                               timeout=timeout_s + 10, check=False)
@@ -345,8 +335,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hybridkv.store.service``: ``hold`` (the storage process), ``probe``, or ``store …``."""
-    parser = argparse.ArgumentParser(prog="python -m hybridkv.store.service")
+    """``python -m hybridkv.store.mooncake.service``: ``hold`` (the storage process), ``probe``, or ``store …``."""
+    parser = argparse.ArgumentParser(prog="python -m hybridkv.store.mooncake.service")
     sub = parser.add_subparsers(dest="command", required=True)
     h = sub.add_parser("hold", help="be the storage process (used by start_store)")
     h.add_argument("--master", required=True)

@@ -24,14 +24,9 @@ from dataclasses import dataclass
 from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
-from hybridkv.store.host import HostTier
-from hybridkv.store.tier import (
-    EntryShapes,
-    StoreTier,
-    Tier,
-    checkpoint_components,
-    checkpoint_from_components,
-)
+from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.store_tier import StoreTier
+from hybridkv.tiers.base import EntryShapes, Tier, checkpoint_components, checkpoint_from_components
 
 log = logging.getLogger("hybridkv.store")
 

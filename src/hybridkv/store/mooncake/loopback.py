@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hybridkv.store.mooncake import LOOPBACK_SHIM_NAME
+from hybridkv.store.mooncake.support import LOOPBACK_SHIM_NAME
 
 log = logging.getLogger("hybridkv.store")
 

@@ -1,6 +1,6 @@
 """Host-memory tier: whole entries kept as tensors in this process (DESIGN §4, §5).
 
-Unlike a :class:`~hybridkv.store.tier.StoreTier`, nothing here crosses a process
+Unlike a :class:`~hybridkv.tiers.store_tier.StoreTier`, nothing here crosses a process
 or disk boundary, so entries are kept as tensors: no serialization and no
 checksum. A save copies each component once into host memory the tier owns; a
 load hands those tensors out without a copy (the device install copies them into
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.store.layout import DTYPES
-from hybridkv.store.tier_base import EntryShapes, Tier
+from hybridkv.tiers.base import EntryShapes, Tier
+from hybridkv.tiers.layout import DTYPES
 
 
 @dataclass(slots=True)

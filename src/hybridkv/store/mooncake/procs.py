@@ -1,10 +1,10 @@
-"""Processes and ports of the loopback store (:mod:`hybridkv.store.service`).
+"""Processes and ports of the loopback store (:mod:`hybridkv.store.mooncake.service`).
 
 Finding and spawning ``mooncake_master`` and the storage process on
 127.0.0.1, waiting for them to come up, finding free ports, and telling
 whether a PID still runs and stopping it. Nothing here loads Mooncake or
 reads the state file; everything public is re-exported by
-:mod:`hybridkv.store.service`.
+:mod:`hybridkv.store.mooncake.service`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from hybridkv.store.loopback import LOOPBACK, listen_addresses, loopback_env
-from hybridkv.store.mooncake_support import INSTALL_HINT, MooncakeNotInstalled
+from hybridkv.store.mooncake.loopback import LOOPBACK, listen_addresses, loopback_env
+from hybridkv.store.mooncake.support import INSTALL_HINT, MooncakeNotInstalled
 
 
 class StoreServiceError(RuntimeError):
@@ -56,14 +56,14 @@ def spawn_master(work: Path, port: int, metrics_port: int) -> subprocess.Popen:
 
 
 def spawn_storage(work: Path, port: int, segment_bytes: int) -> subprocess.Popen:
-    """Start the storage process (``python -m hybridkv.store.service hold``) for the master on ``port``.
+    """Start the storage process (``python -m hybridkv.store.mooncake.service hold``) for the master on ``port``.
 
     It mounts ``segment_bytes`` bytes and creates ``work/storage.ready`` once
     mounted (removed here first); log: ``work/storage.log``. The caller stops it by PID.
     """
     ready = work / "storage.ready"
     ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "hybridkv.store.service", "hold", "--master", f"{LOOPBACK}:{port}",
+    cmd = [sys.executable, "-m", "hybridkv.store.mooncake.service", "hold", "--master", f"{LOOPBACK}:{port}",
            "--segment-bytes", str(segment_bytes), "--ready-file", str(ready)]
     with open(work / "storage.log", "ab") as out:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=work,

@@ -1,4 +1,4 @@
-"""Stateless helpers of the Mooncake backend (:mod:`hybridkv.store.mooncake`).
+"""Stateless helpers of the Mooncake backend (:mod:`hybridkv.store.mooncake.client`).
 
 Mooncake's result codes and size limits, loading the client class, the
 backend's exceptions, master address parsing and reachability, preparing
@@ -6,7 +6,7 @@ buffers for ``batch_put_from`` / ``batch_get_into`` (flat byte arrays, small
 items packed into one staging buffer, temporary registrations), replica sizes,
 keeping abandoned clients alive, running a call under a deadline, and the
 warning about wildcard listeners. Everything here is re-exported by
-:mod:`hybridkv.store.mooncake`; nothing here imports ``mooncake`` except
+:mod:`hybridkv.store.mooncake.client`; nothing here imports ``mooncake`` except
 :func:`load_client_class`.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from hybridkv.store.base import Buffer
 
-log = logging.getLogger("hybridkv.store.mooncake")  # the backend's logger, wherever the message comes from
+log = logging.getLogger("hybridkv.store.mooncake.client")  # the backend's logger, wherever the message comes from
 
 INSTALL_HINT = (
     "the mooncake:// store needs the Mooncake transfer engine: "
@@ -46,7 +46,7 @@ TRANSFER_CODES = (TRANSFER_FAIL, WRITE_FAIL, LEASE_EXPIRED)
 READ_MISS_CODES = (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, INVALID_PARAMS)  # INVALID_PARAMS: buffer too small
 
 #: File-name stem of the LD_PRELOAD library that keeps Mooncake's listeners on loopback
-#: (built by :func:`hybridkv.store.service.loopback_shim`).
+#: (built by :func:`hybridkv.store.mooncake.service.loopback_shim`).
 LOOPBACK_SHIM_NAME = "hybridkv_loopback_bind"
 
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller non-zero segments
@@ -158,7 +158,7 @@ def warn_wildcard_listeners() -> None:
         return
     _warned_wildcard = True
     log.warning("mooncake: this process's transfer engine listens on all interfaces (0.0.0.0 and [::]) whatever "
-                "MC_TCP_BIND_ADDRESS says; start it with hybridkv.store.service.loopback_env() to confine it "
+                "MC_TCP_BIND_ADDRESS says; start it with hybridkv.store.mooncake.service.loopback_env() to confine it "
                 "to loopback")
 
 

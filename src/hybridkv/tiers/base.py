@@ -1,7 +1,7 @@
 """What every lower tier shares (DESIGN §4, §5): miss reasons, statistics, the per-group
 remote match, entry shapes, checkpoint components, and the :class:`Tier` base class
-(keys, alignment, per-group lookup, entry helpers) that :class:`~hybridkv.store.tier.StoreTier`
-and :class:`~hybridkv.store.host.HostTier` build on.
+(keys, alignment, per-group lookup, entry helpers) that :class:`~hybridkv.tiers.store_tier.StoreTier`
+and :class:`~hybridkv.tiers.host.HostTier` build on.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridkv.model.state import KDACheckpoint
-from hybridkv.store.layout import component_nbytes, entry_key
+from hybridkv.tiers.layout import component_nbytes, entry_key
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
 

@@ -4,7 +4,7 @@ Where the bytes live: a Mooncake master only keeps metadata. Object bytes live
 in the memory *segments* that client processes mount. An engine's
 :class:`MooncakeStore` mounts no segment by default (``segment_bytes=0``), so
 its objects land in the segment of the long-lived storage process started by
-``hybridkv store start`` (:mod:`hybridkv.store.service`) and survive engines
+``hybridkv store start`` (:mod:`hybridkv.store.mooncake.service`) and survive engines
 exiting. When the process holding a segment exits, its objects vanish (the
 master notices after ~10 s; until then ``exists`` may still say True and a read
 fails). Killing the master forgets every object; the storage process remounts
@@ -50,23 +50,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
-from hybridkv.store.mooncake_support import (  # noqa: F401  (the rest are re-exported)
-    INSTALL_HINT,
-    INVALID_PARAMS,
-    LEASE_EXPIRED,
-    LOOPBACK_SHIM_NAME,
+from hybridkv.store.mooncake.support import (
     MIN_SEGMENT_BYTES,
     NO_SPACE,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     READ_MISS_CODES,
-    REPLICA_IS_NOT_READY,
     RPC_FAIL,
     TRANSFER_CODES,
-    TRANSFER_FAIL,
-    WRITE_FAIL,
     MooncakeError,
-    MooncakeNotInstalled,
     MooncakeStats,
     abandon_client,
     byte_array,

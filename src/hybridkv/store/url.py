@@ -1,0 +1,51 @@
+"""``open_store(url)``: the backend for a store URL (``none``, ``memory://``, ``disk:///PATH``,
+``mooncake://HOST:PORT``). It sits above every backend, so :mod:`hybridkv.store.base` imports none of them."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs, urlparse
+
+from hybridkv.store.base import ObjectStore
+from hybridkv.store.disk import DiskStore
+from hybridkv.store.memory import MemoryStore
+from hybridkv.store.mooncake.client import MooncakeStore
+
+
+def open_store(url: str) -> ObjectStore | None:
+    """Backend for a store URL.
+
+    ``none`` -> ``None``; ``memory://`` -> :class:`~hybridkv.store.memory.MemoryStore`;
+    ``disk:///PATH[?capacity=BYTES]`` -> :class:`~hybridkv.store.disk.DiskStore`;
+    ``mooncake://HOST:PORT`` -> :class:`~hybridkv.store.mooncake.client.MooncakeStore`.
+
+    Raises:
+        ValueError: unknown scheme or malformed URL (message names it).
+        StoreUnavailable: the service cannot be reached.
+    """
+    if url in ("none", ""):
+        return None
+    parsed = urlparse(url)
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    def capacity() -> int | None:
+        if "capacity" not in query:
+            return None
+        try:
+            return int(query["capacity"])
+        except ValueError:
+            raise ValueError(f"store URL {url!r}: capacity={query['capacity']!r} is not a byte count") from None
+
+    if parsed.scheme == "memory":
+        return MemoryStore(capacity())
+    if parsed.scheme == "disk":
+        if parsed.netloc or not parsed.path:
+            raise ValueError(f"store URL {url!r}: use disk:///absolute/dir (three slashes, no host)")
+        return DiskStore(parsed.path, capacity_bytes=capacity())
+    if parsed.scheme == "mooncake":
+        if not parsed.hostname or not parsed.port:
+            raise ValueError(f"store URL {url!r} needs host:port, e.g. mooncake://127.0.0.1:50051")
+        known = {"segment_bytes", "local_buffer_bytes", "setup_retries", "timeout_s", "retry_interval_s"}
+        unknown = sorted(set(query) - known)
+        if unknown:
+            raise ValueError(f"store URL {url!r}: unknown parameter {unknown[0]!r}; known: {sorted(known)}")
+        return MooncakeStore(master=f"{parsed.hostname}:{parsed.port}", **query)
+    raise ValueError(f"store URL {url!r}: scheme {parsed.scheme!r} is not one of none, memory, disk, mooncake")
