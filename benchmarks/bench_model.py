@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from hybridkv.model.model import HybridModel
 from hybridkv.model.kda import kda_chunked, kda_recurrent
+from hybridkv.model.model import HybridModel
 from hybridkv.model.state import ForwardRequest
 
 

@@ -11,11 +11,11 @@ What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("s
 
 * **cached**: the replay's default policy (:func:`hybridkv.replay.runner.default_policy`
   of the workload's block length, or ``--policy``); the coordinator methods
-  ``hash_prompt``, ``lookup``, ``acquire``, ``extend``, ``publish_units``,
-  ``publish_checkpoint``, ``retire_checkpoint``, ``release`` and the scheduler's ``plan_captures`` are
+  ``hash_prompt``, ``lookup``, ``acquire``, ``publish`` (and inside it ``publish_units``,
+  ``_publish_checkpoint``, ``retire_checkpoint``), ``release`` and the scheduler's ``plan_captures`` are
   wrapped (on the instance / module attribute, in this script only) with
   ``time.perf_counter`` accumulators. Nested calls (``lookup`` -> ``hash_prompt``,
-  ``publish_checkpoint`` -> ``publish_units``) are timed per method *inclusive*, and
+  ``publish`` -> ``publish_units``) are timed per method *inclusive*, and
   the overhead total counts only the outermost call so nothing is counted twice.
 * **baseline**: the same engine with policy ``none`` (no checkpoint can exist, so
   every request prefills its whole prompt): the no-cache prefill time of the
@@ -63,7 +63,7 @@ from hybridkv.model.model import HybridModel
 from hybridkv.replay.runner import default_policy
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 
-CACHE_METHODS = ("hash_prompt", "lookup", "acquire", "extend", "publish_units", "publish_checkpoint",
+CACHE_METHODS = ("hash_prompt", "lookup", "acquire", "publish", "publish_units", "_publish_checkpoint",
                  "retire_checkpoint", "release")
 
 
@@ -124,7 +124,7 @@ class EngineRun:
         self.timers = Timers()
         self.cfg = cfg
         if instrument:
-            for name in (m for m in CACHE_METHODS if hasattr(self.eng.cache, m)):   # retire_checkpoint is newer
+            for name in CACHE_METHODS:
                 setattr(self.eng.cache, name, self.timers.wrap(name, getattr(self.eng.cache, name)))
         self.per_req: dict[str, dict] = {}
         run = self.backend.run

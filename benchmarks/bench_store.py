@@ -63,15 +63,20 @@ import time
 import numpy as np
 import torch
 
+from hybridkv.cache.groups import FullAttentionSpec, KDASpec, entry_shapes
 from hybridkv.cache.namespace import chained_block_hashes
 from hybridkv.model.config import PRESETS, HybridConfig
 from hybridkv.model.state import KDACheckpoint
+from hybridkv.store.disk import DiskStore
 from hybridkv.store.memory import MemoryStore
 from hybridkv.tiers.host import HostTier
-from hybridkv.store.disk import DiskStore
-from hybridkv.tiers.layout import checksum, tensor_view
+from hybridkv.tiers.layout import (
+    checkpoint_components,
+    checkpoint_from_components,
+    checksum,
+    tensor_view,
+)
 from hybridkv.tiers.store_tier import StoreTier
-from hybridkv.tiers.base import EntryShapes, checkpoint_components, checkpoint_from_components
 
 UNIT = 64
 ALIGN = 512
@@ -109,9 +114,9 @@ def tier_run(name, tier_factory, tokens, lat, ck):
         hashes = chained_block_hashes(f"bench_store/{name}/{rep}/{time.time_ns()}".encode(), tokens, UNIT)
         entries = []
         for b, latents, c in zip(bounds, lat, ck):
-            entries.append(tier.entry(hashes, b, "kv", {"latents": latents}))
+            entries.append(tier.entry(hashes, b, "full", {"latents": latents}))
             entries.append(tier.entry(hashes, b, "kda", checkpoint_components(c)))
-        wanted = [(b, g) for b in bounds for g in ("kv", "kda")]
+        wanted = [(b, g) for b in bounds for g in ("full", "kda")]
         t = time.perf_counter()
         ok = tier.save_entries(entries)
         t1 = time.perf_counter()
@@ -124,7 +129,7 @@ def tier_run(name, tier_factory, tokens, lat, ck):
                 back = checkpoint_from_components(got[2 * i + 1], bounds[i])
                 assert torch.equal(back.recurrent, c.recurrent) and torch.equal(back.conv, c.conv)
         for b in bounds:
-            for g in ("kv", "kda"):
+            for g in ("full", "kda"):
                 tier.invalidate(hashes, b, g)
         return t1 - t, t2 - t1, None
     return run
@@ -288,7 +293,10 @@ def main(argv=None) -> int:
     if "mooncake" in backends:
         try:
             from hybridkv.store.mooncake import loopback, procs, service
-            from hybridkv.store.mooncake.support import LOOPBACK_SHIM_NAME, load_client_class
+            from hybridkv.store.mooncake.support import (
+                LOOPBACK_SHIM_NAME,
+                load_client_class,
+            )
             load_client_class()
             mooncake_ok = True
         except ImportError as exc:
@@ -302,7 +310,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     cfg = HybridConfig.preset(args.preset)
     conv_dtype = torch.float32 if args.preset in ("tiny", "small") else torch.bfloat16
-    shapes = EntryShapes.for_config(cfg, ALIGN, str(conv_dtype).removeprefix("torch."))
+    shapes = entry_shapes(FullAttentionSpec.for_model(cfg, ALIGN),
+                          KDASpec.for_model(cfg, str(conv_dtype).removeprefix("torch.")), ALIGN)
     lat, ck, tokens = make_data(cfg, conv_dtype, args.entries)
     tensors = components(lat, ck)
     payload = sum(t.numel() * t.element_size() for t in tensors)

@@ -343,8 +343,9 @@ def test_touch_makes_a_published_slot_most_recently_used():
     a, b, c = (published_slot(pool) for _ in range(3))
     pool.touch(a)
     assert list(pool._evictable) == [b, c, a]
-    pool.touch(99)                              # not evictable: no effect
-    assert list(pool._evictable) == [b, c, a]
+    pool.ref(b)
+    pool.touch(b)                               # referenced: touching must not make it evictable
+    assert list(pool._evictable) == [c, a]
 
 
 def test_referenced_checkpoint_slot_is_not_evictable_until_released():

@@ -44,13 +44,13 @@ def test_manifest_cannot_point_at_another_entrys_objects():
     import torch
     ns, h1, h2 = b"n" * 32, b"a" * 32, b"b" * 32
     t = {"latents": torch.zeros(1, 2, 3)}
-    _, (_, manifest) = encode_entry(ns, h1, None, "kv", 64, 64, t)
+    _, (_, manifest) = encode_entry(ns, h1, None, "full", 64, 64, t)
     expected = {"latents": ("float32", (1, 2, 3))}
-    decode_manifest(manifest, "kv", 64, expected, {"latents": entry_key(ns, h1, "kv", "latents")})
+    decode_manifest(manifest, "full", 64, expected, {"latents": entry_key(ns, h1, "full", "latents")})
     with pytest.raises(EntryError, match="points outside its entry") as exc:
-        decode_manifest(manifest, "kv", 64, expected, {"latents": entry_key(ns, h2, "kv", "latents")})
+        decode_manifest(manifest, "full", 64, expected, {"latents": entry_key(ns, h2, "full", "latents")})
     assert exc.value.reason == "incomplete"
     deep = b"[" * 100000 + b"]" * 100000
     with pytest.raises(EntryError) as exc:
-        decode_manifest(deep, "kv", 64, expected, {"latents": "k"})
+        decode_manifest(deep, "full", 64, expected, {"latents": "k"})
     assert exc.value.reason == "incomplete"

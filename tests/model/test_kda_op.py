@@ -86,6 +86,10 @@ def test_boundary_outside_range_raises():
         kda_chunked(q, k, v, g, beta, boundaries=[0])
 
 
+CONV_SPLIT_TOL = 1e-6
+"""fp32 short conv continued from a window vs one pass: the same sums in another order."""
+
+
 def test_short_conv_matches_conv1d_and_continues_from_window():
     gen = torch.Generator().manual_seed(0)
     T, C, W = 50, 12, 4
@@ -99,7 +103,7 @@ def test_short_conv_matches_conv1d_and_continues_from_window():
     assert torch.equal(wins[2][:, 1:], x[:2].t()) and torch.equal(wins[2][:, 0], torch.zeros(C))
     y1, w1, _ = short_conv(x[:20], w)
     y2, _, _ = short_conv(x[20:], w, w1)
-    assert torch.equal(torch.cat([y1, y2]), y)
+    assert (torch.cat([y1, y2]) - y).abs().max().item() <= CONV_SPLIT_TOL   # two code paths: not bit-equal
 
 
 @pytest.mark.gpu

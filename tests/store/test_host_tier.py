@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.cache.groups import FullAttentionSpec, KDASpec, entry_shapes
 from hybridkv.tiers.host import HostTier
-from hybridkv.tiers.base import EntryShapes, checkpoint_components
+from hybridkv.tiers.layout import checkpoint_components
+from tier_helpers import held
 
 UNIT, ALIGN = 64, 128
-SHAPES = EntryShapes.for_model(2, ALIGN, 8, (3, 2, 4, 4), (3, 24, 3))
+SHAPES = entry_shapes(FullAttentionSpec(ALIGN, num_layers=2, latent_dim=8),
+                      KDASpec(num_layers=3, num_heads=2, head_dim=4, conv_dim=24, conv_width=3), ALIGN)
 HASHES = [bytes([i]) * 32 for i in range(1, 17)]
 
 
@@ -30,10 +33,10 @@ KV_BYTES = 2 * ALIGN * 8 * 4
 def test_save_load_roundtrip_and_private_copy():
     t = HostTier(1 << 20, b"ns", UNIT, ALIGN, SHAPES)
     src = kv(1)
-    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", src), t.entry(HASHES, ALIGN, "kda", kda(2))]) == [True, True]
+    assert t.save_entries([t.entry(HASHES, ALIGN, "full", src), t.entry(HASHES, ALIGN, "kda", kda(2))]) == [True, True]
     expect = src["latents"].clone()
     src["latents"].zero_()                                   # the tier copied: later writes do not leak in
-    got = t.load_many(HASHES, [(ALIGN, "kv"), (ALIGN, "kda"), (2 * ALIGN, "kv")])
+    got = t.load_many(HASHES, [(ALIGN, "full"), (ALIGN, "kda"), (2 * ALIGN, "full")])
     assert torch.equal(got[0]["latents"], expect)
     assert torch.equal(got[1]["conv.k"], kda(2)["conv.k"])
     assert got[2] is None and t.stats.misses["absent"] == 1
@@ -45,22 +48,22 @@ def test_save_load_roundtrip_and_private_copy():
 def test_lru_eviction_by_bytes_and_idempotent_save():
     t = HostTier(3 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES)
     for i in range(1, 4):
-        assert t.save_entries([t.entry(HASHES, i * ALIGN, "kv", kv(i))]) == [True]
-    t.load_many(HASHES, [(ALIGN, "kv")])                     # touch the first: the second is now oldest
-    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", kv(99))]) == [True]   # held already: a no-op
-    assert torch.equal(t.load_many(HASHES, [(ALIGN, "kv")])[0]["latents"], kv(1)["latents"])
-    assert t.save_entries([t.entry(HASHES, 4 * ALIGN, "kv", kv(4))]) == [True]
-    assert t.has(HASHES, [ALIGN, 2 * ALIGN, 3 * ALIGN, 4 * ALIGN], "kv") == [True, False, True, True]
+        assert t.save_entries([t.entry(HASHES, i * ALIGN, "full", kv(i))]) == [True]
+    t.load_many(HASHES, [(ALIGN, "full")])                     # touch the first: the second is now oldest
+    assert t.save_entries([t.entry(HASHES, ALIGN, "full", kv(99))]) == [True]   # held already: a no-op
+    assert torch.equal(t.load_many(HASHES, [(ALIGN, "full")])[0]["latents"], kv(1)["latents"])
+    assert t.save_entries([t.entry(HASHES, 4 * ALIGN, "full", kv(4))]) == [True]
+    assert held(t, HASHES, [ALIGN, 2 * ALIGN, 3 * ALIGN, 4 * ALIGN], "full") == [True, False, True, True]
     assert t.used_bytes == 3 * KV_BYTES
-    t.invalidate(HASHES, ALIGN, "kv")
-    assert t.has(HASHES, [ALIGN], "kv") == [False] and t.used_bytes == 2 * KV_BYTES
+    t.invalidate(HASHES, ALIGN, "full")
+    assert held(t, HASHES, [ALIGN], "full") == [False] and t.used_bytes == 2 * KV_BYTES
 
 
 def test_entry_larger_than_capacity_is_refused_and_bad_input_named():
     t = HostTier(KV_BYTES - 1, b"ns", UNIT, ALIGN, SHAPES)
-    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", kv(1))]) == [False]
-    with pytest.raises(ValueError, match="kv entry components"):
-        t.save_entries([t.entry(HASHES, ALIGN, "kv", {"latents": torch.zeros(2, ALIGN, 9)})])
+    assert t.save_entries([t.entry(HASHES, ALIGN, "full", kv(1))]) == [False]
+    with pytest.raises(ValueError, match="full entry components"):
+        t.save_entries([t.entry(HASHES, ALIGN, "full", {"latents": torch.zeros(2, ALIGN, 9)})])
     with pytest.raises(ValueError, match="capacity_bytes=0"):
         HostTier(0, b"ns", UNIT, ALIGN, SHAPES)
     with pytest.raises(ValueError, match="store_alignment=100"):
@@ -76,8 +79,8 @@ def test_pinned_async_copies_from_cuda():
         pytest.skip("needs CUDA")
     t = HostTier(1 << 20, b"ns", UNIT, ALIGN, SHAPES, pin_memory=True)
     src = {"latents": kv(3)["latents"].cuda()}
-    assert t.save_entries([t.entry(HASHES, ALIGN, "kv", src)]) == [True]
-    held = t._entries[(HASHES[ALIGN // UNIT - 1], "kv")]
+    assert t.save_entries([t.entry(HASHES, ALIGN, "full", src)]) == [True]
+    held = t._entries[(HASHES[ALIGN // UNIT - 1], "full")]
     assert held.tensors["latents"].is_pinned() and held.ready is not None
-    got = t.load_many(HASHES, [(ALIGN, "kv")])[0]["latents"]
+    got = t.load_many(HASHES, [(ALIGN, "full")])[0]["latents"]
     assert held.ready is None and torch.equal(got, src["latents"].cpu())

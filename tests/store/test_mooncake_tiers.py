@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 import pytest
 from hkv_helpers import assert_exact, run_one, tokens
-from tier_helpers import PrefixedStore, instance
+from tier_helpers import PrefixedStore, held, instance
 
 from hybridkv.store.mooncake.client import MooncakeStore
 from hybridkv.store.mooncake.support import MooncakeNotInstalled, load_client_class
@@ -82,7 +82,7 @@ def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):
     hashes = d.cache.hash_prompt(P)
     for i in range(30):                                                   # store used again after restart
         run_one(d, np.concatenate([P, tokens(80 + i, 100, v)]))           # repairs what a failed put missed
-        if tier_d.has(hashes, [1024], "kv") == [True] and tier_d.has(hashes, [1024], "kda") == [True]:
+        if held(tier_d, hashes, [1024], "full") == [True] and held(tier_d, hashes, [1024], "kda") == [True]:
             break
         assert time.monotonic() < deadline
         time.sleep(0.5)

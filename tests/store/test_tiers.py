@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hkv_helpers import assert_exact, run_one, tokens
-from tier_helpers import host_instance, instance
+from tier_helpers import held, host_instance, instance
 
 from hybridkv.store.memory import MemoryStore
 from hybridkv.store.disk import DiskStore
@@ -112,7 +112,7 @@ def test_s7_only_aligned_boundaries_become_remote(tiny_model):
     hashes = a.cache.hash_prompt(P)
     local = [n.end for n in a.cache.index.walk(hashes) if n.checkpoint is not None]
     assert local == [4096, 6976]
-    assert tier.has(hashes, [4096], "kda") == [True]
+    assert held(tier, hashes, [4096], "kda") == [True]
     keys_6976 = tier._key(hashes, 6976, "kda")
     assert store.exists([keys_6976]) == [False]
 
@@ -180,7 +180,7 @@ def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
                                                           [P, tokens(80 + i, 50, v)]), 2, record_logits=True))
             for i in range(3)]
     b.step()                                                    # admits q0; q1's loads overlap its compute
-    assert reqs[1].prefetch
+    assert b.connector.prefetching(reqs[1])
     b.run_until_done()
     assert all(r.status == Status.FINISHED for r in reqs)
     assert reqs[1].reused == 2048 and tier_b.stats.hit_tokens >= 2048
@@ -222,7 +222,7 @@ def test_engine_without_prefetch_loads_at_admission(tiny_model, store):
     b.prefetch_enabled = False
     reqs = [b.add_request(Request(f"q{i}", np.concatenate([P, tokens(78 + i, 50, v)]), 2)) for i in range(2)]
     b.step()
-    assert reqs[1].prefetch is None
+    assert not b.connector.prefetching(reqs[1])
     b.run_until_done()
     assert [r.reused for r in reqs] == [2048, 2048] and b.connector.prefetch_used == 0
 
@@ -244,7 +244,7 @@ def test_prefetch_take_rejects_stale_results():
     def handle(kv_from, result):
         return Prefetch(kv_from, {"store": done(result)}, release=released.append)
 
-    loaded = {(1024, "kv"): {"latents": None}, (1024, "kda"): {}}
+    loaded = {(1024, "full"): {"latents": None}, (1024, "kda"): {}}
     assert handle(0, (1024, loaded, 10)).take("store", 1024, 0) is loaded
     assert handle(0, (1024, loaded, 20)).take("store", 2048, 0) is None        # newer entry now
     assert handle(1024, (2048, loaded, 30)).take("store", 2048, 0) is None     # device lost KV
@@ -259,13 +259,15 @@ def test_prefetch_take_rejects_stale_results():
 def test_upload_queries_each_boundary_once_per_request(tiny_model):
     """A long prompt prefilled in many steps: the upload marks keep each step's existence query to
     the new boundaries (not the whole prefix again), and every entry still lands."""
+    from hybridkv.engine.request import Request, Status
+
     class CountingStore(MemoryStore):
         def __init__(self):
             super().__init__()
             self.queried = []
 
         def exists(self, keys):
-            self.queried += [k for k in keys if k.endswith("/kv/r0/manifest")]
+            self.queried += [k for k in keys if k.endswith("/full/r0/manifest")]
             return super().exists(keys)
 
     v = tiny_model.config.vocab_size
@@ -273,15 +275,19 @@ def test_upload_queries_each_boundary_once_per_request(tiny_model):
     a, tier = instance(tiny_model, store, policy="tail", block_size=256, alignment=256, pages=32,
                        max_num_batched_tokens=512)
     P = tokens(90, 4096, v)
-    r = run_one(a, P, max_output_tokens=1)
+    r = a.add_request(Request("p", P, 2))
+    while r.status != Status.DECODE:
+        a.step()
+    assert a.connector.upload_marks(r) == {"store": 4096}
+    a.run_until_done()
     hashes = a.cache.hash_prompt(P)
     bounds = list(range(256, 4096 + 1, 256))
-    assert tier.has(hashes, bounds, "kv") == [True] * len(bounds)
+    assert held(tier, hashes, bounds, "full") == [True] * len(bounds)
     from_uploads = len(store.queried) - len(bounds)          # the last has() above queried them all once more
     # the admission lookup (15 boundaries below T - 1), one query per boundary, and the last step's
     # repair pass over all 16; re-querying the prefix at each of the 8 steps would be 15 + (2 + ... + 16) = 87
     assert from_uploads <= 3 * len(bounds), from_uploads
-    assert r.uploaded == {"store": 4096}
+    assert a.connector.num_requests == 0                     # forgotten once finished
 
 
 def test_host_tier_write_through_serves_after_device_clear(tiny_model):
@@ -308,10 +314,10 @@ def test_last_prefill_step_reuploads_what_the_store_lost_mid_request(tiny_model)
     a, tier_a = instance(tiny_model, store, policy="tail=1024", max_num_batched_tokens=1024)
     r = a.add_request(Request("a", np.concatenate([P, tokens(74, 100, v)]), 2))
     a.step()
-    assert r.uploaded == {"store": 1024}
+    assert a.connector.upload_marks(r) == {"store": 1024}
     store.remove(list(store._data))                                   # lost: restart or eviction
     a.run_until_done()
-    assert tier_a.has(a.cache.hash_prompt(r.prompt), [1024, 2048, 3072, 4096], "kv") == [True] * 4
+    assert held(tier_a, a.cache.hash_prompt(r.prompt), [1024, 2048, 3072, 4096], "full") == [True] * 4
     b, _ = instance(tiny_model, store)
     rb = run_one(b, np.concatenate([P, tokens(75, 100, v)]))
     assert rb.reused == 4096
@@ -326,13 +332,13 @@ def test_host_write_through_still_writes_back_on_eviction(tiny_model):
     assert host.write_through and host.write_back
     P = tokens(58, 1024, v)
     run_one(e, np.concatenate([P, tokens(59, 30, v)]))
-    host.invalidate(e.cache.hash_prompt(P), 1024, "kv")              # as if the host's LRU dropped it
+    host.invalidate(e.cache.hash_prompt(P), 1024, "full")              # as if the host's LRU dropped it
     host.invalidate(e.cache.hash_prompt(P), 1024, "kda")
     for i in range(8):                                                # until the device evicts P
         run_one(e, np.concatenate([tokens(300 + i, 1024, v), tokens(3, 30, v)]), max_output_tokens=1)
         if e.cache.lookup(np.concatenate([P, tokens(4, 30, v)]), touch=False).kv_hit == 0:
             break
-    assert host.has(e.cache.hash_prompt(P), [1024], "kv") == [True]
+    assert held(host, e.cache.hash_prompt(P), [1024], "full") == [True]
     r = run_one(e, np.concatenate([P, tokens(4, 30, v)]))
     assert r.reused == 1024
     assert_exact(tiny_model, r)
@@ -400,7 +406,7 @@ def test_broken_entry_is_dropped_by_its_reader_and_committed_again(tiny_model):
     P = tokens(73, 4096, v)
     a, _ = instance(tiny_model, store, policy="tail=1024")
     run_one(a, np.concatenate([P, tokens(74, 100, v)]), max_output_tokens=1)
-    lost = [k for k in store._data if k.endswith("/kv/r0/latents")][:1]
+    lost = [k for k in store._data if k.endswith("/full/r0/latents")][:1]
     store.remove(lost)
     b, tier_b = instance(tiny_model, store)
     rb = run_one(b, np.concatenate([P, tokens(75, 100, v)]))
@@ -412,8 +418,9 @@ def test_broken_entry_is_dropped_by_its_reader_and_committed_again(tiny_model):
     assert_exact(tiny_model, rc)
 
 
-def test_prefetch_of_another_engine_is_ignored(tiny_model, store):
-    """A request moved from one engine's queue to another's does not bring the first engine's loads."""
+def test_prefetch_belongs_to_the_connector_that_started_it(tiny_model, store):
+    """Prefetch state lives in the connector that started it: the same prompt queued in another engine
+    loads on its own, and cancelling the request in the first engine gives its prefetch bytes back."""
     from hybridkv.engine.request import Request
 
     v = tiny_model.config.vocab_size
@@ -421,17 +428,16 @@ def test_prefetch_of_another_engine_is_ignored(tiny_model, store):
     a, _ = instance(tiny_model, store, policy="tail=2048")
     run_one(a, np.concatenate([P, tokens(6, 100, v)]), max_output_tokens=1)
     first, _ = instance(tiny_model, store)
-    r = Request("r", np.concatenate([P, tokens(7, 50, v)]), 2, record_logits=True)
-    first.add_request(r)
+    r = first.add_request(Request("r", np.concatenate([P, tokens(7, 50, v)]), 2, record_logits=True))
     first.prefetch()
-    handle = r.prefetch
-    assert handle
+    assert first.connector.prefetching(r)
     second, _ = instance(tiny_model, store)
-    second.add_request(r)
-    assert r.prefetch is None and r.uploaded == {}
-    assert second.connector.fetch(r.prompt, second.cache.lookup(r.prompt), None, handle)[0].hit == 2048
-    assert second.connector.prefetch_used == 0                          # loaded again, not taken from handle
-    assert first.connector.prefetch_held_bytes == 0                     # the dropped handle gave its bytes back
+    r2 = run_one(second, r.prompt, max_output_tokens=2)
+    assert r2.reused == 2048 and second.connector.prefetch_used == 0     # not the first engine's loads
+    assert_exact(tiny_model, r2)
+    first.cancel(r)
+    assert first.connector.drain(timeout_s=30)                          # the cancelled job has ended
+    assert first.connector.prefetch_held_bytes == 0 and first.connector.num_requests == 0
 
 
 def test_failed_install_repeats_the_device_lookup(tiny_model):
@@ -488,8 +494,7 @@ def test_prefetch_job_error_returns_its_bytes(tiny_model):
     store.boom = True
     r = e.add_request(Request("r", np.concatenate([P, tokens(7, 50, v)]), 2))
     e.prefetch()
-    with pytest.raises(RuntimeError, match="backend bug"):
-        r.prefetch.jobs["store"].result()
+    assert e.connector.prefetching(r) and e.connector.drain(timeout_s=30)
     assert e.connector.prefetch_held_bytes == 0
     e.cancel(r)
     assert e.connector.prefetch_held_bytes == 0

@@ -66,3 +66,8 @@ class PrefixedStore:
 
     def close(self):
         pass
+
+
+def held(tier, hashes, boundaries, group) -> list[bool] | None:
+    """Whether ``tier`` holds the ``group`` entry at each boundary of a prompt (one existence query)."""
+    return tier.exists([(tier.chain_hash(hashes, b), group) for b in boundaries])

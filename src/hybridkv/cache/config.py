@@ -7,12 +7,56 @@ offending field and value, and the other value it conflicts with.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 KERNEL_CHUNK = 64
 """Tokens per chunk of the chunked KDA algorithm (DESIGN §1)."""
 
-MECHANISMS = ("extract", "split")
+
+class Mechanism(enum.Enum):
+    """How a prefill step yields the KDA states at planned checkpoint boundaries (DESIGN §3).
+
+    ``EXTRACT``: steps run to the token budget; the backend hands back the
+    intermediate states at the boundaries inside the step. ``SPLIT``: a step
+    ends exactly at the next boundary, so its end state is the checkpoint.
+    Both give identical bytes (tests/engine/test_scenarios.py).
+    """
+
+    EXTRACT = "extract"
+    SPLIT = "split"
+
+    @classmethod
+    def parse(cls, value: "Mechanism | str") -> "Mechanism":
+        """A :class:`Mechanism` from itself or its name.
+
+        Raises:
+            ConfigError: ``value`` is not ``extract`` or ``split``.
+        """
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"mechanism={value!r} must be one of {[m.value for m in cls]}") from None
+
+    def chunk(self, start: int, end: int, inside: list[int]) -> tuple[int, list[int]]:
+        """Where a prefill chunk ``[start, end)`` with planned boundaries ``inside`` (ascending,
+        in ``(start, end]``) ends, and the boundaries it captures (tokens)."""
+        if self is Mechanism.SPLIT and inside:
+            return inside[0], inside[:1]
+        return end, inside
+
+    def backend_captures(self, captures: list[int]) -> list[int]:
+        """Boundaries whose intermediate states the backend must hand back for a chunk."""
+        return list(captures) if self is Mechanism.EXTRACT else []
+
+    def checkpoint(self, boundary: int, chunk_end: int, end_state, intermediate: dict):
+        """The state at ``boundary`` of a chunk ending at ``chunk_end``: its end state under
+        ``SPLIT``, the backend's intermediate state under ``EXTRACT``."""
+        if self is Mechanism.SPLIT and boundary == chunk_end:
+            return end_state
+        return intermediate[boundary]
 
 
 class ConfigError(ValueError):
@@ -126,8 +170,9 @@ class CacheConfig:
         num_kv_pages: pages in the device KV pool.
         num_checkpoint_slots: published-checkpoint slots in the device pool.
         policy: checkpoint placement policy.
-        mechanism: ``"extract"`` (intermediate states of one long step) or
-            ``"split"`` (end a step exactly at each boundary).
+        mechanism: :class:`Mechanism` (its name is accepted and converted):
+            ``extract`` (intermediate states of one long step) or ``split``
+            (end a step exactly at each boundary).
         max_num_seqs: requests admitted at once.
         store_alignment: the only boundaries that may become store entries
             (A_store); a multiple of ``block_size`` (hence of
@@ -143,11 +188,12 @@ class CacheConfig:
     num_kv_pages: int = 1024
     num_checkpoint_slots: int = 64
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
-    mechanism: str = "extract"
+    mechanism: Mechanism = Mechanism.EXTRACT
     max_num_seqs: int = 8
     store_alignment: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mechanism", Mechanism.parse(self.mechanism))
         self.validate()
 
     def validate(self) -> None:
@@ -170,8 +216,8 @@ class CacheConfig:
         if a is not None and (not isinstance(a, int) or a <= 0 or a % b):
             raise ConfigError(f"store_alignment={a!r} must be a positive multiple of block_size={b} "
                               f"(and so of prefix_match_unit={g})")
-        if self.mechanism not in MECHANISMS:
-            raise ConfigError(f"mechanism={self.mechanism!r} must be one of {MECHANISMS}")
+        if not isinstance(self.mechanism, Mechanism):
+            raise ConfigError(f"mechanism={self.mechanism!r} must be a Mechanism")
         p = self.policy
         if p.tail_alignment is not None and p.tail_alignment % g:
             raise ConfigError(

@@ -1,12 +1,15 @@
 """Joint matching and the request-facing cache API (DESIGN §2-4, §8).
 
 The coordinator owns the index and both device pools. It answers lookups with
-a :class:`MatchResult` (joint hit, per-group hits, branching boundary), gives a
-request its pages and working state (:meth:`acquire`), publishes what the
-request computed (:meth:`publish_units`, :meth:`publish_checkpoint`) and takes
+a :class:`MatchResult` (joint hit, per-group hits, branching boundary; the rule
+is :func:`hybridkv.cache.groups.joint_hit`), gives a request its pages and
+working state (:meth:`acquire`), publishes what the request computed in one call
+(:meth:`publish`, which also retires superseded tail checkpoints) and takes
 everything back (:meth:`release`). It never reports a joint hit that lacks a
 part: the joint hit is a node on the matched path that has both its page chain
-and its checkpoint.
+and its checkpoint. Lower tiers hear of evictions through the ``on_evict``
+callback given at construction and read device state through
+:meth:`read_checkpoint` / :meth:`checkpoint_at`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import CacheGroup, FullAttentionGroup, KDAGroup
+from hybridkv.cache.groups import GROUPS, KDA, joint_hit, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import chained_block_hashes
 from hybridkv.cache.pools import CheckpointPool, PagePool
@@ -23,6 +26,49 @@ from hybridkv.model.state import KDACheckpoint
 
 CopyPage = Callable[[int, int, int], None]
 """``copy_page(src_page, dst_page, num_tokens)`` copies KV latents of the first tokens."""
+
+TAIL = "tail"
+"""Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedEntry:
+    """Device state about to be evicted, as the ``on_evict`` callback sees it.
+
+    Attributes:
+        key: chained hash of ``[0, end)``.
+        parent_key: chained hash of ``[0, end - block_size)``; ``None`` when
+            ``end <= block_size``.
+        end: boundary in tokens.
+        page: the page whose KV goes (``None``: only the checkpoint goes).
+        checkpoint: slot of ``C(P_end)`` that goes with it, or ``None``; readable
+            through :meth:`HybridCacheCoordinator.read_checkpoint` during the callback.
+    """
+
+    key: bytes
+    parent_key: bytes | None
+    end: int
+    page: int | None
+    checkpoint: int | None
+
+
+EvictCallback = Callable[[list[EvictedEntry]], None]
+
+
+@dataclass(slots=True)
+class PublishResult:
+    """What one :meth:`HybridCacheCoordinator.publish` call did.
+
+    Attributes:
+        created: ``(boundary, label)`` of each checkpoint published now.
+        skipped: boundaries (tokens) whose checkpoint was not published: one
+            existed there already, or no slot could be freed.
+        superseded: older tail checkpoints retired by a new one (``supersede`` policy).
+    """
+
+    created: list[tuple[int, str]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    superseded: int = 0
 
 
 @dataclass(slots=True)
@@ -74,21 +120,19 @@ class HybridCacheCoordinator:
         checkpoints: the checkpoint pool (tensor-backed or bookkeeping-only).
         page_bytes: bytes of one KV page (metrics).
         copy_page: KV copy hook for partial-page copy-on-write (``None`` in simulation).
-
-    Attribute ``on_evict`` (``None`` or ``callable(nodes, kv)``) is called with
-    the nodes about to lose their state, before anything is freed: ``kv=True``
-    when their pages go (checkpoints on them go too), ``kv=False`` when only a
-    checkpoint is evicted. Lower tiers use it for write-back.
+        on_evict: called with the :class:`EvictedEntry` list of state about to be
+            evicted (LRU), before anything is freed; lower tiers use it for
+            write-back. ``None``: nobody listens.
     """
 
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
-                 page_bytes: int = 0, copy_page: CopyPage | None = None) -> None:
+                 page_bytes: int = 0, copy_page: CopyPage | None = None,
+                 on_evict: EvictCallback | None = None) -> None:
         self.config = config
         self.namespace = namespace
         self.pages = PagePool(config.num_kv_pages)
         self.checkpoints = checkpoints
         self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
-        self.groups: list[CacheGroup] = [FullAttentionGroup(), KDAGroup()]
         self.page_bytes = page_bytes
         self.copy_page = copy_page
         self.kv_pages_peak = 0
@@ -96,7 +140,7 @@ class HybridCacheCoordinator:
         self.evicted_pages = 0
         self.evicted_checkpoints = 0
         self.labels: dict[int, str] = {}      # slot -> policy that created it (valid while published)
-        self.on_evict = None
+        self._on_evict = on_evict
 
     # -- lookup ----------------------------------------------------------
     def hash_prompt(self, token_ids, namespace: bytes | None = None) -> list[bytes]:
@@ -116,26 +160,18 @@ class HybridCacheCoordinator:
         """
         g = self.config.prefix_match_unit
         hashes = self.hash_prompt(token_ids, namespace)
-        cap_units = max(len(token_ids) - 1, 0) // g
-        path = self.index.walk(hashes[:cap_units])
-        limit = cap_units * g
-        per_group = {group.name: group.find_hit(path, limit) for group in self.groups}
-        hit = min(per_group.values())
-        while True:                          # loop the groups to agreement
-            agreed = min(group.find_hit(path, hit) for group in self.groups)
-            if agreed == hit:
-                break
-            hit = agreed
-        kv_hit = per_group["full"]
-        ckpt = per_group["kda"]
+        limit = reuse_cap(len(token_ids), g)
+        path = self.index.walk(hashes[: limit // g])
+        joint = joint_hit(path, limit, GROUPS)
+        hit, kv_hit = joint.hit, joint.kv_hit
         if touch:
             for node in reversed(path):      # deepest first: the path's root end ends up most recent
                 self.pages.touch(node.page)
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint)
-        return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=ckpt,
-                           branching_boundary=kv_hit if kv_hit > ckpt else None,
-                           per_group=per_group, hashes=hashes, path=path[: kv_hit // g])
+        return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=joint.per_group[KDA],
+                           branching_boundary=joint.branching_boundary,
+                           per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g])
 
     # -- allocation ------------------------------------------------------
     def acquire(self, match: MatchResult, num_tokens: int) -> Allocation | None:
@@ -181,8 +217,8 @@ class HybridCacheCoordinator:
             victim = self.pages.lru_evictable()
             if victim is None:
                 return None
-            if self.on_evict is not None:
-                self.on_evict(self.index.subtree_nodes(victim), True)
+            if self._on_evict is not None:
+                self._on_evict([self._evicted(n, kv=True) for n in self.index.subtree_nodes(victim)])
             self.index.evict_page(victim)
             self.evicted_pages += 1
         return [self.pages.pop_free() for _ in range(n)]
@@ -200,6 +236,39 @@ class HybridCacheCoordinator:
         alloc.state = None
 
     # -- publication -----------------------------------------------------
+    def publish(self, alloc: Allocation, hashes: list[bytes], computed: int,
+                checkpoints: dict[int, tuple[KDACheckpoint | None, str]]) -> PublishResult:
+        """Publish what a request computed: its whole units of ``[0, computed)`` and its checkpoints.
+
+        Each checkpoint is copied into a cache-owned slot and attached at its
+        boundary. With the ``supersede`` policy, a new ``tail`` checkpoint
+        retires the tail checkpoint the request started from (``alloc.start``)
+        if no request holds it.
+
+        Args:
+            alloc: the request's allocation.
+            hashes: the prompt's chained unit hashes.
+            computed: tokens whose KV the request has written.
+            checkpoints: boundary (tokens, a multiple of ``prefix_match_unit``,
+                ``<= computed``) -> ``(C(P_boundary), label)``; the label is the
+                policy that planned it.
+
+        Raises:
+            ValueError: a boundary that is not a positive multiple of
+                ``prefix_match_unit`` or lies beyond ``computed``.
+        """
+        self.publish_units(alloc, hashes, computed)
+        result = PublishResult()
+        for b in sorted(checkpoints):
+            ckpt, label = checkpoints[b]
+            if not self._publish_checkpoint(alloc, hashes, ckpt, b, label):
+                result.skipped.append(b)
+                continue
+            result.created.append((b, label))
+            if label == TAIL and self.config.policy.supersede:
+                result.superseded += self.retire_checkpoint(alloc, alloc.start, TAIL)
+        return result
+
     def publish_units(self, alloc: Allocation, hashes: list[bytes], computed: int) -> None:
         """Publish every whole unit of ``[0, computed)`` whose KV the request has written.
 
@@ -217,8 +286,8 @@ class HybridCacheCoordinator:
             nodes.append(node)
             parent = node
 
-    def publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
-                           boundary: int, label: str = "") -> bool:
+    def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
+                            boundary: int, label: str = "") -> bool:
         """Publish ``C(P_boundary)`` at the request's node for ``boundary``.
 
         The bytes are copied into a cache-owned slot first and only then
@@ -305,10 +374,34 @@ class HybridCacheCoordinator:
         return node.checkpoint is not None or self._attach_new(node, ckpt)
 
     def _evict_checkpoint(self, slot: int) -> None:
-        if self.on_evict is not None:
-            self.on_evict([self.index.slot_node[slot]], False)
+        if self._on_evict is not None:
+            self._on_evict([self._evicted(self.index.slot_node[slot], kv=False)])
         self.index.detach_checkpoint(self.index.slot_node[slot])
         self.evicted_checkpoints += 1
+
+    def _evicted(self, node: BlockNode, kv: bool) -> EvictedEntry:
+        parent = node
+        for _ in range(self.config.block_size // self.config.prefix_match_unit):
+            parent = parent.parent if parent is not None else None
+        parent_key = parent.key if parent is not None and parent.end else None
+        return EvictedEntry(node.key, parent_key, node.end, node.page if kv else None, node.checkpoint)
+
+    # -- reads for lower tiers ------------------------------------------
+    def read_checkpoint(self, slot: int, boundary: int) -> KDACheckpoint | None:
+        """A copy of the checkpoint in ``slot`` (``None`` in simulation), e.g. an
+        :attr:`EvictedEntry.checkpoint` during the ``on_evict`` callback."""
+        return self.checkpoints.read(slot, boundary)
+
+    def checkpoint_at(self, alloc: Allocation, boundary: int) -> KDACheckpoint | None:
+        """A copy of the published checkpoint at ``boundary`` on the request's own path, or ``None``
+        when there is none (never published there, or evicted since)."""
+        g = self.config.prefix_match_unit
+        if boundary <= 0 or boundary % g or len(alloc.nodes) < boundary // g:
+            return None
+        node = alloc.nodes[boundary // g - 1]
+        if node.parent is None or node.checkpoint is None:
+            return None
+        return self.checkpoints.read(node.checkpoint, boundary)
 
     def clear(self) -> int:
         """Evict every unreferenced entry (explicit purge); returns pages evicted."""

@@ -34,6 +34,16 @@ class BlockNode:
     checkpoint: int | None = None
     children: dict = field(default_factory=dict)
 
+    @property
+    def has_kv(self) -> bool:
+        """The node's page holds its unit's KV (every node but the root)."""
+        return self.page is not None
+
+    @property
+    def has_checkpoint(self) -> bool:
+        """A published checkpoint ``C(P_end)`` hangs here."""
+        return self.checkpoint is not None
+
 
 class PrefixIndex:
     """Tree of :class:`BlockNode` over the page and checkpoint pools.
@@ -74,14 +84,17 @@ class PrefixIndex:
 
         Returns:
             ``(node, created)``.
+
+        Raises:
+            RuntimeError: ``page`` is free (no request holds it); the index is unchanged.
         """
         node = parent.children.get(key)
         if node is not None:
             return node, False
+        self.pages.add_node(page)                 # raises before the tree changes
         node = BlockNode(key=key, parent=parent, end=parent.end + self.unit, page=page)
         parent.children[key] = node
         self.by_page.setdefault(page, set()).add(node)
-        self.pages.add_node(page)
         self.num_nodes += 1
         return node, True
 

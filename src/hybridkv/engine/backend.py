@@ -69,11 +69,9 @@ class TorchBackend:
         self.vocab_size = model.config.vocab_size
         self.kv_pool = model.new_kv_pool(num_pages, block_size)
         cfg = model.config
-        self.full_spec = FullAttentionSpec(block_size, cfg.num_mla_layers, cfg.kv_latent_dim,
-                                           self.kv_pool.latents.element_size())
+        self.full_spec = FullAttentionSpec.for_model(cfg, block_size, self.kv_pool.latents.element_size())
         zero = model.zero_checkpoint()
-        self.kda_spec = KDASpec(cfg.num_kda_layers, cfg.kda_num_heads, cfg.kda_head_dim,
-                                cfg.conv_dim, cfg.conv_kernel_size - 1, zero.conv.element_size())
+        self.kda_spec = KDASpec.for_model(cfg, str(zero.conv.dtype).removeprefix("torch."))
         self._zero = zero
 
     def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:

@@ -19,6 +19,7 @@ from hybridkv.cache.coordinator import HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
 from hybridkv.engine.request import Request, Status
 from hybridkv.engine.scheduler import plan_captures, schedule
+from hybridkv.tiers.connector import TierConnector
 
 
 @dataclass(slots=True)
@@ -48,7 +49,8 @@ class Engine:
         backend: :class:`~hybridkv.engine.backend.TorchBackend` or
             :class:`~hybridkv.engine.backend.SimulatedBackend`.
         namespace: namespace digest (:meth:`CacheIdentity.digest`).
-        tiers: lower tiers (:class:`~hybridkv.tiers.store_tier.StoreTier`), nearest first.
+        tiers: lower tiers (:class:`~hybridkv.tiers.host.HostTier`,
+            :class:`~hybridkv.tiers.store_tier.StoreTier`), nearest first.
         prefetch: start store loads for waiting requests in the background
             (:meth:`prefetch`); ``False`` loads only at admission.
     """
@@ -58,13 +60,12 @@ class Engine:
         self.prefetch_enabled = prefetch
         self.backend = backend
         pool = backend.new_checkpoint_pool(config.num_checkpoint_slots)
+        writes_back = any(t.write_back for t in tiers)
         self.cache = HybridCacheCoordinator(config, namespace, pool,
                                             page_bytes=backend.full_spec.page_size_bytes,
-                                            copy_page=backend.copy_page)
-        self.connector = None
-        if tiers:
-            from hybridkv.tiers.connector import TierConnector
-            self.connector = TierConnector(self.cache, backend, list(tiers))
+                                            copy_page=backend.copy_page,
+                                            on_evict=self._write_back if writes_back else None)
+        self.connector = TierConnector(self.cache, backend, list(tiers)) if tiers else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats(checkpoints_created={n: 0 for n in config.policy.names()})
@@ -104,8 +105,6 @@ class Engine:
             if not isinstance(h, (int, np.integer)) or isinstance(h, bool) or h <= 0 or h % g:
                 raise ValueError(f"request {rid}: hint {h!r} is not a positive multiple of {g}")
         req.hints = tuple(int(h) for h in req.hints)
-        self._drop_prefetch(req)              # state another engine may have left on the request
-        req.uploaded = {}
         self.waiting.append(req)
         return req
 
@@ -115,10 +114,10 @@ class Engine:
             return
         if req.status == Status.WAITING:
             self.waiting.remove(req)
-            self._drop_prefetch(req)
         else:
             self.running.remove(req)
             self.cache.release(req.alloc)
+        self._forget(req)
         req.status = Status.CANCELLED
         self.stats.cancelled += 1
 
@@ -133,19 +132,21 @@ class Engine:
             self.step()
 
     # -- the step --------------------------------------------------------
-    def _drop_prefetch(self, req: Request) -> None:
-        if req.prefetch:
-            req.prefetch.cancel()
-        req.prefetch = None
+    def _forget(self, req: Request) -> None:
+        if self.connector is not None:
+            self.connector.forget(req)
+
+    def _write_back(self, evicted) -> None:
+        """The coordinator's eviction callback: hand evicted entries to the write-back tiers."""
+        self.connector.write_back(evicted)
 
     def prefetch(self) -> None:
         """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests
-        that have none yet (:meth:`TierConnector.prefetch`); they overlap this step's compute."""
+        (:meth:`TierConnector.prefetch`, once per request); they overlap this step's compute."""
         if self.connector is None or not self.prefetch_enabled:
             return
         for req in itertools.islice(self.waiting, self.config.max_num_seqs):
-            if req.prefetch is None:
-                req.prefetch = self.connector.prefetch(req.prompt, req.namespace) or False
+            self.connector.prefetch(req, req.prompt, req.namespace)
 
     def admit(self) -> None:
         """Admit waiting requests in order while sequences and pages allow (lookup + acquire)."""
@@ -155,16 +156,15 @@ class Engine:
             match = self.cache.lookup(req.prompt, req.namespace)
             remote_branch, gains = None, {}
             if self.connector is not None:
-                match, remote_branch, gains = self.connector.fetch(req.prompt, match, req.namespace,
-                                                                   req.prefetch or None)
-                self._drop_prefetch(req)
+                fetched = self.connector.fetch(req, req.prompt, match, req.namespace)
+                match, remote_branch, gains = fetched.match, fetched.missing_branching_boundary, fetched.gains
             alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
             if alloc is None:
                 req.admission_failures += 1
                 if self.running:
                     return                    # wait for running requests to free pages
                 self.waiting.popleft()
-                self._drop_prefetch(req)
+                self._forget(req)
                 req.status = Status.REJECTED
                 req.reject_reason = (f"needs {-(-(t + req.max_output_tokens - 1) // self.config.block_size)} "
                                      f"pages; the pool has {self.config.num_kv_pages}")
@@ -172,7 +172,7 @@ class Engine:
                 continue
             self.waiting.popleft()
             if self.connector is not None:
-                self.connector.credit(gains)
+                self.connector.admitted(req, match, t, gains)
             req.match, req.alloc, req.computed = match, alloc, match.hit
             req.capture = plan_captures(self.config, match, t, req.hints, remote_branch)
             req.status = Status.PREFILL
@@ -193,6 +193,7 @@ class Engine:
         chunks = schedule(self.config, self.running)
         if not chunks:
             return []
+        mechanism = self.config.mechanism
         items = []
         for c in chunks:
             r = c.request
@@ -200,8 +201,8 @@ class Engine:
                 ids = torch.tensor([r.output[-1]], dtype=torch.long)
             else:
                 ids = torch.from_numpy(r.prompt[c.start:c.end])
-            capture = c.capture if self.config.mechanism == "extract" else []
-            items.append(StepItem(ids, c.start, r.alloc.block_table, r.alloc.state, capture, r.record_logits))
+            items.append(StepItem(ids, c.start, r.alloc.block_table, r.alloc.state,
+                                  mechanism.backend_captures(c.capture), r.record_logits))
         outs = self.backend.run(items)
         self.stats.steps += 1
         finished = []
@@ -213,19 +214,15 @@ class Engine:
                     r.logits[pos] = out.logits[i]
             if r.status == Status.PREFILL:
                 r.computed = c.end
-                self.cache.publish_units(r.alloc, r.match.hashes, c.end)
-                made = {}
-                for b in c.capture:
-                    made[b] = out.end_state if b == c.end and self.config.mechanism == "split" else out.checkpoints[b]
-                    if self.cache.publish_checkpoint(r.alloc, r.match.hashes, made[b], b, r.capture[b]):
-                        self.stats.checkpoints_created[r.capture[b]] += 1
-                        if r.capture[b] == "tail" and self.config.policy.supersede:
-                            self.stats.checkpoints_retired += self.cache.retire_checkpoint(r.alloc, r.reused, "tail")
-                    else:
-                        self.stats.checkpoints_skipped += 1
+                made = {b: mechanism.checkpoint(b, c.end, out.end_state, out.checkpoints) for b in c.capture}
+                published = self.cache.publish(r.alloc, r.match.hashes, c.end,
+                                               {b: (ckpt, r.capture[b]) for b, ckpt in made.items()})
+                for _, label in published.created:
+                    self.stats.checkpoints_created[label] += 1
+                self.stats.checkpoints_skipped += len(published.skipped)
+                self.stats.checkpoints_retired += published.superseded
                 if self.connector is not None:
-                    self.connector.upload(r.alloc, r.match.hashes, c.end, made, repair=c.start == r.reused,
-                                          marks=r.uploaded, final=c.end >= r.prompt_len)
+                    self.connector.upload(r, r.alloc, c.end, made)
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE
@@ -238,4 +235,5 @@ class Engine:
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
         self.cache.release(req.alloc)
+        self._forget(req)
         req.status = Status.FINISHED

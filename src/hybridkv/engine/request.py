@@ -43,10 +43,6 @@ class Request:
         admission_failures: admission attempts that found no room.
         namespace: namespace digest of this request (tenant / adapter); ``None``
             means the engine's.
-        prefetch: background loads from lower tiers started while the request
-            waits (:class:`hybridkv.tiers.connector.Prefetch`), consumed at admission.
-        uploaded: tier name -> tokens of this prompt's KV known to be in that
-            write-through tier (the connector's upload marks).
     """
 
     request_id: str
@@ -64,8 +60,6 @@ class Request:
     reject_reason: str = ""
     namespace: bytes | None = None
     admission_failures: int = 0
-    prefetch: object = None
-    uploaded: dict[str, int] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

@@ -60,9 +60,9 @@ def schedule(config: CacheConfig, running: list[Request]) -> list[Chunk]:
     """Chunks for one step within ``max_num_batched_tokens``.
 
     Decoding requests get one token each first; prefills follow in admission
-    order. With ``mechanism == "split"`` a prefill chunk ends exactly at the
-    next planned capture boundary, so its end state is the checkpoint; with
-    ``"extract"`` chunks run to the budget and captures are passed inside.
+    order. Where a prefill chunk ends is the mechanism's choice
+    (:meth:`~hybridkv.cache.config.Mechanism.chunk`): ``SPLIT`` ends it at the next
+    planned capture boundary, ``EXTRACT`` runs it to the budget.
     """
     budget = config.max_num_batched_tokens
     chunks: list[Chunk] = []
@@ -76,10 +76,7 @@ def schedule(config: CacheConfig, running: list[Request]) -> list[Chunk]:
             continue
         start = r.computed
         end = min(r.prompt_len, start + budget)
-        inside = sorted(b for b in r.capture if start < b <= end)
-        if config.mechanism == "split" and inside:
-            end = inside[0]
-            inside = inside[:1]
+        end, inside = config.mechanism.chunk(start, end, sorted(b for b in r.capture if start < b <= end))
         chunks.append(Chunk(r, start, end, inside))
         budget -= end - start
     return chunks

@@ -8,8 +8,7 @@ norm, states ``[.., H, K, V]`` float32.
 Exactness: states at requested boundaries are the fp32 *final* states of
 consecutive ``chunk_kda`` calls split at those boundaries (fla's
 ``return_intermediate_states`` hands back bf16 chunk-start states, which are
-not exact enough for a checkpoint). Use :func:`chunk_intermediate_states` when
-approximate per-chunk states suffice.
+not exact enough for a checkpoint).
 """
 
 from __future__ import annotations
@@ -90,14 +89,3 @@ def recurrent(q, k, v, g, beta, initial_state):
     o, S = o.float(), S.float()
     return (o[0], S[0]) if squeeze else (o, S)
 
-
-def chunk_intermediate_states(q, k, v, g, beta, initial_state=None):
-    """One ``chunk_kda(..., return_intermediate_states=True)`` call.
-
-    Returns ``(o, final_state, h)`` with ``h: [B, ceil(T/64), H, K, V]`` the
-    chunk-start states in fla's storage dtype (bf16): approximate, for analysis.
-    """
-    ops = _ops()
-    return ops.chunk_kda(q=q, k=k, v=v, g=g.float(), beta=beta, scale=1.0,
-                         initial_state=initial_state, output_final_state=True,
-                         use_qk_l2norm_in_kernel=False, return_intermediate_states=True)

@@ -147,9 +147,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         torch.set_num_threads(threads)
     if spec.simulate:
         mcfg = model_config(spec.model)
-        full = FullAttentionSpec(cfg.block_size, mcfg.num_mla_layers, mcfg.kv_latent_dim)
-        kda = KDASpec(mcfg.num_kda_layers, mcfg.kda_num_heads, mcfg.kda_head_dim, mcfg.conv_dim,
-                      mcfg.conv_kernel_size - 1)
+        full, kda = FullAttentionSpec.for_model(mcfg, cfg.block_size), KDASpec.for_model(mcfg)
         model, backend, digest = None, SimulatedBackend(full, kda, vocab_size=mcfg.vocab_size), "simulated"
     else:
         model = load_model(spec.model, spec.seed)

@@ -223,7 +223,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
         prefill_tokens_per_second=ratio(stats["computed_prompt_tokens"], compute),
         mode="simulate" if opts.simulate else "model",
         config={"model": opts.model, "block_tokens": opts.block_tokens, "block_size": cfg.block_size,
-                "prefix_match_unit": cfg.prefix_match_unit, "policy": str(policy), "mechanism": cfg.mechanism,
+                "prefix_match_unit": cfg.prefix_match_unit, "policy": str(policy), "mechanism": cfg.mechanism.value,
                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,

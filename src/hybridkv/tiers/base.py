@@ -1,21 +1,26 @@
 """What every lower tier shares (DESIGN §4, §5): miss reasons, statistics, the per-group
-remote match, entry shapes, checkpoint components, and the :class:`Tier` base class
-(keys, alignment, per-group lookup, entry helpers) that :class:`~hybridkv.tiers.store_tier.StoreTier`
-and :class:`~hybridkv.tiers.host.HostTier` build on.
+remote match and the :class:`Tier` base class (keys, alignment, lookup through the one
+joint-hit rule of :mod:`hybridkv.cache.groups`, one existence query, one miss counter)
+that :class:`~hybridkv.tiers.store_tier.StoreTier` and :class:`~hybridkv.tiers.host.HostTier`
+build on.
 """
 
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.model.state import KDACheckpoint
-from hybridkv.tiers.layout import component_nbytes, entry_key
+from hybridkv.cache.groups import FULL, KDA, EntryPresence, joint_hit, nbytes
+from hybridkv.tiers.layout import entry_key
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
+
+Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
+"""An entry to save: ``(chain_hash, parent_hash, group, boundary, tensors)``."""
 
 
 @dataclass(slots=True)
@@ -37,9 +42,9 @@ class RemoteMatch:
     """Per-group result of a remote lookup (tokens).
 
     Attributes:
-        kv_length: contiguous remote KV from 0 (aligned).
-        checkpoint_boundaries: aligned boundaries ``<= kv_length`` with a checkpoint manifest.
-        best_joint: deepest of those (0 = none).
+        kv_length: contiguous KV from 0 (aligned; the device's KV counts).
+        checkpoint_boundaries: aligned boundaries ``<= kv_length`` with a checkpoint entry.
+        best_joint: the joint hit: deepest of those (0 = none).
         missing_branching_boundary: ``kv_length`` when it exceeds ``best_joint``, else ``None``.
     """
 
@@ -49,55 +54,18 @@ class RemoteMatch:
     missing_branching_boundary: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class EntryShapes:
-    """What this model's entries look like: component -> (dtype, shape)."""
+class Tier(ABC):
+    """What every lower tier shares: keys, alignment, lookup, existence and miss counting.
 
-    kv: dict
-    kda: dict
-
-    @classmethod
-    def for_model(cls, num_mla_layers: int, segment: int, latent_dim: int, recurrent_shape: tuple,
-                  conv_shape: tuple, conv_dtype: str = "float32") -> EntryShapes:
-        """Shapes for a model; ``conv_shape`` is the whole window ``(L_kda, 3*H*K, k-1)``."""
-        third = (conv_shape[0], conv_shape[1] // 3, conv_shape[2])
-        return cls(kv={"latents": ("float32", (num_mla_layers, segment, latent_dim))},
-                   kda={"recurrent": ("float32", tuple(recurrent_shape)), "conv.q": (conv_dtype, third),
-                        "conv.k": (conv_dtype, third), "conv.v": (conv_dtype, third)})
-
-    @classmethod
-    def for_config(cls, config, segment: int, conv_dtype: str = "float32") -> EntryShapes:
-        """Shapes for a :class:`~hybridkv.model.config.HybridConfig` (no weights needed);
-        ``conv_dtype`` is the model's compute dtype."""
-        rec = config.recurrent_state_shape
-        conv = config.conv_state_shape
-        return cls.for_model(config.num_mla_layers, segment, config.kv_latent_dim, tuple(rec), tuple(conv),
-                             conv_dtype)
-
-
-def checkpoint_components(ckpt: KDACheckpoint) -> dict[str, torch.Tensor]:
-    """The ``kda`` entry components of a checkpoint: recurrent and the q | k | v conv thirds."""
-    q, k, v = ckpt.conv.chunk(3, dim=1)
-    return {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k, "conv.v": v}
-
-
-def checkpoint_from_components(parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
-    """Inverse of :func:`checkpoint_components`."""
-    conv = torch.cat([parts["conv.q"], parts["conv.k"], parts["conv.v"]], dim=1)
-    return KDACheckpoint(parts["recurrent"], conv, boundary)
-
-
-class Tier:
-    """What every lower tier shares: keys, alignment, per-group lookup and the entry helpers.
-
-    Subclasses implement :meth:`_exists`, :meth:`load_many`, :meth:`save_entries`
+    Subclasses implement :meth:`exists`, :meth:`load_many`, :meth:`save_entries`
     and :meth:`invalidate`.
 
     Args:
         namespace: namespace digest.
         unit: ``prefix_match_unit`` (tokens per chained hash).
         alignment: A (tokens) of this tier's entries; a multiple of ``unit``.
-        shapes: this model's entry shapes.
+        shapes: this model's entry shapes, group -> component -> ``(dtype, shape)``
+            (:func:`hybridkv.cache.groups.entry_shapes` with segment ``alignment``).
         name: tier name in reports (``host`` or ``store``).
         write_through: entries are saved as soon as they are computed.
         write_back: entries are saved when the device evicts them; default
@@ -108,7 +76,7 @@ class Tier:
             the tier would never be written (neither write-through nor write-back).
     """
 
-    def __init__(self, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+    def __init__(self, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "store", write_through: bool = True, write_back: bool | None = None) -> None:
         if alignment <= 0 or alignment % unit:
             raise ValueError(f"store_alignment={alignment} must be a positive multiple of prefix_match_unit={unit}")
@@ -124,12 +92,31 @@ class Tier:
         self.stats = TierStats()
         self._lock = threading.RLock()            # guards store calls and statistics
 
+    # -- what subclasses implement ----------------------------------------
+    @abstractmethod
+    def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
+        """Whether each ``(chained hash, group)`` entry exists, in one query (``None``: unreachable,
+        counted as an ``unreachable`` miss)."""
+
+    @abstractmethod
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+        """Per ``(boundary, group)``: component name -> tensor, or ``None`` (a counted miss)."""
+
+    @abstractmethod
+    def save_entries(self, entries: list[Entry]) -> list[bool]:
+        """Commit entries (see :data:`Entry`); per entry, whether it is visible now."""
+
+    @abstractmethod
+    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+        """Remove one entry (its manifest first)."""
+
+    # -- shared ---------------------------------------------------------------
     def entry_nbytes(self, group: str) -> int:
         """Payload bytes of one ``group`` entry of this model (components only)."""
-        return sum(component_nbytes(dtype, shape) for dtype, shape in getattr(self.shapes, group).values())
+        return sum(nbytes(dtype, shape) for dtype, shape in self.shapes[group].values())
 
     def count_miss(self, reason: str) -> None:
-        """Count one miss with ``reason`` (one of :data:`MISS_REASONS`)."""
+        """Count one miss with ``reason`` (one of :data:`MISS_REASONS`); every miss goes through here."""
         with self._lock:
             self.stats.misses[reason] += 1
 
@@ -138,113 +125,45 @@ class Tier:
         with self._lock:
             self.stats.hit_tokens += tokens
 
-    def _exists(self, keys: list[str]) -> list[bool] | None:
-        """Whether each manifest key is present (``None``: unreachable)."""
-        raise NotImplementedError
-
-    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
-        """Per ``(boundary, group)``: component name -> tensor, or ``None`` (a counted miss)."""
-        raise NotImplementedError
-
-    def save_entries(self, entries: list[tuple]) -> list[bool]:
-        """Commit ``(chain_hash, parent_hash, group, boundary, tensors)`` entries; per entry, visible now."""
-        raise NotImplementedError
-
-    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
-        """Remove one entry (its manifest first)."""
-        raise NotImplementedError
-
-    def _hash(self, hashes: list[bytes], boundary: int) -> bytes:
+    def chain_hash(self, hashes: list[bytes], boundary: int) -> bytes:
+        """Chained hash of ``[0, boundary)`` of a prompt whose unit hashes are ``hashes``."""
         return hashes[boundary // self.unit - 1]
 
-    def _key(self, hashes, boundary, group, component="manifest"):
-        """Key of ``component`` of the entry at ``boundary``; the manifest's is :meth:`_entry_key`."""
-        h = self._hash(hashes, boundary)
-        return self._entry_key(h, group) if component == "manifest" else entry_key(self.namespace, h, group, component)
+    def _key(self, hashes, boundary, group, component="manifest") -> str:
+        """Object key of ``component`` of the entry at ``boundary``."""
+        return entry_key(self.namespace, self.chain_hash(hashes, boundary), group, component)
 
-    def _entry_key(self, chain_hash: bytes, group: str):
-        """The key whose presence means the entry exists (its manifest)."""
-        return entry_key(self.namespace, chain_hash, group, "manifest")
-
-    def has_entries(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
-        """Whether each ``(chained hash, group)`` entry exists, in one query (``None`` if unreachable)."""
-        if not wanted:
-            return []
-        return self._exists([self._entry_key(h, grp) for h, grp in wanted])
-
-    # -- lookup ------------------------------------------------------------
     def lookup(self, hashes: list[bytes], cap: int, local_kv: int = 0) -> RemoteMatch | None:
         """Per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``.
 
         ``local_kv`` tokens of KV are already on the device; KV contiguity is
         counted from there, so only the missing segments must be in this tier.
-        ``None`` when the store is unreachable (counted as an ``unreachable`` miss).
+        One existence query; the joint hit follows :func:`hybridkv.cache.groups.joint_hit`.
+        ``None`` when the tier is unreachable (counted as an ``unreachable`` miss).
         """
         a = self.alignment
         bounds = list(range(a, min(cap, len(hashes) * self.unit) + 1, a))
         if not bounds:
             return RemoteMatch(0, (), 0, None)
-        kv_bounds = [b for b in bounds if b > local_kv // a * a]
-        keys = [self._key(hashes, b, "kv") for b in kv_bounds] + [self._key(hashes, b, "kda") for b in bounds]
-        found = self._exists(keys)
+        local = local_kv // a * a
+        kv_bounds = [b for b in bounds if b > local]
+        found = self.exists([(self.chain_hash(hashes, b), FULL) for b in kv_bounds]
+                            + [(self.chain_hash(hashes, b), KDA) for b in bounds])
         if found is None:
             return None
-        kv_len = local_kv // a * a
-        for b, ok in zip(kv_bounds, found[: len(kv_bounds)]):
-            if not ok:
-                break
-            kv_len = b
-        found = found[len(kv_bounds):]
-        ckpts = tuple(b for b, ok in zip(bounds, found) if ok and b <= kv_len)
-        best = ckpts[-1] if ckpts else 0
-        return RemoteMatch(kv_len, ckpts, best, kv_len if kv_len > best else None)
+        has_kv = [True] * (len(bounds) - len(kv_bounds)) + found[: len(kv_bounds)]
+        presence = [EntryPresence(b, kv, ck) for b, kv, ck in zip(bounds, has_kv, found[len(kv_bounds):])]
+        joint = joint_hit(presence, cap)
+        ckpts = tuple(p.end for p in presence if p.has_checkpoint and p.end <= joint.kv_hit)
+        return RemoteMatch(joint.kv_hit, ckpts, joint.hit, joint.branching_boundary)
 
-    # -- entry helpers -----------------------------------------------------
-    def _load(self, hashes, boundary, group) -> dict[str, torch.Tensor] | None:
-        return self.load_many(hashes, [(boundary, group)])[0]
+    def entry(self, hashes: list[bytes], boundary: int, group: str, tensors: dict) -> Entry:
+        """An entry for :meth:`save_entries` at an aligned ``boundary`` of a prompt.
 
-    def load_kv(self, hashes: list[bytes], boundary: int) -> torch.Tensor | None:
-        """Verified latents ``float32[L_mla, A, D]`` of tokens ``[boundary - A, boundary)``, or ``None``."""
-        got = self._load(hashes, boundary, "kv")
-        return None if got is None else got["latents"]
-
-    def load_checkpoint(self, hashes: list[bytes], boundary: int) -> KDACheckpoint | None:
-        """Verified ``C(P_boundary)``, or ``None`` (a counted miss)."""
-        got = self._load(hashes, boundary, "kda")
-        return None if got is None else checkpoint_from_components(got, boundary)
-
-    def _save(self, hashes, boundary, group, tensors) -> bool:
-        return self.save_entries([self.entry(hashes, boundary, group, tensors)])[0]
-
-    def save_entry(self, chain_hash: bytes, parent_hash: bytes | None, group: str, boundary: int,
-                   tensors: dict[str, torch.Tensor]) -> bool:
-        """Commit one entry (nothing visible if it fails)."""
-        return self.save_entries([(chain_hash, parent_hash, group, boundary, tensors)])[0]
-
-    def entry(self, hashes: list[bytes], boundary: int, group: str, tensors: dict) -> tuple:
-        """An entry tuple for :meth:`save_entries` at an aligned ``boundary`` of a prompt."""
-        self._check_aligned(boundary)
-        parent = self._hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
-        return (self._hash(hashes, boundary), parent, group, boundary, tensors)
-
-    def has_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[bool] | None:
-        """Whether each ``(boundary, group)`` entry's manifest exists, in one query (``None`` if unreachable)."""
-        return self.has_entries([(self._hash(hashes, b), grp) for b, grp in wanted])
-
-    def has(self, hashes: list[bytes], boundaries: list[int], group: str) -> list[bool] | None:
-        """Whether each boundary's manifest exists (``None`` if unreachable)."""
-        return self.has_many(hashes, [(b, group) for b in boundaries])
-
-    def save_kv(self, hashes: list[bytes], boundary: int, latents: torch.Tensor) -> bool:
-        """Commit the ``kv`` entry at ``boundary`` (latents of the last A tokens)."""
-        self._check_aligned(boundary)
-        return self._save(hashes, boundary, "kv", {"latents": latents})
-
-    def save_checkpoint(self, hashes: list[bytes], boundary: int, ckpt: KDACheckpoint) -> bool:
-        """Commit the ``kda`` entry ``C(P_boundary)``: recurrent and the three conv parts."""
-        self._check_aligned(boundary)
-        return self._save(hashes, boundary, "kda", checkpoint_components(ckpt))
-
-    def _check_aligned(self, boundary: int) -> None:
+        Raises:
+            ValueError: ``boundary`` is not a positive multiple of the alignment.
+        """
         if boundary <= 0 or boundary % self.alignment:
             raise ValueError(f"boundary {boundary} is not a positive multiple of store_alignment={self.alignment}")
+        parent = self.chain_hash(hashes, boundary - self.alignment) if boundary > self.alignment else None
+        return (self.chain_hash(hashes, boundary), parent, group, boundary, tensors)

@@ -6,8 +6,16 @@ verified KV segments and the checkpoint are installed into the device pools as
 cached entries, and the device lookup is repeated. The last tier's *missing
 branching boundary* (remote KV longer than any remote checkpoint) is returned
 so the scheduler computes once up to it, creates the checkpoint and
-:meth:`upload` commits it with its pages — a second instance then gets the
-full hit (SCENARIOS S9).
+:meth:`TierConnector.upload` commits it with its pages — a second instance then
+gets the full hit (SCENARIOS S9).
+
+The connector keeps its per-request state itself (background prefetches,
+upload marks), keyed by a handle the engine passes (its request object), from
+:meth:`~TierConnector.prefetch` or :meth:`~TierConnector.fetch` until
+:meth:`~TierConnector.forget`. It reads device state only through the
+coordinator's methods (``lookup``, ``install_*``, ``read_checkpoint``,
+``checkpoint_at``) and hears of evictions through
+:meth:`~TierConnector.write_back`, the coordinator's ``on_evict`` callback.
 
 A directory hit is not data: the computed-token count moves only through the
 repeated device lookup, after transfer, checksum and install.
@@ -17,39 +25,38 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 
-from hybridkv.cache.coordinator import Allocation, HybridCacheCoordinator, MatchResult
+from hybridkv.cache.coordinator import (
+    Allocation,
+    EvictedEntry,
+    HybridCacheCoordinator,
+    MatchResult,
+)
+from hybridkv.cache.groups import FULL, KDA, entry_shapes, reuse_cap
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.base import ObjectStore
+from hybridkv.tiers.base import Tier
 from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.layout import checkpoint_components, checkpoint_from_components
 from hybridkv.tiers.store_tier import StoreTier
-from hybridkv.tiers.base import EntryShapes, Tier, checkpoint_components, checkpoint_from_components
 
 log = logging.getLogger("hybridkv.store")
 
-def entry_shapes(backend, alignment: int) -> EntryShapes:
-    """Entry shapes of ``backend``'s model with KV segments of ``alignment`` tokens."""
-    cfg = backend.model.config
-    zero = backend.model.zero_checkpoint()
-    return EntryShapes.for_model(cfg.num_mla_layers, alignment, cfg.kv_latent_dim, tuple(zero.recurrent.shape),
-                                 tuple(zero.conv.shape), str(zero.conv.dtype).removeprefix("torch."))
-
-
 def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment: int,
              name: str = "store", write_through: bool = True) -> StoreTier:
-    """A :class:`StoreTier` shaped for ``backend``'s model (KV segments of ``alignment`` tokens)."""
-    return StoreTier(store, namespace, unit, alignment, entry_shapes(backend, alignment),
+    """A :class:`StoreTier` shaped for ``backend``'s model (``full`` entries of ``alignment`` tokens)."""
+    return StoreTier(store, namespace, unit, alignment, entry_shapes(backend.full_spec, backend.kda_spec, alignment),
                      name=name, write_through=write_through)
 
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
                   write_through: bool = False) -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page)."""
-    return HostTier(capacity_bytes, namespace, unit, block_size, entry_shapes(backend, block_size),
-                    write_through=write_through)
+    return HostTier(capacity_bytes, namespace, unit, block_size,
+                    entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through)
 
 
 @dataclass(slots=True)
@@ -61,13 +68,11 @@ class Prefetch:
         jobs: tier name -> future of ``(boundary, {(b, group): components or None}, reserved bytes)``.
         release: called with each job's reserved bytes once its loads are dropped
             (taken, cancelled or stale), so the connector's prefetch budget is returned.
-        owner: the connector that started the jobs; another connector ignores them.
     """
 
     kv_from: int
     jobs: dict[str, Future]
     release: Callable[[int], None] = lambda nbytes: None
-    owner: object = None
 
     def take(self, tier: str, best_joint: int, kv_hit: int) -> dict | None:
         """The loaded entries of ``tier`` if they are for ``best_joint`` and the device still holds
@@ -98,16 +103,49 @@ class Prefetch:
         self.release(job.result()[2])
 
 
+@dataclass(slots=True)
+class FetchResult:
+    """What :meth:`TierConnector.fetch` found (tokens).
+
+    Attributes:
+        match: the device lookup after every install.
+        missing_branching_boundary: where the last tier has KV but no checkpoint
+            beyond the joint hit (plan a checkpoint there), or ``None``.
+        gains: tier name -> hit tokens it added; credited by :meth:`TierConnector.admitted`.
+    """
+
+    match: MatchResult
+    missing_branching_boundary: int | None
+    gains: dict[str, int]
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the connector remembers of one request between calls."""
+
+    prefetch: Prefetch | None = None
+    prefetch_tried: bool = False
+    hashes: list[bytes] = field(default_factory=list)
+    start: int = 0                      # the joint hit it was admitted with (tokens)
+    prompt_len: int = 0
+    marks: dict[str, int] = field(default_factory=dict)   # tier -> KV tokens known to be there
+    uploads: int = 0
+
+
 class TierConnector:
     """Fetch from and upload to lower tiers for one engine.
 
     Args:
         cache: the device coordinator.
-        backend: the torch backend (``read_kv`` / ``write_pages``).
+        backend: the torch backend (``read_kv`` / ``write_pages`` / ``page_latents``).
         tiers: lower tiers, nearest first (host, then store).
         prefetch_limit_bytes: most bytes that background prefetches may hold
             at once (loaded and not yet installed); a prefetch that would
             exceed it loads nothing and the request loads at admission.
+
+    Raises:
+        ValueError: two tiers share a name, or a write-back tier's alignment is
+            not the device ``block_size``.
     """
 
     def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[Tier],
@@ -124,37 +162,91 @@ class TierConnector:
             if t.alignment != cache.config.block_size:
                 raise ValueError(f"write-back tier {t.name}: alignment {t.alignment} must equal "
                                  f"block_size={cache.config.block_size}")
-        if self._back:
-            cache.on_evict = self._write_back
         self.prefetch_used = 0          # installs served by a background prefetch
         self.prefetch_skipped = 0       # prefetches not loaded: over the byte budget
         self.prefetch_limit_bytes = prefetch_limit_bytes
         self.prefetch_held_bytes = 0    # loaded (or being loaded) by prefetches not yet taken
         self._prefetch_lock = threading.Lock()
+        self._jobs: set[Future] = set()  # every prefetch job not finished yet
+        self._requests: dict[Hashable, _RequestState] = {}
 
-    def prefetch(self, prompt, namespace: bytes | None = None) -> Prefetch | None:
+    @property
+    def writes_back(self) -> bool:
+        """Some tier saves evicted device entries (the coordinator should call :meth:`write_back`)."""
+        return bool(self._back)
+
+    # -- per-request state ------------------------------------------------
+    def _state(self, key: Hashable) -> _RequestState:
+        st = self._requests.get(key)
+        if st is None:
+            st = self._requests[key] = _RequestState()
+        return st
+
+    def forget(self, key: Hashable) -> None:
+        """Drop what the connector holds for a request (finished, cancelled or rejected): its
+        prefetch is cancelled and its bytes released once the job ends."""
+        st = self._requests.pop(key, None)
+        if st is not None and st.prefetch is not None:
+            st.prefetch.cancel()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the connector holds state for (0 once every request was forgotten)."""
+        return len(self._requests)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for every prefetch job started so far; ``True`` if all ended within ``timeout_s``."""
+        with self._prefetch_lock:
+            jobs = list(self._jobs)
+        _, pending = wait(jobs, timeout=timeout_s)
+        return not pending
+
+    def prefetching(self, key: Hashable) -> bool:
+        """Background loads were started for the request and not yet used or dropped."""
+        st = self._requests.get(key)
+        return st is not None and st.prefetch is not None
+
+    def upload_marks(self, key: Hashable) -> dict[str, int]:
+        """Tier name -> tokens of the request's KV known to be in that write-through tier (a copy)."""
+        st = self._requests.get(key)
+        return dict(st.marks) if st is not None else {}
+
+    # -- prefetch ---------------------------------------------------------
+    def prefetch(self, key: Hashable, prompt, namespace: bytes | None = None) -> bool:
         """Start loading what write-through tiers hold beyond the device hit, in the background.
 
         Called for requests near the head of the waiting queue, before their
-        admission. On each write-through tier's worker thread: a remote lookup
-        from the device's current KV hit, then one batched load of the best
-        checkpoint's missing KV segments and the checkpoint itself. Nothing is
-        installed here; :meth:`fetch` uses the verified results at admission.
+        admission; once per request (later calls return at once). On each
+        write-through store tier's worker thread: a remote lookup from the
+        device's current KV hit, then one batched load of the best checkpoint's
+        missing KV segments and the checkpoint itself. Nothing is installed
+        here; :meth:`fetch` uses the verified results at admission.
 
         Returns:
-            A handle to pass to :meth:`fetch`, or ``None`` when there is nothing
-            to prefetch (no write-through tier, or a prompt shorter than one unit).
+            Whether loads were started now.
         """
+        st = self._state(key)
+        if st.prefetch_tried:
+            return False
+        st.prefetch_tried = True
         remote = [t for t in self.tiers if t.write_through and isinstance(t, StoreTier)]
-        g = self.cache.config.prefix_match_unit
-        cap = max(len(prompt) - 1, 0) // g * g
+        cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         if not remote or cap == 0:
-            return None
+            return False
         match = self.cache.lookup(prompt, namespace, touch=False)
         if match.hit >= cap:
-            return None
+            return False
         jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
-        return Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release, owner=self)
+        with self._prefetch_lock:
+            self._jobs.update(jobs.values())
+        for job in jobs.values():                   # outside the lock: a finished job calls back at once
+            job.add_done_callback(self._job_done)
+        st.prefetch = Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release)
+        return True
+
+    def _job_done(self, job: Future) -> None:
+        with self._prefetch_lock:
+            self._jobs.discard(job)
 
     def _prefetch_job(self, tier: Tier, hashes, cap: int, local_kv: int, hit: int):
         """Worker side of :meth:`prefetch`: ``(boundary, loaded, reserved bytes)`` with ``loaded[(b, group)]``
@@ -163,9 +255,8 @@ class TierConnector:
         rm = tier.lookup(hashes, cap, local_kv)
         if rm is None or rm.best_joint <= hit:
             return 0, {}, 0
-        a, boundary = tier.alignment, rm.best_joint
-        wanted = [(b, "kv") for b in range(min(local_kv, boundary) // a * a + a, boundary + 1, a)]
-        wanted.append((boundary, "kda"))
+        boundary = rm.best_joint
+        wanted = self._wanted(tier, local_kv, boundary)
         need = sum(tier.entry_nbytes(grp) for _, grp in wanted)
         with self._prefetch_lock:
             if self.prefetch_held_bytes + need > self.prefetch_limit_bytes:
@@ -183,24 +274,27 @@ class TierConnector:
         with self._prefetch_lock:
             self.prefetch_held_bytes -= nbytes
 
-    def fetch(self, prompt, match: MatchResult, namespace: bytes | None = None, prefetched: Prefetch | None = None
-              ) -> tuple[MatchResult, int | None, dict[str, int]]:
+    @staticmethod
+    def _wanted(tier: Tier, kv_hit: int, boundary: int) -> list[tuple[int, str]]:
+        """The entries an install of ``boundary`` needs: the ``full`` segments past the device's
+        ``kv_hit`` (aligned down), then the ``kda`` entry."""
+        a = tier.alignment
+        segs = range(min(kv_hit, boundary) // a * a + a, boundary + 1, a)
+        return [(b, FULL) for b in segs] + [(boundary, KDA)]
+
+    # -- admission ----------------------------------------------------------
+    def fetch(self, key: Hashable, prompt, match: MatchResult, namespace: bytes | None = None) -> FetchResult:
         """Improve ``match`` from lower tiers.
 
-        With ``prefetched`` (from :meth:`prefetch`), verified loads already done
-        in the background are installed when they still serve: the tier's
-        fresh lookup names the same best checkpoint, and the device has lost
-        none of the KV the prefetch counted on. Otherwise the loads run now.
-
-        Returns:
-            ``(match, missing_branching_boundary, gains)``; the boundary (tokens)
-            is where the last tier has KV but no checkpoint beyond the joint
-            hit; ``gains`` maps tier name -> hit tokens it added. Pass
-            ``gains`` to :meth:`credit` once the request is admitted.
+        Verified loads that this connector's :meth:`prefetch` already did for
+        ``key`` are installed when they still serve: the tier's fresh lookup
+        names the same best checkpoint, and the device has lost none of the KV
+        the prefetch counted on. Otherwise the loads run now.
         """
+        st = self._state(key)
+        ready_from, st.prefetch = st.prefetch, None
         gains: dict[str, int] = {}
-        g = self.cache.config.prefix_match_unit
-        cap = max(len(prompt) - 1, 0) // g * g
+        cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         missing = None
         for tier in self.tiers:
             rm = tier.lookup(match.hashes, cap, match.kv_hit)
@@ -208,9 +302,7 @@ class TierConnector:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
                 tier.count_miss("absent")               # the tier has nothing beyond the device hit
-            ready = None
-            if prefetched is not None and prefetched.owner is self:
-                ready = prefetched.take(tier.name, rm.best_joint, match.kv_hit)
+            ready = ready_from.take(tier.name, rm.best_joint, match.kv_hit) if ready_from is not None else None
             for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
                 if boundary <= match.hit:
                     break
@@ -221,23 +313,27 @@ class TierConnector:
                     gains[tier.name] = gains.get(tier.name, 0) + max(match.hit - before, 0)
                     break
             missing = rm.missing_branching_boundary
+        if ready_from is not None:
+            ready_from.cancel()                         # jobs of tiers that were unreachable just now
         if missing is not None and missing <= match.hit:
             missing = None
-        return match, missing, gains
+        return FetchResult(match, missing, gains)
 
-    def credit(self, gains: dict[str, int]) -> None:
-        """Count the hit tokens a lower tier added to an admitted request."""
+    def admitted(self, key: Hashable, match: MatchResult, prompt_len: int, gains: dict[str, int]) -> None:
+        """A request was admitted with ``match``: credit each tier with the hit tokens it supplied
+        (``gains`` from :meth:`fetch`) and start the request's upload state."""
         for tier in self.tiers:
             tier.add_hit_tokens(gains.get(tier.name, 0))
+        st = self._state(key)
+        st.hashes, st.start, st.prompt_len, st.marks, st.uploads = match.hashes, match.hit, prompt_len, {}, 0
 
     def _install(self, tier: Tier, match: MatchResult, boundary: int, ready: dict | None = None) -> bool:
         """Install the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)``, in order;
         ``False`` at the first miss. The entries come from ``ready`` (a prefetch) when it has all of
-        them, else from one batched load into the tier's staging arena."""
+        them, else from one batched load (into the tier's staging arena for a store tier)."""
         a = tier.alignment
         hashes = match.hashes
-        segs = list(range(min(match.kv_hit, boundary) // a * a + a, boundary + 1, a))
-        wanted = [(b, "kv") for b in segs] + [(boundary, "kda")]
+        wanted = self._wanted(tier, match.kv_hit, boundary)
         if ready is not None and all(ready.get(w) is not None for w in wanted):
             got = [ready[w] for w in wanted]
             self.prefetch_used += 1
@@ -245,7 +341,7 @@ class TierConnector:
             got = tier.load_many(hashes, wanted, staging=True)
         else:
             got = tier.load_many(hashes, wanted)
-        for b, entry in zip(segs, got):
+        for (b, _), entry in zip(wanted[:-1], got):
             if entry is None or not self.cache.install_kv(
                     hashes, b - a, b, lambda pages, lat=entry["latents"]: self.backend.write_pages(pages, lat)):
                 return False
@@ -253,91 +349,77 @@ class TierConnector:
         return kda is not None and self.cache.install_checkpoint(
             hashes, checkpoint_from_components(kda, boundary), boundary)
 
-    def upload(self, alloc: Allocation, hashes: list[bytes], computed: int,
-               checkpoints: dict[int, KDACheckpoint], repair: bool = False,
-               marks: dict[str, int] | None = None, final: bool = False) -> None:
-        """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the tiers lack.
+    # -- saving -------------------------------------------------------------
+    def upload(self, key: Hashable, alloc: Allocation, computed: int,
+               checkpoints: dict[int, KDACheckpoint | None]) -> None:
+        """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the write-through
+        tiers lack, after a prefill step of an admitted request.
 
         One existence query per tier, then all components go out in one batched
         put and the manifests of the entries whose components landed in a
-        second one. With ``repair``, the checkpoint the request started from
-        (its joint hit) is uploaded too if a write-through tier lacks it, e.g.
-        after the store lost its objects.
+        second one. Only boundaries past the request's upload mark are queried
+        (the mark advances over contiguous visible ``full`` entries), except on
+        the last prefill step, which queries every boundary again so segments a
+        tier lost meanwhile are uploaded again. On the first step the
+        checkpoint the request started from is uploaded too if a tier lacks it
+        (e.g. after the store lost its objects).
 
         Args:
-            marks: per request, tier name -> tokens of KV known to be in that
-                tier (every aligned ``kv`` entry up to it is visible). Only
-                boundaries past the mark are queried, and the mark advances as
-                entries land, so a long prompt's later steps do not re-query
-                its whole prefix. Owned by the caller; ``None``: query all.
-            final: the request's last prefill step: every boundary is queried
-                again whatever the mark says, so segments the tier lost
-                while the request ran (eviction, restart) are uploaded again.
+            key: the request's handle (as given to :meth:`admitted`).
+            alloc: its allocation.
+            computed: prompt tokens computed so far (tokens).
+            checkpoints: boundary -> checkpoint created in this step.
         """
+        st = self._state(key)
+        hashes, final, first = st.hashes, computed >= st.prompt_len, st.uploads == 0
+        st.uploads += 1
         checkpoints = dict(checkpoints)
-        g = self.cache.config.prefix_match_unit
-        if repair and alloc.start and alloc.start not in checkpoints and len(alloc.nodes) >= alloc.start // g:
-            node = alloc.nodes[alloc.start // g - 1]
-            if node.parent is not None and node.checkpoint is not None:
-                checkpoints[alloc.start] = None            # read from the device pool if a tier lacks it
-        marks = {} if marks is None else marks
+        if first and st.start and st.start not in checkpoints:
+            checkpoints[st.start] = None                  # read from the device if a tier lacks it
         for tier in self.tiers:
             if not tier.write_through:
                 continue
             a = tier.alignment
-            mark = 0 if final else marks.get(tier.name, 0)
+            mark = 0 if final else st.marks.get(tier.name, 0)
             kv = list(range(mark + a, computed // a * a + 1, a))
             aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
-            present = tier.has_many(hashes, [(b, "kv") for b in kv] + [(b, "kda") for b in aligned])
+            present = tier.exists([(tier.chain_hash(hashes, b), FULL) for b in kv]
+                                  + [(tier.chain_hash(hashes, b), KDA) for b in aligned])
             if present is None:
                 continue
-            entries = [tier.entry(hashes, b, "kv", {"latents": self.backend.read_kv(alloc.block_table, b - a, b)})
+            entries = [tier.entry(hashes, b, FULL, {"latents": self.backend.read_kv(alloc.block_table, b - a, b)})
                        for b, ok in zip(kv, present) if not ok]
             for b, ok in zip(aligned, present[len(kv):]):
-                if ok:
-                    continue
-                ckpt = checkpoints[b]
-                if ckpt is None:
-                    node = alloc.nodes[b // g - 1]
-                    if node.checkpoint is None:
-                        continue
-                    ckpt = self.cache.checkpoints.read(node.checkpoint, b)
-                entries.append(tier.entry(hashes, b, "kda", checkpoint_components(ckpt)))
+                ckpt = checkpoints[b] if not ok else None
+                if not ok and ckpt is None:
+                    ckpt = self.cache.checkpoint_at(alloc, b)
+                if ckpt is not None:
+                    entries.append(tier.entry(hashes, b, KDA, checkpoint_components(ckpt)))
             visible = iter(tier.save_entries(entries))      # two batched puts per step
             landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
             for b in kv:                                    # the mark moves over contiguous visible entries
                 if not landed[b]:
                     break
-                marks[tier.name] = b
+                st.marks[tier.name] = b
 
-    def _write_back(self, nodes, kv: bool) -> None:
+    def write_back(self, evicted: list[EvictedEntry]) -> None:
         """Save evicted device state into the write-back tiers (page-aligned entries only), batched;
-        entries a tier already holds are skipped before their tensors are read."""
-        g = self.cache.config.prefix_match_unit
+        entries a tier already holds are skipped before their tensors are read. The coordinator's
+        ``on_evict`` callback."""
         for tier in self._back:
             a = tier.alignment
-            wanted = []                                     # (node, parent key, group)
-            for n in nodes:
-                if n.end % a:
-                    continue
-                parent = n
-                for _ in range(a // g):
-                    parent = parent.parent
-                parent_key = parent.key if parent is not None and parent.end else None
-                if kv:
-                    wanted.append((n, parent_key, "kv"))
-                if n.checkpoint is not None:
-                    wanted.append((n, parent_key, "kda"))
+            wanted = [(e, grp) for e in evicted if e.end % a == 0
+                      for grp, held in ((FULL, e.page is not None), (KDA, e.checkpoint is not None)) if held]
             if not wanted:
                 continue
-            held = tier.has_entries([(n.key, grp) for n, _, grp in wanted]) or [False] * len(wanted)
+            held = tier.exists([(e.key, grp) for e, grp in wanted]) or [False] * len(wanted)
             entries = []
-            for (n, parent_key, grp), ok in zip(wanted, held):
+            for (e, grp), ok in zip(wanted, held):
                 if ok:
                     continue
-                if grp == "kv":
-                    tensors = {"latents": self.backend.page_latents(n.page)}
+                if grp == FULL:
+                    tensors = {"latents": self.backend.page_latents(e.page)}
                 else:
-                    tensors = checkpoint_components(self.cache.checkpoints.read(n.checkpoint, n.end))
-                entries.append((n.key, parent_key, grp, n.end, tensors))
+                    tensors = checkpoint_components(self.cache.read_checkpoint(e.checkpoint, e.end))
+                entries.append((e.key, e.parent_key, grp, e.end, tensors))
             tier.save_entries(entries)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.tiers.base import EntryShapes, Tier
+from hybridkv.tiers.base import Entry, Tier
 from hybridkv.tiers.layout import DTYPES
 
 
@@ -53,7 +53,7 @@ class HostTier(Tier):
             does not fit ``unit``.
     """
 
-    def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+    def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
@@ -61,8 +61,8 @@ class HostTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._entries: OrderedDict[tuple[bytes, str], _HostEntry] = OrderedDict()
-        self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in getattr(shapes, grp).items()}
-                          for grp in ("kv", "kda")}
+        self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in comps.items()}
+                          for grp, comps in shapes.items()}
         self._bytes = 0
 
     @property
@@ -70,9 +70,10 @@ class HostTier(Tier):
         """Payload bytes held now."""
         return self._bytes
 
-    def _exists(self, keys):
+    def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool]:
+        """Whether each ``(chained hash, group)`` entry is held (never unreachable)."""
         with self._lock:
-            return [k in self._entries for k in keys]
+            return [k in self._entries for k in wanted]
 
     def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
         """The held tensors of each ``(boundary, group)`` (read-only by contract: callers copy).
@@ -82,10 +83,10 @@ class HostTier(Tier):
         out = []
         with self._lock:
             for b, grp in wanted:
-                key = self._key(hashes, b, grp)
+                key = (self.chain_hash(hashes, b), grp)
                 e = self._entries.get(key)
                 if e is None:
-                    self.stats.misses["absent"] += 1
+                    self.count_miss("absent")
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
@@ -94,7 +95,7 @@ class HostTier(Tier):
                 out.append(dict(e.tensors))
         return out
 
-    def save_entries(self, entries: list[tuple]) -> list[bool]:
+    def save_entries(self, entries: list[Entry]) -> list[bool]:
         """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry into host memory.
 
         An entry already held is left as it is (idempotent). Components must
@@ -104,12 +105,12 @@ class HostTier(Tier):
             Per entry, whether it is held now (``False``: larger than the capacity).
 
         Raises:
-            ValueError: a component's name, dtype or shape differs from :class:`EntryShapes`.
+            ValueError: a component's name, dtype or shape differs from ``shapes``.
         """
         out = []
         with self._lock:
             for chain_hash, _parent, group, _boundary, tensors in entries:
-                key = self._entry_key(chain_hash, group)
+                key = (chain_hash, group)
                 if key in self._entries:
                     self._entries.move_to_end(key)
                     out.append(True)
@@ -132,14 +133,10 @@ class HostTier(Tier):
     def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
         """Drop one entry if held."""
         with self._lock:
-            e = self._entries.pop(self._key(hashes, boundary, group), None)
+            e = self._entries.pop((self.chain_hash(hashes, boundary), group), None)
             if e is not None:
                 e.wait()
                 self._bytes -= e.nbytes
-
-    def _entry_key(self, chain_hash: bytes, group: str):
-        """Entries are keyed by ``(chained hash, group)``: one namespace per tier, nothing serialized."""
-        return (chain_hash, group)
 
     def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
         expected = self._expected[group]
@@ -147,7 +144,7 @@ class HostTier(Tier):
                 (t.dtype, t.shape) != expected.get(n, (None, None)) for n, t in tensors.items()):
             got = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
             raise ValueError(f"{self.name} tier: {group} entry components {got} differ from "
-                             f"{getattr(self.shapes, group)}")
+                             f"{self.shapes[group]}")
 
     def _copy(self, tensors: dict[str, torch.Tensor], nbytes: int) -> _HostEntry:
         held, on_device = {}, False

@@ -1,22 +1,24 @@
-"""Cache ABI v2: object keys, component encoding and manifests (DESIGN §5; docs/cache_abi.md).
+"""Cache ABI v3: object keys, component encoding and manifests (DESIGN §5; docs/cache_abi.md).
 
 An *entry* is one group's state at one aligned boundary ``L`` of one prefix:
 
-* ``kv`` entry: MLA latents of tokens ``[L - A, L)`` for every MLA layer, one
+* ``full`` entry: MLA latents of tokens ``[L - A, L)`` for every MLA layer, one
   component ``latents``: ``float32[num_mla_layers, A, kv_latent_dim]``.
 * ``kda`` entry: checkpoint ``C(P_L)``: components ``recurrent``
   (``float32[L_kda, H, K, V]``) and ``conv.q``, ``conv.k``, ``conv.v``
   (each ``[L_kda, H*K, kernel-1]``, the q | k | v thirds of the conv window).
 
-Keys: ``hkv2/<namespace hex>/<chained hash hex of [0, L)>/<group>/r<rank>/<component>``;
+Keys: ``hkv3/<namespace hex>/<chained hash hex of [0, L)>/<group>/r<rank>/<component>``;
 the manifest is the component ``manifest``. The manifest (JSON, UTF-8) lists every
 component with key, byte size, dtype, shape and XXH3-128 checksum, plus the layout
 version, the token length ``L``, the segment length ``A`` and the parent hash (of
 ``[0, L - A)``). Components are written first, the manifest last; an entry
 exists only if its manifest and every component exist and verify.
 
-ABI v1 (``hkv1/`` keys, SHA-256 checksums) is not read: its objects are simply
-absent to a v2 reader. The checksum detects corrupt and truncated objects; keys
+Group names and entry shapes come from :mod:`hybridkv.cache.groups` (one vocabulary
+from the config to the keys). Older ABIs are not read: v1 (``hkv1/`` keys, SHA-256
+checksums) and v2 (``hkv2/`` keys, the ``full`` group named ``kv``) objects are simply
+absent to a v3 reader. The checksum detects corrupt and truncated objects; keys
 already come from the SHA-256 chain, so a fast non-cryptographic hash suffices
 (XXH3-128 via the ``xxhash`` package, ~10 GB/s against ~1 GB/s for SHA-256 on the
 development machine, docs/benchmarks.md).
@@ -30,26 +32,20 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-ABI_VERSION = 2
-KEY_PREFIX = "hkv2"
-LAYOUT_VERSION = "hkv2-kv-latents-f32+kda-rec-f32-conv-qkv"
+from hybridkv.cache.groups import DTYPE_BYTES, nbytes
+from hybridkv.model.state import KDACheckpoint
+
+ABI_VERSION = 3
+KEY_PREFIX = "hkv3"
+LAYOUT_VERSION = "hkv3-full-latents-f32+kda-rec-f32-conv-qkv"
 CHECKSUM = "xxh3_128"
-GROUPS = ("kv", "kda")
 
 #: Largest manifest a reader accepts (bytes); ours are about 1 KiB. A load reads the
 #: manifest into a slot of this size in the same batched get as the components.
 MANIFEST_MAX_BYTES = 16 << 10
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def component_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    """Bytes of a component of ``dtype`` (a :data:`DTYPES` name) and ``shape``."""
-    n = ITEMSIZE[dtype]
-    for d in shape:
-        n *= d
-    return n
+"""torch dtype of each component dtype name (:data:`hybridkv.cache.groups.DTYPE_BYTES` gives sizes)."""
 
 
 class EntryError(ValueError):
@@ -99,7 +95,7 @@ def view_tensor(buffer, offset: int, dtype: str, shape: tuple[int, ...]) -> torc
     tdt = DTYPES[dtype]
     if memoryview(buffer).readonly:
         buffer = bytearray(buffer)
-    numel = component_nbytes(dtype, shape) // ITEMSIZE[dtype]
+    numel = nbytes(dtype, shape) // DTYPE_BYTES[dtype]
     if numel == 0:
         return torch.empty(shape, dtype=tdt)
     return torch.frombuffer(buffer, dtype=tdt, count=numel, offset=offset).reshape(shape)
@@ -138,9 +134,9 @@ def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None,
         namespace: namespace digest.
         chain_hash: chained hash of ``[0, boundary)``.
         parent_hash: chained hash of ``[0, boundary - segment)`` (``None`` at the start).
-        group: ``"kv"`` or ``"kda"``.
+        group: ``"full"`` or ``"kda"``.
         boundary: ``L`` in tokens.
-        segment: ``A`` in tokens (the tokens a ``kv`` entry covers).
+        segment: ``A`` in tokens (the tokens a ``full`` entry covers).
         tensors: component name -> tensor.
 
     Returns:
@@ -191,7 +187,7 @@ def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, 
     for c in comps:
         if c.key != keys[c.name]:
             raise EntryError("incomplete", f"manifest component {c.name} points outside its entry")
-        if c.nbytes != component_nbytes(c.dtype, c.shape):
+        if c.nbytes != nbytes(c.dtype, c.shape):
             raise EntryError("incomplete", f"manifest component {c.name}: {c.nbytes} bytes do not fit {c.shape}")
     return comps
 
@@ -220,3 +216,16 @@ def verify_component(comp: Component, buffer, offset: int = 0, nread: int | None
     if nread != comp.nbytes or checksum(view[offset: offset + nread]) != comp.checksum:
         raise EntryError("checksum", f"component {comp.name} fails its checksum")
     return view_tensor(buffer, offset, comp.dtype, comp.shape)
+
+
+def checkpoint_components(ckpt: KDACheckpoint) -> dict[str, torch.Tensor]:
+    """The ``kda`` entry components of a checkpoint: ``recurrent`` and the q | k | v conv thirds
+    (names and shapes: :meth:`hybridkv.cache.groups.KDASpec.entry_shape`)."""
+    q, k, v = ckpt.conv.chunk(3, dim=1)
+    return {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k, "conv.v": v}
+
+
+def checkpoint_from_components(parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
+    """Inverse of :func:`checkpoint_components`: ``C(P_boundary)``."""
+    conv = torch.cat([parts["conv.q"], parts["conv.k"], parts["conv.v"]], dim=1)
+    return KDACheckpoint(parts["recurrent"], conv, boundary)

@@ -1,6 +1,6 @@
 """One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
 
-A :class:`StoreTier` speaks cache ABI v2 (:mod:`hybridkv.tiers.layout`) to an
+A :class:`StoreTier` speaks cache ABI v3 (:mod:`hybridkv.tiers.layout`) to an
 :class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
 ``alignment`` (``store_alignment``) become entries. Every failure is a counted
 miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
@@ -17,17 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from hybridkv.cache.groups import nbytes
 from hybridkv.store.base import ObjectStore, StoreUnavailable
-from hybridkv.tiers.base import (
-    EntryShapes,
-    Tier,
-)
+from hybridkv.tiers.base import Entry, Tier
 from hybridkv.tiers.layout import (
     MANIFEST_MAX_BYTES,
     EntryError,
-    component_nbytes,
     decode_manifest,
     entry_components,
+    entry_key,
     entry_manifest,
     verify_component,
 )
@@ -38,7 +36,7 @@ _ALIGN = 64          # byte alignment of every slot in a load arena
 
 
 class StoreTier(Tier):
-    """Entries of one namespace in one object store (cache ABI v2).
+    """Entries of one namespace in one object store (cache ABI v3).
 
     Thread-safe: every store call and every statistics update runs under one
     lock, so a background prefetch and the engine's own calls can share a tier.
@@ -50,7 +48,7 @@ class StoreTier(Tier):
         retry_seconds: fail-fast window after the store was unreachable.
     """
 
-    def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: EntryShapes,
+    def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  retry_seconds: float = 2.0, name: str = "store", write_through: bool = True,
                  write_back: bool | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back)
@@ -67,20 +65,21 @@ class StoreTier(Tier):
         """Run a store call under the tier lock; ``None`` (and an ``unreachable`` miss) if the store is down."""
         with self._lock:
             if time.monotonic() < self._down_until:
-                self.stats.misses["unreachable"] += 1
+                self.count_miss("unreachable")
                 return None
             try:
                 return fn(*args)
             except StoreUnavailable as exc:
                 self._down_until = time.monotonic() + self.retry_seconds
-                self.stats.misses["unreachable"] += 1
+                self.count_miss("unreachable")
                 if not self._warned:
                     log.warning("%s tier unreachable, continuing without it: %s", self.name, exc)
                     self._warned = True
                 return None
 
-    def _exists(self, keys):
-        return self._call(self.store.exists, keys)
+    def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
+        """Whether each ``(chained hash, group)`` entry's manifest exists, in one store call."""
+        return self._call(self.store.exists, [entry_key(self.namespace, h, grp, "manifest") for h, grp in wanted])
 
     def submit(self, fn, *args):
         """Run ``fn(*args)`` on this tier's worker thread; a ``concurrent.futures.Future``.
@@ -125,7 +124,7 @@ class StoreTier(Tier):
 
         Every manifest and every component this model expects lands in one
         arena: a manifest slot of ``MANIFEST_MAX_BYTES`` and an exact-size slot
-        per component (sizes from :class:`EntryShapes`). Then each manifest is
+        per component (sizes from ``shapes``). Then each manifest is
         decoded and checked, and each component is checked against the
         manifest's size and checksum. The returned tensors view the arena (no
         copy). Reading the manifest in the same batch as its components is
@@ -148,7 +147,7 @@ class StoreTier(Tier):
         pos = 0
         for b, grp in wanted:
             slots = [("manifest", MANIFEST_MAX_BYTES)] + [
-                (n, component_nbytes(dt, shape)) for n, (dt, shape) in getattr(self.shapes, grp).items()]
+                (n, nbytes(dt, shape)) for n, (dt, shape) in self.shapes[grp].items()]
             for name, size in slots:
                 keys.append(self._key(hashes, b, grp, name))
                 offsets.append(pos)
@@ -156,7 +155,7 @@ class StoreTier(Tier):
                 pos += -(-size // _ALIGN) * _ALIGN
         with self._lock:
             if time.monotonic() < self._down_until:      # fail fast before touching the arena
-                self.stats.misses["unreachable"] += 1
+                self.count_miss("unreachable")
                 return [None] * len(wanted)
             arena = self._arena(pos, staging)
             if arena is None:
@@ -167,19 +166,19 @@ class StoreTier(Tier):
                 return [None] * len(wanted)
             out, i = [], 0
             for b, grp in wanted:
-                n_slots = 1 + len(getattr(self.shapes, grp))
+                n_slots = 1 + len(self.shapes[grp])
                 out.append(self._verify(hashes, b, grp, arena, offsets[i:i + n_slots], nread[i:i + n_slots]))
                 i += n_slots
         return out
 
     def _verify(self, hashes, b, grp, arena, offsets, nread) -> dict | None:
         """Decode one entry read by :meth:`load_many` (``None`` and a counted miss on failure)."""
-        names = getattr(self.shapes, grp)
+        names = self.shapes[grp]
         mo, mn = offsets[0], nread[0]
         if mn < 0:                                  # absent, or larger than any manifest a reader accepts
             present = self._call(self.store.exists, [self._key(hashes, b, grp)])
             if present is not None:                 # (None: counted unreachable already)
-                self.stats.misses["incomplete" if present[0] else "absent"] += 1
+                self.count_miss("incomplete" if present[0] else "absent")
             return None
         blob = arena[mo:mo + mn].tobytes()
         try:
@@ -198,14 +197,14 @@ class StoreTier(Tier):
                     verify_component(c, None)
                 parts[c.name] = verify_component(c, arena, offsets[j], n)
         except EntryError as exc:
-            self.stats.misses[exc.reason] += 1
+            self.count_miss(exc.reason)
             if exc.reason in ("evicted", "checksum"):   # broken entry: drop it so a writer can commit it again
                 self.invalidate(hashes, b, grp)
             return None
         self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return parts
 
-    def save_entries(self, entries: list[tuple]) -> list[bool]:
+    def save_entries(self, entries: list[Entry]) -> list[bool]:
         """Commit several entries with two batched puts: every component, then the manifests
         of the entries whose components all landed.
 
@@ -223,7 +222,7 @@ class StoreTier(Tier):
             return []
         with self._lock:
             if time.monotonic() < self._down_until:
-                self.stats.misses["unreachable"] += 1
+                self.count_miss("unreachable")
                 return [False] * len(entries)
         parts = [entry_components(self.namespace, h, group, tensors) for h, _, group, _, tensors in entries]
         pending = self.submit(self._call, self.store.put, [(key, data) for cs in parts for _, key, data, _ in cs])
@@ -253,6 +252,6 @@ class StoreTier(Tier):
         """Remove an entry: the manifest first, then its components."""
         mkey = self._key(hashes, boundary, group)
         self._call(self.store.remove, [mkey])
-        names = getattr(self.shapes, group)
+        names = self.shapes[group]
         self._call(self.store.remove, [self._key(hashes, boundary, group, n) for n in names])
 

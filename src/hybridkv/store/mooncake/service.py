@@ -38,7 +38,6 @@ from pathlib import Path
 
 from hybridkv.store.base import StoreUnavailable
 from hybridkv.store.mooncake.client import MooncakeStore
-from hybridkv.store.mooncake.support import MooncakeNotInstalled, master_reachable
 from hybridkv.store.mooncake.loopback import (
     LOOPBACK,
     loopback_env,
@@ -53,6 +52,7 @@ from hybridkv.store.mooncake.procs import (
     terminate,
     wait_for,
 )
+from hybridkv.store.mooncake.support import MooncakeNotInstalled, master_reachable
 
 log = logging.getLogger(__name__)
 
