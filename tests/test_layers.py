@@ -18,7 +18,11 @@ ROOTS = [SRC, SRC.parent / "tests", SRC.parent / "benchmarks"]
 
 #: Packages, lowest first; a package may import only from packages listed before it.
 LAYERS = ["hybridkv.model", "hybridkv.store", "hybridkv.cache", "hybridkv.tiers", "hybridkv.engine",
-          "hybridkv.replay", "hybridkv.api", "hybridkv.cli"]
+          "hybridkv.api", "hybridkv.replay", "hybridkv.cli"]
+
+
+#: The one module allowed to re-export: the package's documented public API (README).
+PUBLIC_API = "hybridkv"
 
 
 def _module_name(path: Path) -> str:
@@ -73,17 +77,13 @@ def test_every_import_names_the_defining_module():
     for path in files:
         tree = ast.parse(path.read_text(), str(path))
         for module, name, line in _imports(tree, top_level_only=False):
-            if name is None or module not in mods:
+            if name is None or module not in mods or module == PUBLIC_API:   # the documented public API
                 continue
             if f"{module}.{name}" in mods:          # a submodule: from hybridkv.store import disk
                 continue
             if name not in _defined(mods[module]):
                 bad.append(f"{path.relative_to(SRC.parent)}:{line}: {name} is not defined in {module}")
     assert not bad, "\n".join(bad)
-
-
-#: The one module allowed to re-export: the package's documented public API (README).
-PUBLIC_API = "hybridkv"
 
 
 def test_no_module_reexports_names_it_does_not_define():

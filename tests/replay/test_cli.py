@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -63,3 +64,17 @@ def test_bad_trace_line_names_file_and_line(tmp_path):
 def test_bad_option_names_the_value(capsys):
     assert main(["replay", "--simulate", "--limit", "5", "--prefix-match-unit", "48", "--no-progress"]) == 2
     assert "prefix_match_unit=48" in capsys.readouterr().err
+
+
+def test_store_absent_at_startup_runs_without_it(tmp_path, caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                                    # nothing listens here
+    out = tmp_path / "r.json"
+    with caplog.at_level("WARNING"):
+        rc = main(["replay", "--limit", "3", "--model", "tiny", "--no-progress", "--json", str(out),
+                   "--store", f"mooncake://127.0.0.1:{port}"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == 3 and rep["tiers"]["store"]["bytes_saved"] == 0
+    assert sum("unreachable" in r.message or "running without it" in r.message for r in caplog.records) == 1

@@ -13,7 +13,6 @@ import pytest
 
 from hybridkv.store import disk as disk_module
 from hybridkv.store.base import StoreUnavailable
-from hybridkv.store.url import open_store
 from hybridkv.store.disk import DiskStore
 from hybridkv.store.disk_files import encode_object, object_file_size
 
@@ -179,12 +178,6 @@ def test_restart_survives(tmp_path):
     assert again.used_bytes == used
     assert again.get([f"k{i}" for i in range(20)]) == [bytes([i]) * (i + 1) for i in range(20)]
     again.check_invariants()
-
-
-def test_open_store_url(tmp_path):
-    store = open_store(f"disk://{tmp_path}/u?capacity=1000")
-    assert isinstance(store, DiskStore) and store.capacity_bytes == 1000
-    assert store.put([("a", b"1")]) == [True]
 
 
 def test_capacity_evicts_least_recently_used(tmp_path):

@@ -13,33 +13,16 @@ import uuid
 
 import numpy as np
 import pytest
+from mooncake_helpers import MiB, require_mooncake, start
 
 from hybridkv.store.base import StoreUnavailable
-from hybridkv.store.url import open_store
 from hybridkv.store.mooncake.client import MooncakeStore
-from hybridkv.store.mooncake.support import MooncakeNotInstalled, load_client_class
 
-try:
-    load_client_class()
-except MooncakeNotInstalled as exc:
-    pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
+require_mooncake(allow_module_level=True)
 
 from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402  (needs mooncake)
 
-MiB = 1 << 20
 FAST_S = 6.0  # "a few seconds": Mooncake's own RPC timeout against a dead master is ~4.5 s
-
-
-def start(tmp_path_factory, segment_mb: int) -> service.StoreHandle:
-    """A store on free ports (drawn again if another process takes one first)."""
-    work = tmp_path_factory.mktemp("mooncake")
-    for attempt in range(3):
-        port, metrics_port = procs.find_free_ports(2)
-        try:
-            return service.start_store(port, metrics_port, segment_mb * MiB, work)
-        except procs.StoreServiceError:
-            if attempt == 2:
-                raise
 
 
 @pytest.fixture(scope="module")
@@ -132,13 +115,6 @@ def test_non_contiguous_and_registered_buffers(store, ns):
 def test_empty_object_is_a_bug(store, ns):
     with pytest.raises(ValueError, match="empty"):
         store.put([(ns + "empty", b"")])
-
-
-def test_open_store_url_converts_query_strings(store_service):
-    with open_store(f"{store_service.url}?timeout_s=3&retry_interval_s=0.5&setup_retries=1") as s:
-        assert isinstance(s, MooncakeStore)
-        assert (s.timeout_s, s.retry_interval_s, s.setup_retries) == (3.0, 0.5, 1)
-        assert s.exists(["t/none"]) == [False]
 
 
 # ------------------------------------------------------------------ processes

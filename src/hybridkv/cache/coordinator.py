@@ -257,6 +257,12 @@ class HybridCacheCoordinator:
             ValueError: a boundary that is not a positive multiple of
                 ``prefix_match_unit`` or lies beyond ``computed``.
         """
+        g = self.config.prefix_match_unit
+        for b in checkpoints:                       # check every boundary before anything changes
+            if b <= 0 or b % g:
+                raise ValueError(f"checkpoint boundary {b} is not a positive multiple of prefix_match_unit={g}")
+            if b > computed:
+                raise ValueError(f"checkpoint boundary {b} lies beyond the {computed} computed tokens")
         self.publish_units(alloc, hashes, computed)
         result = PublishResult()
         for b in sorted(checkpoints):
@@ -288,7 +294,7 @@ class HybridCacheCoordinator:
 
     def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
                             boundary: int, label: str = "") -> bool:
-        """Publish ``C(P_boundary)`` at the request's node for ``boundary``.
+        """Publish ``C(P_boundary)`` at the request's node for ``boundary`` (units already published).
 
         The bytes are copied into a cache-owned slot first and only then
         attached, so the producer keeps computing in its own working state.
@@ -298,9 +304,6 @@ class HybridCacheCoordinator:
             existed there or no slot could be freed.
         """
         g = self.config.prefix_match_unit
-        if boundary <= 0 or boundary % g:
-            raise ValueError(f"checkpoint boundary {boundary} is not a positive multiple of {g}")
-        self.publish_units(alloc, hashes, boundary)
         if len(alloc.nodes) < boundary // g:
             raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
         return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label)

@@ -1,4 +1,4 @@
-"""One engine instance of a replay: builds backend, engine and tiers, runs its requests.
+"""One engine instance of a replay: builds its engine (:func:`hybridkv.api.build_engine`), runs its requests.
 
 The same function runs in-process (one instance) and in worker processes
 (several instances sharing a store); everything it takes and returns pickles.
@@ -6,24 +6,17 @@ The same function runs in-process (one instance) and in worker processes
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from hybridkv.api import build_engine, load_model, model_config
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import FullAttentionSpec, KDASpec
-from hybridkv.cache.namespace import CacheIdentity
-from hybridkv.engine.backend import SimulatedBackend, TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.model.config import HybridConfig
-
-log = logging.getLogger("hybridkv.replay")
 
 
 @dataclass(slots=True)
@@ -78,34 +71,6 @@ class InstanceResult:
     greedy_mismatches: int = 0
 
 
-def model_config(name: str) -> HybridConfig:
-    """Config of a preset name or a model directory."""
-    path = Path(name)
-    return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(name)
-
-
-def load_model(name: str, seed: int):
-    """A preset (random weights from ``seed``) or a model directory, in eval mode."""
-    from hybridkv.model.model import HybridModel
-    path = Path(name)
-    model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(name, seed=seed)
-    return model.eval()
-
-
-def _open_tier(spec: InstanceSpec, backend, namespace: bytes):
-    from hybridkv.store.base import StoreUnavailable
-    from hybridkv.store.url import open_store
-    from hybridkv.tiers.connector import tier_for
-    try:
-        store = open_store(spec.store_url)
-    except StoreUnavailable as exc:
-        log.warning("store %s unreachable at startup; running without it: %s", spec.store_url, exc)
-        return None
-    if store is None:
-        return None
-    return tier_for(store, backend, namespace, spec.config.prefix_match_unit, spec.config.store_boundary)
-
-
 def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn) -> None:
     """Run the requests: all queued at once, or one at a time in trace order when ``turn`` is shared."""
     if turn is None:
@@ -142,37 +107,22 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     replay would. An instance that fails sets ``turn = -1`` and the others stop. Without it, requests run concurrently up to ``max_num_seqs``.
     ``threads`` sets torch's intra-op threads of this process.
     """
-    cfg = spec.config
     if threads is not None:
         torch.set_num_threads(threads)
-    if spec.simulate:
-        mcfg = model_config(spec.model)
-        full, kda = FullAttentionSpec.for_model(mcfg, cfg.block_size), KDASpec.for_model(mcfg)
-        model, backend, digest = None, SimulatedBackend(full, kda, vocab_size=mcfg.vocab_size), "simulated"
+    if spec.simulate:               # no tensors, so no lower tiers (the replay's host / store options are ignored)
+        built = build_engine(model_config(spec.model), spec.config, model_name=spec.model)
     else:
-        model = load_model(spec.model, spec.seed)
-        backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
-        digest = model.weight_digest()
-    namespace = CacheIdentity(model_repo=spec.model, weight_digest=digest).digest()
-    tiers = []
-    if not spec.simulate and spec.host_bytes:
-        from hybridkv.tiers.connector import host_tier_for
-        tiers.append(host_tier_for(spec.host_bytes, backend, namespace, cfg.prefix_match_unit, cfg.block_size,
-                                   write_through=spec.host_write_through))
-    tier = None if spec.simulate else _open_tier(spec, backend, namespace)
-    if tier is not None:
-        tiers.append(tier)
-    engine = Engine(cfg, backend, namespace, tiers=tiers)
-    host = tiers[0] if tiers and tiers[0].name == "host" else None
+        built = build_engine(load_model(spec.model, spec.seed), spec.config, model_name=spec.model,
+                             store_url=spec.store_url, host_bytes=spec.host_bytes,
+                             host_write_through=spec.host_write_through and spec.host_bytes > 0)
+    engine, backend, model = built.engine, built.backend, built.model
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
     t0 = time.perf_counter()
     try:
         _drive(engine, spec, requests, progress, turn)
     finally:
-        if tier is not None:
-            tier.close()                      # its worker thread and staging arena
-            tier.store.close()
+        built.close()                         # the store tier's worker thread, staging arena and the store
     seconds = time.perf_counter() - t0
     s = engine.stats
     res = InstanceResult(
@@ -180,14 +130,10 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         checkpoint_bytes_peak=engine.cache.checkpoint_bytes_peak,
         kv_bytes_per_token=backend.full_spec.bytes_per_token, checkpoint_bytes=backend.kda_spec.page_size_bytes,
         evicted_pages=engine.cache.evicted_pages, evicted_checkpoints=engine.cache.evicted_checkpoints,
-        compute_seconds=backend.modelled_seconds if spec.simulate else seconds)
-    empty = {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}
-    res.tiers = {"host": host.stats.as_dict() if host is not None else dict(empty),
-                 "store": tier.stats.as_dict() if tier is not None else dict(empty)}
-    lower = res.tiers["host"]["hit_tokens"] + res.tiers["store"]["hit_tokens"]
-    res.tiers = {"device": {**empty, "hit_tokens": s.reused_tokens - lower}, **res.tiers}
-    if tier is not None:
-        res.store_misses = Counter(tier.stats.misses)
+        compute_seconds=backend.modelled_seconds if spec.simulate else seconds,
+        tiers=built.tier_stats())
+    if built.store_tier is not None:
+        res.store_misses = Counter(built.store_tier.stats.misses)
     if model is not None:
         _verify(model, [r for r in requests if r.record_logits], res)
     return res

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from hybridkv.cache.groups import reuse_cap
 from hybridkv.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest, scaled_input_length
 
 
@@ -85,7 +86,7 @@ def _check_block_size(block_size: int) -> None:
 
 
 def _cap_blocks(length: int, block_size: int) -> int:
-    return max(0, length - 1) // block_size
+    return reuse_cap(length, block_size) // block_size
 
 
 def oracle_scan(token_lists_in_order: Iterable[Sequence[int]], block_size: int) -> OracleResult:

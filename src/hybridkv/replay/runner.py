@@ -28,11 +28,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from hybridkv.api import model_config
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.replay.instance import (
     InstanceResult,
     InstanceSpec,
-    model_config,
     run_instance,
 )
 from hybridkv.replay.oracle import oracle_from_trace

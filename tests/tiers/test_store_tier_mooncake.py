@@ -1,4 +1,5 @@
-"""S8, S9, S10 and S13 against a real mooncake_master on 127.0.0.1 (the same scenarios as test_tiers.py)."""
+"""The store tier against a real mooncake_master on 127.0.0.1: S8, S9, S10 (the scenarios of
+test_store_tier.py), the first prefetch scenario of test_connector.py, and S13 with the master killed."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ except MooncakeNotInstalled as exc:
 
 from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402
 
-import test_tiers  # noqa: E402
+import test_connector  # noqa: E402
+import test_store_tier  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,21 +42,21 @@ def store(mooncake):
 
 
 def test_s8_remote_full_hit(tiny_model, store):
-    test_tiers.test_s8_remote_full_hit(tiny_model, store)
+    test_store_tier.test_s8_remote_full_hit(tiny_model, store)
 
 
 def test_s9_remote_partial_group_backfill(tiny_model, store):
-    test_tiers.test_s9_remote_partial_group_backfill(tiny_model, store)
+    test_store_tier.test_s9_remote_partial_group_backfill(tiny_model, store)
 
 
 def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
-    test_tiers.test_prefetch_loads_while_earlier_requests_run(tiny_model, store)
+    test_connector.test_prefetch_loads_while_earlier_requests_run(tiny_model, store)
 
 
 @pytest.mark.parametrize("fault,reason", [("drop_conv", "evicted"), ("flip_recurrent", "checksum"),
                                           ("drop_manifest", "absent")])
 def test_s10_object_integrity(tiny_model, store, fault, reason):
-    test_tiers.test_s10_object_integrity(tiny_model, store, fault, reason)
+    test_store_tier.test_s10_object_integrity(tiny_model, store, fault, reason)
 
 
 def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):

@@ -1,0 +1,188 @@
+"""cache.groups: the reuse cap, each group's hit rule, the joint hit and the group specs' byte sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.cache.groups import (
+    FULL,
+    GROUP_NAMES,
+    KDA,
+    EntryPresence,
+    FullAttentionGroup,
+    FullAttentionSpec,
+    KDAGroup,
+    KDASpec,
+    entry_shapes,
+    joint_hit,
+    nbytes,
+    reuse_cap,
+)
+from hybridkv.cache.pools import CheckpointPool
+from hybridkv.model.config import HybridConfig
+
+UNIT = 64
+
+
+def path(*flags: str, unit: int = UNIT) -> list[EntryPresence]:
+    """Consecutive boundaries from ``unit`` on; each flag is ``"k"`` (KV), ``"c"`` (checkpoint),
+    ``"kc"`` (both) or ``""`` (neither)."""
+    return [EntryPresence((i + 1) * unit, "k" in f, "c" in f) for i, f in enumerate(flags)]
+
+
+# -- reuse_cap -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens,unit,cap", [
+    (0, 64, 0), (1, 64, 0), (2, 64, 0), (64, 64, 0), (65, 64, 64), (66, 64, 64), (128, 64, 64),
+    (129, 64, 128), (1000, 64, 960), (1024, 1024, 0), (1025, 1024, 1024), (4097, 1024, 4096),
+])
+def test_reuse_cap_is_t_minus_one_rounded_down_to_the_unit(num_tokens, unit, cap):
+    assert reuse_cap(num_tokens, unit) == cap
+
+
+@given(st.integers(0, 10_000), st.sampled_from([64, 128, 256, 1024]))
+def test_reuse_cap_always_leaves_the_last_position_to_compute(num_tokens, unit):
+    cap = reuse_cap(num_tokens, unit)
+    assert cap % unit == 0 and 0 <= cap <= max(num_tokens - 1, 0)
+    assert cap + unit > num_tokens - 1                                       # the largest such multiple
+
+
+# -- FullAttentionGroup / KDAGroup -----------------------------------------------------------------
+
+
+def test_group_names():
+    assert (FullAttentionGroup.name, KDAGroup.name) == (FULL, KDA) == GROUP_NAMES
+
+
+def test_full_attention_hit_is_the_kv_run_from_token_zero():
+    full = FullAttentionGroup()
+    assert full.find_hit([], 1000) == 0
+    assert full.find_hit(path("k", "k", "k"), 1000) == 192
+    assert full.find_hit(path("k", "", "kc", "k"), 1000) == 64               # contiguity break at 128
+    assert full.find_hit(path("", "k", "k"), 1000) == 0                      # never skips a hole
+    assert full.find_hit(path("k", "k", "k"), 150) == 128                    # limit between boundaries
+    assert full.find_hit(path("k", "k", "k"), 128) == 128                    # limit on a boundary
+    assert full.find_hit(path("k", "k", "k"), 63) == 0
+
+
+def test_kda_hit_is_the_deepest_checkpoint_at_or_below_the_limit():
+    kda = KDAGroup()
+    assert kda.find_hit([], 1000) == 0
+    assert kda.find_hit(path("k", "kc", "k", "kc"), 1000) == 256
+    assert kda.find_hit(path("k", "kc", "k", "kc"), 255) == 128
+    assert kda.find_hit(path("k", "kc", "k", "kc"), 127) == 0                # zero state
+    assert kda.find_hit(path("c", "", "", "c"), 1000) == 256                 # sparse: ignores KV
+
+
+def test_joint_hit_is_the_deepest_checkpoint_inside_the_kv_run():
+    j = joint_hit(path("k", "kc", "k", "kc", "k"), 1000)
+    assert (j.hit, j.kv_hit, j.per_group) == (256, 320, {FULL: 320, KDA: 256})
+    assert j.branching_boundary == 320
+
+
+def test_joint_hit_stops_at_the_limit():
+    j = joint_hit(path("k", "kc", "k", "kc", "k"), 200)
+    assert (j.hit, j.kv_hit, j.per_group[KDA], j.branching_boundary) == (128, 192, 128, 192)
+
+
+def test_a_checkpoint_beyond_the_kv_run_is_not_used():
+    j = joint_hit(path("kc", "k", "", "kc"), 1000)                           # KV breaks at 192
+    assert (j.hit, j.kv_hit, j.per_group[KDA]) == (64, 128, 256)
+    assert j.branching_boundary == 128
+    j = joint_hit(path("k", "k", "", "kc"), 1000)                            # no checkpoint inside it
+    assert (j.hit, j.kv_hit, j.branching_boundary) == (0, 128, 128)
+
+
+def test_no_branching_boundary_when_the_checkpoint_is_at_the_end_of_the_kv_run():
+    j = joint_hit(path("k", "kc"), 1000)
+    assert (j.hit, j.kv_hit, j.branching_boundary) == (128, 128, None)
+    empty = joint_hit([], 1000)
+    assert (empty.hit, empty.kv_hit, empty.branching_boundary) == (0, 0, None)
+
+
+def reference_joint_hit(flags: list[tuple[bool, bool]], limit: int, unit: int) -> int:
+    """The deepest boundary ``b <= limit`` such that every boundary up to ``b`` has KV and ``b`` has a checkpoint."""
+    best = 0
+    for i, (has_kv, has_ckpt) in enumerate(flags):
+        end = (i + 1) * unit
+        if end > limit or not all(kv for kv, _ in flags[: i + 1]):
+            break
+        if has_ckpt:
+            best = end
+    return best
+
+
+@given(flags=st.lists(st.tuples(st.booleans(), st.booleans()), max_size=24),
+       limit=st.integers(0, 26 * UNIT))
+def test_joint_hit_matches_a_brute_force_reference(flags, limit):
+    boundaries = [EntryPresence((i + 1) * UNIT, kv, ck) for i, (kv, ck) in enumerate(flags)]
+    j = joint_hit(boundaries, limit)
+    assert j.hit == reference_joint_hit(flags, limit, UNIT)
+    kv_run = next((i for i, (kv, _) in enumerate(flags) if not kv), len(flags))
+    assert j.kv_hit == min(kv_run * UNIT, limit // UNIT * UNIT)
+    assert j.per_group[KDA] == max([b.end for b in boundaries if b.has_checkpoint and b.end <= limit], default=0)
+    assert j.hit <= j.kv_hit and j.hit <= limit
+    assert j.branching_boundary == (j.kv_hit if j.kv_hit > j.hit else None)
+
+
+# -- specs -----------------------------------------------------------------------------------------
+
+
+def test_full_attention_spec_sizes_match_its_entry_shape():
+    spec = FullAttentionSpec(block_size=128, num_layers=2, latent_dim=8)
+    assert spec.bytes_per_token == 2 * 8 * 4
+    assert spec.page_size_bytes == 128 * 2 * 8 * 4
+    assert spec.entry_shape(128) == {"latents": ("float32", (2, 128, 8))}
+    dtype, shape = spec.entry_shape(128)["latents"]
+    assert nbytes(dtype, shape) == spec.page_size_bytes
+    assert nbytes(*spec.entry_shape(512)["latents"]) == 512 * spec.bytes_per_token   # any segment length
+
+
+def test_a_half_precision_pool_halves_the_page_but_entries_stay_float32():
+    spec = FullAttentionSpec(block_size=128, num_layers=2, latent_dim=8, dtype_bytes=2)
+    assert spec.page_size_bytes == 128 * 2 * 8 * 2
+    assert spec.entry_shape(128)["latents"][0] == "float32"
+
+
+@pytest.mark.parametrize("conv_dtype,conv_bytes", [("float32", 4), ("bfloat16", 2), ("float16", 2)])
+def test_kda_spec_checkpoint_bytes_match_its_entry_shape(conv_dtype, conv_bytes):
+    spec = KDASpec(num_layers=3, num_heads=2, head_dim=4, conv_dim=24, conv_width=3, conv_dtype=conv_dtype)
+    shape = spec.entry_shape()
+    assert shape == {"recurrent": ("float32", (3, 2, 4, 4)), "conv.q": (conv_dtype, (3, 8, 3)),
+                     "conv.k": (conv_dtype, (3, 8, 3)), "conv.v": (conv_dtype, (3, 8, 3))}
+    assert spec.page_size_bytes == 3 * 2 * 4 * 4 * 4 + 3 * 24 * 3 * conv_bytes
+    assert spec.page_size_bytes == sum(nbytes(d, s) for d, s in shape.values())
+
+
+def test_kda_spec_bytes_equal_a_tensor_backed_checkpoint_slot():
+    spec = KDASpec(num_layers=3, num_heads=2, head_dim=4, conv_dim=24, conv_width=3, conv_dtype="bfloat16")
+    pool = CheckpointPool(1, recurrent_shape=(3, 2, 4, 4), conv_shape=(3, 24, 3), conv_dtype=torch.bfloat16)
+    assert pool.slot_bytes == spec.page_size_bytes
+
+
+def test_specs_for_a_model_config_match_its_byte_counts():
+    config = HybridConfig.preset("tiny")
+    full = FullAttentionSpec.for_model(config, block_size=256)
+    kda = KDASpec.for_model(config)
+    assert (full.num_layers, full.latent_dim, full.block_size) == (config.num_mla_layers, config.kv_latent_dim, 256)
+    assert full.bytes_per_token == config.kv_bytes_per_token
+    assert kda.page_size_bytes == config.checkpoint_bytes
+    assert kda.entry_shape()["recurrent"][1] == config.recurrent_state_shape
+    third = (config.num_kda_layers, config.conv_dim // 3, config.conv_kernel_size - 1)
+    assert all(kda.entry_shape()[c] == ("float32", third) for c in ("conv.q", "conv.k", "conv.v"))
+
+
+def test_entry_shapes_name_both_groups():
+    full = FullAttentionSpec(block_size=128, num_layers=2, latent_dim=8)
+    kda = KDASpec(num_layers=3, num_heads=2, head_dim=4, conv_dim=24, conv_width=3)
+    assert entry_shapes(full, kda, 256) == {FULL: full.entry_shape(256), KDA: kda.entry_shape()}
+
+
+def test_nbytes_refuses_an_unknown_dtype():
+    assert nbytes("float16", (3, 5)) == 30 and nbytes("float32", ()) == 4
+    with pytest.raises(KeyError):
+        nbytes("int8", (4,))

@@ -1,0 +1,203 @@
+"""StoreTier over the memory and disk byte stores: remote hits (S8, S9, S2 across instances), aligned
+boundaries (S7), object integrity (S10), malformed and broken entries, store outages (S13); SCENARIOS.md.
+
+The same scenarios against a real Mooncake master: test_store_tier_mooncake.py. The ``store`` fixture
+(memory, disk) is in conftest.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hkv_helpers import assert_exact, run_one, tokens
+from tier_helpers import held, instance
+
+from hybridkv.store.memory import MemoryStore
+
+
+# -- remote hits -----------------------------------------------------------------------------------
+
+
+def test_s8_remote_full_hit(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    P = tokens(30, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(31, 300, v)]))
+    b, tier_b = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(32, 200, v)]))
+    assert r.reused == 1024 and tier_b.stats.hit_tokens == 1024
+    assert tier_b.stats.bytes_loaded > 0
+    assert_exact(tiny_model, r)
+
+
+def test_s9_remote_partial_group_backfill(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    P = tokens(33, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail")
+    run_one(a, np.concatenate([P, tokens(34, 1024, v)]))           # KV 1024, 2048 and C(P_2048) uploaded
+    b, tier_b = instance(tiny_model, store)
+    prompt_b = np.concatenate([P, tokens(35, 500, v)])
+    rm = tier_b.lookup(b.cache.hash_prompt(prompt_b), 1472)
+    assert (rm.kv_length, rm.checkpoint_boundaries, rm.missing_branching_boundary) == (1024, (), 1024)
+    rb = run_one(b, prompt_b)
+    assert rb.reused == 0 and rb.capture[1024] == "branch"           # computes once to 1024 and uploads
+    c, tier_c = instance(tiny_model, store)
+    rc = run_one(c, np.concatenate([P, tokens(36, 300, v)]))
+    assert rc.reused == 1024 and tier_c.stats.hit_tokens == 1024
+    assert_exact(tiny_model, rb)
+    assert_exact(tiny_model, rc)
+
+
+def test_s2_sparse_joint_rule_holds_remotely(tiny_model):
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(90, 4160, v)                                            # S2 at half scale, same ratios
+    a, _ = instance(tiny_model, store, policy="hint", block_size=512, alignment=512, pages=16)
+    run_one(a, P, max_output_tokens=1, hints=(2048, 4096))             # KV to 4096, C at 2048 and 4096
+    b, tier_b = instance(tiny_model, store, block_size=512, alignment=512, pages=16)
+    prompt = np.concatenate([P[:3750], tokens(91, 150, v)])
+    rm = tier_b.lookup(b.cache.hash_prompt(prompt), 3712)
+    assert (rm.kv_length, rm.checkpoint_boundaries, rm.best_joint) == (3584, (2048,), 2048)
+    r = run_one(b, prompt)
+    assert r.reused == 2048 and tier_b.stats.hit_tokens == 2048
+    assert_exact(tiny_model, r)
+
+
+def test_s7_only_aligned_boundaries_become_remote(tiny_model):
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(44, 6976, v)
+    a, tier = instance(tiny_model, store, policy="tail+interval=4096", block_size=4096, alignment=4096, pages=8)
+    run_one(a, P, max_output_tokens=1)
+    hashes = a.cache.hash_prompt(P)
+    local = [n.end for n in a.cache.index.walk(hashes) if n.checkpoint is not None]
+    assert local == [4096, 6976]
+    assert held(tier, hashes, [4096], "kda") == [True]
+    keys_6976 = tier._key(hashes, 6976, "kda")
+    assert store.exists([keys_6976]) == [False]
+
+
+# -- integrity -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault,reason", [("drop_conv", "evicted"), ("flip_recurrent", "checksum"),
+                                          ("drop_manifest", "absent")])
+def test_s10_object_integrity(tiny_model, store, fault, reason):
+    v = tiny_model.config.vocab_size
+    P = tokens(37, 1024, v)
+    a, tier_a = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(38, 300, v)]))
+    hashes = a.cache.hash_prompt(P)
+    key = lambda comp: tier_a._key(hashes, 1024, "kda", comp)  # noqa: E731
+    if fault == "drop_conv":
+        store.remove([key("conv.k")])
+    elif fault == "drop_manifest":
+        store.remove([key("manifest")])
+    else:
+        blob = bytearray(store.get([key("recurrent")])[0])
+        blob[100] ^= 0x01
+        store.remove([key("recurrent")])
+        store.put([(key("recurrent"), bytes(blob))])
+    b, tier_b = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(39, 200, v)]))
+    assert r.reused == 0 and tier_b.stats.hit_tokens == 0            # never installed
+    assert tier_b.stats.misses[reason] >= 1
+    assert all(n.checkpoint is None for n in b.cache.index.walk(hashes)) or r.capture.get(1024) == "branch"
+    assert_exact(tiny_model, r)
+
+
+def _populated(model, seed=37):
+    store = MemoryStore()
+    P = tokens(seed, 1024, model.config.vocab_size)
+    a, tier = instance(model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(seed + 1, 300, model.config.vocab_size)]))
+    tier.close()
+    return store, P
+
+
+@pytest.mark.parametrize("tamper", ["float_shape", "list_name", "bool_nbytes", "repeated_component", "oversized"])
+def test_malformed_manifest_is_an_incomplete_miss(tiny_model, tamper):
+    import json
+
+    store, P = _populated(tiny_model)
+    key = next(k for k in store._data if k.endswith("/kda/r0/manifest"))
+    m = json.loads(store._data[key])
+    if tamper == "float_shape":
+        for c in m["components"]:
+            c["shape"] = [float(d) for d in c["shape"]]
+    elif tamper == "list_name":
+        m["components"][0]["name"] = ["recurrent"]
+    elif tamper == "bool_nbytes":
+        m["components"][0]["nbytes"] = True
+    elif tamper == "repeated_component":
+        m["components"][1] = m["components"][0]
+    blob = json.dumps(m).encode()
+    if tamper == "oversized":                                         # never read past the 16 KiB slot
+        blob = b'{"abi": 2, "pad": [' + b"0," * (1 << 20) + b'0]}'
+    store._data[key] = blob
+    b, tier = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(99, 200, tiny_model.config.vocab_size)]))
+    assert r.reused == 0 and tier.stats.misses["incomplete"] >= 1
+    assert_exact(tiny_model, r)
+
+
+def test_broken_entry_is_dropped_by_its_reader_and_committed_again(tiny_model):
+    """A store that keeps a manifest but loses a component (silent eviction): the reader that finds it
+    counts an `evicted` miss and removes the entry, the next writer commits it again, and the
+    instance after that gets the full prefix."""
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(73, 4096, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(74, 100, v)]), max_output_tokens=1)
+    lost = [k for k in store._data if k.endswith("/full/r0/latents")][:1]
+    store.remove(lost)
+    b, tier_b = instance(tiny_model, store)
+    rb = run_one(b, np.concatenate([P, tokens(75, 100, v)]))
+    assert rb.reused < 4096 and tier_b.stats.misses["evicted"] >= 1
+    assert lost[0] in store._data                                      # b re-committed the entry
+    c, _ = instance(tiny_model, store)
+    rc = run_one(c, np.concatenate([P, tokens(76, 100, v)]))
+    assert rc.reused == 4096
+    assert_exact(tiny_model, rc)
+
+
+# -- outages ---------------------------------------------------------------------------------------
+
+
+def test_s13_store_down_and_back(tiny_model):
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(40, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(41, 100, v)]))
+    store.available = False
+    b, tier_b = instance(tiny_model, store)
+    tier_b.retry_seconds = 0.0
+    r1 = run_one(b, np.concatenate([P, tokens(42, 100, v)]))         # served as a miss
+    assert r1.reused == 0 and tier_b.stats.misses["unreachable"] >= 1
+    assert_exact(tiny_model, r1)
+    store.available = True
+    c, tier_c = instance(tiny_model, store)
+    r2 = run_one(c, np.concatenate([P, tokens(43, 100, v)]))         # used again after restart
+    assert r2.reused == 1024 and tier_c.stats.hit_tokens == 1024
+    assert_exact(tiny_model, r2)
+
+
+def test_store_down_while_registering_the_staging_arena(tiny_model):
+    """Registering the staging arena is a store call like any other: unreachable is a counted miss,
+    and the arena is kept only once registered."""
+    from hybridkv.store.base import StoreUnavailable
+
+    class DownOnRegister(MemoryStore):
+        def register_memory(self, buffer):
+            raise StoreUnavailable("master down")
+
+    src, P = _populated(tiny_model)
+    store = DownOnRegister()
+    store._data = dict(src._data)
+    b, tier = instance(tiny_model, store)
+    r = run_one(b, np.concatenate([P, tokens(98, 200, tiny_model.config.vocab_size)]))
+    assert r.reused == 0 and tier.stats.misses["unreachable"] >= 1 and tier._staging is None
+    assert_exact(tiny_model, r)
+
