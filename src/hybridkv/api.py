@@ -1,5 +1,6 @@
 """The public Python API: :class:`LLM` (load a model, generate with the prefix cache) and
-:func:`build_engine` (the engine, its backend and lower tiers from a model and a config).
+:func:`~hybridkv.engine.build.build_engine` (the engine, its backend and lower tiers from a
+model and a config) builds what it runs on.
 
 ``LLM(...)`` is the entry point a user reaches from the README::
 
@@ -12,7 +13,8 @@
 
 Prompts are token ids (``int64``; there is no tokenizer), lengths are in
 tokens, sizes in bytes unless the name says MiB. Generation is greedy.
-:func:`build_engine` is what ``hybridkv replay`` builds each instance with.
+:func:`~hybridkv.engine.build.build_engine` is also what ``hybridkv replay`` builds each
+instance with.
 """
 
 from __future__ import annotations
@@ -20,181 +22,20 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Self
 
 import numpy as np
 import torch
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.cache.groups import FullAttentionSpec, KDASpec
-from hybridkv.cache.namespace import CacheIdentity
-from hybridkv.engine.backend import SimulatedBackend, TorchBackend
+from hybridkv.engine.build import EngineHandle, build_engine, load_model
 from hybridkv.engine.engine import Engine, EngineStats
 from hybridkv.engine.request import Request, Status
-from hybridkv.model.config import HybridConfig
-from hybridkv.model.model import HybridModel
-from hybridkv.tiers.host import HostTier
-from hybridkv.tiers.store_tier import StoreTier
 
 log = logging.getLogger("hybridkv.api")
 
 DEFAULT_KV_TOKENS = 65536
 """Tokens the device KV pool of an :class:`LLM` holds when ``num_kv_pages`` is not given."""
-
-
-# -- models ------------------------------------------------------------------
-def model_config(name: str | os.PathLike) -> HybridConfig:
-    """Config of a preset name (``tiny``, ``small``, ``kimi-linear-48b-a3b``) or a model directory.
-
-    Raises:
-        ValueError: unknown preset name, or an invalid ``config.json`` (named).
-    """
-    path = Path(name)
-    return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(str(name))
-
-
-def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:
-    """A :class:`~hybridkv.model.model.HybridModel` in eval mode, fp32 on CPU: a preset with
-    deterministic random weights from ``seed``, or a directory saved by ``transformers`` /
-    ``HybridModel.save_pretrained`` (``seed`` unused).
-
-    Raises:
-        ValueError: unknown preset, or a bad config / missing or misshaped tensor (named).
-        FileNotFoundError: a directory without config or weights.
-    """
-    path = Path(name)
-    model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(str(name), seed=seed)
-    return model.eval()
-
-
-# -- engine construction -------------------------------------------------------
-@dataclass(slots=True, eq=False)
-class EngineHandle:
-    """An engine and what was built for it (see :func:`build_engine`).
-
-    Attributes:
-        engine: the :class:`~hybridkv.engine.engine.Engine`.
-        backend: :class:`~hybridkv.engine.backend.TorchBackend` (real model) or
-            :class:`~hybridkv.engine.backend.SimulatedBackend` (cost model).
-        model: the :class:`~hybridkv.model.model.HybridModel`; ``None`` when simulating.
-        namespace: 32-byte namespace digest of every cache entry (:class:`CacheIdentity`).
-        host_tier: the host tier, or ``None`` (``host_bytes == 0`` or simulating).
-        store_tier: the store tier, or ``None`` (no store, or unreachable at startup).
-    """
-
-    engine: Engine
-    backend: TorchBackend | SimulatedBackend
-    model: HybridModel | None
-    namespace: bytes
-    host_tier: HostTier | None = None
-    store_tier: StoreTier | None = None
-    closed: bool = False
-
-    def tier_stats(self) -> dict[str, dict[str, int]]:
-        """Per tier (``device``, ``host``, ``store``, in that order): ``{hit_tokens, bytes_loaded,
-        bytes_saved}`` (tokens, bytes). A missing tier reports zeros; the device is credited with
-        every reused token the lower tiers did not supply."""
-        empty = {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}
-        host = self.host_tier.stats.as_dict() if self.host_tier is not None else dict(empty)
-        store = self.store_tier.stats.as_dict() if self.store_tier is not None else dict(empty)
-        device = {**empty, "hit_tokens": self.engine.stats.reused_tokens - host["hit_tokens"] - store["hit_tokens"]}
-        return {"device": device, "host": host, "store": store}
-
-    def close(self) -> None:
-        """Stop the store tier's worker thread, release its staging memory and close the store.
-        Idempotent; the counters stay readable."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.store_tier is not None:
-            try:
-                self.store_tier.close()           # its worker thread and staging arena
-            finally:
-                self.store_tier.store.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheConfig) -> StoreTier | None:
-    """The store tier for ``store_url``; ``None`` for ``none`` or a store unreachable at startup (a warning)."""
-    from hybridkv.store.base import StoreUnavailable
-    from hybridkv.store.url import open_store
-    from hybridkv.tiers.connector import tier_for
-    try:
-        store = open_store(store_url)
-    except StoreUnavailable as exc:
-        log.warning("store %s unreachable at startup; running without it: %s", store_url, exc)
-        return None
-    if store is None:
-        return None
-    try:
-        return tier_for(store, backend, namespace, config.prefix_match_unit, config.store_boundary)
-    except BaseException:
-        store.close()
-        raise
-
-
-def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none", host_bytes: int = 0,
-                 host_write_through: bool = False, prefetch: bool = True) -> EngineHandle:
-    """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
-
-    Args:
-        model: a :class:`~hybridkv.model.model.HybridModel` (real compute through
-            :class:`TorchBackend`), or a :class:`~hybridkv.model.config.HybridConfig`
-            (simulation through :class:`SimulatedBackend`: no tensors, no lower tiers).
-        config: validated cache / scheduler config (tokens).
-        model_name: preset name or model directory; with the weight digest (``"simulated"``
-            when simulating) it forms the namespace, so engines of the same weights share
-            store entries and no others do.
-        store_url: ``none``, ``memory://``, ``disk:///PATH`` or ``mooncake://HOST:PORT``
-            (:func:`hybridkv.store.url.open_store`). A store unreachable at startup logs a
-            warning and the engine runs without it.
-        host_bytes: host tier capacity in bytes (write-back of evicted device entries); 0: none.
-        host_write_through: the host tier also saves page-aligned entries as they are computed.
-        prefetch: start store loads for waiting requests in the background.
-
-    Returns:
-        An :class:`EngineHandle`; call its ``close()`` when done (it stops the store worker).
-
-    Raises:
-        ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
-            lower tier asked for in simulation, or a malformed store URL (named).
-    """
-    if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
-        raise ValueError(f"host_bytes={host_bytes!r} must be an integer >= 0")
-    if host_write_through and not host_bytes:
-        raise ValueError("host_write_through=True needs a host tier: host_bytes is 0")
-    if isinstance(model, HybridConfig):
-        if host_bytes or store_url not in ("none", ""):
-            raise ValueError(f"simulation has no tensors for lower tiers: host_bytes={host_bytes}, "
-                             f"store_url={store_url!r}; use 0 and 'none'")
-        full, kda = FullAttentionSpec.for_model(model, config.block_size), KDASpec.for_model(model)
-        backend, digest, model = SimulatedBackend(full, kda, vocab_size=model.vocab_size), "simulated", None
-    else:
-        backend = TorchBackend(model, config.num_kv_pages, config.block_size)
-        digest = model.weight_digest()
-    namespace = CacheIdentity(model_repo=str(model_name), weight_digest=digest).digest()
-    host = store = None
-    if host_bytes:
-        from hybridkv.tiers.connector import host_tier_for
-        host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
-                             write_through=host_write_through)
-    if model is not None:
-        store = _open_store_tier(store_url, backend, namespace, config)
-    tiers = [t for t in (host, store) if t is not None]
-    handle = EngineHandle(engine=None, backend=backend, model=model, namespace=namespace,
-                          host_tier=host, store_tier=store)
-    try:
-        handle.engine = Engine(config, backend, namespace, tiers=tiers, prefetch=prefetch)
-    except BaseException:
-        handle.close()
-        raise
-    return handle
 
 
 # -- LLM ---------------------------------------------------------------------------
@@ -233,7 +74,13 @@ def _positive_int(name: str, value) -> int:
 
 
 def _is_id_scalar(x) -> bool:
+    """A token id: a Python or numpy integer, not a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    """A scalar (id or not): a list of these is one prompt, to be checked id by id."""
+    return isinstance(x, (int, float, bool, np.number, np.bool_))
 
 
 class LLM:
@@ -382,11 +229,11 @@ class LLM:
         elif isinstance(prompts, (list, tuple)):
             if not prompts:
                 raise ValueError("prompts is empty: pass one prompt (a list of token ids) or a list of prompts")
-            scalars = [_is_id_scalar(x) for x in prompts]
-            if all(scalars):
+            numbers = [_is_number(x) for x in prompts]
+            if all(numbers):
                 batch = [prompts]
-            elif any(scalars):
-                i = scalars.index(True)
+            elif any(numbers):
+                i = numbers.index(not numbers[0])
                 raise ValueError(f"prompts mixes token ids and prompts (element {i} is {prompts[i]!r}); "
                                  "pass one list of ids or a list of id lists")
             else:
@@ -394,27 +241,42 @@ class LLM:
         else:
             raise TypeError(f"prompts must be a list of token-id lists, one list, or an int array; "
                              f"got {type(prompts).__name__}")
+        if isinstance(prompts, np.ndarray) and not batch:
+            raise ValueError(f"prompts array of shape {prompts.shape} holds no prompt")
+        return [self._prompt(i, p) for i, p in enumerate(batch)]
+
+    def _prompt(self, i: int, p) -> np.ndarray:
+        """Prompt ``i`` as ``int64[T]``; ``ValueError`` / ``TypeError`` naming the index and the bad value."""
+        if isinstance(p, torch.Tensor):
+            p = p.detach().cpu().numpy()
+        if isinstance(p, str):
+            raise TypeError(f"prompt {i} is text, not token ids: hybridkv has no tokenizer")
+        if isinstance(p, np.ndarray):
+            if p.ndim != 1:
+                raise ValueError(f"prompt {i} must be a 1-D list of token ids, got shape {p.shape}")
+            if p.dtype.kind not in "iu":
+                raise ValueError(f"prompt {i}: token ids must be integers, got dtype {p.dtype}")
+            ids = p
+        elif isinstance(p, (list, tuple)):
+            for j, x in enumerate(p):
+                if not _is_id_scalar(x):
+                    raise ValueError(f"prompt {i}: element {j} is {x!r} ({type(x).__name__}), not an integer "
+                                     "token id")
+            ids = p
+        else:
+            raise TypeError(f"prompt {i} must be a list or 1-D array of token ids, got {type(p).__name__}")
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty (0 token ids); a prompt needs at least 1 token")
         vocab = self.vocab_size
-        out = []
-        for i, p in enumerate(batch):
-            if isinstance(p, torch.Tensor):
-                p = p.detach().cpu().numpy()
-            if isinstance(p, str):
-                raise TypeError(f"prompt {i} is text, not token ids: hybridkv has no tokenizer")
-            arr = np.asarray(p)
-            if arr.ndim != 1:
-                raise ValueError(f"prompt {i} must be a 1-D list of token ids, got shape {arr.shape}")
-            if arr.shape[0] == 0:
-                raise ValueError(f"prompt {i} is empty (0 token ids); a prompt needs at least 1 token")
-            if arr.dtype.kind not in "iu":
-                raise ValueError(f"prompt {i}: token ids must be integers, got dtype {arr.dtype}")
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab}) "
-                                 f"of model {self.model_name!r}")
-            out.append(arr.astype(np.int64))
-        return out
+        if isinstance(ids, np.ndarray):
+            lo, hi = int(ids.min()), int(ids.max())
+            bad = lo if lo < 0 else hi if hi >= vocab else None
+        else:
+            bad = next((int(x) for x in ids if not 0 <= int(x) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab}) "
+                             f"of model {self.model_name!r}")
+        return np.asarray(ids, dtype=np.int64)
 
     def generate(self, prompts, max_tokens: int = 16, *, return_logits: bool = False) -> list[GenerationOutput]:
         """Greedily generate ``max_tokens`` tokens after each prompt, reusing cached prefixes.

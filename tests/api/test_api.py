@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.api import LLM, GenerationOutput, build_engine
+from hybridkv.api import LLM, GenerationOutput
 from hybridkv.cache.config import CacheConfig, ConfigError
 from hybridkv.engine.backend import SimulatedBackend
+from hybridkv.engine.build import build_engine
 from hybridkv.model.config import HybridConfig
 
 VOCAB = 1024          # the tiny preset's
@@ -98,8 +99,12 @@ def test_invalid_input_names_the_value(llm):
         llm.generate([A], max_tokens=0)
     with pytest.raises(ValueError, match=r"max_tokens=2.5"):
         llm.generate([A], max_tokens=2.5)
-    with pytest.raises(ValueError, match=r"prompt 0: token ids must be integers, got dtype float64"):
+    with pytest.raises(ValueError, match=r"prompt 0: element 0 is 1.0 \(float\), not an integer token id"):
         llm.generate([[1.0, 2.0]])
+    with pytest.raises(ValueError, match=r"prompt 0: element 1 is True \(bool\)"):
+        llm.generate([[1, True, 3]])                                   # numpy would have made it id 1
+    with pytest.raises(ValueError, match=r"prompt 0: token ids must be integers, got dtype float64"):
+        llm.generate(np.array([1.0, 2.0]))
     with pytest.raises(ValueError, match=r"prompts is empty"):
         llm.generate([])
     with pytest.raises(TypeError, match=r"no tokenizer"):
@@ -167,7 +172,7 @@ def test_unreachable_store_at_startup_runs_without_it(caplog):
     with socket.socket() as s:                              # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with caplog.at_level(logging.WARNING, logger="hybridkv.api"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.engine.build"):
         llm = LLM("tiny", store=f"mooncake://127.0.0.1:{port}?setup_retries=1&timeout_s=1")
     with llm:
         assert "unreachable at startup" in caplog.text

@@ -438,3 +438,34 @@ def test_random_acquire_publish_release_keeps_invariants_and_returns_every_refer
     assert cache.checkpoints.num_free == cache.checkpoints.num_slots
     assert cache.index.num_nodes == 0
     cache.check_invariants()
+
+
+def test_publish_refuses_a_boundary_past_the_prompts_whole_units_before_changing_anything():
+    cache = make_cache()
+    prompt = tokens(11, 150)                                            # two whole units
+    m = cache.lookup(prompt)
+    alloc = cache.acquire(m, 160)
+    with pytest.raises(ValueError, match="boundary 192 lies beyond the prompt's 2 whole units"):
+        cache.publish(alloc, m.hashes[:2], 200, {64: (None, "tail"), 192: (None, "tail")})
+    assert alloc.nodes == [] and cache.checkpoints.num_free == cache.checkpoints.num_slots
+    cache.release(alloc)
+    assert_idle(cache)
+
+
+def test_a_failing_eviction_callback_leaks_no_page_reference():
+    """Write-back that raises (Ctrl-C, a failed host allocation) propagates, but the pages the
+    acquire held for the hit path are handed back, so later requests still fit."""
+    calls = []
+
+    def on_evict(entries):
+        calls.append(entries)
+        raise KeyboardInterrupt("write-back interrupted")
+
+    cache = make_cache(pages=4, on_evict=on_evict)
+    a = tokens(12, 256)
+    serve(cache, a, checkpoints=[128])                                  # 2 pages cached
+    with pytest.raises(KeyboardInterrupt):
+        m = cache.lookup(np.concatenate([a[:128], tokens(13, 300)]))   # shares page 0, needs 3 more
+        cache.acquire(m, 428)
+    assert calls
+    assert_idle(cache)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+from hkv_helpers import assert_exact, make_engine, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.engine.request import Request, Status
-
-from hkv_helpers import assert_exact, make_engine, tokens
 
 
 def _assert_all_released(engine):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hkv_helpers import assert_exact, make_engine, run_one, tokens
 
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.request import Request
-
-from hkv_helpers import assert_exact, make_engine, run_one, tokens
 
 
 def checkpoint_at(engine, prompt, boundary):

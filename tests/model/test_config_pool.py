@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybridkv.model.config import HybridConfig
-from hybridkv.model.model import HybridModel
 from hybridkv.model.kv_pool import PagedKVPool
+from hybridkv.model.model import HybridModel
 from hybridkv.model.state import ForwardRequest
 
 

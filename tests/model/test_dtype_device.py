@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.model.model import HybridModel
 from hybridkv.model.generate import greedy_generate
+from hybridkv.model.model import HybridModel
 from hybridkv.model.state import ForwardRequest
 
 

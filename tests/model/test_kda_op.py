@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.model.conv import short_conv
 from hybridkv.model.kda import chunk_segments, kda_chunked, kda_recurrent

@@ -12,7 +12,6 @@ from tier_helpers import held, host_instance, instance
 
 from hybridkv.store.memory import MemoryStore
 
-
 # -- prefetch and installs -------------------------------------------------------------------------
 
 
@@ -328,3 +327,67 @@ def test_write_back_skips_entries_the_tier_holds(tiny_model):
     new = store._bytes - held
     assert host.stats.bytes_saved - saved == new                      # only the new prompts' entries
 
+
+
+def test_an_admission_that_raises_still_returns_its_prefetch_bytes(tiny_model):
+    """A store error on the engine thread while admission asks the tiers (after the background
+    loads were reserved) propagates, yet the prefetch's bytes go back to the budget."""
+    import threading
+
+    from hybridkv.engine.request import Request
+
+    class FailsOnEngineThread(MemoryStore):
+        armed = False
+
+        def exists(self, keys):
+            if self.armed and threading.current_thread() is threading.main_thread():
+                raise KeyboardInterrupt("interrupted during admission")
+            return super().exists(keys)
+
+    v = tiny_model.config.vocab_size
+    store = FailsOnEngineThread()
+    P = tokens(21, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run_one(a, np.concatenate([P, tokens(22, 100, v)]), max_output_tokens=1)
+    e, _ = instance(tiny_model, store)
+    r = e.add_request(Request("r", np.concatenate([P, tokens(23, 50, v)]), 2))
+    e.prefetch()
+    assert e.connector.prefetching(r) and e.connector.drain(timeout_s=30)
+    assert e.connector.prefetch_held_bytes > 0                          # loaded, waiting for admission
+    store.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        e.step()
+    assert e.connector.drain(timeout_s=30) and e.connector.prefetch_held_bytes == 0
+    store.armed = False
+    e.run_until_done()                                                  # the request still runs, exact
+    assert r.reused == 2048
+    e.cache.check_invariants()
+
+
+def test_empty_existence_queries_never_reach_the_store(tiny_model):
+    """Prefill steps that land no new aligned boundary ask the store nothing."""
+    class Counting(MemoryStore):
+        calls = 0
+
+        def exists(self, keys):
+            type(self).calls += 1
+            assert keys, "an empty existence query reached the store"
+            return super().exists(keys)
+
+    v = tiny_model.config.vocab_size
+    e, tier = instance(tiny_model, Counting(), policy="tail", max_num_batched_tokens=128)
+    assert tier.exists([]) == []
+    run_one(e, tokens(24, 1100, v), max_output_tokens=1)               # 9 steps, one aligned boundary
+    assert Counting.calls <= 4
+
+
+def test_tiers_given_as_an_iterator_are_all_kept(tiny_model):
+    from hybridkv.cache.config import CacheConfig
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.tiers.connector import host_tier_for, tier_for
+
+    be = TorchBackend(tiny_model, 8, 1024)
+    tiers = [host_tier_for(1 << 20, be, b"ns", 64, 1024), tier_for(MemoryStore(), be, b"ns", 64, 1024)]
+    e = Engine(CacheConfig(num_kv_pages=8), be, b"ns", tiers=iter(tiers))
+    assert [t.name for t in e.connector.tiers] == ["host", "store"] and e.connector.writes_back

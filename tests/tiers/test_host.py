@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tier_helpers import held
 
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec, entry_shapes
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.layout import checkpoint_components
-from tier_helpers import held
 
 UNIT, ALIGN = 64, 128
 SHAPES = entry_shapes(FullAttentionSpec(ALIGN, num_layers=2, latent_dim=8),

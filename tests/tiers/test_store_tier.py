@@ -14,7 +14,6 @@ from tier_helpers import held, instance
 
 from hybridkv.store.memory import MemoryStore
 
-
 # -- remote hits -----------------------------------------------------------------------------------
 
 

@@ -19,10 +19,10 @@ try:
 except MooncakeNotInstalled as exc:
     pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
 
-from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402
-
 import test_connector  # noqa: E402
 import test_store_tier  # noqa: E402
+
+from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -200,13 +200,15 @@ class HybridCacheCoordinator:
             self.checkpoints.unref(slot)
         shared = [path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
         cow_src = path[-1].page if hit % b else None
-        fresh = self._take_pages(-(-num_tokens // b) - len(shared))
-        if fresh is not None and cow_src is not None and self.copy_page is not None:
-            self.copy_page(cow_src, fresh[0], hit % b)
-        for p in shared if fresh is not None else ():
-            self.pages.ref(p)                                # the block table's own references
-        for p in held:
-            self.pages.unref(p)
+        try:                                                 # an on_evict failure must not leak `held`
+            fresh = self._take_pages(-(-num_tokens // b) - len(shared))
+            if fresh is not None and cow_src is not None and self.copy_page is not None:
+                self.copy_page(cow_src, fresh[0], hit % b)
+            for p in shared if fresh is not None else ():
+                self.pages.ref(p)                            # the block table's own references
+        finally:
+            for p in held:
+                self.pages.unref(p)
         if fresh is None:
             return None
         self._note_peaks()
@@ -263,6 +265,8 @@ class HybridCacheCoordinator:
                 raise ValueError(f"checkpoint boundary {b} is not a positive multiple of prefix_match_unit={g}")
             if b > computed:
                 raise ValueError(f"checkpoint boundary {b} lies beyond the {computed} computed tokens")
+            if b > len(hashes) * g:
+                raise ValueError(f"checkpoint boundary {b} lies beyond the prompt's {len(hashes)} whole units")
         self.publish_units(alloc, hashes, computed)
         result = PublishResult()
         for b in sorted(checkpoints):
@@ -355,15 +359,17 @@ class HybridCacheCoordinator:
         held = list({n.page for n in path})
         for p in held:
             self.pages.ref(p)
-        pages = self._take_pages((end - start) // b)
-        if pages is not None:
-            write_pages(pages)
-            parent = path[-1] if path else self.index.root
-            for i in range(start // g, end // g):
-                parent, _ = self.index.get_or_insert(parent, hashes[i], pages[(i * g - start) // b])
-            held += pages
-        for p in held:
-            self.pages.unref(p)
+        try:
+            pages = self._take_pages((end - start) // b)
+            if pages is not None:
+                held += pages                               # freed again below unless indexed
+                write_pages(pages)
+                parent = path[-1] if path else self.index.root
+                for i in range(start // g, end // g):
+                    parent, _ = self.index.get_or_insert(parent, hashes[i], pages[(i * g - start) // b])
+        finally:
+            for p in held:
+                self.pages.unref(p)
         self._note_peaks()
         return pages is not None
 

@@ -25,7 +25,7 @@ KDA = "kda"
 """Group of the linear-attention (KDA) layers: whole-model checkpoints."""
 GROUP_NAMES = (FULL, KDA)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per value of each dtype an entry component may have."""
 
 

@@ -56,6 +56,7 @@ class Engine:
     """
 
     def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True) -> None:
+        tiers = list(tiers)
         self.config = config
         self.prefetch_enabled = prefetch
         self.backend = backend
@@ -65,7 +66,7 @@ class Engine:
                                             page_bytes=backend.full_spec.page_size_bytes,
                                             copy_page=backend.copy_page,
                                             on_evict=self._write_back if writes_back else None)
-        self.connector = TierConnector(self.cache, backend, list(tiers)) if tiers else None
+        self.connector = TierConnector(self.cache, backend, tiers) if tiers else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats(checkpoints_created={n: 0 for n in config.policy.names()})

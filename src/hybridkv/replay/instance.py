@@ -1,4 +1,4 @@
-"""One engine instance of a replay: builds its engine (:func:`hybridkv.api.build_engine`), runs its requests.
+"""One engine instance of a replay: builds its engine (:func:`hybridkv.engine.build.build_engine`), runs its requests.
 
 The same function runs in-process (one instance) and in worker processes
 (several instances sharing a store); everything it takes and returns pickles.
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.api import build_engine, load_model, model_config
 from hybridkv.cache.config import CacheConfig
+from hybridkv.engine.build import build_engine, load_model, model_config
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 

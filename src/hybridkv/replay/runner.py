@@ -28,8 +28,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from hybridkv.api import model_config
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.engine.build import model_config
 from hybridkv.replay.instance import (
     InstanceResult,
     InstanceSpec,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -68,11 +69,15 @@ class Prefetch:
         jobs: tier name -> future of ``(boundary, {(b, group): components or None}, reserved bytes)``.
         release: called with each job's reserved bytes once its loads are dropped
             (taken, cancelled or stale), so the connector's prefetch budget is returned.
+        pending: called with +1 when a cancelled job's release is deferred to its
+            completion, and with -1 once that release ran (:meth:`TierConnector.drain`
+            waits for the count to reach 0).
     """
 
     kv_from: int
     jobs: dict[str, Future]
     release: Callable[[int], None] = lambda nbytes: None
+    pending: Callable[[int], None] = lambda delta: None
 
     def take(self, tier: str, best_joint: int, kv_hit: int) -> dict | None:
         """The loaded entries of ``tier`` if they are for ``best_joint`` and the device still holds
@@ -91,16 +96,20 @@ class Prefetch:
         their reserved bytes are released either way."""
         for job in self.jobs.values():
             if not job.cancel():
+                self.pending(1)
                 job.add_done_callback(self._release_done)
         self.jobs.clear()
 
     def _release_done(self, job: Future) -> None:
-        if job.cancelled():
-            return
-        if job.exception() is not None:     # a bug in a job nobody waits for any more: say so
-            log.error("prefetch job failed: %r", job.exception())
-            return
-        self.release(job.result()[2])
+        try:
+            if job.cancelled():
+                return
+            if job.exception() is not None:     # a bug in a job nobody waits for any more: say so
+                log.error("prefetch job failed: %r", job.exception())
+                return
+            self.release(job.result()[2])
+        finally:
+            self.pending(-1)
 
 
 @dataclass(slots=True)
@@ -168,6 +177,8 @@ class TierConnector:
         self.prefetch_held_bytes = 0    # loaded (or being loaded) by prefetches not yet taken
         self._prefetch_lock = threading.Lock()
         self._jobs: set[Future] = set()  # every prefetch job not finished yet
+        self._deferred = 0               # cancelled jobs whose release has not run yet
+        self._deferred_done = threading.Condition()
         self._requests: dict[Hashable, _RequestState] = {}
 
     @property
@@ -195,11 +206,23 @@ class TierConnector:
         return len(self._requests)
 
     def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait for every prefetch job started so far; ``True`` if all ended within ``timeout_s``."""
+        """Wait for every prefetch job started so far and for the release of the bytes of every
+        cancelled one; ``True`` if all that ended within ``timeout_s`` (seconds)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._prefetch_lock:
             jobs = list(self._jobs)
         _, pending = wait(jobs, timeout=timeout_s)
-        return not pending
+        if pending:
+            return False
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        with self._deferred_done:
+            return self._deferred_done.wait_for(lambda: self._deferred == 0, timeout=left)
+
+    def _defer(self, delta: int) -> None:
+        with self._deferred_done:
+            self._deferred += delta
+            if self._deferred == 0:
+                self._deferred_done.notify_all()
 
     def prefetching(self, key: Hashable) -> bool:
         """Background loads were started for the request and not yet used or dropped."""
@@ -216,7 +239,8 @@ class TierConnector:
         """Start loading what write-through tiers hold beyond the device hit, in the background.
 
         Called for requests near the head of the waiting queue, before their
-        admission; once per request (later calls return at once). On each
+        admission; once per admission attempt (later calls return at once until
+        :meth:`fetch` ran). On each
         write-through store tier's worker thread: a remote lookup from the
         device's current KV hit, then one batched load of the best checkpoint's
         missing KV segments and the checkpoint itself. Nothing is installed
@@ -241,7 +265,7 @@ class TierConnector:
             self._jobs.update(jobs.values())
         for job in jobs.values():                   # outside the lock: a finished job calls back at once
             job.add_done_callback(self._job_done)
-        st.prefetch = Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release)
+        st.prefetch = Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release, pending=self._defer)
         return True
 
     def _job_done(self, job: Future) -> None:
@@ -293,6 +317,15 @@ class TierConnector:
         """
         st = self._state(key)
         ready_from, st.prefetch = st.prefetch, None
+        st.prefetch_tried = False           # not admitted this time: it may prefetch again while it waits
+        try:
+            return self._fetch(prompt, match, namespace, ready_from)
+        finally:
+            if ready_from is not None:
+                ready_from.cancel()                     # jobs not taken (unreachable tier, an error)
+
+    def _fetch(self, prompt, match: MatchResult, namespace: bytes | None, ready_from: Prefetch | None
+               ) -> FetchResult:
         gains: dict[str, int] = {}
         cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         missing = None
@@ -313,8 +346,6 @@ class TierConnector:
                     gains[tier.name] = gains.get(tier.name, 0) + max(match.hit - before, 0)
                     break
             missing = rm.missing_branching_boundary
-        if ready_from is not None:
-            ready_from.cancel()                         # jobs of tiers that were unreachable just now
         if missing is not None and missing <= match.hit:
             missing = None
         return FetchResult(match, missing, gains)

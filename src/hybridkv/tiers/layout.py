@@ -44,7 +44,7 @@ CHECKSUM = "xxh3_128"
 #: manifest into a slot of this size in the same batched get as the components.
 MANIFEST_MAX_BYTES = 16 << 10
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """torch dtype of each component dtype name (:data:`hybridkv.cache.groups.DTYPE_BYTES` gives sizes)."""
 
 

@@ -78,7 +78,10 @@ class StoreTier(Tier):
                 return None
 
     def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
-        """Whether each ``(chained hash, group)`` entry's manifest exists, in one store call."""
+        """Whether each ``(chained hash, group)`` entry's manifest exists, in one store call
+        (none for an empty query)."""
+        if not wanted:
+            return []
         return self._call(self.store.exists, [entry_key(self.namespace, h, grp, "manifest") for h, grp in wanted])
 
     def submit(self, fn, *args):

@@ -1,0 +1,180 @@
+"""Build an engine from a model and a cache config: backend, namespace, lower tiers and
+:class:`~hybridkv.engine.engine.Engine` in one :class:`EngineHandle`. What ``hybridkv replay``
+builds each instance with, and what :class:`hybridkv.api.LLM` stands on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cache.groups import FullAttentionSpec, KDASpec
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.engine.backend import SimulatedBackend, TorchBackend
+from hybridkv.engine.engine import Engine
+from hybridkv.model.config import HybridConfig
+from hybridkv.model.model import HybridModel
+from hybridkv.tiers.host import HostTier
+from hybridkv.tiers.store_tier import StoreTier
+
+log = logging.getLogger("hybridkv.engine.build")
+
+
+# -- models ------------------------------------------------------------------
+def model_config(name: str | os.PathLike) -> HybridConfig:
+    """Config of a preset name (``tiny``, ``small``, ``kimi-linear-48b-a3b``) or a model directory.
+
+    Raises:
+        ValueError: unknown preset name, or an invalid ``config.json`` (named).
+    """
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"model must be a preset name or a model directory, got {name!r}")
+    path = Path(name)
+    return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(str(name))
+
+
+def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:
+    """A :class:`~hybridkv.model.model.HybridModel` in eval mode, fp32 on CPU: a preset with
+    deterministic random weights from ``seed``, or a directory saved by ``transformers`` /
+    ``HybridModel.save_pretrained`` (``seed`` unused).
+
+    Raises:
+        ValueError: unknown preset, or a bad config / missing or misshaped tensor (named).
+        FileNotFoundError: a directory without config or weights.
+    """
+    path = Path(name)
+    model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(str(name), seed=seed)
+    return model.eval()
+
+
+# -- engine construction -------------------------------------------------------
+@dataclass(slots=True, eq=False)
+class EngineHandle:
+    """An engine and what was built for it (see :func:`build_engine`).
+
+    Attributes:
+        engine: the :class:`~hybridkv.engine.engine.Engine`.
+        backend: :class:`~hybridkv.engine.backend.TorchBackend` (real model) or
+            :class:`~hybridkv.engine.backend.SimulatedBackend` (cost model).
+        model: the :class:`~hybridkv.model.model.HybridModel`; ``None`` when simulating.
+        namespace: 32-byte namespace digest of every cache entry (:class:`CacheIdentity`).
+        host_tier: the host tier, or ``None`` (``host_bytes == 0`` or simulating).
+        store_tier: the store tier, or ``None`` (no store, or unreachable at startup).
+    """
+
+    engine: Engine
+    backend: TorchBackend | SimulatedBackend
+    model: HybridModel | None
+    namespace: bytes
+    host_tier: HostTier | None = None
+    store_tier: StoreTier | None = None
+    closed: bool = False
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Per tier (``device``, ``host``, ``store``, in that order): ``{hit_tokens, bytes_loaded,
+        bytes_saved}`` (tokens, bytes). A missing tier reports zeros; the device is credited with
+        every reused token the lower tiers did not supply."""
+        empty = {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}
+        host = self.host_tier.stats.as_dict() if self.host_tier is not None else dict(empty)
+        store = self.store_tier.stats.as_dict() if self.store_tier is not None else dict(empty)
+        device = {**empty, "hit_tokens": self.engine.stats.reused_tokens - host["hit_tokens"] - store["hit_tokens"]}
+        return {"device": device, "host": host, "store": store}
+
+    def close(self) -> None:
+        """Stop the store tier's worker thread, release its staging memory and close the store.
+        Idempotent; the counters stay readable."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.store_tier is not None:
+            try:
+                self.store_tier.close()           # its worker thread and staging arena
+            finally:
+                self.store_tier.store.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheConfig) -> StoreTier | None:
+    """The store tier for ``store_url``; ``None`` for ``none`` or a store unreachable at startup (a warning)."""
+    from hybridkv.store.base import StoreUnavailable
+    from hybridkv.store.url import open_store
+    from hybridkv.tiers.connector import tier_for
+    try:
+        store = open_store(store_url)
+    except StoreUnavailable as exc:
+        log.warning("store %s unreachable at startup; running without it: %s", store_url, exc)
+        return None
+    if store is None:
+        return None
+    try:
+        return tier_for(store, backend, namespace, config.prefix_match_unit, config.store_boundary)
+    except BaseException:
+        store.close()
+        raise
+
+
+def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none", host_bytes: int = 0,
+                 host_write_through: bool = False, prefetch: bool = True) -> EngineHandle:
+    """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
+
+    Args:
+        model: a :class:`~hybridkv.model.model.HybridModel` (real compute through
+            :class:`TorchBackend`), or a :class:`~hybridkv.model.config.HybridConfig`
+            (simulation through :class:`SimulatedBackend`: no tensors, no lower tiers).
+        config: validated cache / scheduler config (tokens).
+        model_name: preset name or model directory; with the weight digest (``"simulated"``
+            when simulating) it forms the namespace, so engines of the same weights share
+            store entries and no others do.
+        store_url: ``none``, ``memory://``, ``disk:///PATH`` or ``mooncake://HOST:PORT``
+            (:func:`hybridkv.store.url.open_store`). A store unreachable at startup logs a
+            warning and the engine runs without it.
+        host_bytes: host tier capacity in bytes (write-back of evicted device entries); 0: none.
+        host_write_through: the host tier also saves page-aligned entries as they are computed.
+        prefetch: start store loads for waiting requests in the background.
+
+    Returns:
+        An :class:`EngineHandle`; call its ``close()`` when done (it stops the store worker).
+
+    Raises:
+        ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
+            lower tier asked for in simulation, or a malformed store URL (named).
+    """
+    if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
+        raise ValueError(f"host_bytes={host_bytes!r} must be an integer >= 0")
+    if host_write_through and not host_bytes:
+        raise ValueError("host_write_through=True needs a host tier: host_bytes is 0")
+    if isinstance(model, HybridConfig):
+        if host_bytes or store_url not in ("none", ""):
+            raise ValueError(f"simulation has no tensors for lower tiers: host_bytes={host_bytes}, "
+                             f"store_url={store_url!r}; use 0 and 'none'")
+        full, kda = FullAttentionSpec.for_model(model, config.block_size), KDASpec.for_model(model)
+        backend, digest, model = SimulatedBackend(full, kda, vocab_size=model.vocab_size), "simulated", None
+    else:
+        backend = TorchBackend(model, config.num_kv_pages, config.block_size)
+        digest = model.weight_digest()
+    namespace = CacheIdentity(model_repo=str(model_name), weight_digest=digest).digest()
+    host = store = None
+    if host_bytes:
+        from hybridkv.tiers.connector import host_tier_for
+        host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
+                             write_through=host_write_through)
+    if model is not None:
+        store = _open_store_tier(store_url, backend, namespace, config)
+    tiers = [t for t in (host, store) if t is not None]
+    handle = EngineHandle(engine=None, backend=backend, model=model, namespace=namespace,
+                          host_tier=host, store_tier=store)
+    try:
+        handle.engine = Engine(config, backend, namespace, tiers=tiers, prefetch=prefetch)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
