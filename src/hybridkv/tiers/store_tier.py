@@ -182,6 +182,8 @@ class StoreTier(Tier):
             present = self._call(self.store.exists, [self._key(hashes, b, grp)])
             if present is not None:                 # (None: counted unreachable already)
                 self.count_miss("incomplete" if present[0] else "absent")
+                if present[0]:                      # an oversized manifest nobody can read: drop it
+                    self.invalidate(hashes, b, grp)
             return None
         blob = arena[mo:mo + mn].tobytes()
         try:
@@ -200,9 +202,12 @@ class StoreTier(Tier):
                     verify_component(c, None)
                 parts[c.name] = verify_component(c, arena, offsets[j], n)
         except EntryError as exc:
+            # Broken (a lost or corrupt component) or unusable (a manifest that does not decode, or not
+            # for this entry): drop it, manifest first, so the next writer commits the entry again.
+            # Manifests are written last and only whole, so a bad one under our key is never a
+            # write still in progress.
             self.count_miss(exc.reason)
-            if exc.reason in ("evicted", "checksum"):   # broken entry: drop it so a writer can commit it again
-                self.invalidate(hashes, b, grp)
+            self.invalidate(hashes, b, grp)
             return None
         self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return parts
