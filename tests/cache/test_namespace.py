@@ -210,3 +210,12 @@ def test_identity_is_immutable():
 def test_a_non_string_field_is_rejected_by_digest():
     with pytest.raises(AttributeError, match="encode"):
         CacheIdentity(tp_size=2).digest()       # type: ignore[arg-type]
+
+
+def test_bind_namespace_separates_bindings_and_is_stable():
+    from hybridkv.cache.namespace import bind_namespace
+
+    a = bind_namespace(NS, b"torch|digest-a")
+    assert a == bind_namespace(NS, b"torch|digest-a") and len(a) == 32
+    assert a != bind_namespace(NS, b"torch|digest-b") and a != bind_namespace(NS_OTHER, b"torch|digest-a")
+    assert a != NS                                                       # never the caller's digest itself

@@ -38,3 +38,26 @@ def test_out_of_vocab_request_is_refused_and_leaks_nothing(tiny_model):
     with pytest.raises(ValueError, match="already submitted"):
         e.add_request(good)
     assert not e.has_work and all(rc == 0 for rc in e.cache.pages.refcount)
+
+
+def test_a_request_that_fits_falls_back_to_less_reuse_instead_of_being_refused(tiny_model):
+    """Block 128, a 2-page pool: X(64)+30 leaves X's unit cached on a page with a tail checkpoint;
+    X+190 (254 tokens, 2 pages) cannot copy that partial page and take 2 fresh ones, so it runs
+    without the hit (before: REJECTED "needs 2 pages; the pool has 2")."""
+    v = tiny_model.config.vocab_size
+    X = tokens(40, 64, v)
+    e = make_engine(tiny_model, policy="tail", block_size=128, unit=64, pages=2, slots=4, max_num_seqs=1)
+    run_one(e, np.concatenate([X, tokens(41, 30, v)]), max_output_tokens=1)
+    r = run_one(e, np.concatenate([X, tokens(42, 190, v)]), max_output_tokens=1)
+    assert r.prompt_len == 254 and r.reused == 0 and e.stats.rejected == 0
+    assert_exact(tiny_model, r)
+    e.cache.check_invariants()
+
+
+def test_a_refusal_states_a_true_reason(tiny_model):
+    v = tiny_model.config.vocab_size
+    e = make_engine(tiny_model, policy="tail", block_size=128, unit=64, pages=2, slots=4, max_num_seqs=1)
+    r = e.add_request(Request("big", tokens(43, 300, v), 1))
+    e.run_until_done()
+    assert r.status == Status.REJECTED
+    assert r.reject_reason == "needs 3 pages (300 tokens of KV) even without reuse; the pool has 2"

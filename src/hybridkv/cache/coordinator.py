@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import GROUPS, KDA, joint_hit, reuse_cap
+from hybridkv.cache.groups import FULL, GROUPS, KDA, joint_hit, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
-from hybridkv.cache.namespace import chained_block_hashes
+from hybridkv.cache.namespace import bind_namespace, chained_block_hashes
 from hybridkv.cache.pools import CheckpointPool, PagePool
 from hybridkv.model.state import KDACheckpoint
 
@@ -123,11 +123,15 @@ class HybridCacheCoordinator:
         on_evict: called with the :class:`EvictedEntry` list of state about to be
             evicted (LRU), before anything is freed; lower tiers use it for
             write-back. ``None``: nobody listens.
+        binding: what the compute backend's state depends on (its
+            ``cache_binding()``: weights digest and state layout); every
+            namespace, the engine's and per-request ones, is bound to it before
+            hashing (:func:`~hybridkv.cache.namespace.bind_namespace`).
     """
 
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
                  page_bytes: int = 0, copy_page: CopyPage | None = None,
-                 on_evict: EvictCallback | None = None) -> None:
+                 on_evict: EvictCallback | None = None, binding: bytes = b"") -> None:
         self.config = config
         self.namespace = namespace
         self.pages = PagePool(config.num_kv_pages)
@@ -141,6 +145,8 @@ class HybridCacheCoordinator:
         self.evicted_checkpoints = 0
         self.labels: dict[int, str] = {}      # slot -> policy that created it (valid while published)
         self._on_evict = on_evict
+        self.binding = binding
+        self._bound: dict[bytes, bytes] = {}   # namespace -> bound namespace
 
     # -- lookup ----------------------------------------------------------
     def hash_prompt(self, token_ids, namespace: bytes | None = None) -> list[bytes]:
@@ -149,7 +155,11 @@ class HybridCacheCoordinator:
         ``namespace`` overrides the engine's namespace digest (per-request
         tenant or adapter); different namespaces never share a hash.
         """
-        return chained_block_hashes(namespace or self.namespace, token_ids, self.config.prefix_match_unit)
+        ns = namespace or self.namespace
+        bound = self._bound.get(ns)
+        if bound is None:
+            bound = self._bound[ns] = bind_namespace(ns, self.binding)
+        return chained_block_hashes(bound, token_ids, self.config.prefix_match_unit)
 
     def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True) -> MatchResult:
         """Joint hit for a prompt of ``T = len(token_ids)`` tokens.
@@ -172,6 +182,20 @@ class HybridCacheCoordinator:
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=joint.per_group[KDA],
                            branching_boundary=joint.branching_boundary,
                            per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g])
+
+    def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
+        """Matches that reuse less than ``match``, deepest first: each checkpointed boundary of
+        its path below the joint hit, then no hit at all. An admission that cannot place the
+        full hit (its partial page must be copied while the pool is full) tries these before
+        refusing. ``kv_hit`` is kept, so the branching boundary still gets its checkpoint."""
+        g = self.config.prefix_match_unit
+        out = []
+        for hit in [n.end for n in reversed(match.path[: match.hit // g - 1]) if n.has_checkpoint] + [0]:
+            out.append(MatchResult(hit=hit, kv_hit=match.kv_hit, checkpoint_hit=hit,
+                                   branching_boundary=match.kv_hit if match.kv_hit > hit else None,
+                                   per_group={FULL: match.kv_hit, KDA: hit}, hashes=match.hashes,
+                                   path=match.path))
+        return out if match.hit else []
 
     # -- allocation ------------------------------------------------------
     def acquire(self, match: MatchResult, num_tokens: int) -> Allocation | None:

@@ -58,6 +58,20 @@ class CacheIdentity:
         return h.digest()
 
 
+def bind_namespace(namespace: bytes, binding: bytes) -> bytes:
+    """The namespace digest a cache actually hashes with: ``namespace`` bound to what the
+    compute backend says its state depends on (weights digest, state layout).
+
+    A caller's :class:`CacheIdentity` may omit the weight digest or name another model; the
+    binding comes from the backend itself, so entries of other weights never match.
+    Returns 32 bytes (SHA-256, tagged and length-prefixed).
+    """
+    h = hashlib.sha256(b"hybridkv.namespace.bound.v1")
+    _absorb(h, b"namespace", namespace)
+    _absorb(h, b"binding", binding)
+    return h.digest()
+
+
 def _absorb(h, tag: bytes, value: bytes) -> None:
     h.update(len(tag).to_bytes(8, "big"))
     h.update(tag)

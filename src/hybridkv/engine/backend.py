@@ -74,6 +74,11 @@ class TorchBackend:
         self.kda_spec = KDASpec.for_model(cfg, str(zero.conv.dtype).removeprefix("torch."))
         self._zero = zero
 
+    def cache_binding(self) -> bytes:
+        """What cached state of this backend depends on, whatever namespace a caller passes:
+        the model's weight digest, its compute dtype and the group specs (state layout)."""
+        return f"torch|{self.model.weight_digest()}|{self.model.dtype}|{self.full_spec}|{self.kda_spec}".encode()
+
     def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:
         """A tensor-backed pool shaped like this model's checkpoints."""
         return CheckpointPool(num_slots, recurrent_shape=tuple(self._zero.recurrent.shape),
@@ -137,6 +142,10 @@ class SimulatedBackend:
         self.prefill_tokens_per_second = prefill_tokens_per_second
         self.decode_seconds = decode_seconds
         self.modelled_seconds = 0.0
+
+    def cache_binding(self) -> bytes:
+        """No weights: the specs alone (simulated entries never meet real ones)."""
+        return f"simulated|{self.full_spec}|{self.kda_spec}".encode()
 
     def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:
         """A bookkeeping-only pool."""

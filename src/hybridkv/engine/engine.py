@@ -65,7 +65,8 @@ class Engine:
         self.cache = HybridCacheCoordinator(config, namespace, pool,
                                             page_bytes=backend.full_spec.page_size_bytes,
                                             copy_page=backend.copy_page,
-                                            on_evict=self._write_back if writes_back else None)
+                                            on_evict=self._write_back if writes_back else None,
+                                            binding=backend.cache_binding())
         self.connector = TierConnector(self.cache, backend, tiers) if tiers else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -159,7 +160,15 @@ class Engine:
             if self.connector is not None:
                 fetched = self.connector.fetch(req, req.prompt, match, req.namespace)
                 match, remote_branch, gains = fetched.match, fetched.missing_branching_boundary, fetched.gains
-            alloc = self.cache.acquire(match, t + req.max_output_tokens - 1)
+            need = t + req.max_output_tokens - 1
+            alloc = self.cache.acquire(match, need)
+            if alloc is None and not self.running:      # nothing will free pages: reuse less before refusing
+                for shorter in self.cache.shorter_hits(match):
+                    alloc = self.cache.acquire(shorter, need)
+                    if alloc is not None:
+                        gains = {name: min(n, shorter.hit) for name, n in gains.items()}
+                        match = shorter
+                        break
             if alloc is None:
                 req.admission_failures += 1
                 if self.running:
@@ -167,8 +176,9 @@ class Engine:
                 self.waiting.popleft()
                 self._forget(req)
                 req.status = Status.REJECTED
-                req.reject_reason = (f"needs {-(-(t + req.max_output_tokens - 1) // self.config.block_size)} "
-                                     f"pages; the pool has {self.config.num_kv_pages}")
+                req.reject_reason = (f"needs {-(-need // self.config.block_size)} pages "
+                                     f"({need} tokens of KV) even without reuse; the pool has "
+                                     f"{self.config.num_kv_pages}")
                 self.stats.rejected += 1
                 continue
             self.waiting.popleft()
