@@ -391,3 +391,18 @@ def test_tiers_given_as_an_iterator_are_all_kept(tiny_model):
     tiers = [host_tier_for(1 << 20, be, b"ns", 64, 1024), tier_for(MemoryStore(), be, b"ns", 64, 1024)]
     e = Engine(CacheConfig(num_kv_pages=8), be, b"ns", tiers=iter(tiers))
     assert [t.name for t in e.connector.tiers] == ["host", "store"] and e.connector.writes_back
+
+
+@pytest.mark.xfail(strict=True, reason="issue 11c, open: see tests/engine/test_admission.py")
+def test_identical_resend_reuses_from_the_store_in_a_fresh_engine(tiny_model):
+    """The tail of a store-aligned prompt sits at T - 1 aligned down, so a fresh engine sending the
+    same prompt again takes it from the store (before: 0 reused)."""
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(45, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=256", block_size=256, alignment=256)
+    run_one(a, P, max_output_tokens=1)
+    b, tier_b = instance(tiny_model, store, policy="tail=256", block_size=256, alignment=256)
+    r = run_one(b, P, max_output_tokens=2)
+    assert r.reused == 768 and tier_b.stats.hit_tokens == 768
+    assert_exact(tiny_model, r)
