@@ -1,7 +1,8 @@
 """Command line: ``hybridkv replay`` (the main job).
 
-Exit status: 0 on success, 2 on bad input (trace line, option, model), with
-one ``error:`` line naming the offending value.
+Exit status: 0 on success, 1 when every request was rejected (the reason is
+printed), 2 on bad input (trace line, option, model, an unwritable ``--json``
+path), with one ``error:`` line naming the offending value.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def _replay(args, console: Console) -> int:
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads)
+    if args.json_path:
+        problem = _unwritable(args.json_path)
+        if problem:
+            console.print(f"[red]error:[/red] --json {args.json_path}: {problem}", markup=True, highlight=False)
+            return 2
     try:
         report = run_replay(opts, console)
     except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:
@@ -127,9 +133,37 @@ def _replay(args, console: Console) -> int:
         return 2
     render_summary(report, Console())
     if args.json_path:
-        report.write_json(args.json_path)
+        try:
+            report.write_json(args.json_path)
+        except OSError as exc:
+            console.print(f"[red]error:[/red] --json {args.json_path}: {exc.strerror or exc}", markup=True,
+                          highlight=False)
+            return 2
+    rejected = report.rejected["requests"] if report.rejected else 0
+    if rejected and not report.requests:
+        reason = max(report.rejected["reasons"].items(), key=lambda kv: kv[1])[0]
+        console.print(f"[red]error:[/red] every request ({rejected}) was rejected: {reason}",
+                      markup=True, highlight=False)
+        return 1
     return 0
 
+
+def _unwritable(path: str) -> str | None:
+    """Why a report could not be written to ``path`` (tried before a run: the file is created
+    and, if it did not exist, removed again), or ``None``."""
+    from pathlib import Path
+
+    p = Path(path)
+    existed = p.exists()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        p.unlink(missing_ok=True)
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -78,3 +78,27 @@ def test_store_absent_at_startup_runs_without_it(tmp_path, caplog):
     rep = json.loads(out.read_text())
     assert rep["requests"] == 3 and rep["tiers"]["store"]["bytes_saved"] == 0
     assert sum("unreachable" in r.message or "running without it" in r.message for r in caplog.records) == 1
+
+
+def test_rejected_requests_are_reported_and_all_rejected_exits_1(tmp_path, capsys):
+    """Before: `--kv-pages 1` exited 0 reporting `requests 0` and no reason."""
+    out = tmp_path / "rej.json"
+    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "1", "--kv-pages", "1", "--json", str(out)])
+    rep = json.loads(out.read_text())
+    assert rc == 1 and rep["requests"] == 0
+    assert rep["rejected"]["requests"] == 1
+    (reason,) = rep["rejected"]["reasons"]
+    assert reason.startswith("needs ") and reason.endswith("the pool has 1")
+    assert "every request (1) was rejected: needs" in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_an_unwritable_json_path_fails_before_the_run(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "1", "--json", str(tmp_path / "file" / "r.json")])
+    err = capsys.readouterr()
+    assert rc == 2 and "error: --json" in err.err and "hybridkv replay" not in err.out   # no run, no table
+
+
+def test_a_missing_model_directory_is_named(tmp_path, capsys):
+    rc = main(["replay", "--no-progress", "--model", str(tmp_path / "no-such-dir"), "--limit", "1"])
+    assert rc == 2 and "model directory" in capsys.readouterr().err.replace("\n", " ")

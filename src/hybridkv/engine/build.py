@@ -16,7 +16,7 @@ from hybridkv.cache.groups import FullAttentionSpec, KDASpec
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import SimulatedBackend, TorchBackend
 from hybridkv.engine.engine import Engine
-from hybridkv.model.config import HybridConfig
+from hybridkv.model.config import PRESETS, HybridConfig
 from hybridkv.model.model import HybridModel
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.store_tier import StoreTier
@@ -34,7 +34,11 @@ def model_config(name: str | os.PathLike) -> HybridConfig:
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"model must be a preset name or a model directory, got {name!r}")
     path = Path(name)
-    return HybridConfig.from_hf(path) if path.is_dir() else HybridConfig.preset(str(name))
+    if path.is_dir():
+        return HybridConfig.from_hf(path)
+    if str(name) not in PRESETS and (os.sep in str(name) or str(name).startswith(".")):
+        raise FileNotFoundError(f"model directory {str(name)!r} does not exist (presets: {', '.join(PRESETS)})")
+    return HybridConfig.preset(str(name))
 
 
 def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:

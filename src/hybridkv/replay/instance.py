@@ -69,6 +69,7 @@ class InstanceResult:
     verify_requests: int = 0
     max_abs_logit_diff: float = 0.0
     greedy_mismatches: int = 0
+    reject_reasons: Counter = field(default_factory=Counter)
 
 
 def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn) -> None:
@@ -132,6 +133,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         evicted_pages=engine.cache.evicted_pages, evicted_checkpoints=engine.cache.evicted_checkpoints,
         compute_seconds=backend.modelled_seconds if spec.simulate else seconds,
         tiers=built.tier_stats())
+    res.reject_reasons = Counter(r.reject_reason for r in requests if r.status == Status.REJECTED)
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
     if model is not None:

@@ -34,7 +34,7 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines")
+OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 
@@ -91,6 +91,8 @@ class ReplayReport:
         (absent, evicted, checksum, incomplete, unreachable).
     mode, config, skipped_lines: optional; run mode (e.g. "simulate"), the run's
         configuration, malformed trace lines skipped.
+    rejected: ``{"requests": n, "reasons": {reason: count}}``: requests the engine
+        refused (they count in no other figure), with the engine's reason.
     """
 
     requests: int
@@ -114,6 +116,7 @@ class ReplayReport:
     mode: str | None = None
     config: dict[str, Any] | None = None
     skipped_lines: int | None = None
+    rejected: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -185,6 +188,9 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     if r.mode is not None:
         table.add_row("mode", r.mode)
     table.add_row("requests", _tokens(r.requests))
+    if r.rejected and r.rejected["requests"]:
+        reasons = sorted(r.rejected["reasons"].items(), key=lambda kv: -kv[1])
+        table.add_row("rejected requests", f"{r.rejected['requests']:,} ({reasons[0][0]})")
     if r.skipped_lines:
         table.add_row("skipped trace lines", _tokens(r.skipped_lines))
     table.add_row("prompt tokens", _tokens(r.prompt_tokens))

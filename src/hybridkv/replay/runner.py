@@ -233,6 +233,10 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
         skipped_lines=load.skipped)
     report.tiers = tiers
     report.store_misses = dict(misses)
+    reasons = Counter()
+    for r in results:
+        reasons.update(r.reject_reasons)
+    report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons)}
     return report
 
 
