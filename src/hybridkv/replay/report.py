@@ -187,6 +187,12 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     r = report
     if r.mode is not None:
         table.add_row("mode", r.mode)
+    if r.config:
+        c = r.config
+        table.add_row("model / block size / unit", f"{c.get('model')} / {c.get('block_size')} / "
+                                                   f"{c.get('prefix_match_unit')} tokens")
+        table.add_row("checkpoint policy", str(c.get("policy")))
+        table.add_row("mechanism", str(c.get("mechanism")))
     table.add_row("requests", _tokens(r.requests))
     if r.rejected and r.rejected["requests"]:
         reasons = sorted(r.rejected["reasons"].items(), key=lambda kv: -kv[1])
@@ -225,3 +231,6 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     tps = r.prefill_tokens_per_second
     table.add_row("prefill throughput", "-" if tps is None else f"{tps:,.0f} tok/s")
     console.print(table)
+    console.print("reused: prompt tokens whose MLA KV and KDA state came from a cache tier; oracle: what a "
+                  "checkpoint at every block boundary with no eviction would reuse; branch recompute: KV that "
+                  "was cached but recomputed for lack of a checkpoint.", style="dim")
