@@ -102,3 +102,10 @@ def test_an_unwritable_json_path_fails_before_the_run(tmp_path, capsys):
 def test_a_missing_model_directory_is_named(tmp_path, capsys):
     rc = main(["replay", "--no-progress", "--model", str(tmp_path / "no-such-dir"), "--limit", "1"])
     assert rc == 2 and "model directory" in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_a_block_size_above_most_prompts_warns_that_lower_tiers_stay_empty(tmp_path, capsys):
+    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "3", "--block-size", "2048",
+               "--json", str(tmp_path / "r.json")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 0 and err.count("warning:") == 1 and "host tier's entry size (2048 tokens)" in err

@@ -132,6 +132,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         store_alignment=opts.store_alignment)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
+    _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
     store_url, scratch = opts.store, None
     if opts.instances > 1 and store_url == "none":
         scratch = tempfile.mkdtemp(prefix="hybridkv-store-")
@@ -158,6 +159,20 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                 shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
     return _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+
+
+def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:
+    """Say once when most prompts are shorter than the lower tiers' entry size: host and store
+    entries exist only at whole multiples of it, so those tiers would hold (almost) nothing."""
+    tiers = [(name, size) for name, size, on in (
+        ("host tier", cfg.block_size, opts.host_bytes and not opts.simulate),
+        ("store", cfg.store_boundary, (opts.store != "none" or opts.instances > 1) and not opts.simulate)) if on]
+    for name, size in tiers:
+        short = sum(len(p) <= size for p in prompts)
+        if prompts and short * 2 > len(prompts):
+            console.print(f"[yellow]warning:[/yellow] {short} of {len(prompts)} prompts are not longer than the "
+                          f"{name}'s entry size ({size} tokens): it will hold little; lower --block-size or "
+                          f"--store-alignment", markup=True, highlight=False)
 
 
 def _run_processes(specs: list[InstanceSpec], progress, threads: int) -> list[InstanceResult]:
