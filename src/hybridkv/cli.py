@@ -1,4 +1,5 @@
-"""Command line: ``hybridkv replay`` (the main job).
+"""Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
+store) and ``hybridkv soak`` (randomized exactness checks, docs/reliability.md).
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 2 on bad input (trace line, option, model, an unwritable ``--json``
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     from hybridkv.store.mooncake.service import register_cli
     register_cli(sub)
+    from hybridkv.replay.soak import register_cli as register_soak_cli
+    register_soak_cli(sub)
     return p
 
 
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return _replay(args, console)
     if args.command == "store":
         return args.store_func(args)
+    if args.command == "soak":
+        return args.soak_func(args)
     return 2
 
 

@@ -1,0 +1,966 @@
+"""Soak: randomized workloads on the ``tiny`` model, every finished request checked against a full
+prefill (issue 11, item 1; docs/reliability.md, section "Soak").
+
+Each *round* is derived from ``(seed, round index)`` alone: a random engine configuration
+(policy, mechanism, block size, match unit, step budget, small pools, host tier, memory or
+disk store, one or two engines sharing the store) and a random request sequence (prefix
+trees, multi-turn sessions, identical resends, prompts shorter than a unit or a block, about
+30% cancellations at a chosen stage). The driver steps the engines by hand and cancels
+between steps. Every finished request is one *check*: its logits at every computed position
+against a no-cache forward of ``prompt + output[:-1]`` (at most :data:`TOLERANCE`), and the
+same greedy tokens. After each round: no references held, every page free or evictable,
+``check_invariants()`` passes, the connector holds no request and (after ``drain``) no
+prefetch bytes; then the cache is cleared and must be empty.
+
+A failure (wrong logits, a leak, an exception, a refused request that fits, a stuck loop)
+records the seed, the round, its configuration and its request sequence, shrinks the sequence
+(drops requests one at a time while the failure persists, within a time bound) and is
+reported with the smallest sequence found; the command exits non-zero.
+
+``python -m hybridkv.replay.soak --seed 0 --checks 200`` runs it without the ``hybridkv``
+command; :func:`register_cli` adds ``hybridkv soak`` with the same options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.engine.backend import TorchBackend
+from hybridkv.engine.build import EngineHandle, load_model
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Request, Status
+from hybridkv.model.model import HybridModel
+from hybridkv.store.base import ObjectStore
+from hybridkv.store.disk import DiskStore
+from hybridkv.store.faults import FaultyStore
+from hybridkv.store.memory import MemoryStore
+from hybridkv.tiers.connector import host_tier_for, tier_for
+
+PRESET = "tiny"
+"""The model every soak runs on (preset weights from seed 0)."""
+
+TOLERANCE = 1e-4
+"""Largest accepted absolute logit difference against a full prefill."""
+
+STAGES = ("waiting", "prefetch", "admitted", "prefill", "decode")
+"""Where a request can be cancelled: queued; queued with a background prefetch started;
+admitted, nothing computed yet; part of the prompt computed; decoding."""
+
+FAILURE_KINDS = ("mismatch", "leak", "exception", "rejected", "stuck")
+
+MAX_TICKS = 20_000          # driver loop iterations per round before a round counts as stuck
+DRAIN_TIMEOUT_S = 10.0
+
+
+# -- round configuration -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    """Engine settings of one round (tokens, bytes).
+
+    Attributes:
+        policy: checkpoint policy text (:meth:`CheckpointPolicy.parse`).
+        mechanism: ``extract`` or ``split``.
+        block_size, prefix_match_unit, max_num_batched_tokens, max_num_seqs,
+        num_kv_pages, num_checkpoint_slots, store_alignment: :class:`CacheConfig` fields.
+        host_bytes: host tier capacity (0: none).  host_write_through: the host tier also saves
+            entries as they are computed.
+        store: ``none``, ``memory`` or ``disk`` (a fresh temporary directory per run).
+        store_capacity: store capacity in bytes (``None``: unlimited).
+        instances: engines sharing the store (1 or 2); request ``i`` runs on its ``instance``.
+        prefetch: background prefetch for waiting requests.
+        faults: rate of each injected store fault (:class:`~hybridkv.store.faults.FaultyStore`;
+            ``unavailable`` at a third of it); 0: none.
+    """
+
+    policy: str
+    mechanism: str
+    block_size: int
+    prefix_match_unit: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_kv_pages: int
+    num_checkpoint_slots: int
+    host_bytes: int = 0
+    host_write_through: bool = False
+    store: str = "none"
+    store_capacity: int | None = None
+    store_alignment: int | None = None
+    instances: int = 1
+    prefetch: bool = True
+    faults: float = 0.0
+
+    def cache_config(self) -> CacheConfig:
+        """The validated :class:`CacheConfig` of these settings."""
+        return CacheConfig(block_size=self.block_size, prefix_match_unit=self.prefix_match_unit,
+                           max_num_batched_tokens=self.max_num_batched_tokens, num_kv_pages=self.num_kv_pages,
+                           num_checkpoint_slots=self.num_checkpoint_slots,
+                           policy=CheckpointPolicy.parse(self.policy), mechanism=self.mechanism,
+                           max_num_seqs=self.max_num_seqs, store_alignment=self.store_alignment)
+
+
+# -- requests ----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class RequestSpec:
+    """One request of a round, reproducible without running anything before it.
+
+    ``segments`` build the prompt, in order: ``["r", seed, n]`` the first ``n`` tokens of
+    random stream ``seed`` (so ``["r", s, 40]`` is a prefix of ``["r", s, 300]``),
+    ``["o", rid]`` the output request ``rid`` generated (multi-turn sessions), ``["l", ids]``
+    literal ids (an ``"o"`` segment once resolved).
+
+    Attributes:
+        rid: index in the round.  instance: the engine it runs on.  kind: workload shape
+            (``tree``, ``session``, ``resend``, ``short``).
+        max_tokens: tokens to generate.  hints: checkpoint hints (policy ``hint``).
+        cancel: stage to cancel at (:data:`STAGES`) or ``None``; a request that skips it (no
+            prefetch, a prefill done in one step) is cancelled in the first later stage it is seen in.
+        cancel_after: times the request is seen in that stage (or a later one) before it is cancelled.
+        arrive: driver tick at which it may be submitted.
+        after: request it waits for (submitted once that one is done), or ``None``.
+    """
+
+    rid: int
+    instance: int
+    kind: str
+    segments: list
+    max_tokens: int
+    hints: list[int] = field(default_factory=list)
+    cancel: str | None = None
+    cancel_after: int = 0
+    arrive: int = 0
+    after: int | None = None
+
+    def describe(self, vocab: int) -> str:
+        """One line: id, engine, prompt length and shape, output, cancel plan."""
+        segs = []
+        for s in self.segments:
+            if s[0] == "r":
+                segs.append(f"rand({s[1]})[:{s[2]}]")
+            elif s[0] == "o":
+                segs.append(f"out(#{s[1]})")
+            else:
+                segs.append(f"ids{list(s[1])}")
+        n = sum(s[2] if s[0] == "r" else len(s[1]) for s in self.segments if s[0] != "o")
+        cancel = f" cancel={self.cancel}@{self.cancel_after}" if self.cancel else ""
+        after = f" after=#{self.after}" if self.after is not None else ""
+        hints = f" hints={self.hints}" if self.hints else ""
+        return (f"#{self.rid} engine={self.instance} {self.kind} T={n} out={self.max_tokens} "
+                f"tick>={self.arrive}{after}{cancel}{hints} prompt={' + '.join(segs)}")
+
+
+def segment_tokens(seed: int, n: int, vocab: int) -> np.ndarray:
+    """The first ``n`` ids of random stream ``seed`` (a shorter ``n`` is a prefix of a longer one)."""
+    return np.random.default_rng([0x50A4, seed]).integers(0, vocab, n, dtype=np.int64)
+
+
+def _prompt(segments, outputs: dict[int, list[int]], vocab: int) -> tuple[np.ndarray, list]:
+    """The prompt ids of ``segments`` and the segments with every ``"o"`` resolved to literals."""
+    parts, resolved = [], []
+    for s in segments:
+        if s[0] == "r":
+            parts.append(segment_tokens(int(s[1]), int(s[2]), vocab))
+            resolved.append(["r", int(s[1]), int(s[2])])
+        else:
+            ids = list(outputs.get(int(s[1]), [])) if s[0] == "o" else [int(t) for t in s[1]]
+            parts.append(np.asarray(ids, dtype=np.int64))
+            resolved.append(["l", ids])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64), resolved
+
+
+def _upper_len(spec: RequestSpec, specs: dict[int, RequestSpec]) -> int:
+    """Most prompt tokens ``spec`` can have (an ``"o"`` segment counts its request's ``max_tokens``)."""
+    n = 0
+    for s in spec.segments:
+        if s[0] == "r":
+            n += int(s[2])
+        elif s[0] == "o":
+            n += specs[int(s[1])].max_tokens
+        else:
+            n += len(s[1])
+    return n
+
+
+# -- random rounds -------------------------------------------------------------------------------------
+def _policy(rng: np.random.Generator, g: int, b: int) -> str:
+    terms = []
+    if rng.random() < 0.7:
+        terms.append("branch")
+    if rng.random() < 0.8:
+        terms.append(f"tail={int(rng.choice([2 * g, b, 4 * g]))}" if rng.random() < 0.3 else "tail")
+    if rng.random() < 0.4:
+        terms.append(f"interval={int(rng.choice([g, 2 * g, 4 * g, 2 * b]))}")
+    if rng.random() < 0.25:
+        terms.append("hint")
+    if rng.random() < 0.4:
+        terms.append("supersede")
+    return "+".join(terms) or "none"
+
+
+def _workload(rng: np.random.Generator, *, unit: int, block: int, instances: int, hint: bool,
+              vocab: int) -> list[RequestSpec]:
+    """A random request sequence: prefix trees, multi-turn sessions, identical resends, short prompts."""
+    target = int(rng.integers(8, 21))
+    specs: list[RequestSpec] = []
+
+    def seed() -> int:
+        return int(rng.integers(1, 2**31))
+
+    def length(lo: int, hi: int, aligned: float = 0.25) -> int:
+        if rng.random() < aligned:                         # unit-aligned lengths: boundary cases
+            return int(rng.integers(max(lo // unit, 1), max(hi // unit, 1) + 1)) * unit
+        return int(rng.integers(lo, hi + 1))
+
+    def add(kind: str, segments: list, arrive: int, after: int | None = None) -> RequestSpec:
+        rid = len(specs)
+        spec = RequestSpec(rid=rid, instance=(rid + offset) % instances, kind=kind, segments=segments,
+                           max_tokens=int(rng.choice([1, 2, 3, 4, 6], p=[0.2, 0.25, 0.25, 0.2, 0.1])),
+                           arrive=arrive, after=after)
+        if rng.random() < 0.36:                            # some finish before their stage: about 30% cancel
+            spec.cancel = str(rng.choice(STAGES))
+            spec.cancel_after = int(rng.choice([0, 0, 1, 2, 4]))
+        if hint and rng.random() < 0.6:
+            top = max(_upper_len(spec, {s.rid: s for s in specs} | {rid: spec}) // unit, 1)
+            spec.hints = sorted({int(h) * unit for h in rng.integers(1, top + 1, int(rng.integers(1, 3)))})
+        specs.append(spec)
+        return spec
+
+    offset = int(rng.integers(0, 2))
+    while len(specs) < target:
+        t0 = int(rng.integers(0, 25))
+        shape = rng.choice(["tree", "session", "resend", "short"], p=[0.4, 0.3, 0.15, 0.15])
+        if shape == "tree" or (shape == "resend" and not specs):
+            system = ["r", seed(), length(unit, 600)]
+            for _ in range(int(rng.integers(2, 6))):
+                head = [system] if rng.random() < 0.8 else [["r", system[1], int(rng.integers(1, system[2] + 1))]]
+                if rng.random() < 0.3:                     # a nested branch shared with a sibling
+                    mid = ["r", seed(), length(1, 200)]
+                    add("tree", head + [mid, ["r", seed(), length(1, 150)]], t0 + int(rng.integers(0, 4)))
+                    head = head + [mid]
+                add("tree", head + [["r", seed(), length(1, 200)]], t0 + int(rng.integers(0, 4)))
+        elif shape == "session":
+            segs = ([["r", seed(), length(unit, 400)]] if rng.random() < 0.5 else []) + [["r", seed(), length(1, 250)]]
+            prev = add("session", segs, t0)
+            for _ in range(int(rng.integers(1, 4))):
+                segs = segs + [["o", prev.rid], ["r", seed(), length(1, 120)]]
+                prev = add("session", segs, t0, after=prev.rid)
+        elif shape == "resend":
+            orig = specs[int(rng.integers(len(specs)))]
+            wait = orig.rid if rng.random() < 0.6 else orig.after
+            add("resend", [list(s) for s in orig.segments], max(orig.arrive, t0), after=wait)
+        else:
+            base = next((s for s in reversed(specs) if s.segments[0][0] == "r"), None)
+            n = int(rng.integers(1, unit)) if rng.random() < 0.5 else int(rng.integers(1, block + 1))
+            if base is not None and rng.random() < 0.5:       # a short prefix of a cached prompt
+                add("short", [["r", base.segments[0][1], min(n, int(base.segments[0][2]))]], t0)
+            else:
+                add("short", [["r", seed(), n]], t0)
+    return specs
+
+
+def make_round(seed: int, round_index: int, vocab: int) -> tuple[RoundConfig, list[RequestSpec]]:
+    """The configuration and request sequence of round ``round_index`` of soak ``seed``."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, round_index]))
+    b = int(rng.choice([64, 128, 256]))
+    g = 128 if b >= 128 and rng.random() < 0.3 else 64
+    policy = _policy(rng, g, b)
+    store = str(rng.choice(["none", "memory", "disk"], p=[0.3, 0.35, 0.35]))
+    instances = 2 if store != "none" and rng.random() < 0.4 else 1
+    specs = _workload(rng, unit=g, block=b, instances=instances, hint="hint" in policy, vocab=vocab)
+    by_id = {s.rid: s for s in specs}
+    need = max(-(-(_upper_len(s, by_id) + s.max_tokens - 1) // b) for s in specs)
+    pages = need + int(rng.choice([0, 0, 1, 2, need, 2 * need + 4]))     # often just the largest request
+    host = int(rng.choice([0, 0, 64 << 10, 256 << 10, 4 << 20]))
+    config = RoundConfig(
+        policy=policy, mechanism=str(rng.choice(["extract", "split"])), block_size=b, prefix_match_unit=g,
+        max_num_batched_tokens=int(rng.choice([64, 128, 512, 8192])), max_num_seqs=int(rng.integers(1, 5)),
+        num_kv_pages=pages, num_checkpoint_slots=int(rng.integers(1, 9)),
+        host_bytes=host, host_write_through=bool(host and rng.random() < 0.3), store=store,
+        store_capacity=int(rng.choice([256 << 10, 1 << 20])) if store != "none" and rng.random() < 0.3 else None,
+        store_alignment=2 * b if store != "none" and rng.random() < 0.2 else None,
+        instances=instances, prefetch=bool(rng.random() < 0.85),
+        faults=0.03 if store != "none" and rng.random() < 0.3 else 0.0)
+    return config, specs
+
+
+# -- exactness --------------------------------------------------------------------------------------------
+class Reference:
+    """No-cache forwards of the model, remembered for identical sequences (resends)."""
+
+    def __init__(self, model: HybridModel, keep: int = 64) -> None:
+        self.model = model
+        self.keep = keep
+        self._memo: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.forwards = 0
+
+    @torch.no_grad()
+    def logits(self, ids: np.ndarray) -> torch.Tensor:
+        """``float32[len(ids), vocab]`` of a full prefill of ``ids``."""
+        key = ids.tobytes()
+        out = self._memo.get(key)
+        if out is None:
+            out = self.model(torch.from_numpy(ids)[None])[0]
+            self.forwards += 1
+            self._memo[key] = out
+            if len(self._memo) > self.keep:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return out
+
+
+def check_request(ref: Reference, req: Request, tol: float = TOLERANCE) -> tuple[float, str | None]:
+    """Compare a finished request (recorded logits) with a full prefill of ``prompt + output[:-1]``.
+
+    Returns:
+        ``(max abs logit difference, None)`` when exact, else ``(difference, what differs)``:
+        the positions computed are not exactly ``[reused, len)``, a logit row differs by more
+        than ``tol``, or the greedy tokens differ.
+    """
+    ids = np.concatenate([req.prompt, np.asarray(req.output[:-1], dtype=np.int64)])
+    full = ref.logits(ids)
+    positions = sorted(req.logits)
+    diff = max((float((row - full[pos]).abs().max()) for pos, row in req.logits.items()), default=0.0)
+    if positions != list(range(req.reused, len(ids))):
+        return diff, (f"computed positions {positions[:1]}..{positions[-1:]} ({len(positions)}) are not "
+                      f"[{req.reused}, {len(ids)})")
+    if diff > tol:
+        worst = max(req.logits, key=lambda p: float((req.logits[p] - full[p]).abs().max()))
+        return diff, f"max abs logit diff {diff:.3g} > {tol:g} at position {worst} (reused {req.reused})"
+    greedy = full[req.prompt_len - 1:].argmax(-1).tolist()
+    if greedy != req.output:
+        return diff, f"greedy tokens {req.output} != full prefill {greedy}"
+    return diff, None
+
+
+# -- one run of a request sequence --------------------------------------------------------------------------
+@dataclass(slots=True)
+class Failure:
+    """What went wrong in a round (``kind`` one of :data:`FAILURE_KINDS`)."""
+
+    kind: str
+    detail: str
+    rid: int | None = None
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Counters and failures of one run of a request sequence."""
+
+    checks: int = 0
+    max_abs_logit_diff: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
+    cancellations: Counter = field(default_factory=Counter)
+    evicted_pages: int = 0
+    evicted_checkpoints: int = 0
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    store_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    store_misses: Counter = field(default_factory=Counter)
+    prefetch_used: int = 0
+    rejected: int = 0
+    submitted: int = 0
+    faults_injected: Counter = field(default_factory=Counter)
+    max_store_call_seconds: float = 0.0
+    frozen: list[RequestSpec] = field(default_factory=list)   # the sequence with every prompt resolved
+
+
+def _faulty(store: ObjectStore, rc: RoundConfig, seed: int) -> FaultyStore:
+    r = rc.faults
+    rates = {"unavailable": r / 3, "slow": r, "lost_manifest": r, "corrupt": r, "vanish": r, "no_space": r}
+    return FaultyStore(store, rates, seed=seed, slow_seconds=0.005)
+
+
+def _build(model: HybridModel, rc: RoundConfig, store: ObjectStore | None, disk_dir: str | None,
+           faulty: list[FaultyStore], index: int) -> EngineHandle:
+    """Engine ``index`` of a round (what :func:`hybridkv.engine.build.build_engine` builds, over a store
+    object the caller may share between engines). A fault-injecting wrapper goes on ``faulty``."""
+    cfg = rc.cache_config()
+    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo=PRESET, weight_digest=model.weight_digest()).digest()
+    host = (host_tier_for(rc.host_bytes, backend, ns, cfg.prefix_match_unit, cfg.block_size,
+                          write_through=rc.host_write_through) if rc.host_bytes else None)
+    if disk_dir is not None:
+        store = DiskStore(disk_dir, capacity_bytes=rc.store_capacity)   # one per engine, like processes
+        if rc.faults:
+            store = _faulty(store, rc, index)
+            faulty.append(store)
+    tier = tier_for(store, backend, ns, cfg.prefix_match_unit, cfg.store_boundary) if store is not None else None
+    if tier is not None and rc.faults:
+        tier.retry_seconds = 0.0       # retry at the next call: decisions stay independent of the clock
+    handle = EngineHandle(engine=None, backend=backend, model=model, namespace=ns, host_tier=host, store_tier=tier)
+    try:
+        handle.engine = Engine(cfg, backend, ns, tiers=[t for t in (host, tier) if t is not None],
+                               prefetch=rc.prefetch)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _stage(engine: Engine, req: Request) -> str | None:
+    if req.status == Status.WAITING:
+        return "prefetch" if engine.connector is not None and engine.connector.prefetching(req) else "waiting"
+    if req.status == Status.PREFILL:
+        return "admitted" if req.computed == req.reused else "prefill"
+    if req.status == Status.DECODE:
+        return "decode"
+    return None
+
+
+def _leaks(handle: EngineHandle) -> list[str]:
+    """What a drained engine still holds that it should not (empty: nothing)."""
+    e, out = handle.engine, []
+    c = e.cache
+    if e.waiting or e.running:
+        out.append(f"{len(e.waiting)} waiting and {len(e.running)} running requests after the round")
+    if any(c.pages.refcount):
+        out.append(f"page refcounts {sum(c.pages.refcount)} (pages {[p for p, n in enumerate(c.pages.refcount) if n]})")
+    if any(c.checkpoints.refcount):
+        out.append(f"checkpoint refcounts {sum(c.checkpoints.refcount)}")
+    if c.pages.num_free + c.pages.num_evictable != c.pages.num_pages:
+        out.append(f"pages free {c.pages.num_free} + evictable {c.pages.num_evictable} != {c.pages.num_pages}")
+    try:
+        c.check_invariants()
+    except AssertionError as exc:
+        out.append(f"check_invariants: {exc}")
+    if e.connector is not None:
+        if e.connector.num_requests:
+            out.append(f"connector holds {e.connector.num_requests} requests")
+        if not e.connector.drain(DRAIN_TIMEOUT_S):
+            out.append(f"connector.drain did not finish within {DRAIN_TIMEOUT_S:g} s")
+        if e.connector.prefetch_held_bytes:
+            out.append(f"prefetch_held_bytes {e.connector.prefetch_held_bytes} after drain")
+    if out:
+        return out
+    c.clear()                                        # an explicit purge must leave nothing behind
+    try:
+        c.check_invariants()
+    except AssertionError as exc:
+        out.append(f"check_invariants after clear(): {exc}")
+    if c.pages.num_free != c.pages.num_pages or c.checkpoints.num_free != c.checkpoints.num_slots \
+            or c.index.num_nodes:
+        out.append(f"after clear(): {c.pages.num_free}/{c.pages.num_pages} pages, {c.checkpoints.num_free}/"
+                   f"{c.checkpoints.num_slots} slots free, {c.index.num_nodes} index nodes")
+    return out
+
+
+def run_sequence(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], ref: Reference | None = None,
+                 janitor: ThreadPoolExecutor | None = None) -> RunResult:
+    """Run one request sequence under ``rc``, check every finished request and the drained engines.
+
+    A disk store lives in a fresh temporary directory, removed afterwards (on ``janitor``'s
+    thread when given: removing a store's fan-out directories takes a while on some filesystems).
+    """
+    ref = ref or Reference(model)
+    vocab = model.config.vocab_size
+    res = RunResult()
+    tmp = tempfile.TemporaryDirectory(prefix="hkv-soak-") if rc.store == "disk" else None
+    shared = MemoryStore(rc.store_capacity) if rc.store == "memory" else None
+    faulty: list[FaultyStore] = []
+    if shared is not None and rc.faults:
+        shared = _faulty(shared, rc, 0)
+        faulty.append(shared)
+    handles: list[EngineHandle] = []
+    reqs: dict[int, Request] = {}
+    frozen: dict[int, list] = {}
+    seen: Counter = Counter()
+    present = {s.rid for s in specs}
+    pending = sorted(specs, key=lambda s: (s.arrive, s.rid))
+    by_rid = {s.rid: s for s in specs}
+
+    def outputs() -> dict[int, list[int]]:
+        return {rid: list(r.output) for rid, r in reqs.items()}
+
+    def cancels(h: EngineHandle) -> None:
+        e = h.engine
+        for r in list(e.waiting) + list(e.running):
+            spec = by_rid[int(r.request_id)]
+            stage = _stage(e, r)
+            if spec.cancel is None or STAGES.index(stage) < STAGES.index(spec.cancel):
+                continue                          # not there yet (a stage it skipped counts as passed)
+            seen[spec.rid] += 1
+            if seen[spec.rid] > spec.cancel_after:
+                e.cancel(r)
+                res.cancellations[stage] += 1
+
+    def finished(r: Request) -> None:
+        diff, problem = check_request(ref, r)
+        res.checks += 1
+        res.max_abs_logit_diff = max(res.max_abs_logit_diff, diff)
+        if problem is not None:
+            res.failures.append(Failure("mismatch", f"request #{r.request_id}: {problem}", int(r.request_id)))
+
+    collected: set[int] = set()
+
+    def collect(i: int) -> None:
+        """Counters of engine ``i`` (before the leak check's purge evicts anything)."""
+        if i in collected:
+            return
+        collected.add(i)
+        h = handles[i]
+        e, c = h.engine, h.engine.cache
+        res.evicted_pages += c.evicted_pages
+        res.evicted_checkpoints += c.evicted_checkpoints
+        res.reused_tokens += e.stats.reused_tokens
+        res.prompt_tokens += e.stats.prompt_tokens
+        res.rejected += e.stats.rejected
+        if h.store_tier is not None:
+            res.store_hit_tokens += h.store_tier.stats.hit_tokens
+            res.store_misses.update(h.store_tier.stats.misses)
+        if h.host_tier is not None:
+            res.host_hit_tokens += h.host_tier.stats.hit_tokens
+        if e.connector is not None:
+            res.prefetch_used += e.connector.prefetch_used
+
+    try:
+        for i in range(rc.instances):
+            handles.append(_build(model, rc, shared, tmp.name if tmp else None, faulty, i))
+        tick = 0
+        while pending or any(h.engine.has_work for h in handles):
+            if tick > MAX_TICKS:
+                res.failures.append(Failure("stuck", f"{MAX_TICKS} driver ticks without draining"))
+                break
+            for spec in list(pending):
+                if spec.arrive > tick:
+                    break
+                dep = spec.after
+                if dep is not None and dep in present and not (dep in reqs and reqs[dep].done):
+                    continue
+                prompt, frozen[spec.rid] = _prompt(spec.segments, outputs(), vocab)
+                if prompt.shape[0] == 0:              # a resolved prompt of nothing (an empty output)
+                    prompt, frozen[spec.rid] = np.asarray([1], dtype=np.int64), [["l", [1]]]
+                req = Request(str(spec.rid), prompt, spec.max_tokens, hints=tuple(spec.hints), record_logits=True)
+                reqs[spec.rid] = handles[spec.instance % len(handles)].engine.add_request(req)
+                res.submitted += 1
+                pending.remove(spec)
+            if not any(h.engine.has_work for h in handles):
+                nxt = [s.arrive for s in pending if s.arrive > tick]
+                tick = min(nxt) if nxt else tick + 1
+                continue
+            order = handles if tick % 2 == 0 else handles[::-1]       # the engines take turns going first
+            for h in order:
+                if not h.engine.has_work:
+                    continue
+                cancels(h)
+                h.engine.admit()
+                cancels(h)
+                for r in h.engine.step():
+                    finished(r)
+                cancels(h)
+            tick += 1
+        for i, h in enumerate(handles):
+            collect(i)
+            for problem in _leaks(h):
+                res.failures.append(Failure("leak", f"engine {i}: {problem}"))
+    except Exception as exc:  # noqa: BLE001 - a crash of the product is a finding, not the end
+        tb = traceback.format_exc(limit=8)
+        res.failures.append(Failure("exception", f"{type(exc).__name__}: {exc}\n{tb}"))
+    finally:
+        for i, h in enumerate(handles):
+            collect(i)
+            try:
+                h.close()
+            except Exception as exc:  # noqa: BLE001 - a failing close is a finding too
+                res.failures.append(Failure("exception", f"close: {type(exc).__name__}: {exc}"))
+        for f in faulty:
+            res.faults_injected.update({k: n for k, n in f.injected.items() if n})
+            res.max_store_call_seconds = max(res.max_store_call_seconds, f.max_call_seconds)
+        if tmp is not None:
+            if janitor is not None:
+                janitor.submit(tmp.cleanup)
+            else:
+                tmp.cleanup()
+    for rid, r in reqs.items():
+        if r.status == Status.REJECTED:
+            res.failures.append(Failure("rejected", f"request #{rid} ({r.prompt_len} tokens, {r.max_output_tokens} "
+                                                    f"out) refused although the pool fits it: {r.reject_reason}", rid))
+    out = outputs()
+    for s in specs:                                  # the sequence as it ran, every "o" made literal
+        segs = frozen.get(s.rid) or _prompt(s.segments, out, vocab)[1]
+        res.frozen.append(RequestSpec(**{**_spec_dict(s), "segments": segs}))
+    return res
+
+
+def _spec_dict(s: RequestSpec) -> dict:
+    return {k: getattr(s, k) for k in RequestSpec.__slots__}
+
+
+# -- shrinking --------------------------------------------------------------------------------------------
+def shrink(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], kind: str, seconds: float,
+           ref: Reference | None = None, janitor: ThreadPoolExecutor | None = None) -> tuple[list[RequestSpec], int]:
+    """Drop requests (then cancel plans) one at a time while a failure of ``kind`` persists.
+
+    Returns:
+        The smallest failing sequence found within ``seconds``, and the runs it took.
+    """
+    ref = ref or Reference(model)
+    deadline = time.monotonic() + seconds
+    current, runs = list(specs), 0
+
+    def fails(cand: list[RequestSpec]) -> bool:
+        nonlocal runs
+        runs += 1
+        return any(f.kind == kind for f in run_sequence(model, rc, cand, ref, janitor).failures)
+
+    changed = True
+    while changed and time.monotonic() < deadline:
+        changed = False
+        for i in reversed(range(len(current))):
+            if time.monotonic() >= deadline or len(current) == 1:
+                break
+            cand = current[:i] + current[i + 1:]
+            if fails(cand):
+                current, changed = cand, True
+    for i, s in enumerate(current):                  # a cancel plan that does not matter is noise
+        if time.monotonic() >= deadline:
+            break
+        if s.cancel is not None:
+            cand = current[:i] + [RequestSpec(**{**_spec_dict(s), "cancel": None, "cancel_after": 0})] + current[i + 1:]
+            if fails(cand):
+                current = cand
+    return current, runs
+
+
+# -- the soak ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class SoakFailure:
+    """A failing round: enough to reproduce it and the smallest sequence that still fails."""
+
+    round: int
+    kind: str
+    detail: str
+    config: dict
+    requests: int
+    shrunk: list[dict]
+    shrink_runs: int
+    reproduce: str
+
+    def render(self, vocab: int) -> str:
+        """Several lines for a terminal."""
+        lines = [f"FAILURE in round {self.round}: {self.kind}: {self.detail.splitlines()[0] if self.detail else ''}",
+                 f"  config: {json.dumps(self.config)}",
+                 (f"  smallest failing sequence ({len(self.shrunk)} of {self.requests} requests, "
+                  f"{self.shrink_runs} shrink runs):")]
+        lines += ["    " + RequestSpec(**s).describe(vocab) for s in self.shrunk]
+        lines.append(f"  reproduce: {self.reproduce}")
+        return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class SoakReport:
+    """What a soak did (tokens, bytes, seconds).
+
+    Attributes:
+        seed: the soak seed.  rounds: rounds run (``first_round`` onward).
+        checks: finished requests compared with a full prefill.  mismatches: checks that failed.
+        max_abs_logit_diff: largest difference over every check.
+        cancellations: stage -> requests cancelled there.
+        evicted_pages, evicted_checkpoints: device evictions (all engines).
+        store_hit_tokens, host_hit_tokens: hit tokens the store / host tiers supplied.
+        reused_tokens, prompt_tokens: over all admitted requests.
+        requests: requests submitted.  rejected: refused requests (each is also a failure).
+        store_misses: store-tier misses by reason.  prefetch_used: installs served by a prefetch.
+        faults_injected: store fault kind -> faults injected.  max_store_call_seconds: longest
+            store call in rounds with faults (seconds).
+        leaks: leak findings after draining.  exceptions: rounds that raised.
+        failures: the failing rounds (:class:`SoakFailure`) with shrunk sequences.
+        coverage: settings -> how many rounds used each value.
+        wall_seconds: whole run.  command: the command that reruns exactly these rounds.
+    """
+
+    seed: int
+    first_round: int = 0
+    rounds: int = 0
+    checks: int = 0
+    mismatches: int = 0
+    max_abs_logit_diff: float = 0.0
+    cancellations: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    evicted_pages: int = 0
+    evicted_checkpoints: int = 0
+    store_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    requests: int = 0
+    rejected: int = 0
+    store_misses: dict = field(default_factory=dict)
+    prefetch_used: int = 0
+    faults_injected: dict = field(default_factory=dict)
+    max_store_call_seconds: float = 0.0
+    leaks: int = 0
+    exceptions: int = 0
+    failures: list[SoakFailure] = field(default_factory=list)
+    coverage: dict = field(default_factory=dict)
+    wall_seconds: float = 0.0
+    command: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """No failure of any kind."""
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (``ok`` first)."""
+        return {"ok": self.ok, **asdict(self)}
+
+    def add(self, rc: RoundConfig, res: RunResult) -> None:
+        """Merge one round."""
+        self.rounds += 1
+        self.checks += res.checks
+        self.mismatches += sum(f.kind == "mismatch" for f in res.failures)
+        self.max_abs_logit_diff = max(self.max_abs_logit_diff, res.max_abs_logit_diff)
+        for stage, n in res.cancellations.items():
+            self.cancellations[stage] = self.cancellations.get(stage, 0) + n
+        self.evicted_pages += res.evicted_pages
+        self.evicted_checkpoints += res.evicted_checkpoints
+        self.store_hit_tokens += res.store_hit_tokens
+        self.host_hit_tokens += res.host_hit_tokens
+        self.reused_tokens += res.reused_tokens
+        self.prompt_tokens += res.prompt_tokens
+        self.requests += res.submitted
+        self.rejected += res.rejected
+        self.prefetch_used += res.prefetch_used
+        for reason, n in res.store_misses.items():
+            self.store_misses[reason] = self.store_misses.get(reason, 0) + n
+        for kind, n in res.faults_injected.items():
+            self.faults_injected[kind] = self.faults_injected.get(kind, 0) + n
+        self.max_store_call_seconds = max(self.max_store_call_seconds, res.max_store_call_seconds)
+        self.leaks += sum(f.kind == "leak" for f in res.failures)
+        self.exceptions += any(f.kind == "exception" for f in res.failures)
+        for key, value in (("mechanism", rc.mechanism), ("block_size", rc.block_size),
+                           ("prefix_match_unit", rc.prefix_match_unit), ("store", rc.store),
+                           ("instances", rc.instances), ("host", bool(rc.host_bytes)), ("faults", bool(rc.faults)),
+                           ("max_num_batched_tokens", rc.max_num_batched_tokens)):
+            counts = self.coverage.setdefault(key, {})
+            counts[str(value)] = counts.get(str(value), 0) + 1
+
+    def summary(self) -> str:
+        """A few lines for a terminal."""
+        c = ", ".join(f"{k} {v}" for k, v in self.cancellations.items())
+        return "\n".join([
+            (f"soak seed {self.seed}: {self.rounds} rounds, {self.checks} checks, {self.mismatches} mismatches, "
+             f"max |dlogit| {self.max_abs_logit_diff:.3g}, {self.leaks} leaks, {self.exceptions} exceptions, "
+             f"{self.rejected} rejected, {self.wall_seconds:.1f} s"),
+            f"  requests {self.requests}; cancelled: {c}",
+            (f"  evicted: {self.evicted_pages} pages, {self.evicted_checkpoints} checkpoints; reused "
+             f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens (store {self.store_hit_tokens}, "
+             f"host {self.host_hit_tokens}); store misses {self.store_misses}"),
+            f"  store faults injected {self.faults_injected}; longest store call {self.max_store_call_seconds:.3f} s",
+            f"  reproduce: {self.command}",
+        ])
+
+
+_MODEL: HybridModel | None = None
+
+
+def soak_model() -> HybridModel:
+    """The ``tiny`` preset (seed 0), loaded once per process."""
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = load_model(PRESET, seed=0)
+    return _MODEL
+
+
+def run_soak(seed: int, checks: int | None = None, seconds: float | None = None, *, rounds: int | None = None,
+             first_round: int = 0, shrink_seconds: float = 60.0, stop_on_failure: bool = True,
+             model: HybridModel | None = None, log=None) -> SoakReport:
+    """Run rounds ``first_round, first_round + 1, ...`` of soak ``seed`` until a bound is reached.
+
+    Args:
+        seed: soak seed; round ``i`` depends only on ``(seed, i)``.
+        checks: stop once this many requests were checked.
+        seconds: stop starting rounds after this many seconds.
+        rounds: stop after this many rounds.
+        first_round: index of the first round.
+        shrink_seconds: time given to shrinking each failing round.
+        stop_on_failure: stop after the first failing round (after shrinking it).
+        model: the model (default :func:`soak_model`); it must be the ``tiny`` preset for the
+            reproduce command to hold.
+        log: called with a line of progress now and then (``None``: silent).
+
+    Raises:
+        ValueError: no bound given, or a bound that is not positive.
+    """
+    if checks is None and seconds is None and rounds is None:
+        raise ValueError("run_soak needs a bound: checks, seconds or rounds")
+    for name, v in (("checks", checks), ("seconds", seconds), ("rounds", rounds)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{name}={v!r} must be positive")
+    model = model or soak_model()
+    vocab = model.config.vocab_size
+    ref = Reference(model)
+    report = SoakReport(seed=seed, first_round=first_round)
+    t0 = time.monotonic()
+    last_log = t0
+    i = first_round
+    janitor = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-soak-cleanup")
+    try:
+        while True:
+            if checks is not None and report.checks >= checks:
+                break
+            if rounds is not None and report.rounds >= rounds:
+                break
+            if seconds is not None and time.monotonic() - t0 >= seconds:
+                break
+            rc, specs = make_round(seed, i, vocab)
+            res = run_sequence(model, rc, specs, ref, janitor)
+            report.add(rc, res)
+            if res.failures:
+                first = res.failures[0]
+                if log is not None:
+                    log(f"round {i}: {first.kind}: {first.detail.splitlines()[0]}; shrinking "
+                        f"(up to {shrink_seconds:g} s)")
+                small, runs = shrink(model, rc, res.frozen, first.kind, shrink_seconds, ref, janitor)
+                report.failures.append(SoakFailure(
+                    round=i, kind=first.kind, detail=first.detail, config=asdict(rc), requests=len(specs),
+                    shrunk=[_spec_dict(s) for s in small], shrink_runs=runs,
+                    reproduce=f"hybridkv soak --seed {seed} --first-round {i} --rounds 1"))
+                if stop_on_failure:
+                    break
+            now = time.monotonic()
+            if log is not None and now - last_log >= 10:
+                last_log = now
+                log(f"  {now - t0:6.0f} s  round {i}  {report.checks} checks  {report.mismatches} mismatches  "
+                    f"{sum(report.cancellations.values())} cancelled  {report.evicted_pages} pages evicted")
+            i += 1
+    finally:
+        janitor.shutdown(wait=True)               # every temporary store directory is gone
+    report.wall_seconds = time.monotonic() - t0
+    report.command = f"hybridkv soak --seed {seed} --first-round {first_round} --rounds {report.rounds}"
+    return report
+
+
+def run_case(path: str | Path, model: HybridModel | None = None) -> RunResult:
+    """Rerun a recorded failure: a JSON file holding ``{"config": ..., "shrunk": [...]}`` (one entry of a
+    report's ``failures``) or a whole soak report (its first failure)."""
+    data = json.loads(Path(path).read_text())
+    if "failures" in data:
+        if not data["failures"]:
+            raise ValueError(f"{path}: the report has no failure to rerun")
+        data = data["failures"][0]
+    rc = RoundConfig(**data["config"])
+    specs = [RequestSpec(**s) for s in data["shrunk"]]
+    return run_sequence(model or soak_model(), rc, specs)
+
+
+# -- command line -------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{n} must be positive")
+    return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{x} must be positive")
+    return x
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``soak`` options."""
+    p.add_argument("--seed", type=int, default=0, help="soak seed; round i depends only on (seed, i) (default 0)")
+    p.add_argument("--checks", type=_positive_int, default=None, help="stop once N requests were checked")
+    p.add_argument("--seconds", type=_positive_float, default=None, help="stop starting rounds after S seconds")
+    p.add_argument("--rounds", type=_positive_int, default=None, help="stop after N rounds")
+    p.add_argument("--first-round", type=int, default=0, help="index of the first round (default 0)")
+    p.add_argument("--shrink-seconds", type=_positive_float, default=60.0,
+                   help="time to shrink a failing round's request sequence (default 60)")
+    p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
+    p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument("--json", dest="json_path", help="write the report here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--verbose", action="store_true", help="keep the store tiers' warnings (unreachable store)")
+
+
+def register_cli(subparsers) -> None:
+    """Add ``soak`` to the ``hybridkv`` command's subparsers (``args.soak_func(args)`` runs it)."""
+    p = subparsers.add_parser("soak", help="randomized workloads on the tiny model, every request checked "
+                                           "against a full prefill",
+                              description="Random engine configurations and request sequences (prefix trees, "
+                                          "sessions, resends, short prompts, cancellations) on the tiny model; "
+                                          "every finished request is compared with a full prefill and every "
+                                          "drained engine is checked for leaks. Exit 1 on any failure.")
+    add_arguments(p)
+    p.set_defaults(soak_func=cmd_soak)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    """``hybridkv soak``: exit 0 when every check passed, 1 on a failure, 2 on bad options."""
+    if args.case is None and args.checks is None and args.seconds is None and args.rounds is None:
+        print("error: give --checks N, --seconds S or --rounds N", file=sys.stderr)
+        return 2
+    if args.json_path is not None and args.case is None:     # fail before a long run, not after it
+        try:
+            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_path).touch()
+        except OSError as exc:
+            print(f"error: --json {args.json_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    torch.set_num_threads(args.threads)
+    store_log = logging.getLogger("hybridkv.store")
+    level = store_log.level
+    if not args.verbose:              # injected unavailability would warn once per round's tier
+        store_log.setLevel(logging.ERROR)
+    try:
+        return _soak(args)
+    finally:
+        store_log.setLevel(level)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    if args.case is not None:
+        try:
+            res = run_case(args.case)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"error: --case {args.case}: {exc}", file=sys.stderr)
+            return 2
+        print(f"case {args.case}: {res.checks} checks, max |dlogit| {res.max_abs_logit_diff:.3g}")
+        for f in res.failures:
+            print(f"  {f.kind}: {f.detail.splitlines()[0]}")
+        return 1 if res.failures else 0
+    log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_soak(args.seed, args.checks, args.seconds, rounds=args.rounds, first_round=args.first_round,
+                      shrink_seconds=args.shrink_seconds, stop_on_failure=not args.keep_going, log=log)
+    vocab = soak_model().config.vocab_size
+    for f in report.failures:
+        print(f.render(vocab))
+    print(report.summary())
+    if args.json_path is not None:
+        Path(args.json_path).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hybridkv.replay.soak``: the same options as ``hybridkv soak``."""
+    p = argparse.ArgumentParser(prog="python -m hybridkv.replay.soak", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return cmd_soak(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
