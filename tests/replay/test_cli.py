@@ -109,3 +109,15 @@ def test_a_block_size_above_most_prompts_warns_that_lower_tiers_stay_empty(tmp_p
                "--json", str(tmp_path / "r.json")])
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 0 and err.count("warning:") == 1 and "host tier's entry size (2048 tokens)" in err
+
+
+def test_a_warm_store_keeps_the_oracle_fraction_within_one(tmp_path):
+    """A second run against a store the first one filled reuses more than this run's oracle allows:
+    that share is reported apart (before: "fraction of oracle" read 2942%)."""
+    store = f"disk://{tmp_path / 'store'}"
+    first = _replay(tmp_path, "--model", "tiny", "--limit", "12", "--store", store)
+    second = _replay(tmp_path, "--model", "tiny", "--limit", "12", "--store", store)
+    assert first.get("warm_start_reused_tokens", 0) == 0
+    assert second["reused_tokens"] > second["oracle_reused_tokens"] and second["warm_start_reused_tokens"] > 0
+    for rep in (first, second):
+        assert 0 <= rep["oracle_fraction"] <= 1

@@ -70,6 +70,7 @@ class InstanceResult:
     max_abs_logit_diff: float = 0.0
     greedy_mismatches: int = 0
     reject_reasons: Counter = field(default_factory=Counter)
+    reused: dict = field(default_factory=dict)          # trace index -> reused tokens (admitted requests)
 
 
 def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn) -> None:
@@ -134,6 +135,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         compute_seconds=backend.modelled_seconds if spec.simulate else seconds,
         tiers=built.tier_stats())
     res.reject_reasons = Counter(r.reject_reason for r in requests if r.status == Status.REJECTED)
+    res.reused = {i: r.reused for i, r in zip(spec.indices, requests) if r.match is not None}
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
     if model is not None:

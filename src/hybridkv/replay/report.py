@@ -34,7 +34,7 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected")
+OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected", "warm_start_reused_tokens")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 
@@ -73,10 +73,11 @@ class ReplayReport:
         have to be recomputed, divided by the bytes a full prefill of every prompt
         would produce (fraction 0..1); the engine computes it from its per-token
         state sizes.
-    oracle_reused_tokens: tokens an infinite cache with a checkpoint at every block
-        boundary would reuse (:mod:`hybridkv.replay.oracle`), tokens.
-    oracle_fraction: ``reused_tokens / oracle_reused_tokens`` (0..1; null if the
-        oracle reuses nothing).
+    oracle_reused_tokens: tokens an infinite cache with a checkpoint at every
+        ``prefix_match_unit`` boundary would reuse within this run
+        (:mod:`hybridkv.replay.oracle`), tokens.
+    oracle_fraction: reused tokens within the oracle's reach per request, divided by
+        ``oracle_reused_tokens`` (0..1; null if the oracle reuses nothing).
     checkpoints_created: KDA checkpoints materialised, per placement policy name.
     branch_recompute_tokens: tokens recomputed to create checkpoints at branching
         boundaries (work beyond a plain prefill), tokens.
@@ -84,7 +85,10 @@ class ReplayReport:
     kv_bytes_peak: peak resident bytes of full-attention KV pages, bytes.
     verify: the exactness check, or ``None`` (null) in simulate mode.
     wall_seconds: wall-clock time of the replay, seconds.
-    prefill_tokens_per_second: ``computed_prompt_tokens / wall_seconds``, tokens/s.
+    prefill_tokens_per_second: ``computed_prompt_tokens`` per second of engine time
+        (the slowest instance's time running its requests, not the wall time, which
+        also loads the model and the trace), tokens/s. In simulate mode the seconds
+        are the cost model's, so the figure restates its rate.
     tiers: per tier (``device``, ``host``, ``store``): ``hit_tokens`` (reused tokens
         served from that tier), ``bytes_loaded``, ``bytes_saved`` (bytes).
     store_misses: store lookups / loads that found nothing usable, by reason
@@ -93,6 +97,9 @@ class ReplayReport:
         configuration, malformed trace lines skipped.
     rejected: ``{"requests": n, "reasons": {reason: count}}``: requests the engine
         refused (they count in no other figure), with the engine's reason.
+    warm_start_reused_tokens: reused tokens beyond what the oracle allows a request from
+        this run's earlier requests: they came from a store filled before the run.
+        ``oracle_fraction`` counts only the rest, so it stays within 0..1.
     """
 
     requests: int
@@ -117,6 +124,7 @@ class ReplayReport:
     config: dict[str, Any] | None = None
     skipped_lines: int | None = None
     rejected: dict[str, Any] | None = None
+    warm_start_reused_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -207,6 +215,8 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     table.add_row("byte-weighted hit rate", _pct(r.byte_weighted_hit_rate))
     table.add_row("oracle reused tokens", _tokens(r.oracle_reused_tokens))
     table.add_row("fraction of oracle", _pct(r.oracle_fraction))
+    if r.warm_start_reused_tokens:
+        table.add_row("reused from before this run", _tokens(r.warm_start_reused_tokens))
     for policy, count in sorted(r.checkpoints_created.items()):
         table.add_row(f"checkpoints created ({policy})", _tokens(count))
     table.add_row("branch recompute tokens", _tokens(r.branch_recompute_tokens))
@@ -229,8 +239,9 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
     tps = r.prefill_tokens_per_second
-    table.add_row("prefill throughput", "-" if tps is None else f"{tps:,.0f} tok/s")
+    label = "prefill throughput (cost model)" if r.mode == "simulate" else "prefill throughput (engine time)"
+    table.add_row(label, "-" if tps is None else f"{tps:,.0f} tok/s")
     console.print(table)
     console.print("reused: prompt tokens whose MLA KV and KDA state came from a cache tier; oracle: what a "
-                  "checkpoint at every block boundary with no eviction would reuse; branch recompute: KV that "
+                  "checkpoint at every prefix_match_unit boundary with no eviction would reuse; branch recompute: KV that "
                   "was cached but recomputed for lack of a checkpoint.", style="dim")
