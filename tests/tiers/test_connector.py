@@ -406,3 +406,37 @@ def test_identical_resend_reuses_from_the_store_in_a_fresh_engine(tiny_model):
     r = run_one(b, P, max_output_tokens=2)
     assert r.reused == 768 and tier_b.stats.hit_tokens == 768
     assert_exact(tiny_model, r)
+
+
+def test_a_request_waiting_for_pages_is_loaded_once_and_the_store_credited_in_full(tiny_model):
+    """Issue 11b: the store holds P (1,024 tokens, checkpoints every 256); the reader's 25-page pool
+    has 10 pages held by two running requests, so Q = P + 40 cannot be admitted yet. Before: Q was
+    installed and evicted again at every admission attempt (61 reads) and the store was credited
+    256 of its 1,024 reused tokens. Now it waits without loading, loads once, and the store is
+    credited with everything it supplied."""
+    from hybridkv.engine.request import Request, Status
+
+    class Counting(MemoryStore):
+        reads = 0
+
+        def get_into(self, keys, buffers):
+            type(self).reads += 1
+            return super().get_into(keys, buffers)
+
+    v = tiny_model.config.vocab_size
+    store = Counting()
+    P = tokens(120, 1024, v)
+    a, _ = instance(tiny_model, store, policy="interval=256", block_size=64, alignment=256, pages=64)
+    run_one(a, np.concatenate([P, tokens(121, 30, v)]), max_output_tokens=1)
+    Counting.reads = 0
+    b, tier = instance(tiny_model, store, policy="tail", block_size=64, alignment=256, pages=25, max_num_seqs=3)
+    b.prefetch_enabled = False
+    running = [b.add_request(Request(f"r{i}", tokens(122 + i, 200, v), 60)) for i in range(2)]
+    b.step()
+    assert all(r.status != Status.WAITING for r in running)
+    q = b.add_request(Request("q", np.concatenate([P, tokens(125, 40, v)]), 2, record_logits=True))
+    b.run_until_done()
+    assert q.status == Status.FINISHED and q.reused == 1024 and q.admission_failures > 10
+    assert Counting.reads <= 2, Counting.reads
+    assert tier.stats.hit_tokens == 1024
+    assert_exact(tiny_model, q)

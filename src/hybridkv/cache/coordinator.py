@@ -197,6 +197,20 @@ class HybridCacheCoordinator:
                                    path=match.path))
         return out if match.hit else []
 
+    def could_fit(self, match: MatchResult, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` positions could get their pages now, counting free pages,
+        evictable ones and pages of the hit that other requests hold (shared, not taken).
+
+        Installs from lower tiers add no pages, so a request that does not fit now will not
+        fit after loading either: the engine waits instead of loading what would be evicted
+        before it runs. The partial-page copy of a hit is not counted (a ``True`` may still
+        fail in :meth:`acquire`, never the other way round).
+        """
+        g = self.config.prefix_match_unit
+        held = {n.page for n in match.path[: match.hit // g] if self.pages.refcount[n.page] > 0}
+        need = -(-num_tokens // self.config.block_size)
+        return need <= self.pages.num_free + self.pages.num_evictable + len(held)
+
     # -- allocation ------------------------------------------------------
     def acquire(self, match: MatchResult, num_tokens: int) -> Allocation | None:
         """Pages for ``num_tokens`` positions and the working state at ``match.hit``.

@@ -156,6 +156,9 @@ class Engine:
             req = self.waiting[0]
             t = req.prompt_len
             match = self.cache.lookup(req.prompt, req.namespace)
+            if self.running and not self.cache.could_fit(match, t + req.max_output_tokens - 1):
+                req.admission_failures += 1
+                return                        # wait for pages; loading now would be evicted before it ran
             remote_branch, gains = None, {}
             if self.connector is not None:
                 fetched = self.connector.fetch(req, req.prompt, match, req.namespace)
