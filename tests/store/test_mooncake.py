@@ -268,3 +268,19 @@ def test_cli_start_status_stop(tmp_path, capsys):
         assert service.main(["store", "stop", *argv]) == 0
     assert service.main(["store", "status", *argv]) == 1
     assert service.main(["store", "start", *argv[:4], "--segment-mb", "8"]) == 2
+
+
+def test_start_after_the_master_died_replaces_what_is_left(tmp_path_factory):
+    """`status` says a store whose master died is not running; `start` agrees and starts afresh
+    (before: "a store is already running ... stop it first")."""
+    handle = start(tmp_path_factory, segment_mb=32)
+    try:
+        service.kill_master(handle.workdir)
+        assert service.status(handle.workdir)["running"] is False
+        port, metrics_port = procs.find_free_ports(2)
+        fresh = service.start_store(port, metrics_port, 32 * MiB, handle.workdir)
+        assert service.status(handle.workdir)["running"] is True
+        assert not procs.alive(handle.storage_pid)                 # the orphan storage process is gone
+        assert fresh.master_pid != handle.master_pid
+    finally:
+        service.stop_store(handle.workdir)

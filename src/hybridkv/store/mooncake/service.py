@@ -94,7 +94,8 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
     """Start master and storage process on 127.0.0.1; return once a probe put/get succeeds.
 
     Raises:
-        StoreServiceError: a store is already recorded as running in ``workdir``,
+        StoreServiceError: a store is already running in ``workdir`` (its master
+            answers; what is left of one whose master died is stopped first),
             a port is taken, or a process failed to come up (the message quotes
             its log).
         MooncakeNotInstalled: the mooncake package is missing.
@@ -102,9 +103,15 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
     work = Path(workdir) if workdir is not None else default_workdir()
     work.mkdir(parents=True, exist_ok=True)
     old = read_state(work)
-    if old is not None and (alive(old.master_pid) or alive(old.storage_pid)):
+    if old is not None and alive(old.master_pid) and master_reachable(old.master, 0.5):
         raise StoreServiceError(f"a store is already running from {work} (master pid {old.master_pid}, "
                                 f"storage pid {old.storage_pid}); stop it first")
+    if old is not None and (alive(old.master_pid) or alive(old.storage_pid)):
+        # Half a store (the master died: its objects are gone) is what `status` calls not running:
+        # stop what is left of it and start afresh.
+        log.warning("store in %s is not running (master pid %d %s); stopping what is left of it",
+                    work, old.master_pid, "alive but not answering" if alive(old.master_pid) else "gone")
+        stop_store(work, timeout_s=timeout_s)
     for p in (port, metrics_port):
         check_port_free(p)
     master = spawn_master(work, port, metrics_port)
