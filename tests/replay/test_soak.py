@@ -9,6 +9,7 @@ import pytest
 
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.replay import soak
+from hybridkv.replay.soak_rounds import make_round
 from hybridkv.store.base import StoreUnavailable
 from hybridkv.store.faults import FaultyStore
 from hybridkv.store.memory import MemoryStore
@@ -33,9 +34,9 @@ def test_short_soak_is_exact_and_leak_free(tiny_model):
 
 
 def test_rounds_depend_only_on_seed_and_index():
-    a = soak.make_round(5, 3, 1024)
-    assert a == soak.make_round(5, 3, 1024)
-    assert a != soak.make_round(5, 4, 1024) and a != soak.make_round(6, 3, 1024)
+    a = make_round(5, 3, 1024)
+    assert a == make_round(5, 3, 1024)
+    assert a != make_round(5, 4, 1024) and a != make_round(6, 3, 1024)
 
 
 def _tamper(monkeypatch):
@@ -115,7 +116,7 @@ def test_store_faults_never_change_outputs(tiny_model):
     ref = soak.Reference(tiny_model)
     injected, misses, checks = {}, {}, 0
     for i in range(6):
-        rc, specs = soak.make_round(11, i, vocab)
+        rc, specs = make_round(11, i, vocab)
         rc = dataclasses.replace(rc, store="memory" if i % 2 else "disk", faults=0.15, instances=2)
         res = soak.run_sequence(tiny_model, rc, specs, ref)
         assert res.failures == [], res.failures
