@@ -13,25 +13,7 @@ import sys
 
 from rich.console import Console
 
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{n} must be positive")
-    return n
-
-
-def _non_negative(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
-    return n
+from hybridkv.replay.args import non_negative_int, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,43 +24,43 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Replay a trace (default: the bundled one-hour Kimi conversation trace) "
                                    "through the engine with the real model, or with --simulate a cost model.")
     r.add_argument("--trace", help="trace path (JSONL, Mooncake format); default: the bundled trace")
-    r.add_argument("--limit", type=_positive, default=None, help="first N requests (default 40; --simulate: all)")
+    r.add_argument("--limit", type=positive_int, default=None, help="first N requests (default 40; --simulate: all)")
     r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
     r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
-    r.add_argument("--block-tokens", type=_positive, default=None,
+    r.add_argument("--block-tokens", type=positive_int, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
                         "smaller scales the trace down keeping its sharing (model runs default to 64)")
-    r.add_argument("--block-size", type=_positive, default=None,
+    r.add_argument("--block-size", type=positive_int, default=None,
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
-    r.add_argument("--prefix-match-unit", type=_positive, default=64, help="hash/lookup unit in tokens (default 64)")
+    r.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens (default 64)")
     r.add_argument("--policy", default=None,
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
     r.add_argument("--mechanism", choices=("extract", "split"), default="extract")
-    r.add_argument("--max-output-tokens", type=_positive, default=4,
+    r.add_argument("--max-output-tokens", type=positive_int, default=4,
                    help="cap on generated tokens per request (default 4)")
-    r.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
-    r.add_argument("--max-num-seqs", type=_positive, default=4)
-    r.add_argument("--kv-pages", type=_positive, default=None, help="KV pool pages (default: no eviction)")
-    r.add_argument("--checkpoint-slots", type=_positive, default=None,
+    r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    r.add_argument("--max-num-seqs", type=positive_int, default=4)
+    r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
+    r.add_argument("--checkpoint-slots", type=positive_int, default=None,
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
-    r.add_argument("--verify", type=_non_negative, default=0,
+    r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
     r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens")
-    r.add_argument("--threads", type=_positive, default=1,
+    r.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
                         "(default none; several instances without one share a fresh disk store)")
-    r.add_argument("--store-alignment", type=_positive, default=None,
+    r.add_argument("--store-alignment", type=positive_int, default=None,
                    help="tokens; only these boundaries become store entries (default: --block-size)")
-    r.add_argument("--host-mib", type=_non_negative, default=256,
+    r.add_argument("--host-mib", type=non_negative_int, default=256,
                    help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256)")
     r.add_argument("--host-write-through", action="store_true",
                    help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
-    r.add_argument("--instances", type=_positive, default=1,
+    r.add_argument("--instances", type=positive_int, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")

@@ -44,6 +44,7 @@ from hybridkv.engine.build import EngineHandle, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.model.model import HybridModel
+from hybridkv.replay.args import positive_float, positive_int
 from hybridkv.replay.soak_rounds import (
     STAGES,
     RequestSpec,
@@ -632,38 +633,18 @@ def run_case(path: str | Path, model: HybridModel | None = None) -> RunResult:
 
 
 # -- command line -------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{n} must be positive")
-    return n
-
-
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{x} must be positive")
-    return x
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``soak`` options."""
     p.add_argument("--seed", type=int, default=0, help="soak seed; round i depends only on (seed, i) (default 0)")
-    p.add_argument("--checks", type=_positive_int, default=None, help="stop once N requests were checked")
-    p.add_argument("--seconds", type=_positive_float, default=None, help="stop starting rounds after S seconds")
-    p.add_argument("--rounds", type=_positive_int, default=None, help="stop after N rounds")
+    p.add_argument("--checks", type=positive_int, default=None, help="stop once N requests were checked")
+    p.add_argument("--seconds", type=positive_float, default=None, help="stop starting rounds after S seconds")
+    p.add_argument("--rounds", type=positive_int, default=None, help="stop after N rounds")
     p.add_argument("--first-round", type=int, default=0, help="index of the first round (default 0)")
-    p.add_argument("--shrink-seconds", type=_positive_float, default=60.0,
+    p.add_argument("--shrink-seconds", type=positive_float, default=60.0,
                    help="time to shrink a failing round's request sequence (default 60)")
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
     p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the report here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--verbose", action="store_true", help="keep the store tiers' warnings (unreachable store)")

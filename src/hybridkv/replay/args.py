@@ -1,0 +1,40 @@
+"""argparse value types shared by the ``hybridkv`` subcommands: each raises
+``argparse.ArgumentTypeError`` naming the offending text."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An integer > 0."""
+    n = _int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{n} must be positive")
+    return n
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    n = _int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (seconds and the like)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{x} must be positive")
+    return x
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
