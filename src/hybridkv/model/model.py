@@ -21,7 +21,7 @@ from hybridkv.model.config import HybridConfig
 from hybridkv.model.kda_layer import KDASeq, KDAttention
 from hybridkv.model.kv_pool import PagedKVPool
 from hybridkv.model.mla import MLASeq, MLAttention, NormWeight
-from hybridkv.model.moe import DenseMLP, SparseMoE
+from hybridkv.model.moe import DenseMLP, Router, SparseMoE
 from hybridkv.model.ops import rms_norm
 from hybridkv.model.state import ForwardRequest, ForwardResult, KDACheckpoint
 from hybridkv.model.weights import load_into, read_tensors, write_tensors
@@ -186,6 +186,36 @@ class HybridModel(nn.Module):
         pool = self.new_kv_pool(B, T)
         reqs = [ForwardRequest(input_ids[b], 0, torch.tensor([b]), all_logits=True) for b in range(B)]
         return torch.stack([r.logits for r in self.forward_paged(reqs, pool)])
+
+    @torch.no_grad()
+    def routing_margins(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per position, the smallest MoE routing margin over every sparse layer of a plain forward.
+
+        Args:
+            input_ids: ``int64 [T]``.
+
+        Returns:
+            ``float32 [T]``: :meth:`Router.decision_margin` of each position, minimised over the
+            layers (``inf`` for a model without sparse layers).
+
+        Raises:
+            ValueError: as :meth:`forward`.
+        """
+        margin = torch.full((int(input_ids.numel()),), float("inf"))
+        routers = [layer.block_sparse_moe.gate for layer in self.model.layers
+                   if isinstance(layer.block_sparse_moe, SparseMoE)]
+
+        def record(router: Router, args: tuple) -> None:
+            nonlocal margin
+            margin = torch.minimum(margin, router.decision_margin(args[0]).reshape(-1).cpu())
+
+        hooks = [r.register_forward_pre_hook(record) for r in routers]
+        try:
+            self.forward(input_ids.reshape(1, -1))
+        finally:
+            for h in hooks:
+                h.remove()
+        return margin
 
     def _validate(self, req: ForwardRequest) -> tuple[int, ...]:
         ids = req.token_ids

@@ -61,10 +61,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x: [N, D]`` -> ``(weights float32 [N, top_k], expert ids int64 [N, top_k])``."""
+    def _choice(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(scores, choice, group_scores)``: sigmoid scores ``float32 [N, E]``, the biased scores
+        with experts of unselected groups at ``-inf``, and the group scores ``float32 [N, G]``
+        (``None`` without grouping)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
+        group_scores = None
         if self.num_groups > 1:
             N, E = choice.shape
             grouped = choice.view(N, self.num_groups, E // self.num_groups)
@@ -72,6 +75,35 @@ class Router(nn.Module):
             keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
             choice = choice.masked_fill(~mask.repeat_interleave(E // self.num_groups, dim=1), float("-inf"))
+        return scores, choice, group_scores
+
+    @staticmethod
+    def _gap(values: torch.Tensor, k: int) -> torch.Tensor:
+        """Per row, the k-th largest value minus the (k+1)-th (``inf`` when every value is selected)."""
+        if k >= values.shape[-1]:
+            return torch.full(values.shape[:-1], float("inf"), device=values.device)
+        top = values.topk(k + 1, dim=-1).values
+        return top[..., k - 1] - top[..., k]
+
+    def decision_margin(self, x: torch.Tensor) -> torch.Tensor:
+        """How far each token's routing is from changing: ``float32 [N]``.
+
+        The smallest of two gaps in score units: between the last selected and the first
+        unselected group score, and between the last selected and the first unselected
+        expert among the selected groups. A margin near float32 rounding (about 1e-6 at
+        scores near 1) means two computations of ``x`` that differ only by rounding (a
+        chunked prefill against a whole one) may pick different experts; the soak uses
+        this to tell such a tie from a cache error.
+        """
+        _, choice, group_scores = self._choice(x)
+        margin = self._gap(choice, self.top_k)
+        if group_scores is not None:
+            margin = torch.minimum(margin, self._gap(group_scores, self.topk_group))
+        return margin
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x: [N, D]`` -> ``(weights float32 [N, top_k], expert ids int64 [N, top_k])``."""
+        scores, choice, _ = self._choice(x)
         ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.renormalize:
