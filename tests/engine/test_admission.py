@@ -63,8 +63,6 @@ def test_a_refusal_states_a_true_reason(tiny_model):
     assert r.reject_reason == "needs 3 pages (300 tokens of KV) even without reuse; the pool has 2"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11c, open: the tail sits at T aligned down, which only a "
-                   "continuation can reuse; moving it to T - 1 breaks SCENARIOS S1/S4/S7 (one tail at T)")
 @pytest.mark.parametrize("length, want", [(128, [0, 64, 64]), (256, [0, 192, 192])])
 def test_identical_resend_of_an_aligned_prompt_reuses_the_deepest_usable_boundary(tiny_model, length, want):
     """Block 64, policy tail, the same prompt three times (before: 0/0/0 for 64 and 128, 0/0/192

@@ -37,7 +37,9 @@ def test_s1_local_branch_completion(tiny_model, mechanism):
     e = make_engine(tiny_model, mechanism=mechanism, budget=8192, block_size=1024, unit=64)
     r1 = run_one(e, P)
     assert r1.reused == 0
-    assert published_boundaries(e, P) == [4096]            # no dense tracking
+    # no dense tracking: the tail C(P_4096) and, T being aligned, the one an identical resend
+    # reuses, C(P_4032) (issue 11c; reuse stops at T - 1)
+    assert published_boundaries(e, P) == [4032, 4096]
     r2 = run_one(e, np.concatenate([P[:1024], A]))
     assert (r2.match.kv_hit, r2.match.checkpoint_hit, r2.match.branching_boundary) == (1024, 0, 1024)
     assert r2.reused == 0 and r2.capture[1024] == "branch"
@@ -97,8 +99,9 @@ def test_s4_full_prompt_hit(tiny_model):
     e = make_engine(tiny_model)                               # branch + tail
     r1 = run_one(e, P, max_output_tokens=4)
     r2 = run_one(e, P, max_output_tokens=4)
-    # at most T-1 tokens are reusable: the cap 1984 lies below the tail C(P_2048)
-    assert (r2.match.kv_hit, r2.reused, r2.capture.get(1984)) == (1984, 0, "branch")
+    # at most T-1 tokens are reusable: the cap 1984 lies below the tail C(P_2048), and the tail's
+    # resend companion C(P_1984) serves the second send already (issue 11c; before: 0, then 1984)
+    assert (r2.match.kv_hit, r2.reused) == (1984, 1984) and min(r2.logits) == 1984
     r3 = run_one(e, P, max_output_tokens=4)
     assert r3.reused == 1984 and min(r3.logits) == 1984      # the last unit is recomputed
     for r in (r2, r3):
@@ -151,7 +154,7 @@ def test_s7_fine_grained_local_tail(tiny_model):
     P = tokens(17, 6976, v)
     e = make_engine(tiny_model, policy="tail", block_size=4096, pages=16)
     run_one(e, P, max_output_tokens=1)
-    assert published_boundaries(e, P) == [6976]
+    assert published_boundaries(e, P) == [6912, 6976]       # the tail and its resend companion (11c)
     r = run_one(e, np.concatenate([P, tokens(18, 100, v)]))
     assert r.reused == 6976                                   # partial page shared, copied before writing
     assert_exact(tiny_model, r)

@@ -393,7 +393,6 @@ def test_tiers_given_as_an_iterator_are_all_kept(tiny_model):
     assert [t.name for t in e.connector.tiers] == ["host", "store"] and e.connector.writes_back
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11c, open: see tests/engine/test_admission.py")
 def test_identical_resend_reuses_from_the_store_in_a_fresh_engine(tiny_model):
     """The tail of a store-aligned prompt sits at T - 1 aligned down, so a fresh engine sending the
     same prompt again takes it from the store (before: 0 reused)."""

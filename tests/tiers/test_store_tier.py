@@ -70,7 +70,7 @@ def test_s7_only_aligned_boundaries_become_remote(tiny_model):
     run_one(a, P, max_output_tokens=1)
     hashes = a.cache.hash_prompt(P)
     local = [n.end for n in a.cache.index.walk(hashes) if n.checkpoint is not None]
-    assert local == [4096, 6976]
+    assert local == [4096, 6912, 6976]                      # 6912: the tail's resend companion (11c)
     assert held(tier, hashes, [4096], "kda") == [True]
     keys_6976 = tier._key(hashes, 6976, "kda")
     assert store.exists([keys_6976]) == [False]

@@ -69,7 +69,9 @@ class CheckpointPolicy:
 
     Attributes:
         branch: create the checkpoint at the branching boundary once.
-        tail: create one at the prompt end aligned down to ``tail_alignment``.
+        tail: create one at the prompt end aligned down to ``tail_alignment``,
+            and, when the prompt length is itself aligned, one ``tail_alignment``
+            earlier too: an identical resend reuses at most ``T - 1`` tokens.
         tail_alignment: tokens; ``None`` means ``prefix_match_unit``.
         interval: create one every ``interval`` tokens inside prefills
             (``None``: off).

@@ -27,7 +27,11 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
                   hints: tuple[int, ...] = (), remote_branch: int | None = None) -> dict[int, str]:
     """Checkpoint boundaries to create for one request, boundary -> policy name.
 
-    Only unit-aligned boundaries in ``(match.hit, prompt_len]`` qualify. When
+    Only unit-aligned boundaries in ``(match.hit, prompt_len]`` qualify. ``tail``
+    claims ``T`` aligned down to ``tail_alignment`` (a continuation reuses it) and
+    ``T - 1`` aligned down (an identical resend reuses at most ``T - 1``,
+    :func:`~hybridkv.cache.groups.reuse_cap`): one boundary unless ``T`` is itself
+    aligned, then two. When
     two policies claim one boundary, the first of branch, tail, interval, hint
     is credited. ``remote_branch`` is a lower tier's missing branching
     boundary; it counts as a branch boundary.
@@ -46,7 +50,8 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
                 claim(b, "branch")
     if p.tail:
         a = config.tail_alignment
-        claim(hi // a * a, "tail")
+        claim(hi // a * a, "tail")           # what a continuation of the prompt reuses
+        claim((hi - 1) // a * a, "tail")     # what an identical resend reuses (reuse stops at T - 1)
     if p.interval:
         for b in range(p.interval, hi + 1, p.interval):
             claim(b, "interval")
