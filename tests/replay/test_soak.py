@@ -127,7 +127,8 @@ def test_store_faults_never_change_outputs(tiny_model):
             misses[k] = misses.get(k, 0) + n
         assert res.max_store_call_seconds < 5.0
     assert checks > 30
-    assert set(injected) >= {"unavailable", "slow", "lost_manifest", "corrupt", "vanish", "no_space"}, injected
+    assert set(injected) >= {"unavailable", "slow", "lost_manifest", "corrupt", "vanish", "no_space", "two_writers"}, \
+        injected
     assert misses["unreachable"] > 0 and misses["checksum"] + misses["incomplete"] > 0, misses
 
 

@@ -168,3 +168,28 @@ def test_garbled_manifest_on_disk_is_dropped_and_the_next_instances_reuse(tiny_m
         incomplete.append(tier.stats.misses["incomplete"])
         assert_exact(tiny_model, r)
     assert reused == [0, 1024, 1024, 1024] and incomplete == [2, 0, 0, 0], (reused, incomplete)
+
+
+def test_two_writers_of_one_key_never_mix_into_an_install(tiny_model):
+    """Every object writer A puts was raced by another writer whose bytes differ in one byte and
+    landed first (``FaultyStore`` kind ``two_writers``). The store keeps the other writer's
+    objects: reader B must not install them (checksum or incomplete misses, 0 reused, exact),
+    drops them, and its own upload commits the entry again, so reader C reuses all of it."""
+    from hybridkv.store.faults import FaultyStore
+
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P = tokens(120, 1024, v)
+    raced = FaultyStore(store, {"two_writers": 1.0}, close_inner=False)
+    a, _ = instance(tiny_model, raced, policy="tail=1024")
+    run_one(a, np.concatenate([P, tokens(121, 100, v)]))
+    assert raced.injected["two_writers"] >= 3                 # components and manifests
+    b, tier_b = instance(tiny_model, store, policy="tail=1024")
+    rb = run_one(b, np.concatenate([P, tokens(122, 100, v)]))
+    assert rb.reused == 0 and tier_b.stats.hit_tokens == 0
+    assert tier_b.stats.misses["checksum"] + tier_b.stats.misses["incomplete"] >= 1, tier_b.stats.misses
+    assert_exact(tiny_model, rb)
+    c, tier_c = instance(tiny_model, store)
+    rc = run_one(c, np.concatenate([P, tokens(123, 100, v)]))
+    assert rc.reused == 1024 and tier_c.stats.hit_tokens == 1024
+    assert_exact(tiny_model, rc)

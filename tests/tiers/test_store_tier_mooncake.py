@@ -3,6 +3,8 @@ test_store_tier.py), the first prefetch scenario of test_connector.py, and S13 w
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 
@@ -11,6 +13,7 @@ import pytest
 from hkv_helpers import assert_exact, run_one, tokens
 from tier_helpers import PrefixedStore, held, instance
 
+from hybridkv.store.faults import FaultyStore
 from hybridkv.store.mooncake.client import MooncakeStore
 from hybridkv.store.mooncake.support import MooncakeNotInstalled, load_client_class
 
@@ -92,6 +95,49 @@ def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):
     r = run_one(e, np.concatenate([P, tokens(200, 100, v)]))
     assert r.reused == 1024 and tier_e.stats.hit_tokens == 1024
     assert_exact(tiny_model, r)
+
+
+def test_storage_process_killed_mid_run(tiny_model, tmp_path_factory):
+    """The process holding the store's memory dies while the master lives: the master still
+    answers "exists", every read fails at once (Mooncake transfer error -800). Outputs stay
+    exact, the misses count as "unreachable", no call blocks, and nothing is installed."""
+    work = tmp_path_factory.mktemp("mc-storage-killed")
+    port, metrics = procs.find_free_ports(2)
+    handle = service.start_store(port, metrics, 64 << 20, work)
+    client = MooncakeStore(handle.master, retry_interval_s=0.0)
+    try:
+        v = tiny_model.config.vocab_size
+        store = FaultyStore(PrefixedStore(client, f"sk{uuid.uuid4().hex[:8]}/"), {}, close_inner=False)  # timing only
+        P = tokens(90, 1024, v)
+        a, _ = instance(tiny_model, store, policy="tail=1024")
+        run_one(a, np.concatenate([P, tokens(91, 100, v)]))
+        os.kill(handle.storage_pid, signal.SIGKILL)
+        _wait_gone(handle.storage_pid)
+        b, tier_b = instance(tiny_model, store)
+        for i in range(3):
+            t0 = time.monotonic()
+            r = run_one(b, np.concatenate([P, tokens(92 + i, 100, v)]))
+            assert time.monotonic() - t0 < 30
+            assert_exact(tiny_model, r)
+        assert tier_b.stats.hit_tokens == 0 and tier_b.stats.misses["unreachable"] >= 1
+        assert store.max_call_seconds < 5.0 and client.stats.transfer_failures >= 1
+    finally:
+        client.close()
+        service.stop_store(handle.workdir)
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until process ``pid`` no longer runs (reaped here if it is this process's child)."""
+    from hybridkv.store.mooncake.procs import alive
+
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.05)
 
 
 def test_this_process_listens_on_loopback_only(mooncake):

@@ -42,6 +42,7 @@ class PrefixedStore:
 
     def __init__(self, inner, prefix: str) -> None:
         self.inner, self.prefix = inner, prefix
+        self.scheme = inner.scheme
 
     def exists(self, keys):
         return self.inner.exists([self.prefix + k for k in keys])

@@ -189,7 +189,8 @@ class RunResult:
 
 def _faulty(store: ObjectStore, rc: RoundConfig, seed: int) -> FaultyStore:
     r = rc.faults
-    rates = {"unavailable": r / 3, "slow": r, "lost_manifest": r, "corrupt": r, "vanish": r, "no_space": r}
+    rates = {"unavailable": r / 3, "slow": r, "lost_manifest": r, "corrupt": r, "vanish": r, "no_space": r,
+             "two_writers": r}
     return FaultyStore(store, rates, seed=seed, slow_seconds=0.005)
 
 

@@ -12,6 +12,11 @@ per key, injects one of :data:`FAULT_KINDS`:
 * ``vanish``: the object is removed just before a read, as when another process evicts it
   between the existence check and the read.
 * ``no_space``: a put of one item is refused (``False``), as a full disk refuses it.
+* ``two_writers``: another writer's object for the same key lands just before this put: the
+  same length with one byte different (a second instance that computed the entry with other
+  rounding, or a torn one). The store keeps the first object, so this put reports success
+  while the key holds the other writer's bytes; readers see a mix of two writers' components
+  and manifest, which only checksums can tell apart.
 
 Decisions are deterministic: each comes from a hash of ``(seed, kind, operation, key, how many
 times this key saw this operation)``, not from a shared random stream, so threads calling in a
@@ -28,7 +33,14 @@ from collections.abc import Sequence
 
 from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
 
-FAULT_KINDS = ("unavailable", "slow", "lost_manifest", "corrupt", "vanish", "no_space")
+FAULT_KINDS = ("unavailable", "slow", "lost_manifest", "corrupt", "vanish", "no_space", "two_writers")
+
+
+def _flip_one_byte(data) -> bytes:
+    """A copy of ``data`` (bytes-like, non-empty) with its middle byte inverted."""
+    blob = bytearray(memoryview(data).cast("B"))
+    blob[len(blob) // 2] ^= 0xFF
+    return bytes(blob)
 
 
 class FaultyStore(ObjectStore):
@@ -120,6 +132,8 @@ class FaultyStore(ObjectStore):
                 elif self._roll("no_space", "put", key):
                     out.append(False)
                 else:
+                    if self._roll("two_writers", "put", key):
+                        self.inner.put([(key, _flip_one_byte(data))])
                     out.append(None)
                     keep.append((key, data))
             landed = iter(self.inner.put(keep) if keep else [])
@@ -140,9 +154,7 @@ class FaultyStore(ObjectStore):
             out = self.inner.get(keys)
             for i, (k, data) in enumerate(zip(keys, out)):
                 if data and self._roll("corrupt", "get", k):
-                    blob = bytearray(data)
-                    blob[len(blob) // 2] ^= 0xFF
-                    out[i] = bytes(blob)
+                    out[i] = _flip_one_byte(data)
             return out
         finally:
             self._leave(t0)
