@@ -1,6 +1,7 @@
 """Session setup: the tiny real model, and a loopback-only process for the Mooncake tests."""
 
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -21,6 +22,10 @@ def pytest_configure(config):
     listeners; the preloaded shim keeps every one of them on 127.0.0.1 and only
     works from process start (docs/mooncake.md).
     """
+    # Mooncake's native log stays on stderr (pytest captures it per test); the CLI's default of a
+    # log file would point this process's descriptor 2 elsewhere (tests/store/test_mooncake.py
+    # checks that default in a subprocess).
+    os.environ.setdefault("HYBRIDKV_MOONCAKE_LOG", "")
     if importlib.util.find_spec("mooncake") is None:
         return
     from hybridkv.store.mooncake.loopback import reexec_under_loopback

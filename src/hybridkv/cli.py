@@ -77,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
-    if argv is None and args.command == "replay" and args.store.startswith("mooncake://"):
-        from hybridkv.store.mooncake.loopback import reexec_under_loopback
-        reexec_under_loopback([sys.executable, "-m", "hybridkv.cli", *sys.argv[1:]])
     console = Console(stderr=True)
+    if args.command == "replay" and args.store.startswith("mooncake://"):
+        _native_log_to_file(console)
+        if argv is None:
+            from hybridkv.store.mooncake.loopback import reexec_under_loopback
+            reexec_under_loopback([sys.executable, "-m", "hybridkv.cli", *sys.argv[1:]])
     if args.command == "replay":
         return _replay(args, console)
     if args.command == "store":
@@ -133,6 +135,22 @@ def _replay(args, console: Console) -> int:
                       markup=True, highlight=False)
         return 1
     return 0
+
+
+def _native_log_to_file(console: Console) -> None:
+    """Send Mooncake's own log to a file unless ``HYBRIDKV_MOONCAKE_LOG`` says otherwise (empty:
+    leave it on stderr), and say where once. Processes started from here inherit the choice."""
+    import os
+    import tempfile
+
+    from hybridkv.store.mooncake.support import NATIVE_LOG_ENV
+
+    if NATIVE_LOG_ENV in os.environ:
+        return
+    path = os.path.join(tempfile.gettempdir(), f"hybridkv-mooncake-{os.getpid()}.log")
+    os.environ[NATIVE_LOG_ENV] = path
+    console.print(f"Mooncake's own log: {path} (set {NATIVE_LOG_ENV}= to keep it on stderr)",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def _unwritable(path: str) -> str | None:

@@ -284,3 +284,23 @@ def test_start_after_the_master_died_replaces_what_is_left(tmp_path_factory):
         assert fresh.master_pid != handle.master_pid
     finally:
         service.stop_store(handle.workdir)
+
+
+def test_replay_sends_mooncakes_own_log_to_a_file_and_says_where(store_service, tmp_path):
+    """Before: 68 lines of Mooncake's native log on stderr buried hybridkv's own warnings. The CLI
+    now sends them to a file, names it once, and keeps Python's messages on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDKV_MOONCAKE_LOG"}
+    env["TMPDIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "replay", "--model", "tiny", "--limit", "2",
+                          "--no-progress", "--store", f"mooncake://{store_service.master}"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logs = list(tmp_path.glob("hybridkv-mooncake-*.log"))
+    assert len(logs) == 1 and f"Mooncake's own log: {logs[0]}" in out.stderr
+    native = [ln for ln in out.stderr.splitlines() if ln[:1] in "IWEF" and ln[1:5].isdigit()]
+    assert native == [], native[:5]                                    # glog lines: I1201 03:00:10 ...
+    assert sum(1 for ln in logs[0].read_text().splitlines() if ln[:1] in "IWEF" and ln[1:5].isdigit()) >= 5

@@ -81,12 +81,61 @@ class MooncakeStats:
     abandoned_clients: int = 0
 
 
+NATIVE_LOG_ENV = "HYBRIDKV_MOONCAKE_LOG"
+"""Environment variable: a file that Mooncake's own (native) log goes to instead of stderr."""
+
+_native_log: str | None = None
+
+
+def native_log_path() -> str | None:
+    """Where this process sends Mooncake's native log (``None``: to stderr as Mooncake does)."""
+    return _native_log
+
+
+def send_native_log_to_file() -> str | None:
+    """Send Mooncake's native log (glog lines written to file descriptor 2 by the C++ library, also
+    from its own threads) to the file named by :data:`NATIVE_LOG_ENV`, once per process.
+
+    Descriptor 2 is pointed at the file (appended to); ``sys.stderr`` is rebound to a duplicate of
+    the original descriptor (and logging handlers that wrote to the old ``sys.stderr`` are moved
+    to it), so Python's own messages, warnings and tracebacks still reach the terminal. Does nothing when the variable is unset or empty. Returns the log path in use.
+
+    Raises:
+        OSError: the file cannot be opened (the message names it).
+    """
+    global _native_log
+    path = os.environ.get(NATIVE_LOG_ENV, "")
+    if not path or _native_log is not None:
+        return _native_log
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{NATIVE_LOG_ENV}={path}: cannot open Mooncake's log file: {exc.strerror}") from exc
+    import sys
+
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    os.dup2(fd, 2)
+    os.close(fd)
+    old = sys.stderr
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=getattr(old, "encoding", None) or "utf-8",
+                           errors="backslashreplace")
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):      # handlers made before now keep the terminal
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+                handler.setStream(sys.stderr)
+    _native_log = path
+    return path
+
+
 def load_client_class():
-    """``mooncake.store.MooncakeDistributedStore``, imported on first use.
+    """``mooncake.store.MooncakeDistributedStore``, imported on first use (after
+    :func:`send_native_log_to_file`).
 
     Raises:
         MooncakeNotInstalled: with the pip / apt-get commands.
     """
+    send_native_log_to_file()
     try:
         from mooncake.store import MooncakeDistributedStore
     except (ImportError, OSError) as exc:
