@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
                         "(default none; several instances without one share a fresh disk store)")
+    r.add_argument("--store-required", action="store_true",
+                   help="exit with an error when the store does not answer at startup, instead of running without "
+                        "it (a mooncake:// URL takes ?timeout_s=S for its setup deadline, default 5)")
     r.add_argument("--store-alignment", type=positive_int, default=None,
                    help="tokens; only these boundaries become store entries (default: --block-size)")
     r.add_argument("--host-mib", type=non_negative_int, default=256,
@@ -115,6 +118,11 @@ def _replay(args, console: Console) -> int:
         if problem:
             console.print(f"[red]error:[/red] --json {args.json_path}: {problem}", markup=True, highlight=False)
             return 2
+    if args.store_required and args.store != "none":
+        problem = _store_unavailable(args.store)
+        if problem:
+            console.print(f"[red]error:[/red] --store-required: {problem}", markup=True, highlight=False)
+            return 2
     try:
         report = run_replay(opts, console)
     except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:
@@ -135,6 +143,18 @@ def _replay(args, console: Console) -> int:
                       markup=True, highlight=False)
         return 1
     return 0
+
+
+def _store_unavailable(url: str) -> str | None:
+    """Why the store at ``url`` cannot be used now (opened and closed again), or ``None``."""
+    from hybridkv.store.base import StoreUnavailable
+    from hybridkv.store.url import open_store
+
+    try:
+        open_store(url).close()
+    except StoreUnavailable as exc:
+        return f"store {url} unreachable: {exc}"
+    return None
 
 
 def _native_log_to_file(console: Console) -> None:

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from hybridkv.cli import main
 from hybridkv.replay.report import REPORT_KEYS
 
@@ -121,3 +123,48 @@ def test_a_warm_store_keeps_the_oracle_fraction_within_one(tmp_path):
     assert second["reused_tokens"] > second["oracle_reused_tokens"] and second["warm_start_reused_tokens"] > 0
     for rep in (first, second):
         assert 0 <= rep["oracle_fraction"] <= 1
+
+
+def _silent_port():
+    """A loopback port that accepts connections and never answers; closed by the caller."""
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv, held
+
+
+def test_a_store_that_accepts_but_never_answers_costs_seconds_not_30(tmp_path, caplog, capsys):
+    """Before: Mooncake's setup blocked for its 30 s RPC timeout (holding the GIL) before the replay
+    ran without the store. Now a probe finds the silent port in about 2 s; with --store-required
+    the replay refuses to start instead."""
+    import time
+
+    pytest.importorskip("mooncake")
+    srv, held = _silent_port()
+    url = f"mooncake://127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING"):
+            rc = main(["replay", "--limit", "1", "--model", "tiny", "--no-progress", "--store", url])
+        assert rc == 0 and time.monotonic() - t0 < 20
+        assert any("does not answer" in r.message for r in caplog.records)
+        capsys.readouterr()
+        rc = main(["replay", "--limit", "1", "--model", "tiny", "--no-progress", "--store", url, "--store-required"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"--store-required: store {url} unreachable" in err and "does not answer" in err
+    finally:
+        srv.close()
+        for c in held:
+            c.close()

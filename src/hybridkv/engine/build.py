@@ -107,14 +107,18 @@ class EngineHandle:
         self.close()
 
 
-def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheConfig) -> StoreTier | None:
-    """The store tier for ``store_url``; ``None`` for ``none`` or a store unreachable at startup (a warning)."""
+def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheConfig,
+                     required: bool = False) -> StoreTier | None:
+    """The store tier for ``store_url``; ``None`` for ``none`` or a store unreachable at startup (a
+    warning; :class:`StoreUnavailable` instead when ``required``)."""
     from hybridkv.store.base import StoreUnavailable
     from hybridkv.store.url import open_store
     from hybridkv.tiers.connector import tier_for
     try:
         store = open_store(store_url)
     except StoreUnavailable as exc:
+        if required:
+            raise StoreUnavailable(f"store {store_url} unreachable at startup: {exc}") from exc
         log.warning("store %s unreachable at startup; running without it: %s", store_url, exc)
         return None
     if store is None:
@@ -127,7 +131,8 @@ def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheCon
 
 
 def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none", host_bytes: int = 0,
-                 host_write_through: bool = False, prefetch: bool = True) -> EngineHandle:
+                 host_write_through: bool = False, prefetch: bool = True,
+                 store_required: bool = False) -> EngineHandle:
     """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
 
     Args:
@@ -140,10 +145,11 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
             store entries and no others do.
         store_url: ``none``, ``memory://``, ``disk:///PATH`` or ``mooncake://HOST:PORT``
             (:func:`hybridkv.store.url.open_store`). A store unreachable at startup logs a
-            warning and the engine runs without it.
+            warning and the engine runs without it (unless ``store_required``).
         host_bytes: host tier capacity in bytes (write-back of evicted device entries); 0: none.
         host_write_through: the host tier also saves page-aligned entries as they are computed.
         prefetch: start store loads for waiting requests in the background.
+        store_required: raise instead of running without a store unreachable at startup.
 
     Returns:
         An :class:`EngineHandle`; call its ``close()`` when done (it stops the store worker).
@@ -151,6 +157,7 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     Raises:
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
             lower tier asked for in simulation, or a malformed store URL (named).
+        StoreUnavailable: ``store_required`` and the store does not answer at startup.
     """
     if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
         raise ValueError(f"host_bytes={host_bytes!r} must be an integer >= 0")
@@ -172,7 +179,7 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
                              write_through=host_write_through)
     if model is not None:
-        store = _open_store_tier(store_url, backend, namespace, config)
+        store = _open_store_tier(store_url, backend, namespace, config, required=store_required)
     tiers = [t for t in (host, store) if t is not None]
     handle = EngineHandle(engine=None, backend=backend, model=model, namespace=namespace,
                           host_tier=host, store_tier=store)

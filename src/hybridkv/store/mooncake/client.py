@@ -63,6 +63,7 @@ from hybridkv.store.mooncake.support import (
     abandon_client,
     byte_array,
     load_client_class,
+    master_answers,
     master_reachable,
     memory_sizes,
     no_space_pauses,
@@ -324,6 +325,9 @@ class MooncakeStore(ObjectStore):
         """Create and set up a new client; raises StoreUnavailable."""
         if not master_reachable(self.master, timeout_s=min(1.0, self.timeout_s)):
             self._mark_down(f"Mooncake master {self.master} is not accepting connections")
+        if not master_answers(self.master, timeout_s=min(2.0, self.timeout_s)):
+            self._mark_down(f"{self.master} accepts connections but does not answer within "
+                            f"{min(2.0, self.timeout_s):g} s: not a working Mooncake master")
         warn_wildcard_listeners()
         os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(self.setup_retries)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
