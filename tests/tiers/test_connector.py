@@ -439,3 +439,18 @@ def test_a_request_waiting_for_pages_is_loaded_once_and_the_store_credited_in_fu
     assert Counting.reads <= 2, Counting.reads
     assert tier.stats.hit_tokens == 1024
     assert_exact(tiny_model, q)
+
+
+def test_a_shorter_hit_credits_each_tier_with_what_it_supplied_below_it():
+    """Issue 11b: the device held [0, 256), the host added [256, 512) and the store [512, 1024).
+    Admitted with a shorter hit of 600 (pages were short), the host supplied 256 of it and the
+    store 88 (before: each gain was clipped to 600, crediting the store 512)."""
+    from hybridkv.cache.coordinator import MatchResult
+    from hybridkv.tiers.connector import FetchResult
+
+    match = MatchResult(hit=1024, kv_hit=1024, checkpoint_hit=1024, branching_boundary=None,
+                        per_group={"full": 1024, "kda": 1024}, hashes=[], path=[])
+    fetched = FetchResult(match, None, {"host": [(256, 512)], "store": [(512, 1024)]})
+    assert fetched.gains == {"host": 256, "store": 512}
+    assert fetched.credit(600) == {"host": 256, "store": 88}
+    assert fetched.credit(256) == {"host": 0, "store": 0}

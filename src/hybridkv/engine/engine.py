@@ -159,17 +159,16 @@ class Engine:
             if self.running and not self.cache.could_fit(match, t + req.max_output_tokens - 1):
                 req.admission_failures += 1
                 return                        # wait for pages; loading now would be evicted before it ran
-            remote_branch, gains = None, {}
+            remote_branch, fetched = None, None
             if self.connector is not None:
                 fetched = self.connector.fetch(req, req.prompt, match, req.namespace)
-                match, remote_branch, gains = fetched.match, fetched.missing_branching_boundary, fetched.gains
+                match, remote_branch = fetched.match, fetched.missing_branching_boundary
             need = t + req.max_output_tokens - 1
             alloc = self.cache.acquire(match, need)
             if alloc is None and not self.running:      # nothing will free pages: reuse less before refusing
                 for shorter in self.cache.shorter_hits(match):
                     alloc = self.cache.acquire(shorter, need)
                     if alloc is not None:
-                        gains = {name: min(n, shorter.hit) for name, n in gains.items()}
                         match = shorter
                         break
             if alloc is None:
@@ -185,8 +184,8 @@ class Engine:
                 self.stats.rejected += 1
                 continue
             self.waiting.popleft()
-            if self.connector is not None:
-                self.connector.admitted(req, match, t, gains)
+            if self.connector is not None:             # each tier credited with what it supplied of the hit
+                self.connector.admitted(req, match, t, fetched.credit(match.hit) if fetched else {})
             req.match, req.alloc, req.computed = match, alloc, match.hit
             req.capture = plan_captures(self.config, match, t, req.hints, remote_branch)
             req.status = Status.PREFILL

@@ -120,12 +120,23 @@ class FetchResult:
         match: the device lookup after every install.
         missing_branching_boundary: where the last tier has KV but no checkpoint
             beyond the joint hit (plan a checkpoint there), or ``None``.
-        gains: tier name -> hit tokens it added; credited by :meth:`TierConnector.admitted`.
+        spans: tier name -> the ``[start, end)`` token ranges of the hit its installs added.
     """
 
     match: MatchResult
     missing_branching_boundary: int | None
-    gains: dict[str, int]
+    spans: dict[str, list[tuple[int, int]]]
+
+    def credit(self, hit: int) -> dict[str, int]:
+        """Tier name -> tokens of ``[0, hit)`` it supplied: what to credit when a request is admitted
+        with a hit of ``hit`` tokens (the fetched one, or a shorter one when pages are short)."""
+        return {name: sum(max(0, min(end, hit) - start) for start, end in ranges)
+                for name, ranges in self.spans.items()}
+
+    @property
+    def gains(self) -> dict[str, int]:
+        """Tier name -> hit tokens it added to :attr:`match`; credited by :meth:`TierConnector.admitted`."""
+        return self.credit(self.match.hit)
 
 
 @dataclass(slots=True)
@@ -326,7 +337,7 @@ class TierConnector:
 
     def _fetch(self, prompt, match: MatchResult, namespace: bytes | None, ready_from: Prefetch | None
                ) -> FetchResult:
-        gains: dict[str, int] = {}
+        spans: dict[str, list[tuple[int, int]]] = {}
         cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         missing = None
         for tier in self.tiers:
@@ -343,12 +354,13 @@ class TierConnector:
                 before = match.hit
                 match = self.cache.lookup(prompt, namespace)   # installing may have evicted pages of the hit
                 if installed:
-                    gains[tier.name] = gains.get(tier.name, 0) + max(match.hit - before, 0)
+                    if match.hit > before:
+                        spans.setdefault(tier.name, []).append((before, match.hit))
                     break
             missing = rm.missing_branching_boundary
         if missing is not None and missing <= match.hit:
             missing = None
-        return FetchResult(match, missing, gains)
+        return FetchResult(match, missing, spans)
 
     def admitted(self, key: Hashable, match: MatchResult, prompt_len: int, gains: dict[str, int]) -> None:
         """A request was admitted with ``match``: credit each tier with the hit tokens it supplied
