@@ -350,3 +350,35 @@ def test_two_processes_put_same_keys(tmp_path):
         assert seen == winners  # both processes read the same first-published object
     assert temp_files(tmp_path) == []
     assert store.bad_objects == 0
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 512 KiB tmpfs mounted for the test (skipped where mounting is not permitted)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_real_full_disk_refuses_puts_and_keeps_what_it_holds(small_filesystem):
+    """A filesystem that runs out of space (ENOSPC from the kernel, no capacity set on the store):
+    puts answer False instead of raising, no temporary file is left behind, every object stored
+    before stays readable, and once room is made puts succeed again."""
+    store = DiskStore(small_filesystem / "store")
+    blob = bytes(range(256)) * 256                        # 64 KiB
+    results = [store.put([(f"k{i}", blob)])[0] for i in range(16)]
+    assert results[0] and not all(results)                  # it filled up
+    stored = [f"k{i}" for i, ok in enumerate(results) if ok]
+    assert results == [True] * len(stored) + [False] * (16 - len(stored))
+    assert temp_files(small_filesystem / "store") == []
+    assert store.get(stored) == [blob] * len(stored)
+    store.remove(stored[:2])
+    assert store.put([("again", blob)]) == [True] and store.get(["again"]) == [blob]
