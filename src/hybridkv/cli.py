@@ -1,5 +1,6 @@
 """Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
-store) and ``hybridkv soak`` (randomized exactness checks, docs/reliability.md).
+store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md), ``hybridkv serve``
+and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md).
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 2 on bad input (trace line, option, model, an unwritable ``--json``
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_cli(sub)
     from hybridkv.replay.soak import register_cli as register_soak_cli
     register_soak_cli(sub)
+    from hybridkv.serve.commands import register_cli as register_serve_cli
+    register_serve_cli(sub)
     return p
 
 
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.store_func(args)
     if args.command == "soak":
         return args.soak_func(args)
+    if args.command in ("serve", "bench-serve"):
+        return args.func(args)
     return 2
 
 

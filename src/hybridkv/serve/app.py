@@ -168,7 +168,8 @@ class Server:
         """``GET /v1/models``: the one model served."""
         return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model",
                                             "created": self.created, "owned_by": "hybridkv",
-                                            "max_model_len": self.settings.max_model_len}]}
+                                            "max_model_len": self.settings.max_model_len,
+                                            "vocab_size": self.vocab_size}]}
 
     async def health(self):
         """``GET /health``: 200 while the engine thread runs, else 503."""

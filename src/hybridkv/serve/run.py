@@ -110,8 +110,9 @@ class Run:
                 "prompt_tokens_details": {"cached_tokens": sum(j.cached_tokens for j in self.jobs)}}
 
     async def events(self):
-        """Yield ``(index, delta_text, finish_reason)`` as text arrives; the last item of each
-        choice carries its finish reason. Leaving early cancels the unfinished jobs.
+        """Yield ``(index, delta_text, finish_reason)`` once per generated token (the delta may be
+        empty while text is held back) and once at the end of each choice, which carries its
+        finish reason. Leaving early cancels the unfinished jobs.
 
         Raises:
             APIError: 500 when the engine refused or failed a job (its message).
@@ -120,13 +121,12 @@ class Run:
             while self._open:
                 i, event = await self.queue.get()
                 delta = self._apply(i, event)
-                if delta is not None:
-                    yield i, delta, self.choices[i].finish_reason
+                yield i, delta, self.choices[i].finish_reason
         finally:
             for i in self._open:
                 self.worker.cancel(self.jobs[i])
 
-    def _apply(self, i: int, event: tuple) -> str | None:
+    def _apply(self, i: int, event: tuple) -> str:
         kind, value = event
         c = self.choices[i]
         if kind == "error":
@@ -148,10 +148,8 @@ class Run:
             self.metrics.reused.observe(self.jobs[i].cached_tokens)
             if not self._open:
                 self.metrics.e2e.observe(time.monotonic() - self.arrived)
-        if ready <= c.sent and kind == "token":
-            return None
         delta, c.sent = c.text[c.sent: max(ready, c.sent)], max(ready, c.sent)
-        return delta
+        return delta                          # "" for a token whose text is held back: one chunk per token
 
     async def collect(self) -> list[Choice]:
         """Wait for every job; the finished choices."""
