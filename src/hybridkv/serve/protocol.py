@@ -143,12 +143,16 @@ def parse_prompts(prompt, encode) -> list[list[int]]:
         batch = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         batch = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, (int, float, bool)) for x in prompt):
+        j = next(j for j, x in enumerate(prompt) if not _is_int(x))
+        raise APIError(400, f"prompt: element {j} is {prompt[j]!r}, not an integer token id", "prompt")
     else:
         raise APIError(400, "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
     out = []
     for i, p in enumerate(batch):
         if isinstance(p, list) and not all(_is_int(x) for x in p):
-            raise APIError(400, f"prompt {i}: every token id must be an integer", "prompt")
+            j = next(j for j, x in enumerate(p) if not _is_int(x))
+            raise APIError(400, f"prompt {i}: element {j} is {p[j]!r}, not an integer token id", "prompt")
         ids = encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, f"prompt {i} is empty (0 tokens)", "prompt")
