@@ -51,6 +51,7 @@ class Generation:
         hints: checkpoint boundaries (multiples of ``prefix_match_unit``).
         return_token_ids: add each choice's generated ``token_ids`` to the answer.
         include_usage: streaming: send a final chunk with ``usage``.
+        ignore_eos: keep generating after the tokenizer's end-of-sequence token.
     """
 
     max_tokens: int
@@ -64,6 +65,7 @@ class Generation:
     hints: tuple[int, ...]
     return_token_ids: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def _is_int(x) -> bool:
@@ -109,7 +111,7 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
-    for name in ("stream", "echo", "return_token_ids"):
+    for name in ("stream", "echo", "return_token_ids", "ignore_eos"):
         if body.get(name) is not None and not isinstance(body.get(name), bool):
             raise APIError(400, f"{name}={body.get(name)!r} must be a boolean", name)
     if body.get("echo"):
@@ -129,7 +131,7 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
                       stream=bool(body.get("stream")), tenant=_identifier(body, "tenant", tenant_header, "default"),
                       cache_salt=_identifier(body, "cache_salt", None, ""), hints=tuple(hints),
                       return_token_ids=bool(body.get("return_token_ids")),
-                      include_usage=bool(options.get("include_usage")))
+                      include_usage=bool(options.get("include_usage")), ignore_eos=bool(body.get("ignore_eos")))
 
 
 def parse_prompts(prompt, encode) -> list[list[int]]:

@@ -74,7 +74,7 @@ class Run:
 
     def _job(self, i: int, ids: list[int], namespace: bytes) -> Job:
         seed = self.gen.seed + i if self.gen.seed is not None else secrets.randbits(63)
-        eos = self.codec.eos_token_id
+        eos = None if self.gen.ignore_eos else self.codec.eos_token_id
 
         def emit(event: tuple) -> None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
