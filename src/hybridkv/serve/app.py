@@ -63,13 +63,7 @@ class Server:
 
     # -- helpers ------------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        body = _json_object(await request.body())
         model = body.get("model")
         if model != self.settings.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
@@ -186,13 +180,7 @@ class Server:
     async def invalidate(self, request: Request) -> dict:
         """``POST /admin/cache/invalidate`` with ``{"tenant": T}``, ``{"cache_salt": S}`` (both:
         their intersection) or ``{"all": true}``; answers the counts removed per tier."""
-        raw = await request.body()
-        try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = _json_object(await request.body() or b"{}")
         everything = body.get("all", False)
         tenant, salt = body.get("tenant"), body.get("cache_salt")
         if not isinstance(everything, bool) or any(v is not None and not isinstance(v, str) for v in (tenant, salt)):
@@ -201,6 +189,17 @@ class Server:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
         counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
         return asdict(counts)
+
+
+def _json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; a 400 :class:`APIError` for bad JSON or another type."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 def _error_response(exc: APIError, metrics: ServeMetrics) -> JSONResponse:
