@@ -6,9 +6,16 @@ from __future__ import annotations
 import openai
 import pytest
 
-from hybridkv.model.model import HybridModel
 from hybridkv.serve.launch import RunningServer, ServeOptions
-from hybridkv.serve.tokenizer import BOS, BYTE_VOCAB, IM_END, IM_START, ByteTokenizer, incremental_text, load_codec
+from hybridkv.serve.tokenizer import (
+    BOS,
+    BYTE_VOCAB,
+    IM_END,
+    IM_START,
+    ByteTokenizer,
+    incremental_text,
+    load_codec,
+)
 
 
 def test_byte_tokenizer_round_trips_utf8_and_renders_the_chat_template():
