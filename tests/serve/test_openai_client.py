@@ -95,3 +95,20 @@ def test_sampling_with_a_seed_repeats_and_differs_from_another_seed(server, temp
     a, b = run(5), run(5)
     assert a == b
     assert any(run(s) != a for s in (6, 7, 8))
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
+    c = client(server)
+    ids = prompt_ids(11, 64)
+    free = c.completions.create(model="tiny", prompt=ids, max_tokens=60, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    assert len(free) >= 6, "the greedy continuation needs some text to cut"
+    stop = free[3:5]
+    cut = free[: free.find(stop)]
+    out = c.completions.create(model="tiny", prompt=ids, max_tokens=60, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True})
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = list(c.completions.create(model="tiny", prompt=ids, max_tokens=60, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"

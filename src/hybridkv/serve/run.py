@@ -139,7 +139,7 @@ class Run:
             c.ids.append(value)
             delta, c.decoded = incremental_text(self.codec, c.ids, c.decoded)
             c.text += delta
-            ready = len(c.text) - (self.holdback if self.gen.stop else 0)
+            ready = min(len(self._cut(c.text)), len(c.text) - (self.holdback if self.gen.stop else 0))
         else:
             self._open.discard(i)
             c.finish_reason = value
