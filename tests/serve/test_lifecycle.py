@@ -116,3 +116,14 @@ def test_metrics_parse_and_move(server):
     assert after[("hybridkv_tier_capacity_bytes", (("tier", "device"),))] > 0
     assert after[("hybridkv_queue_depth", ())] == 0
     assert moved("hybridkv_checkpoints_created_total", (("policy", "tail"),)) >= 1
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
+    baseline = wait_idle(server)
+    cancelled = server.server.handle.engine.stats.cancelled
+    body = {**LONG, "stream": False, "prompt": prompt_ids(33, 150)}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as c, \
+            pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=body)                 # gives up long before 4,000 tokens
+    state = wait_idle(server)
+    assert state == baseline and server.server.handle.engine.stats.cancelled == cancelled + 1

@@ -100,7 +100,7 @@ class Server:
         head = self._head("text")
         if run.gen.stream:
             return self._sse(self._completion_chunks(run, head))
-        choices = await run.collect()
+        choices = await _collect_while_connected(run, request)
         out = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
                | ({"token_ids": c.ids} if run.gen.return_token_ids else {}) for i, c in enumerate(choices)]
         return {**head, "choices": out, "usage": run.usage()}
@@ -117,7 +117,7 @@ class Server:
         head = self._head("chat")
         if run.gen.stream:
             return self._sse(self._chat_chunks(run, {**head, "object": "chat.completion.chunk"}))
-        (c,) = await run.collect()
+        (c,) = await _collect_while_connected(run, request)
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
                   "finish_reason": c.finish_reason} | ({"token_ids": c.ids} if run.gen.return_token_ids else {})
         return {**head, "choices": [choice], "usage": run.usage()}
@@ -189,6 +189,26 @@ class Server:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
         counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
         return asdict(counts)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the server reports ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_while_connected(run: Run, request: Request):
+    """``run.collect()``, cancelled (its jobs with it) if the client disconnects first; then a
+    499 :class:`APIError` nobody reads."""
+    collect = asyncio.ensure_future(run.collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if collect.done():
+        gone.cancel()
+        return collect.result()
+    collect.cancel()
+    await asyncio.gather(collect, return_exceptions=True)
+    raise APIError(499, "the client closed the connection", None, "client_closed")
 
 
 def _json_object(raw: bytes) -> dict:

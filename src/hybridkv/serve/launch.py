@@ -14,6 +14,7 @@ from typing import Self
 
 import torch
 
+from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import EngineHandle, build_engine, load_model
 from hybridkv.serve.app import Server, ServeSettings, create_app
@@ -66,7 +67,7 @@ def build_handle(opts: ServeOptions) -> EngineHandle:
     Raises:
         ConfigError / ValueError: a bad cache setting or model name (named).
     """
-    pages = opts.kv_pages if opts.kv_pages is not None else -(-65536 // opts.block_size)
+    pages = opts.kv_pages if opts.kv_pages is not None else -(-DEFAULT_KV_TOKENS // opts.block_size)
     config = CacheConfig(block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
                          max_num_batched_tokens=opts.max_num_batched_tokens, num_kv_pages=pages,
                          num_checkpoint_slots=opts.checkpoint_slots, policy=CheckpointPolicy.parse(opts.policy),
