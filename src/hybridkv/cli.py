@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
     console = Console(stderr=True)
-    if args.command == "replay" and args.store.startswith("mooncake://"):
+    if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
         _native_log_to_file(console)
         if argv is None:
             from hybridkv.store.mooncake.loopback import reexec_under_loopback

@@ -127,3 +127,13 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
         c.post("/v1/completions", json=body)                 # gives up long before 4,000 tokens
     state = wait_idle(server)
     assert state == baseline and server.server.handle.engine.stats.cancelled == cancelled + 1
+
+
+def test_a_stopped_engine_answers_503_and_health_says_so():
+    with RunningServer(ServeOptions(port=0, threads=1)) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        s.server.worker.stop()
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        assert c.get("/metrics").status_code == 200

@@ -78,11 +78,17 @@ class Server:
                              cache_salt=salt).digest()
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
+        self._check_alive()
         gen = parse_generation(body, request.headers.get("x-tenant"), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
         return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt),
                    self.metrics, arrived)
+
+    def _check_alive(self) -> None:
+        if not self.worker.alive:
+            raise APIError(503, "the engine thread has stopped; see the server log", None, "engine_stopped",
+                           "server_error")
 
     def _head(self, kind: str) -> dict:
         return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
@@ -173,8 +179,9 @@ class Server:
 
     async def metrics_text(self) -> Response:
         """``GET /metrics``: Prometheus text format (engine figures read on the engine thread)."""
-        fut = self.worker.call(lambda h: engine_snapshot(h, self.worker.queue_depth))
-        self.metrics.set_snapshot(await asyncio.wait_for(asyncio.wrap_future(fut), timeout=30.0))
+        if self.worker.alive:                 # a stopped engine thread keeps its last figures
+            fut = self.worker.call(lambda h: engine_snapshot(h, self.worker.queue_depth))
+            self.metrics.set_snapshot(await asyncio.wait_for(asyncio.wrap_future(fut), timeout=30.0))
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def invalidate(self, request: Request) -> dict:
@@ -187,6 +194,7 @@ class Server:
             raise APIError(400, "all must be a boolean, tenant and cache_salt strings")
         if everything == (tenant is not None or salt is not None):
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
+        self._check_alive()
         counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
         return asdict(counts)
 
