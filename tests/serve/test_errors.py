@@ -9,8 +9,7 @@ import subprocess
 
 import httpx
 import pytest
-
-from tests.serve.conftest import prompt_ids
+from serve_helpers import prompt_ids
 
 GOOD = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
 

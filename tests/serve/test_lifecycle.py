@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import engine_idle, prompt_ids, wait_idle
 
 from hybridkv.serve.launch import RunningServer, ServeOptions
-from tests.serve.conftest import engine_idle, prompt_ids, wait_idle
 
 LONG = {"model": "tiny", "max_tokens": 4000, "stream": True, "ignore_eos": True, "temperature": 0}
 

@@ -7,8 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-
-from tests.serve.conftest import prompt_ids, wait_idle
+from serve_helpers import prompt_ids, wait_idle
 
 
 def client(s) -> openai.OpenAI:
