@@ -3,7 +3,8 @@ store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md), ``
 and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md).
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
-printed), 2 on bad input (trace line, option, model, an unwritable ``--json``
+printed), 130 when Ctrl-C stopped a replay (the figures so far are printed and
+written), 2 on bad input (trace line, option, model, an unwritable ``--json``
 path), with one ``error:`` line naming the offending value.
 """
 
@@ -133,6 +134,9 @@ def _replay(args, console: Console) -> int:
     except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 2
+    except KeyboardInterrupt:                  # before the engines ran (loading) or after (merging)
+        console.print("interrupted: no report", markup=False, highlight=False)
+        return 130
     render_summary(report, Console())
     if args.json_path:
         try:
@@ -141,6 +145,10 @@ def _replay(args, console: Console) -> int:
             console.print(f"[red]error:[/red] --json {args.json_path}: {exc.strerror or exc}", markup=True,
                           highlight=False)
             return 2
+    if report.interrupted:
+        console.print(f"interrupted: the report covers the {report.requests} requests admitted before Ctrl-C"
+                      + (f" (written to {args.json_path})" if args.json_path else ""), markup=False, highlight=False)
+        return 130
     rejected = report.rejected["requests"] if report.rejected else 0
     if rejected and not report.requests:
         reason = max(report.rejected["reasons"].items(), key=lambda kv: kv[1])[0]

@@ -168,3 +168,58 @@ def test_a_store_that_accepts_but_never_answers_costs_seconds_not_30(tmp_path, c
         srv.close()
         for c in held:
             c.close()
+
+
+def test_ctrl_c_in_a_replay_writes_what_ran_and_exits_130(tmp_path, monkeypatch, capsys):
+    """Before: Ctrl-C printed a traceback and wrote nothing. Now the replay stops, prints and
+    writes the figures of the requests admitted so far, says so, and exits 130."""
+    from hybridkv.engine.engine import Engine
+
+    step, calls = Engine.step, []
+
+    def interrupted_step(self):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", interrupted_step)
+    out = tmp_path / "r.json"
+    rc = main(["replay", "--model", "tiny", "--limit", "40", "--no-progress", "--json", str(out)])
+    err = capsys.readouterr()
+    assert rc == 130
+    rep = json.loads(out.read_text())
+    assert rep["interrupted"] is True and 0 < rep["requests"] < 40
+    assert f"interrupted: the report covers the {rep['requests']} requests" in err.err.replace("\n", " ")
+    assert "interrupted" in err.out                                         # the table says so too
+
+
+def test_ctrl_c_to_a_two_instance_replay_stops_every_process(tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the whole process group (the runner, the manager
+    and both instance processes). The workers return what they measured; the report is written."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "r.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "replay", "--model", "tiny", "--limit", "1000",
+                             "--instances", "2", "--no-progress", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:     # until the shared store fills:
+            time.sleep(0.5)                                            # requests are running
+            if sum(1 for p in scratch.glob("hybridkv-store-*/**/*") if p.is_file()) >= 20:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["interrupted"] is True and 0 < rep["requests"] < 1000
+    assert "Traceback" not in stderr

@@ -19,6 +19,10 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 
 
+TURN_FAILED = -1
+"""Shared ``turn`` value: an instance failed; the others raise."""
+
+
 @dataclass(slots=True)
 class InstanceSpec:
     """Work of one instance.
@@ -71,10 +75,16 @@ class InstanceResult:
     greedy_mismatches: int = 0
     reject_reasons: Counter = field(default_factory=Counter)
     reused: dict = field(default_factory=dict)          # trace index -> reused tokens (admitted requests)
+    interrupted: bool = False                           # stopped by Ctrl-C before its requests were done
 
 
-def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn) -> None:
-    """Run the requests: all queued at once, or one at a time in trace order when ``turn`` is shared."""
+def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn, stop=None) -> None:
+    """Run the requests: all queued at once, or one at a time in trace order when ``turn`` is shared.
+
+    ``stop`` (a shared event, with ``turn``) is set by the runner on Ctrl-C: the instance
+    raises ``KeyboardInterrupt`` before its next request (worker processes ignore SIGINT
+    itself, so an interrupt never lands inside a step or an import).
+    """
     if turn is None:
         for r in requests:
             engine.add_request(r)
@@ -86,20 +96,27 @@ def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress
     try:
         for i, r in zip(spec.indices, requests):
             while turn.value != i:
+                if stop is not None and stop.is_set():
+                    raise KeyboardInterrupt
                 if turn.value < 0:
                     raise RuntimeError(f"instance {spec.instance_id}: another instance failed; stopping")
                 time.sleep(0.002)
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
             engine.add_request(r)
             engine.run_until_done()
             turn.value = i + 1
             if progress is not None:
                 progress(1)
+    except KeyboardInterrupt:
+        raise
     except BaseException:
-        turn.value = -1                       # wake every other instance: the replay is over
+        turn.value = TURN_FAILED              # wake every other instance: the replay is over
         raise
 
 
-def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | None = None) -> InstanceResult:
+def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | None = None,
+                 stop=None) -> InstanceResult:
     """Run every request of ``spec`` through one engine; ``progress(n)`` after requests finish.
 
     With ``turn`` (a shared integer holding the next trace index to run), the
@@ -107,7 +124,10 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     ``i`` starts once ``turn == i`` and sets ``turn = i + 1`` when it finishes,
     so instances see each other's store entries exactly as a single ordered
     replay would. An instance that fails sets ``turn = -1`` and the others stop. Without it, requests run concurrently up to ``max_num_seqs``.
-    ``threads`` sets torch's intra-op threads of this process.
+    ``threads`` sets torch's intra-op threads of this process. A ``KeyboardInterrupt``
+    (Ctrl-C in-process, or ``stop`` set by the runner) while requests run ends the run
+    early: the result holds what ran until then, with ``interrupted`` set (and no
+    verification).
     """
     if threads is not None:
         torch.set_num_threads(threads)
@@ -121,8 +141,11 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
     t0 = time.perf_counter()
+    interrupted = False
     try:
-        _drive(engine, spec, requests, progress, turn)
+        _drive(engine, spec, requests, progress, turn, stop)
+    except KeyboardInterrupt:                 # Ctrl-C: report what ran so far (see run_replay)
+        interrupted = True
     finally:
         built.close()                         # the store tier's worker thread, staging arena and the store
     seconds = time.perf_counter() - t0
@@ -138,7 +161,8 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     res.reused = {i: r.reused for i, r in zip(spec.indices, requests) if r.match is not None}
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
-    if model is not None:
+    res.interrupted = interrupted
+    if model is not None and not interrupted:
         _verify(model, [r for r in requests if r.record_logits], res)
     return res
 

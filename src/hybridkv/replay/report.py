@@ -34,7 +34,8 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected", "warm_start_reused_tokens")
+OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected", "warm_start_reused_tokens",
+                 "interrupted")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 
@@ -100,6 +101,8 @@ class ReplayReport:
     warm_start_reused_tokens: reused tokens beyond what the oracle allows a request from
         this run's earlier requests: they came from a store filled before the run.
         ``oracle_fraction`` counts only the rest, so it stays within 0..1.
+    interrupted: ``True`` when the run was stopped (Ctrl-C) before every request ran: the
+        figures cover the requests admitted until then (written only when ``True``).
     """
 
     requests: int
@@ -125,6 +128,7 @@ class ReplayReport:
     skipped_lines: int | None = None
     rejected: dict[str, Any] | None = None
     warm_start_reused_tokens: int | None = None
+    interrupted: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -195,6 +199,8 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     r = report
     if r.mode is not None:
         table.add_row("mode", r.mode)
+    if r.interrupted:
+        table.add_row("interrupted", "yes: the figures cover the requests admitted before Ctrl-C")
     if r.config:
         c = r.config
         table.add_row("model / block size / unit", f"{c.get('model')} / {c.get('block_size')} / "

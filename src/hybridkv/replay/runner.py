@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
+from multiprocessing.managers import SyncManager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +34,7 @@ from rich.progress import (
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
 from hybridkv.replay.instance import (
+    TURN_FAILED,
     InstanceResult,
     InstanceSpec,
     run_instance,
@@ -180,25 +184,53 @@ def _run_processes(specs: list[InstanceSpec], progress, threads: int) -> list[In
     """One worker process per instance (spawned: no state is inherited), progress via a queue.
 
     Requests run one at a time in trace order across instances (see :func:`run_instance`).
+    Ctrl-C reaches every process of the group; the workers and the manager ignore it, and
+    this process sets the shared ``stop`` event: each instance stops before its next
+    request and returns what it measured (``interrupted``).
     """
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        queue = manager.Queue()
-        turn = manager.Value("i", 0)
-        with ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx) as pool:
-            futures = [pool.submit(_worker, spec, queue, turn, threads) for spec in specs]
+    ignore_sigint = (signal.signal, (signal.SIGINT, signal.SIG_IGN))
+    manager = SyncManager(ctx=ctx)
+    manager.start(*ignore_sigint)             # Ctrl-C reaches the process group; only this process acts on it
+    try:
+        queue, turn, stop = manager.Queue(), manager.Value("i", 0), manager.Event()
+        with ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx, initializer=ignore_sigint[0],
+                                 initargs=ignore_sigint[1]) as pool:
+            futures = [pool.submit(_worker, spec, queue, turn, threads, stop) for spec in specs]
+            stopping = False
             while not all(f.done() for f in futures):
-                if any(f.done() and f.exception() is not None for f in futures):
-                    turn.value = -1           # a worker died before it could say so
                 try:
+                    if stopping:
+                        wait(futures, timeout=0.2)
+                        continue
+                    if any(f.done() and f.exception() is not None for f in futures):
+                        turn.value = TURN_FAILED      # a worker died before it could say so
                     progress(queue.get(timeout=0.2))
+                except KeyboardInterrupt:
+                    stopping = True
+                    _call_from_new_connection(stop.set)   # each instance stops before its next request
                 except Exception:  # noqa: BLE001 - queue.Empty from a manager proxy
                     pass
-            return [f.result() for f in futures]
+            results = [f.result() for f in futures]
+            if stopping:
+                for r in results:
+                    r.interrupted = True
+            return results
+    finally:
+        manager.shutdown()
 
 
-def _worker(spec: InstanceSpec, queue, turn, threads: int) -> InstanceResult:
-    return run_instance(spec, queue.put, turn, threads)
+def _call_from_new_connection(call) -> None:
+    """Call a manager proxy's method through a connection of its own: an interrupt inside a
+    proxy call leaves this thread's connection out of step (its next call reads the old
+    reply), and proxies keep one connection per thread."""
+    t = threading.Thread(target=call, name="replay-stop")
+    t.start()
+    t.join(timeout=10.0)
+
+
+def _worker(spec: InstanceSpec, queue, turn, threads: int, stop) -> InstanceResult:
+    return run_instance(spec, queue.put, turn, threads, stop)
 
 
 def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall) -> ReplayReport:
@@ -259,6 +291,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
         reasons.update(r.reject_reasons)
     report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons)}
     report.warm_start_reused_tokens = warm
+    report.interrupted = True if any(r.interrupted for r in results) else None
     return report
 
 
