@@ -25,16 +25,20 @@ Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
 
 @dataclass(slots=True)
 class TierStats:
-    """Counters of one tier (tokens and bytes)."""
+    """Counters of one tier (tokens and bytes); ``evictions`` / ``bytes_evicted``: entries this
+    tier dropped for capacity (a store tier's backend evicts silently: see its own counters)."""
 
     hit_tokens: int = 0
     bytes_loaded: int = 0
     bytes_saved: int = 0
+    evictions: int = 0
+    bytes_evicted: int = 0
     misses: Counter = field(default_factory=lambda: Counter({r: 0 for r in MISS_REASONS}))
 
     def as_dict(self) -> dict:
-        """``{hit_tokens, bytes_loaded, bytes_saved}`` for the JSON report."""
-        return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved}
+        """``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted}`` for the JSON report."""
+        return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved,
+                "evictions": self.evictions, "bytes_evicted": self.bytes_evicted}
 
 
 @dataclass(frozen=True, slots=True)

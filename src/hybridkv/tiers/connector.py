@@ -54,10 +54,11 @@ def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment
 
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
-                  write_through: bool = False) -> HostTier:
+                  write_through: bool = False, eviction: str = "lru") -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page)."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
-                    entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through)
+                    entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
+                    eviction=eviction)
 
 
 @dataclass(slots=True)

@@ -11,17 +11,22 @@ entry records a CUDA event after its device-to-host copies, and the event is
 waited before the entry is read (load) or its memory is dropped (eviction). On
 CPU the same code runs with plain tensors and no events.
 
-Capacity is in bytes of component payload; the least recently used entries are
-dropped to make room (an entry larger than the whole capacity is refused).
+Capacity is in bytes of component payload; the eviction order's first entries
+(:mod:`hybridkv.store.eviction`: ``lru``, or ``value`` with ``C`` = the tokens a
+hit on the entry saves: a checkpoint's boundary, a KV segment's ``alignment``)
+are dropped to make room (an entry larger than the whole capacity is refused).
+Entries are never referenced across calls (a load hands out the tensors, which
+the device install copies), so every held entry is evictable.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from hybridkv.cache.groups import KDA
+from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier
 from hybridkv.tiers.layout import DTYPES
 
@@ -47,20 +52,23 @@ class HostTier(Tier):
         namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
         pin_memory: pinned host buffers and async copies; default: when CUDA
             is available.
+        eviction: ``lru`` or ``value``.
 
     Raises:
-        ValueError: ``capacity_bytes`` is not a positive integer, or ``alignment``
-            does not fit ``unit``.
+        ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
+            does not fit ``unit``, or ``eviction`` is unknown.
     """
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
-                 name: str = "host", write_through: bool = False, pin_memory: bool | None = None) -> None:
+                 name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
+                 eviction: str = "lru") -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
         self.capacity_bytes = capacity_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._entries: OrderedDict[tuple[bytes, str], _HostEntry] = OrderedDict()
+        self._entries: dict[tuple[bytes, str], _HostEntry] = {}
+        self._order = make_order(eviction)        # members: exactly the keys of _entries
         self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in comps.items()}
                           for grp, comps in shapes.items()}
         self._bytes = 0
@@ -89,7 +97,7 @@ class HostTier(Tier):
                     self.count_miss("absent")
                     out.append(None)
                     continue
-                self._entries.move_to_end(key)
+                self._order.hit(key)
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
                 out.append(dict(e.tensors))
@@ -109,10 +117,10 @@ class HostTier(Tier):
         """
         out = []
         with self._lock:
-            for chain_hash, _parent, group, _boundary, tensors in entries:
+            for chain_hash, _parent, group, boundary, tensors in entries:
                 key = (chain_hash, group)
                 if key in self._entries:
-                    self._entries.move_to_end(key)
+                    self._order.hit(key)
                     out.append(True)
                     continue
                 self._check(group, tensors)
@@ -121,10 +129,11 @@ class HostTier(Tier):
                     out.append(False)
                     continue
                 while self._bytes + nbytes > self.capacity_bytes:
-                    _, old = self._entries.popitem(last=False)
-                    old.wait()                     # its async copy must finish before the memory goes
-                    self._bytes -= old.nbytes
+                    self.stats.bytes_evicted += self._drop(self._order.pop()).nbytes
+                    self.stats.evictions += 1
                 self._entries[key] = self._copy(tensors, nbytes)
+                self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary)
+                self._order.add(key)
                 self._bytes += nbytes
                 self.stats.bytes_saved += nbytes
                 out.append(True)
@@ -133,10 +142,17 @@ class HostTier(Tier):
     def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
         """Drop one entry if held."""
         with self._lock:
-            e = self._entries.pop((self.chain_hash(hashes, boundary), group), None)
-            if e is not None:
-                e.wait()
-                self._bytes -= e.nbytes
+            key = (self.chain_hash(hashes, boundary), group)
+            if key in self._entries:
+                self._drop(key)
+
+    def _drop(self, key: tuple[bytes, str]) -> _HostEntry:
+        """Remove a held entry (its async copy is waited first); returns it."""
+        e = self._entries.pop(key)
+        self._order.forget(key)
+        e.wait()                                   # its async copy must finish before the memory goes
+        self._bytes -= e.nbytes
+        return e
 
     def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
         expected = self._expected[group]
