@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
     r.add_argument("--checkpoint-slots", type=positive_int, default=None,
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
+    r.add_argument("--eviction", choices=("lru", "value"), default="lru",
+                   help="eviction order of the device pools and the host tier: lru, or value "
+                        "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -112,7 +115,8 @@ def _replay(args, console: Console) -> int:
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
-        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads)
+        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
+        eviction=args.eviction)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:
