@@ -44,6 +44,7 @@ class EvictedEntry:
         page: the page whose KV goes (``None``: only the checkpoint goes).
         checkpoint: slot of ``C(P_end)`` that goes with it, or ``None``; readable
             through :meth:`HybridCacheCoordinator.read_checkpoint` during the callback.
+        owner: bound namespace digest it was cached under (``None``: unknown).
     """
 
     key: bytes
@@ -51,6 +52,7 @@ class EvictedEntry:
     end: int
     page: int | None
     checkpoint: int | None
+    owner: bytes | None = None
 
 
 EvictCallback = Callable[[list[EvictedEntry]], None]
@@ -492,7 +494,7 @@ class HybridCacheCoordinator:
         for _ in range(self.config.block_size // self.config.prefix_match_unit):
             parent = parent.parent if parent is not None else None
         parent_key = parent.key if parent is not None and parent.end else None
-        return EvictedEntry(node.key, parent_key, node.end, node.page if kv else None, node.checkpoint)
+        return EvictedEntry(node.key, parent_key, node.end, node.page if kv else None, node.checkpoint, node.owner)
 
     # -- reads for lower tiers ------------------------------------------
     def read_checkpoint(self, slot: int, boundary: int) -> KDACheckpoint | None:

@@ -50,6 +50,7 @@ from hybridkv.store.disk_files import (
     object_file_size,
     object_path,
     read_header,
+    read_key,
     read_payload,
     scan_layout,
     tmp_path,
@@ -195,6 +196,21 @@ class DiskStore(ObjectStore):
             with self._lock:
                 self._unlink(self._path(digest))
                 self._forget(digest)
+
+    @_os_errors_unavailable
+    def list_keys(self, prefix: str) -> list[str]:
+        """Keys starting with ``prefix`` of every object file in the directory (other processes'
+        included), read from each file's header.
+
+        Raises:
+            StoreUnavailable: the directory cannot be listed or read.
+        """
+        out = []
+        for _, digest, _ in scan_layout(self.root):
+            key = read_key(self._path(digest))
+            if key is not None and key.startswith(prefix):
+                out.append(key)
+        return out
 
     def check_invariants(self) -> None:
         """Assert the accounting invariants (tests call this; single-process use)."""

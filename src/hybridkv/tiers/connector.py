@@ -439,7 +439,7 @@ class TierConnector:
                     ckpt = self.cache.checkpoint_at(alloc, b)
                 if ckpt is not None:
                     entries.append(tier.entry(hashes, b, KDA, checkpoint_components(ckpt)))
-            visible = iter(tier.save_entries(entries))      # two batched puts per step
+            visible = iter(tier.save_entries(entries, owner=alloc.owner))      # two batched puts per step
             landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
             for b in kv:                                    # the mark moves over contiguous visible entries
                 if not landed[b]:
@@ -457,7 +457,7 @@ class TierConnector:
             if not wanted:
                 continue
             held = tier.exists([(e.key, grp) for e, grp in wanted]) or [False] * len(wanted)
-            entries = []
+            by_owner: dict[bytes | None, list] = {}
             for (e, grp), ok in zip(wanted, held):
                 if ok:
                     continue
@@ -465,5 +465,6 @@ class TierConnector:
                     tensors = {"latents": self.backend.page_latents(e.page)}
                 else:
                     tensors = checkpoint_components(self.cache.read_checkpoint(e.checkpoint, e.end))
-                entries.append((e.key, e.parent_key, grp, e.end, tensors))
-            tier.save_entries(entries)
+                by_owner.setdefault(e.owner, []).append((e.key, e.parent_key, grp, e.end, tensors))
+            for owner, entries in by_owner.items():
+                tier.save_entries(entries, owner=owner)

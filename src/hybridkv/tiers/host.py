@@ -21,6 +21,7 @@ the device install copies), so every held entry is evictable.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class _HostEntry:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     ready: object = None          # torch.cuda.Event after async copies, else None
+    owner: bytes | None = None    # bound namespace digest it was cached under
+    created: float = 0.0          # Unix seconds when this tier got it
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -103,8 +106,9 @@ class HostTier(Tier):
                 out.append(dict(e.tensors))
         return out
 
-    def save_entries(self, entries: list[Entry]) -> list[bool]:
-        """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry into host memory.
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
+        """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry, cached under the
+        bound namespace ``owner``, into host memory (stamped with the wall time, for purges).
 
         An entry already held is left as it is (idempotent). Components must
         match this model's shapes.
@@ -131,20 +135,30 @@ class HostTier(Tier):
                 while self._bytes + nbytes > self.capacity_bytes:
                     self.stats.bytes_evicted += self._drop(self._order.pop()).nbytes
                     self.stats.evictions += 1
-                self._entries[key] = self._copy(tensors, nbytes)
-                self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary)
+                self._entries[key] = e = self._copy(tensors, nbytes)
+                e.owner, e.created = owner, time.time()
+                self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary, owner)
                 self._order.add(key)
                 self._bytes += nbytes
                 self.stats.bytes_saved += nbytes
                 out.append(True)
         return out
 
-    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
         """Drop one entry if held."""
         with self._lock:
-            key = (self.chain_hash(hashes, boundary), group)
-            if key in self._entries:
-                self._drop(key)
+            if (chain_hash, group) in self._entries:
+                self._drop((chain_hash, group))
+
+    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+        """Remove every held entry ``selector`` selects (by this tier's namespace, the entry's owner
+        and the time this tier got it); ``chains`` are not needed (the tier enumerates itself).
+        Loads already handed out stay valid (the tensors are the caller's now)."""
+        with self._lock:
+            doomed = [k for k, e in self._entries.items() if selector.matches(self.namespace, e.owner, e.created)]
+            for k in doomed:
+                self._drop(k)
+        return len(doomed)
 
     def _drop(self, key: tuple[bytes, str]) -> _HostEntry:
         """Remove a held entry (its async copy is waited first); returns it."""
