@@ -13,7 +13,7 @@ import sys
 
 from rich.console import Console
 
-from hybridkv.replay.args import non_negative_int, positive_int
+from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
+    _register_cache_cli(sub)
     from hybridkv.store.mooncake.service import register_cli
     register_cli(sub)
     from hybridkv.replay.soak import register_cli as register_soak_cli
@@ -95,7 +96,72 @@ def main(argv: list[str] | None = None) -> int:
         return args.store_func(args)
     if args.command == "soak":
         return args.soak_func(args)
+    if args.command == "cache":
+        return _cache_purge(args, console)
     return 2
+
+
+def _register_cache_cli(sub) -> None:
+    c = sub.add_parser("cache", help="maintain a cache store").add_subparsers(dest="cache_command", required=True)
+    p = c.add_parser("purge", help="remove entries from a store by tenant, namespace, model version or age",
+                     description="Remove cache entries (manifest first, then components) from a store. Criteria "
+                                 "combine with AND. A running engine's device and host tiers are purged through "
+                                 "hybridkv.tiers.purge.purge in that process, not by this command.")
+    p.add_argument("--store", required=True, help="store URL (disk:///PATH, memory://; a store that can list keys)")
+    p.add_argument("--model", help="model repo / preset name the entries were made with")
+    p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model)")
+    p.add_argument("--tenant", action="append", default=[],
+                   help="tenant whose entries to purge: namespace CacheIdentity(model_repo=--model, "
+                        "weight_digest=--weight-digest, tenant=T); repeatable")
+    p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
+    p.add_argument("--older-than", type=positive_float, help="seconds: entries created longer ago than this")
+
+
+def _cache_purge(args, console: Console) -> int:
+    import time
+
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.cache.purge import PurgeSelector
+    from hybridkv.store.base import StoreUnavailable
+    from hybridkv.store.url import open_store
+    from hybridkv.tiers.purge import purge_store
+
+    def fail(msg: str) -> int:
+        console.print(f"[red]error:[/red] {msg}", markup=True, highlight=False)
+        return 2
+
+    if bool(args.model) != bool(args.weight_digest):
+        return fail("--model and --weight-digest go together (they name one model version)")
+    if args.tenant and not args.model:
+        return fail("--tenant needs --model and --weight-digest (a tenant's namespace includes them)")
+    owners = set()
+    for text in args.namespace:
+        try:
+            owners.add(bytes.fromhex(text))
+        except ValueError:
+            return fail(f"--namespace {text!r} is not a hex digest")
+    owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest, tenant=t).digest()
+               for t in args.tenant}
+    models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
+        if args.model and not args.tenant else None
+    cutoff = time.time() - args.older_than if args.older_than else None
+    try:
+        selector = PurgeSelector(owners=owners or None, models=models, created_before=cutoff)
+        store = open_store(args.store)
+    except (ValueError, StoreUnavailable) as exc:
+        return fail(str(exc))
+    if store is None:
+        return fail("--store none has nothing to purge")
+    try:
+        removed = purge_store(store, selector)
+    except NotImplementedError as exc:
+        return fail(f"{exc}: purge a Mooncake store from the engines that use it")
+    except StoreUnavailable as exc:
+        return fail(str(exc))
+    finally:
+        store.close()
+    print(f"removed {removed} entries")
+    return 0
 
 
 def _replay(args, console: Console) -> int:

@@ -13,7 +13,7 @@ from hkv_helpers import assert_exact, tokens
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.groups import FULL, KDA
 from hybridkv.cache.namespace import CacheIdentity
-from hybridkv.cache.purge import PurgeSelector, bound_owners
+from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
@@ -57,7 +57,7 @@ def test_purge_by_tenant_removes_every_tier_and_no_later_request_hits(tiny_model
     run(e, pa, TENANT_A, "a0"), run(e, pb, TENANT_B, "b0")
     for t in (host, st):
         assert held_in(t, e, pa, TENANT_A) == [True, True] and held_in(t, e, pb, TENANT_B) == [True, True]
-    counts = purge(e.cache, [host, st], PurgeSelector(owners=bound_owners([TENANT_A], e.cache.binding)))
+    counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_A}))
     assert counts.device_nodes == 1100 // 64 and counts.held_pages == 0
     assert counts.tier_entries == {"host": 2, "store": 2} and counts.unlisted == []
     for t in (host, st):
@@ -110,7 +110,7 @@ def test_purge_while_a_running_request_holds_the_entry_keeps_its_output_exact(ti
                               namespace=TENANT_A, record_logits=True))
     e.step()                                                   # admitted: it holds the pages of the hit
     assert r.status == Status.PREFILL and r.reused == BLOCK    # mid-prefill
-    counts = purge(e.cache, [host, st], PurgeSelector(owners=bound_owners([TENANT_A], e.cache.binding)))
+    counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_A}))
     assert counts.device_nodes > 0 and counts.held_pages >= 1            # detached, not torn
     e.cache.check_invariants()
     e.run_until_done()
@@ -125,3 +125,25 @@ def test_a_purge_needs_a_criterion():
         PurgeSelector()
     with pytest.raises(ValueError, match="owners="):
         PurgeSelector(owners=b"abc")
+
+
+def test_cli_purges_a_disk_store_by_namespace_then_by_model_version(tiny_model, tmp_path, capsys):
+    from hybridkv.cli import main
+    from hybridkv.store.disk import DiskStore
+
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(8, 1100, v), tokens(9, 1100, v)
+    store = DiskStore(tmp_path / "s")
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "a"), run(e, pb, TENANT_B, "b")
+    url = f"disk://{tmp_path / 's'}"
+    assert main(["cache", "purge", "--store", url, "--namespace", TENANT_A.hex()]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, TENANT_A) == [False, False] and held_in(st, e, pb, TENANT_B) == [True, True]
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest",
+                 tiny_model.weight_digest()]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pb, TENANT_B) == [False, False]
+    assert main(["cache", "purge", "--store", url, "--namespace", "zz"]) == 2       # bad input: named, nothing done
+    assert "'zz'" in capsys.readouterr().err
+    assert main(["cache", "purge", "--store", url]) == 2                            # no criterion

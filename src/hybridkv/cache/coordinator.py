@@ -44,7 +44,7 @@ class EvictedEntry:
         page: the page whose KV goes (``None``: only the checkpoint goes).
         checkpoint: slot of ``C(P_end)`` that goes with it, or ``None``; readable
             through :meth:`HybridCacheCoordinator.read_checkpoint` during the callback.
-        owner: bound namespace digest it was cached under (``None``: unknown).
+        owner: request namespace digest it was cached under (``None``: unknown).
     """
 
     key: bytes
@@ -86,8 +86,8 @@ class MatchResult:
         per_group: group name -> its own hit.
         hashes: chained hashes of every whole unit of the prompt.
         path: matched index nodes, one per unit, up to ``kv_hit``.
-        namespace: the bound namespace digest the prompt was hashed under (the owner of
-            what the request publishes, for quotas and purges).
+        namespace: the request's namespace digest (the engine's when it gave none), before
+            binding: the owner of what the request publishes, for quotas and purges.
     """
 
     hit: int
@@ -109,7 +109,7 @@ class Allocation:
         state: private working KDA state at ``start`` (``None``: zeros / simulation).
         start: tokens already present (the joint hit).
         nodes: index nodes published (or matched) for this request's units, in order.
-        owner: bound namespace digest its new entries are cached under (``MatchResult.namespace``).
+        owner: namespace digest its new entries are cached under (``MatchResult.namespace``).
     """
 
     block_table: list[int]
@@ -199,7 +199,7 @@ class HybridCacheCoordinator:
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=joint.per_group[KDA],
                            branching_boundary=joint.branching_boundary,
                            per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g],
-                           namespace=self._bound[namespace or self.namespace])
+                           namespace=namespace or self.namespace)
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
         """Matches that reuse less than ``match``, deepest first: each checkpointed boundary of

@@ -25,7 +25,7 @@ class BlockNode:
             latents for every position from its page start up to ``end``.
         checkpoint: checkpoint-pool slot holding ``C(P_end)`` or ``None``.
         children: key -> child node.
-        owner: namespace digest the prefix was cached under (quotas, purge); inherited
+        owner: request namespace digest the prefix was cached under (quotas, purge); inherited
             from the parent, ``None`` when unknown (installed from a lower tier at the root).
         created: when the node was made, in seconds on the coordinator's clock (purge by age).
     """

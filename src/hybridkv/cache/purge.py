@@ -4,9 +4,9 @@ A :class:`PurgeSelector` names entries by who cached them and when; every tier
 applies the same selector (the whole purge across tiers is
 :func:`hybridkv.tiers.purge.purge`). Entries are selected by
 
-* ``owners``: bound namespace digests (a tenant's, a salt's: the digest
-  :meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.hash_prompt` hashes
-  with; :func:`bound_owners` computes them from request namespaces);
+* ``owners``: request namespace digests (``Request.namespace``: a tenant's, a
+  salt's ``CacheIdentity(...).digest()``; the engine's own namespace for requests
+  that gave none);
 * ``models``: model namespaces (``CacheIdentity(model_repo, weight_digest).digest()``,
   the namespace an engine and its tiers are built with): every entry of an old
   weight digest after an upgrade;
@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.cache.index import BlockNode
-from hybridkv.cache.namespace import bind_namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +36,7 @@ class PurgeSelector:
     """Which entries a purge removes (criteria AND-ed; see the module docstring).
 
     Attributes:
-        owners: bound namespace digests, or ``None`` (any owner).
+        owners: request namespace digests, or ``None`` (any owner).
         models: model namespace digests, or ``None`` (any model).
         created_before: seconds; entries stamped earlier match; ``None``: any age.
 
@@ -69,12 +68,6 @@ class PurgeSelector:
         if self.created_before is not None and (created is None or created >= self.created_before):
             return False
         return True
-
-
-def bound_owners(namespaces, binding: bytes) -> frozenset[bytes]:
-    """The bound digests (owners) of request namespaces under a backend ``binding``
-    (:meth:`HybridCacheCoordinator.binding`), for :attr:`PurgeSelector.owners`."""
-    return frozenset(bind_namespace(ns, binding) for ns in namespaces)
 
 
 @dataclass(slots=True)

@@ -108,7 +108,7 @@ class Tier(ABC):
 
     @abstractmethod
     def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
-        """Commit entries (see :data:`Entry`) cached under the bound namespace ``owner``;
+        """Commit entries (see :data:`Entry`) cached under the request namespace ``owner``;
         per entry, whether it is visible now."""
 
     @abstractmethod

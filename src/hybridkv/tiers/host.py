@@ -37,7 +37,7 @@ class _HostEntry:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     ready: object = None          # torch.cuda.Event after async copies, else None
-    owner: bytes | None = None    # bound namespace digest it was cached under
+    owner: bytes | None = None    # request namespace digest it was cached under
     created: float = 0.0          # Unix seconds when this tier got it
 
     def wait(self) -> None:
@@ -108,7 +108,7 @@ class HostTier(Tier):
 
     def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
         """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry, cached under the
-        bound namespace ``owner``, into host memory (stamped with the wall time, for purges).
+        request namespace ``owner``, into host memory (stamped with the wall time, for purges).
 
         An entry already held is left as it is (idempotent). Components must
         match this model's shapes.

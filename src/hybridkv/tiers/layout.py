@@ -118,7 +118,7 @@ def entry_manifest(namespace: bytes, chain_hash: bytes, parent_hash: bytes | Non
                    rank: int = 0, owner: bytes | None = None, created: float | None = None) -> tuple[str, bytes]:
     """The manifest object ``(key, UTF-8 JSON)`` of an entry, checksumming each component (XXH3-128).
 
-    ``owner`` (the bound namespace digest the entry was cached under, written as hex) and
+    ``owner`` (the request namespace digest the entry was cached under, written as hex) and
     ``created`` (Unix seconds) are optional fields readers ignore; purges select by them
     (docs/cache_abi.md)."""
     listing = [{"name": name, "key": key, "nbytes": data.nbytes, "dtype": str(t.dtype).removeprefix("torch."),

@@ -223,7 +223,7 @@ class StoreTier(Tier):
 
         Args:
             entries: ``(chain_hash, parent_hash, group, boundary, tensors)`` tuples.
-            owner: bound namespace digest they were cached under; the manifests record
+            owner: request namespace digest they were cached under; the manifests record
                 it and their creation time (Unix seconds) for purges.
 
         Returns:
