@@ -54,11 +54,12 @@ def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment
 
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
-                  write_through: bool = False, eviction: str = "lru") -> HostTier:
-    """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page)."""
+                  write_through: bool = False, eviction: str = "lru", quota: float | None = None) -> HostTier:
+    """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
+    ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``)."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
                     entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
-                    eviction=eviction)
+                    eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)))
 
 
 @dataclass(slots=True)

@@ -56,6 +56,8 @@ class HostTier(Tier):
         pin_memory: pinned host buffers and async copies; default: when CUDA
             is available.
         eviction: ``lru`` or ``value``.
+        quota_bytes: payload bytes one request namespace (``owner`` of a save) may hold;
+            a save over it evicts that owner's own entries first. ``None``: no quota.
 
     Raises:
         ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
@@ -64,11 +66,14 @@ class HostTier(Tier):
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
-                 eviction: str = "lru") -> None:
+                 eviction: str = "lru", quota_bytes: int | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
         self.capacity_bytes = capacity_bytes
+        if quota_bytes is not None and (not isinstance(quota_bytes, int) or quota_bytes <= 0):
+            raise ValueError(f"host tier quota_bytes={quota_bytes!r} must be a positive integer or None")
+        self.quota_bytes = quota_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._entries: dict[tuple[bytes, str], _HostEntry] = {}
         self._order = make_order(eviction)        # members: exactly the keys of _entries
@@ -114,7 +119,7 @@ class HostTier(Tier):
         match this model's shapes.
 
         Returns:
-            Per entry, whether it is held now (``False``: larger than the capacity).
+            Per entry, whether it is held now (``False``: larger than the capacity or the quota).
 
         Raises:
             ValueError: a component's name, dtype or shape differs from ``shapes``.
@@ -132,9 +137,15 @@ class HostTier(Tier):
                 if nbytes > self.capacity_bytes:
                     out.append(False)
                     continue
+                quota = self.quota_bytes
+                if owner is not None and quota is not None:
+                    if nbytes > quota:
+                        out.append(False)
+                        continue
+                    while self._order.owner_bytes.get(owner, 0) + nbytes > quota:
+                        self._evict(self._order.pop(owner))          # over its quota: its own go first
                 while self._bytes + nbytes > self.capacity_bytes:
-                    self.stats.bytes_evicted += self._drop(self._order.pop()).nbytes
-                    self.stats.evictions += 1
+                    self._evict(self._order.pop())
                 self._entries[key] = e = self._copy(tensors, nbytes)
                 e.owner, e.created = owner, time.time()
                 self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary, owner)
@@ -159,6 +170,10 @@ class HostTier(Tier):
             for k in doomed:
                 self._drop(k)
         return len(doomed)
+
+    def _evict(self, key: tuple[bytes, str]) -> None:
+        self.stats.bytes_evicted += self._drop(key).nbytes
+        self.stats.evictions += 1
 
     def _drop(self, key: tuple[bytes, str]) -> _HostEntry:
         """Remove a held entry (its async copy is waited first); returns it."""
