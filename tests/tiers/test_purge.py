@@ -74,14 +74,18 @@ def test_purge_by_model_version_leaves_other_models_entries(tiny_model, store):
     no running engine knows (found by listing manifests); the new model's entries stay."""
     v = tiny_model.config.vocab_size
     p = tokens(3, 1100, v)
-    old, _, old_st = three_tiers(tiny_model, store, weight_digest="old-digest")
+    old, old_host, old_st = three_tiers(tiny_model, store, weight_digest="old-digest")
     new, _, new_st = three_tiers(tiny_model, store)
     run(old, p, None, "o"), run(new, p, None, "n")
     old_ns = CacheIdentity(model_repo="tiny", weight_digest="old-digest").digest()
-    assert purge_store(store, PurgeSelector(models={old_ns})) == 2          # a store no engine has open
-    assert held_in(old_st, old, p, None) == [False, False]
+    counts = purge(old.cache, [old_host, old_st], PurgeSelector(models={old_ns}))
+    assert counts.device_nodes == 1100 // 64 and counts.tier_entries == {"host": 2, "store": 2}
+    assert held_in(old_st, old, p, None) == [False, False] and held_in(old_host, old, p, None) == [False, False]
     assert held_in(new_st, new, p, None) == [True, True]
+    assert run(old, p, None, "o again").reused == 0
+    assert purge_store(store, PurgeSelector(models={old_ns})) == 2          # the rerun's entries, store alone
     assert purge_store(store, PurgeSelector(models={old_ns})) == 0          # idempotent
+    assert held_in(new_st, new, p, None) == [True, True]
 
 
 def test_purge_by_age_removes_only_older_entries(tiny_model, store):
