@@ -26,3 +26,13 @@ def test_simulated_replay_reports_evictions_and_the_histogram_under_both_orders(
         slot_bytes = rep["checkpoint_bytes_peak"] // 8          # evictions happened, so all 8 slots were full
         assert dev["checkpoints"] > 0 and dev["checkpoint_bytes"] == dev["checkpoints"] * slot_bytes
         assert rep["evictions"]["host"] == {"entries": 0, "bytes": 0}     # simulate has no host tier
+
+
+def test_replay_cli_refuses_an_unknown_eviction_order(capsys):
+    import pytest
+
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", "--eviction", "mru"])
+    assert exc.value.code == 2 and "'mru'" in capsys.readouterr().err
