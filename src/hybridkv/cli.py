@@ -1,5 +1,6 @@
 """Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
-store) and ``hybridkv soak`` (randomized exactness checks, docs/reliability.md).
+store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md), ``hybridkv serve``
+and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md).
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 2 on bad input (trace line, option, model, an unwritable ``--json``
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_cli(sub)
     from hybridkv.replay.soak import register_cli as register_soak_cli
     register_soak_cli(sub)
+    from hybridkv.serve.commands import register_cli as register_serve_cli
+    register_serve_cli(sub)
     return p
 
 
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
     console = Console(stderr=True)
-    if args.command == "replay" and args.store.startswith("mooncake://"):
+    if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
         _native_log_to_file(console)
         if argv is None:
             from hybridkv.store.mooncake.loopback import reexec_under_loopback
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.soak_func(args)
     if args.command == "cache":
         return _cache_purge(args, console)
+    if args.command in ("serve", "bench-serve"):
+        return args.func(args)
     return 2
 
 

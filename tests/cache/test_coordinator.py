@@ -469,3 +469,21 @@ def test_a_failing_eviction_callback_leaks_no_page_reference():
         cache.acquire(m, 428)
     assert calls
     assert_idle(cache)
+
+
+def test_remove_prefix_purges_one_namespace_tree_and_keeps_the_other():
+    cache = make_cache()
+    prompt = tokens(40, 300)
+    other_ns = b"o" * 32
+    serve(cache, prompt, checkpoints=[128, 256])
+    m = cache.lookup(prompt, other_ns)
+    alloc = cache.acquire(m, 320)
+    cache.publish(alloc, m.hashes, 300, {256: (None, "tail")})
+    with pytest.raises(RuntimeError, match="hold references"):
+        cache.remove_prefix(m.hashes[0])
+    cache.release(alloc)
+    assert cache.remove_prefix(cache.hash_prompt(prompt)[0]) == 4              # units 64..256 of the first tree
+    assert cache.lookup(prompt).hit == 0 and cache.lookup(prompt, other_ns).hit == 256
+    assert cache.remove_prefix(cache.hash_prompt(prompt)[0]) == 0              # already gone
+    assert_idle(cache)
+    assert cache.checkpoints.num_free == cache.checkpoints.num_slots - 1       # only the other tree's tail left

@@ -58,6 +58,20 @@ def test_bad_values_name_key_and_value(key, value):
         HybridConfig.from_hf(d)
 
 
+@pytest.mark.parametrize("text,message", [
+    ('{"model_type": "llama", "num_hidden_layers": 2}', "model_type='llama': not a Kimi Linear model"),
+    ('{"model_type": "kimi_linear",', "not valid JSON"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+])
+def test_a_bad_config_file_is_named_with_what_is_wrong(tmp_path, text, message):
+    """Before: a llama config said "num_hidden_layers=None: missing" or "linear_attn_config={}", and
+    invalid JSON gave the parser's message without the file's name."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as info:
+        HybridConfig.from_hf(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: ")
+
+
 def test_bad_layer_lists():
     d = HybridConfig.preset("tiny").to_hf_dict()
     d["linear_attn_config"] = dict(d["linear_attn_config"], full_attn_layers=[3, 4])

@@ -78,6 +78,18 @@ def test_bad_checkpoint_names_the_tensor(reference_dir, tmp_path, kind):
         HybridModel.from_pretrained(bad)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_an_unreadable_safetensors_file_is_named(reference_dir, tmp_path, damage):
+    """Before: a truncated model.safetensors raised safetensors' own error with a traceback."""
+    bad = tmp_path / damage
+    shutil.copytree(reference_dir, bad)
+    path = bad / SINGLE
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 64 + data[64:])
+    with pytest.raises(ValueError, match=f"{path}: not a readable safetensors file"):
+        HybridModel.from_pretrained(bad)
+
+
 def test_weight_digest_is_deterministic_and_sensitive():
     a = HybridModel.from_preset("tiny", seed=0)
     b = HybridModel.from_preset("tiny", seed=0)

@@ -523,6 +523,22 @@ class HybridCacheCoordinator:
             self._evict_checkpoint(slot)
         return n
 
+    def remove_prefix(self, first_hash: bytes) -> int:
+        """Purge the cached prefix whose first unit's chained hash is ``first_hash`` and every
+        entry cached below it (KV nodes and their checkpoints; no write-back to lower tiers).
+        A first hash is namespace-bound, so this removes one namespace's tree of that prefix.
+
+        Returns:
+            Index nodes removed (0 when nothing is cached under ``first_hash``).
+
+        Raises:
+            RuntimeError: a request still holds references (purge only while none runs).
+        """
+        if any(self.pages.refcount) or any(self.checkpoints.refcount):
+            raise RuntimeError("remove_prefix while requests hold references; release them first")
+        node = self.index.root.children.get(first_hash)
+        return self.index.remove_subtree(node) if node is not None else 0
+
     # -- metrics and checks ---------------------------------------------
     def _note_peaks(self) -> None:
         self.kv_pages_peak = max(self.kv_pages_peak, self.pages.num_pages - self.pages.num_free)

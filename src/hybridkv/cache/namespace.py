@@ -27,7 +27,9 @@ class CacheIdentity:
 
     Sampling parameters are deliberately absent. Cross-tenant sharing happens
     only when a deployment gives tenants the same ``tenant`` value.
-    All fields are strings; the empty string means "not applicable".
+    All fields are strings; the empty string means "not applicable". ``cache_salt`` is a
+    per-request secret (as an OpenAI-style server takes it) that isolates a request's
+    entries from everyone who does not send the same salt.
     """
 
     model_repo: str = ""
@@ -49,6 +51,7 @@ class CacheIdentity:
     multimodal_version: str = ""
     position_config: str = "nope"
     tenant: str = "default"
+    cache_salt: str = ""
 
     def digest(self) -> bytes:
         """32-byte SHA-256 namespace digest over every field, tagged and length-prefixed."""

@@ -123,6 +123,18 @@ class Engine:
         req.status = Status.CANCELLED
         self.stats.cancelled += 1
 
+    def finish(self, req: Request) -> None:
+        """Finish a decoding request before ``max_output_tokens`` (a stop sequence was met);
+        its references are released and it counts as finished, not cancelled.
+
+        Raises:
+            ValueError: the request is not decoding (naming its status).
+        """
+        if req.status != Status.DECODE:
+            raise ValueError(f"request {req.request_id}: only a decoding request can finish early, "
+                             f"status is {req.status.value}")
+        self._finish(req)
+
     @property
     def has_work(self) -> bool:
         """Requests are waiting or running."""
@@ -239,7 +251,8 @@ class Engine:
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE
-            r.output.append(out.next_token)
+            sample = r.sampler is not None and out.logits is not None
+            r.output.append(int(r.sampler(out.logits[-1])) if sample else out.next_token)
             if len(r.output) >= r.max_output_tokens:
                 self._finish(r)
                 finished.append(r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,8 @@ class Request:
         admission_failures: admission attempts that found no room.
         namespace: namespace digest of this request (tenant / adapter); ``None``
             means the engine's.
+        sampler: picks each generated token from the last position's logits
+            (``float32[vocab]`` -> token id); ``None``: greedy (the backend's argmax).
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class Request:
     reject_reason: str = ""
     namespace: bytes | None = None
     admission_failures: int = 0
+    sampler: Callable[[torch.Tensor], int] | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -19,6 +19,9 @@ _FP32_BYTES = 4
 #: Names of the bundled presets (``src/hybridkv/model/presets/<name>.json``).
 PRESETS = ("tiny", "small", "kimi-linear-48b-a3b")
 
+MODEL_TYPE = "kimi_linear"
+"""``model_type`` of a Kimi Linear ``config.json`` (transformers' ``KimiLinearConfig``)."""
+
 
 def _bad(key: str, value: Any, why: str) -> ValueError:
     return ValueError(f"invalid model config: {key}={value!r}: {why}")
@@ -180,14 +183,25 @@ class HybridConfig:
         a path to ``config.json`` or a directory holding one.
 
         Raises:
-            ValueError: a missing or invalid key (the message names key and value).
+            ValueError: a missing or invalid key (the message names key and value), a
+                ``model_type`` other than ``kimi_linear``, or a file that is not a JSON
+                object (the message names the file).
             FileNotFoundError: the path has no ``config.json``.
         """
         if isinstance(source, (str, Path)):
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
-            return cls.from_hf(json.loads(path.read_text()))
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not valid JSON ({exc})") from None
+            if not isinstance(data, Mapping):
+                raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+            try:
+                return cls._from_dict(dict(data))
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
         if isinstance(source, Mapping):
             return cls._from_dict(dict(source))
         if hasattr(source, "to_dict"):
@@ -213,6 +227,9 @@ class HybridConfig:
                 raise _bad(key, None, "missing")
             return default
 
+        model_type = d.get("model_type")
+        if model_type is not None and model_type != MODEL_TYPE:
+            raise _bad("model_type", model_type, f"not a Kimi Linear model (expected {MODEL_TYPE!r})")
         n = int(get("num_hidden_layers"))
         lac = d.get("linear_attn_config") or {}
         if lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None:
@@ -304,7 +321,7 @@ class HybridConfig:
         d = asdict(self)
         return {
             "architectures": ["KimiLinearForCausalLM"],
-            "model_type": "kimi_linear",
+            "model_type": MODEL_TYPE,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 SINGLE = "model.safetensors"
@@ -43,7 +43,8 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: no checkpoint file, or a shard named in the index is missing.
         ValueError: a tensor named twice (e.g. under both ``mlp.`` and ``block_sparse_moe.``),
-            or an index entry whose shard lacks the tensor.
+            an index entry whose shard lacks the tensor, or a file safetensors cannot read
+            (truncated, garbled), naming the file.
     """
     directory = Path(directory)
     out: dict[str, torch.Tensor] = {}
@@ -51,17 +52,25 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
         path = directory / fname
         if not path.exists():
             raise FileNotFoundError(f"checkpoint shard {fname} (named in {INDEX}) is missing")
-        with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            for name in expected:
-                if name not in keys:
-                    raise ValueError(f"tensor {name!r} is listed in {INDEX} but not in {fname}")
-            for name in sorted(keys):
-                canon = canonical_name(name)
-                if canon in out:
-                    raise ValueError(f"tensor {name!r} is stored twice (as {canon!r})")
-                out[canon] = f.get_tensor(name)
+        try:
+            _read_file(path, expected, out)
+        except SafetensorError as exc:           # truncated, garbled or not a safetensors file
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
     return out
+
+
+def _read_file(path: Path, expected: list[str], out: dict[str, torch.Tensor]) -> None:
+    """Add every tensor of one safetensors file to ``out`` under its canonical name."""
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        for name in expected:
+            if name not in keys:
+                raise ValueError(f"tensor {name!r} is listed in {INDEX} but not in {path.name}")
+        for name in sorted(keys):
+            canon = canonical_name(name)
+            if canon in out:
+                raise ValueError(f"tensor {name!r} is stored twice (as {canon!r})")
+            out[canon] = f.get_tensor(name)
 
 
 def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

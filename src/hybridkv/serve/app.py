@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP API over one engine thread (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``. Errors answer with the
+OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.engine.build import EngineHandle
+from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
+from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts
+from hybridkv.serve.run import Run
+from hybridkv.serve.tokenizer import Codec
+from hybridkv.serve.worker import EngineWorker
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """What the HTTP layer needs to know (lengths in tokens).
+
+    Attributes:
+        model_name: the name clients pass as ``model`` (the preset or directory given).
+        max_model_len: prompt plus generated tokens allowed per request.
+        default_max_tokens: ``max_tokens`` when a request leaves it out.
+    """
+
+    model_name: str
+    max_model_len: int
+    default_max_tokens: int = 16
+
+
+class Server:
+    """Routes bound to one engine thread, its tokenizer and metrics.
+
+    Args:
+        handle: the engine (run by ``worker``).
+        worker: the started :class:`~hybridkv.serve.worker.EngineWorker`.
+        codec: the tokenizer.
+        settings: names and limits.
+        metrics: the server's metrics (observed by ``worker`` callbacks too).
+    """
+
+    def __init__(self, handle: EngineHandle, worker: EngineWorker, codec: Codec, settings: ServeSettings,
+                 metrics: ServeMetrics) -> None:
+        self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
+        self.vocab_size = handle.backend.vocab_size
+        self.unit = handle.engine.config.prefix_match_unit
+        self._weights = handle.model.weight_digest() if handle.model is not None else "simulated"
+        self.created = int(time.time())
+
+    # -- helpers ------------------------------------------------------------------
+    async def _body(self, request: Request) -> dict:
+        body = _json_object(await request.body())
+        model = body.get("model")
+        if model != self.settings.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.settings.model_name!r}", "model", "model_not_found", "not_found_error")
+        return body
+
+    def namespace(self, tenant: str, salt: str) -> bytes:
+        """The namespace digest of a request of ``tenant`` with ``salt`` (32 bytes)."""
+        tok, template = self.codec.identity
+        return CacheIdentity(model_repo=self.settings.model_name, weight_digest=self._weights,
+                             tokenizer_version=tok, chat_template_version=template, tenant=tenant,
+                             cache_salt=salt).digest()
+
+    def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
+        self._check_alive()
+        gen = parse_generation(body, request.headers.get("x-tenant"), self.settings.default_max_tokens, self.unit)
+        for i, ids in enumerate(prompts):
+            check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
+        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt),
+                   self.metrics, arrived)
+
+    def _check_alive(self) -> None:
+        if not self.worker.alive:
+            raise APIError(503, "the engine thread has stopped; see the server log", None, "engine_stopped",
+                           "server_error")
+
+    def _head(self, kind: str) -> dict:
+        return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}",
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.settings.model_name}
+
+    # -- generation routes --------------------------------------------------------
+    async def completions(self, request: Request):
+        """``POST /v1/completions``."""
+        arrived = time.monotonic()
+        body = await self._body(request)
+        if "prompt" not in body:
+            raise APIError(400, "prompt is required", "prompt")
+        run = self._start(body, request, parse_prompts(body["prompt"], self.codec.encode), arrived)
+        head = self._head("text")
+        if run.gen.stream:
+            return self._sse(self._completion_chunks(run, head))
+        choices = await _collect_while_connected(run, request)
+        out = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+               | ({"token_ids": c.ids} if run.gen.return_token_ids else {}) for i, c in enumerate(choices)]
+        return {**head, "choices": out, "usage": run.usage()}
+
+    async def chat(self, request: Request):
+        """``POST /v1/chat/completions``."""
+        arrived = time.monotonic()
+        body = await self._body(request)
+        try:
+            prompt = self.codec.chat(body.get("messages"))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        run = self._start(body, request, [prompt], arrived)
+        head = self._head("chat")
+        if run.gen.stream:
+            return self._sse(self._chat_chunks(run, {**head, "object": "chat.completion.chunk"}))
+        (c,) = await _collect_while_connected(run, request)
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                  "finish_reason": c.finish_reason} | ({"token_ids": c.ids} if run.gen.return_token_ids else {})
+        return {**head, "choices": [choice], "usage": run.usage()}
+
+    # -- streaming ----------------------------------------------------------------
+    @staticmethod
+    def _sse(chunks) -> StreamingResponse:
+        async def frames():
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    async def _stream(self, run: Run, head: dict, make_choice):
+        try:
+            async for i, delta, finish in run.events():
+                yield {**head, "choices": [make_choice(i, delta, finish, run)]}
+        except APIError as exc:
+            yield exc.body()
+            return
+        if run.gen.include_usage:
+            yield {**head, "choices": [], "usage": run.usage()}
+
+    def _completion_chunks(self, run: Run, head: dict):
+        def choice(i, delta, finish, run):
+            extra = {"token_ids": run.choices[i].ids} if finish and run.gen.return_token_ids else {}
+            return {"index": i, "text": delta, "logprobs": None, "finish_reason": finish} | extra
+        return self._stream(run, head, choice)
+
+    async def _chat_chunks(self, run: Run, head: dict):
+        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+
+        def choice(i, delta, finish, run):
+            return {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                    "finish_reason": finish}
+        async for chunk in self._stream(run, head, choice):
+            yield chunk
+
+    # -- the rest -----------------------------------------------------------------
+    async def models(self) -> dict:
+        """``GET /v1/models``: the one model served."""
+        return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model",
+                                            "created": self.created, "owned_by": "hybridkv",
+                                            "max_model_len": self.settings.max_model_len,
+                                            "vocab_size": self.vocab_size}]}
+
+    async def health(self):
+        """``GET /health``: 200 while the engine thread runs, else 503."""
+        if self.worker.alive:
+            return {"status": "ok"}
+        return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+    async def metrics_text(self) -> Response:
+        """``GET /metrics``: Prometheus text format (engine figures read on the engine thread)."""
+        if self.worker.alive:                 # a stopped engine thread keeps its last figures
+            fut = self.worker.call(lambda h: engine_snapshot(h, self.worker.queue_depth))
+            self.metrics.set_snapshot(await asyncio.wait_for(asyncio.wrap_future(fut), timeout=30.0))
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def invalidate(self, request: Request) -> dict:
+        """``POST /admin/cache/invalidate`` with ``{"tenant": T}``, ``{"cache_salt": S}`` (both:
+        their intersection) or ``{"all": true}``; answers the counts removed per tier."""
+        body = _json_object(await request.body() or b"{}")
+        everything = body.get("all", False)
+        tenant, salt = body.get("tenant"), body.get("cache_salt")
+        if not isinstance(everything, bool) or any(v is not None and not isinstance(v, str) for v in (tenant, salt)):
+            raise APIError(400, "all must be a boolean, tenant and cache_salt strings")
+        if everything == (tenant is not None or salt is not None):
+            raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
+        self._check_alive()
+        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
+        return asdict(counts)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the server reports ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_while_connected(run: Run, request: Request):
+    """``run.collect()``, cancelled (its jobs with it) if the client disconnects first; then a
+    499 :class:`APIError` nobody reads."""
+    collect = asyncio.ensure_future(run.collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if collect.done():
+        gone.cancel()
+        return collect.result()
+    collect.cancel()
+    await asyncio.gather(collect, return_exceptions=True)
+    raise APIError(499, "the client closed the connection", None, "client_closed")
+
+
+def _json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; a 400 :class:`APIError` for bad JSON or another type."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _error_response(exc: APIError, metrics: ServeMetrics) -> JSONResponse:
+    metrics.http_errors.labels(str(exc.status)).inc()
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def create_app(server: Server) -> FastAPI:
+    """The FastAPI application of ``server`` (routes and OpenAI-style error handlers)."""
+    app = FastAPI(title="hybridkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
+    app.post("/admin/cache/invalidate")(server.invalidate)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return _error_response(exc, server.metrics)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), kind=kind), server.metrics)
+
+    return app

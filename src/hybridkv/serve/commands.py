@@ -1,0 +1,109 @@
+"""``hybridkv serve`` and ``hybridkv bench-serve``: argument parsing and the two entry points.
+
+Exit status: 0 on success, 2 on a bad option or model (one ``error:`` line naming it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from hybridkv.replay.args import non_negative_int, positive_float, positive_int
+
+
+def register_cli(sub) -> None:
+    """Add the ``serve`` and ``bench-serve`` subcommands to ``sub`` (an argparse subparsers object)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/serve.md)",
+                       description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
+    s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0: a free one)")
+    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory://, mooncake://HOST:PORT")
+    s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
+    s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
+    s.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
+    s.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
+    s.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens")
+    s.add_argument("--policy", default="branch+tail",
+                   help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
+                        "'none' turns reuse off (default branch+tail)")
+    s.add_argument("--mechanism", choices=("extract", "split"), default="extract")
+    s.add_argument("--kv-pages", type=positive_int, default=None, help="device KV pages (default: 65,536 tokens)")
+    s.add_argument("--checkpoint-slots", type=positive_int, default=64)
+    s.add_argument("--max-num-seqs", type=positive_int, default=4)
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    s.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="prompt + generated tokens per request (default: the KV pool's tokens)")
+    s.add_argument("--max-waiting", type=positive_int, default=64,
+                   help="requests waiting for admission before answering 503 (default 64)")
+    s.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench-serve", help="replay a trace against a running server and report TTFT",
+                       description="Replay a Mooncake-format trace against a loopback server with its "
+                                   "timestamps; report TTFT percentiles, cached tokens and errors.")
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
+    b.add_argument("--trace", default=None, help="trace path (default: the bundled trace)")
+    b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
+    b.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="factor on the trace's timestamps (2: half the rate; default 1)")
+    b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
+    b.add_argument("--block-tokens", type=positive_int, default=64, help="synthetic tokens per trace hash id")
+    b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
+    b.set_defaults(func=_bench)
+
+
+def _serve(args) -> int:
+    from hybridkv.cache.config import ConfigError
+    from hybridkv.serve.launch import ServeOptions, serve_forever
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    opts = ServeOptions(model=args.model, host=args.host, port=args.port, store=args.store,
+                        store_alignment=args.store_alignment, seed=args.seed, block_size=args.block_size,
+                        prefix_match_unit=args.prefix_match_unit, policy=args.policy, mechanism=args.mechanism,
+                        kv_pages=args.kv_pages, checkpoint_slots=args.checkpoint_slots,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        host_mib=args.host_mib, threads=args.threads, max_model_len=args.max_model_len,
+                        max_waiting=args.max_waiting)
+    try:
+        serve_forever(opts)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _bench(args) -> int:
+    from hybridkv.replay.trace import TraceError
+    from hybridkv.serve.bench import BenchOptions, render, run_bench
+
+    opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
+                        max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
+                        seed=args.seed)
+    try:
+        report = asyncio.run(run_bench(opts))
+    except (ValueError, TraceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(report))
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump(report.summary(), f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``serve`` or ``bench-serve`` alone (``python -m hybridkv.serve.commands``)."""
+    parser = argparse.ArgumentParser(prog="hybridkv")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

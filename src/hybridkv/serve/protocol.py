@@ -1,0 +1,192 @@
+"""OpenAI-style request bodies: validation into :class:`Generation`, errors as :class:`APIError`.
+
+Every check names the offending field and value; an invalid request never reaches the engine,
+so nothing cached changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MAX_STOP = 4
+MAX_ID_LEN = 256
+
+
+class APIError(Exception):
+    """An error answer: HTTP ``status`` and the OpenAI error body fields.
+
+    Args:
+        status: HTTP status (4xx for the caller's mistakes, 503 when overloaded).
+        message: what was wrong, naming the value.
+        param: the request field at fault, or ``None``.
+        code: a short machine-readable code, or ``None``.
+        kind: the error ``type`` (``invalid_request_error``, ``not_found_error``, ...).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(slots=True)
+class Generation:
+    """Validated generation settings of one request (lengths in tokens).
+
+    Attributes:
+        max_tokens: tokens to generate at most per prompt.
+        temperature: 0 is greedy; above it, softmax sampling at that temperature.
+        top_p: nucleus mass in (0, 1].
+        seed: sampling seed, or ``None`` (then a fresh one per prompt).
+        stop: stop strings (at most 4); the text ends before the first one met.
+        stream: answer with server-sent events.
+        tenant, cache_salt: cache identity of the request.
+        hints: checkpoint boundaries (multiples of ``prefix_match_unit``).
+        return_token_ids: add each choice's generated ``token_ids`` to the answer.
+        include_usage: streaming: send a final chunk with ``usage``.
+        ignore_eos: keep generating after the tokenizer's end-of-sequence token.
+    """
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    tenant: str
+    cache_salt: str
+    hints: tuple[int, ...]
+    return_token_ids: bool
+    include_usage: bool
+    ignore_eos: bool = False
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    x = body.get(name)
+    if x is None:
+        return default
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) \
+            or x < lo or x > hi or (lo_open and x == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise APIError(400, f"{name}={x!r} must be a number in {bound}", name)
+    return float(x)
+
+
+def _identifier(body: dict, name: str, header: str | None, default: str) -> str:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_LEN):
+        raise APIError(400, f"{name} must be a string of at most {MAX_ID_LEN} characters", name)
+    if header is not None and value is not None and header != value:
+        raise APIError(400, f"{name} field and the X-Tenant header disagree", name)
+    return value if value is not None else header if header is not None else default
+
+
+def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: int, unit: int) -> Generation:
+    """Settings shared by completions and chat from ``body``.
+
+    Raises:
+        APIError: 400 naming the field: ``max_tokens`` not an integer >= 1, ``temperature`` outside
+            [0, 2], ``top_p`` outside (0, 1], a non-integer ``seed``, ``stop`` not a string or list
+            of at most 4 strings, ``stream`` not a boolean, ``n`` other than 1, ``echo`` true,
+            ``logprobs`` asked for, a bad ``tenant`` / ``cache_salt`` / ``cache_hints``.
+    """
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise APIError(400, f"max_tokens={max_tokens!r} must be an integer >= 1", "max_tokens")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise APIError(400, f"seed={seed!r} must be an integer", "seed")
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+    for name in ("stream", "echo", "return_token_ids", "ignore_eos"):
+        if body.get(name) is not None and not isinstance(body.get(name), bool):
+            raise APIError(400, f"{name}={body.get(name)!r} must be a boolean", name)
+    if body.get("echo"):
+        raise APIError(400, "echo=true is not supported", "echo")
+    if body.get("n", 1) != 1:
+        raise APIError(400, f"n={body.get('n')!r}: only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported", "logprobs")
+    hints = body.get("cache_hints") or []
+    if not isinstance(hints, list) or not all(_is_int(h) and h > 0 and h % unit == 0 for h in hints):
+        raise APIError(400, f"cache_hints must be a list of positive multiples of {unit} (tokens)", "cache_hints")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    return Generation(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                      top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, stop=tuple(stop),
+                      stream=bool(body.get("stream")), tenant=_identifier(body, "tenant", tenant_header, "default"),
+                      cache_salt=_identifier(body, "cache_salt", None, ""), hints=tuple(hints),
+                      return_token_ids=bool(body.get("return_token_ids")),
+                      include_usage=bool(options.get("include_usage")), ignore_eos=bool(body.get("ignore_eos")))
+
+
+def parse_prompts(prompt, encode) -> list[list[int]]:
+    """``prompt`` as a list of id lists: a string, a list of ids, or a batch of either.
+
+    Raises:
+        APIError: 400 (param ``prompt``) for anything else, an empty prompt or an empty batch.
+    """
+    single = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt))
+    if single:
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, (int, float, bool)) for x in prompt):
+        j = next(j for j, x in enumerate(prompt) if not _is_int(x))
+        raise APIError(400, f"prompt: element {j} is {prompt[j]!r}, not an integer token id", "prompt")
+    else:
+        raise APIError(400, "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    out = []
+    for i, p in enumerate(batch):
+        if isinstance(p, list) and not all(_is_int(x) for x in p):
+            j = next(j for j, x in enumerate(p) if not _is_int(x))
+            raise APIError(400, f"prompt {i}: element {j} is {p[j]!r}, not an integer token id", "prompt")
+        ids = encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, f"prompt {i} is empty (0 tokens)", "prompt")
+        out.append(ids)
+    return out
+
+
+def check_ids(ids: list[int], i: int, vocab_size: int, max_model_len: int, max_tokens: int) -> None:
+    """Raise a 400 :class:`APIError` if prompt ``i`` has an id outside ``[0, vocab_size)`` or
+    ``len(ids) + max_tokens`` exceeds ``max_model_len`` (tokens)."""
+    bad = next((x for x in ids if not 0 <= x < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    if len(ids) + max_tokens > max_model_len:
+        raise APIError(400, f"prompt {i} has {len(ids)} tokens; with max_tokens={max_tokens} that exceeds "
+                            f"the model's limit of {max_model_len} tokens", "prompt", "context_length_exceeded")
+
+
+def make_sampler(gen: Generation, seed: int):
+    """A sampler for :class:`~hybridkv.engine.request.Request` (``float32[vocab]`` logits -> id), or
+    ``None`` for greedy (``temperature == 0``)."""
+    if gen.temperature == 0:
+        return None
+    rng = torch.Generator().manual_seed(seed)
+    temperature, top_p = gen.temperature, gen.top_p
+
+    def sample(logits: torch.Tensor) -> int:
+        probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < top_p          # the smallest set reaching top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=rng))
+
+    return sample

@@ -1,0 +1,158 @@
+"""One HTTP request's generations on the event loop: submit a job per prompt to the engine thread,
+gather their events through an ``asyncio.Queue`` and turn tokens into text deltas.
+
+The worker calls each job's ``emit`` on the engine thread; ``emit`` hands the event to the loop
+with ``loop.call_soon_threadsafe``. Leaving :meth:`Run.events` early (the client went away, the
+task was cancelled) cancels every job not yet done, which releases its cache references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.serve.metrics import ServeMetrics
+from hybridkv.serve.protocol import APIError, Generation, make_sampler
+from hybridkv.serve.tokenizer import Codec, incremental_text
+from hybridkv.serve.worker import EngineWorker, Job
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one prompt produced so far.
+
+    Attributes:
+        ids: generated token ids.
+        text: generated text up to the first stop string (complete once ``finish_reason`` is set).
+        sent: characters of ``text`` already streamed.
+        finish_reason: ``"length"`` or ``"stop"``, ``None`` while running.
+    """
+
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0
+    decoded: int = 0
+    finish_reason: str | None = None
+
+
+class Run:
+    """The jobs of one request (one per prompt).
+
+    Args:
+        worker: the engine thread.
+        codec: the tokenizer (decoding and stop strings).
+        gen: validated settings.
+        prompts: token id lists, already checked against the vocabulary and length limit.
+        namespace: the request's namespace digest.
+        metrics: where TTFT, latency and reuse are observed.
+        arrived: ``time.monotonic()`` when the request arrived (seconds).
+
+    Raises:
+        APIError: 503 with ``Retry-After`` when the engine's waiting queue is full.
+    """
+
+    def __init__(self, worker: EngineWorker, codec: Codec, gen: Generation, prompts: list[list[int]],
+                 namespace: bytes, metrics: ServeMetrics, arrived: float) -> None:
+        self.worker, self.codec, self.gen, self.metrics, self.arrived = worker, codec, gen, metrics, arrived
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices = [Choice() for _ in prompts]
+        self.holdback = max((len(s) for s in gen.stop), default=1) - 1
+        self.first_token_at: float | None = None
+        self.jobs = [self._job(i, ids, namespace) for i, ids in enumerate(prompts)]
+        for n, job in enumerate(self.jobs):
+            if not worker.submit(job):
+                for queued in self.jobs[:n]:
+                    worker.cancel(queued)
+                raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests; "
+                                    "retry shortly", None, "server_overloaded", "server_error")
+        self._open = set(range(len(self.jobs)))
+
+    def _job(self, i: int, ids: list[int], namespace: bytes) -> Job:
+        seed = self.gen.seed + i if self.gen.seed is not None else secrets.randbits(63)
+        eos = None if self.gen.ignore_eos else self.codec.eos_token_id
+
+        def emit(event: tuple) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
+
+        def stop(out: list[int]) -> bool:
+            if eos is not None and out[-1] == eos:
+                return True
+            return bool(self.gen.stop) and self._stopped(out)
+
+        return Job(np.asarray(ids, dtype=np.int64), self.gen.max_tokens, namespace,
+                   (self.gen.tenant, self.gen.cache_salt), emit, hints=tuple(h for h in self.gen.hints if h <= len(ids)),
+                   sampler=make_sampler(self.gen, seed), stop=stop)
+
+    def _stopped(self, out: list[int]) -> bool:
+        text = self.codec.decode(out)
+        return any(s in text for s in self.gen.stop)
+
+    def _cut(self, text: str) -> str:
+        """``text`` up to the first stop string."""
+        cuts = [text.find(s) for s in self.gen.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of every job."""
+        return sum(j.request.prompt_len if j.request is not None else len(j.prompt) for j in self.jobs)
+
+    def usage(self) -> dict:
+        """OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens`` = tokens the cache supplied."""
+        completion = sum(len(c.ids) for c in self.choices)
+        prompt = self.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(j.cached_tokens for j in self.jobs)}}
+
+    async def events(self):
+        """Yield ``(index, delta_text, finish_reason)`` once per generated token (the delta may be
+        empty while text is held back) and once at the end of each choice, which carries its
+        finish reason. Leaving early cancels the unfinished jobs.
+
+        Raises:
+            APIError: 500 when the engine refused or failed a job (its message).
+        """
+        try:
+            while self._open:
+                i, event = await self.queue.get()
+                delta = self._apply(i, event)
+                yield i, delta, self.choices[i].finish_reason
+        finally:
+            for i in self._open:
+                self.worker.cancel(self.jobs[i])
+
+    def _apply(self, i: int, event: tuple) -> str:
+        kind, value = event
+        c = self.choices[i]
+        if kind == "error":
+            self._open.discard(i)
+            raise APIError(500, f"prompt {i}: {value}", None, "engine_error", "server_error")
+        if kind == "token":
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+                self.metrics.ttft.observe(self.first_token_at - self.arrived)
+            c.ids.append(value)
+            delta, c.decoded = incremental_text(self.codec, c.ids, c.decoded)
+            c.text += delta
+            ready = min(len(self._cut(c.text)), len(c.text) - (self.holdback if self.gen.stop else 0))
+        else:
+            self._open.discard(i)
+            c.finish_reason = value
+            c.text = self._cut(c.text)
+            ready = len(c.text)
+            self.metrics.reused.observe(self.jobs[i].cached_tokens)
+            if not self._open:
+                self.metrics.e2e.observe(time.monotonic() - self.arrived)
+        delta, c.sent = c.text[c.sent: max(ready, c.sent)], max(ready, c.sent)
+        return delta                          # "" for a token whose text is held back: one chunk per token
+
+    async def collect(self) -> list[Choice]:
+        """Wait for every job; the finished choices."""
+        async for _ in self.events():
+            pass
+        return self.choices

@@ -1,0 +1,278 @@
+"""The engine thread: one background thread owns the engine; the server talks to it through a
+thread-safe inbox and hears back through a per-job callback.
+
+Every engine object (requests, cache, tiers, the :class:`NamespaceLedger`) is touched by this
+thread only. The server thread calls :meth:`EngineWorker.submit`, :meth:`~EngineWorker.cancel`
+and :meth:`~EngineWorker.invalidate`, which only enqueue; the worker calls each job's ``emit``
+from its own thread with events:
+
+* ``("token", token_id)`` for every generated token, in order;
+* ``("done", finish_reason)`` once (``"length"`` or ``"stop"``), after the last token;
+* ``("error", message)`` once, when the engine rejected the request.
+
+An invalidation waits until no request runs: new jobs are held back meanwhile, so the purge
+never touches an entry a request holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.engine.build import EngineHandle
+from hybridkv.engine.request import Request, Status
+from hybridkv.serve.purge import NamespaceLedger, PurgeCounts, purge
+
+log = logging.getLogger("hybridkv.serve.worker")
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One prompt to generate for (lengths in tokens).
+
+    Attributes:
+        prompt: ``int64[T]`` token ids, already validated against the vocabulary.
+        max_tokens: tokens to generate at most (>= 1).
+        namespace: the request's namespace digest (tenant, salt, tokenizer, model).
+        owner: ``(tenant, salt)`` the namespace was made from (for invalidation).
+        emit: called on the engine thread with each event (see the module docstring).
+        hints: checkpoint boundaries (multiples of ``prefix_match_unit``).
+        sampler: ``float32[vocab]`` logits -> token id; ``None``: greedy.
+        stop: called on the engine thread with the ids generated so far; ``True`` ends the
+            job with ``finish_reason="stop"`` (EOS, a stop string).
+        submitted: ``time.monotonic()`` at submission (seconds).
+        request: the engine's request once submitted (engine thread only).
+    """
+
+    prompt: np.ndarray
+    max_tokens: int
+    namespace: bytes
+    owner: tuple[str, str]
+    emit: Callable[[tuple], None]
+    hints: tuple[int, ...] = ()
+    sampler: Callable | None = None
+    stop: Callable[[list[int]], bool] | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    request: Request | None = None
+    sent: int = 0
+    admitted: bool = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens reused from the cache (0 before admission)."""
+        return self.request.reused if self.request is not None else 0
+
+
+@dataclass(slots=True)
+class JobStats:
+    """What the worker measured of one finished job (seconds, tokens), handed to ``on_finish``."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    queue_seconds: float
+
+
+class EngineWorker:
+    """Runs ``handle.engine`` on one background thread.
+
+    Args:
+        handle: the engine and its tiers (:func:`~hybridkv.engine.build.build_engine`).
+        max_waiting: jobs submitted but not yet admitted that :meth:`submit` accepts;
+            beyond it :meth:`submit` returns ``False`` (the server answers 503).
+        on_step: called on the engine thread after every step with its duration (seconds).
+        on_admit: called on the engine thread with :class:`JobStats` when a job is admitted.
+    """
+
+    def __init__(self, handle: EngineHandle, max_waiting: int = 64,
+                 on_step: Callable[[float], None] | None = None,
+                 on_admit: Callable[[JobStats], None] | None = None) -> None:
+        self.handle = handle
+        self.max_waiting = max_waiting
+        self.ledger = NamespaceLedger()
+        self._on_step = on_step
+        self._on_admit = on_admit
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0                     # jobs submitted, not yet admitted (guarded by _lock)
+        self._jobs: list[Job] = []            # engine thread: jobs in the engine
+        self._held: list[Job] = []            # engine thread: jobs held back during an invalidation
+        self._purges: list[tuple[Future, tuple]] = []
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # -- the server's side (any thread) ------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs submitted and not yet admitted by the engine."""
+        return self._waiting
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and has not failed."""
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait."""
+        with self._lock:
+            if self._waiting >= self.max_waiting:
+                return False
+            self._waiting += 1
+        self._inbox.put(("submit", job))
+        return True
+
+    def cancel(self, job: Job) -> None:
+        """Cancel ``job`` wherever it is; its cache references are released."""
+        self._inbox.put(("cancel", job))
+
+    def invalidate(self, tenant: str | None, salt: str | None, everything: bool) -> Future:
+        """Purge entries (see :func:`~hybridkv.serve.purge.purge`); a future of :class:`PurgeCounts`."""
+        fut: Future = Future()
+        self._inbox.put(("purge", (fut, (tenant, salt, everything))))
+        return fut
+
+    def call(self, fn: Callable[[EngineHandle], object]) -> Future:
+        """Run ``fn(handle)`` on the engine thread between steps (a consistent read); a future."""
+        fut: Future = Future()
+        self._inbox.put(("call", (fut, fn)))
+        return fut
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (running jobs end with an error event) and wait up to ``timeout_s``."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # -- the engine thread ----------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.handle.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not engine.has_work and not self._purges)
+                if self._purges and not engine.has_work:
+                    self._run_purges()
+                if engine.has_work:
+                    t0 = time.perf_counter()
+                    engine.step()
+                    if self._on_step is not None:
+                        self._on_step(time.perf_counter() - t0)
+                    self._deliver()
+        except BaseException as exc:          # reported to every waiting client
+            self.error = exc
+            log.exception("engine thread failed")
+        finally:
+            self._abort_all("the engine stopped" if self.error is None else f"engine failure: {self.error}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload) -> None:
+        if kind == "submit":
+            if self._purges:
+                self._held.append(payload)
+            else:
+                self._enter(payload)
+        elif kind == "cancel":
+            self._cancel(payload)
+        elif kind == "purge":
+            self._purges.append(payload)
+        elif kind == "call":
+            fut, fn = payload
+            try:
+                fut.set_result(fn(self.handle))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def _enter(self, job: Job) -> None:
+        job.request = Request(f"s{next(self._ids)}", job.prompt, job.max_tokens, hints=job.hints,
+                              namespace=job.namespace, sampler=job.sampler)
+        try:
+            self.handle.engine.add_request(job.request)
+        except ValueError as exc:
+            self._admitted(job)
+            job.emit(("error", str(exc)))
+            return
+        self._jobs.append(job)
+
+    def _cancel(self, job: Job) -> None:
+        if job in self._held:
+            self._held.remove(job)
+            self._admitted(job)
+        elif job in self._jobs:
+            self._jobs.remove(job)
+            if not job.admitted:
+                self._admitted(job)
+            self.handle.engine.cancel(job.request)
+
+    def _admitted(self, job: Job) -> None:
+        job.admitted = True
+        with self._lock:
+            self._waiting -= 1
+
+    def _deliver(self) -> None:
+        """Hand new tokens to their jobs; end the jobs that finished, stopped or were rejected."""
+        engine = self.handle.engine
+        for job in list(self._jobs):
+            r = job.request
+            if not job.admitted and r.status != Status.WAITING:
+                self._admitted(job)
+                if r.match is not None:
+                    self.ledger.record(job.namespace, job.owner, r.match.hashes)
+                    if self._on_admit is not None:
+                        self._on_admit(JobStats(r.prompt_len, r.reused, time.monotonic() - job.submitted))
+            if r.status == Status.REJECTED:
+                self._jobs.remove(job)
+                job.emit(("error", r.reject_reason))
+                continue
+            stopped = False
+            while job.sent < len(r.output) and not stopped:
+                job.sent += 1
+                job.emit(("token", r.output[job.sent - 1]))
+                stopped = job.stop is not None and job.stop(r.output[:job.sent])
+            if stopped and r.status == Status.DECODE:
+                engine.finish(r)
+            if stopped or r.status == Status.FINISHED:
+                self._jobs.remove(job)
+                job.emit(("done", "stop" if stopped else "length"))
+
+    def _run_purges(self) -> None:
+        purges, self._purges = self._purges, []
+        for fut, (tenant, salt, everything) in purges:
+            try:
+                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything)
+                fut.set_result(counts)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+        held, self._held = self._held, []
+        for job in held:
+            self._enter(job)
+
+    def _abort_all(self, message: str) -> None:
+        for job in self._jobs + self._held:
+            job.emit(("error", message))
+        for fut, _ in self._purges:
+            fut.set_exception(RuntimeError(message))
+        self._jobs, self._held, self._purges = [], [], []

@@ -1,0 +1,79 @@
+"""Bad input answers 4xx with an OpenAI error body, names the offending value, and loses nothing
+already cached."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import httpx
+import pytest
+from serve_helpers import prompt_ids
+
+GOOD = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+
+BAD = [
+    ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, None, "JSON object"),
+    ("unknown model", {**GOOD, "model": "gpt-9"}, 404, "model", "'gpt-9' does not exist"),
+    ("id beyond vocab", {**GOOD, "prompt": [5, 1024]}, 400, "prompt", "token id 1024"),
+    ("negative id", {**GOOD, "prompt": [-1]}, 400, "prompt", "token id -1"),
+    ("too long", {**GOOD, "prompt": [5] * 65536}, 400, "prompt", "exceeds the model's limit"),
+    ("max_tokens 0", {**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens=0"),
+    ("max_tokens text", {**GOOD, "max_tokens": "5"}, 400, "max_tokens", "max_tokens='5'"),
+    ("prompt number", {**GOOD, "prompt": 5}, 400, "prompt", "prompt must be"),
+    ("float id", {**GOOD, "prompt": [5, 6.5]}, 400, "prompt", "integer"),
+    ("empty prompt", {**GOOD, "prompt": []}, 400, "prompt", "prompt must be"),
+    ("no prompt", {"model": "tiny"}, 400, "prompt", "prompt is required"),
+    ("temperature text", {**GOOD, "temperature": "hot"}, 400, "temperature", "temperature='hot'"),
+    ("top_p 0", {**GOOD, "top_p": 0}, 400, "top_p", "top_p=0"),
+    ("stream not bool", {**GOOD, "stream": "yes"}, 400, "stream", "stream='yes'"),
+    ("echo", {**GOOD, "echo": True}, 400, "echo", "echo"),
+    ("bad hint", {**GOOD, "cache_hints": [10]}, 400, "cache_hints", "multiples of 64"),
+    ("tenant clash", {**GOOD, "tenant": 7}, 400, "tenant", "tenant"),
+]
+
+
+@pytest.mark.parametrize(("what", "body", "status", "param", "text"), BAD, ids=[b[0] for b in BAD])
+def test_bad_completion_input_is_a_4xx_with_an_error_body(server, what, body, status, param, text):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = c.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and text in err["message"]
+
+
+def test_bad_chat_messages_and_unknown_routes(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+        assert r.status_code == 400 and "wizard" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": "hello"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = c.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = c.post("/admin/cache/invalidate", json={})
+        assert r.status_code == 400 and "exactly one scope" in r.json()["error"]["message"]
+
+
+def test_errors_lose_nothing_cached(server):
+    ids = prompt_ids(21, 300)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        c.post("/v1/completions", json={**GOOD, "prompt": ids})
+        for _, body, *_ in BAD:
+            c.post("/v1/completions", content=body if isinstance(body, bytes) else json.dumps(body).encode())
+        again = c.post("/v1/completions", json={**GOOD, "prompt": ids + [9]}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_gets_a_completion_and_an_error(server):
+    def curl(body: str) -> dict:
+        out = subprocess.run(["curl", "-sS", "-H", "Content-Type: application/json", "-d", body,
+                              server.url + "/v1/completions"], capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(out.stdout)
+    ok = curl('{"model": "tiny", "prompt": "Say hi", "max_tokens": 3, "temperature": 0}')
+    assert ok["choices"][0]["finish_reason"] in ("length", "stop") and ok["usage"]["prompt_tokens"] == 6
+    assert curl('{"model": "tiny", "prompt": "x", "max_tokens": -1}')["error"]["param"] == "max_tokens"

@@ -1,0 +1,139 @@
+"""What a server does around requests: a client that goes away is cancelled and released, a full
+waiting queue answers 503 with Retry-After, invalidation by tenant / salt / all, and /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import engine_idle, prompt_ids, wait_idle
+
+from hybridkv.serve.launch import RunningServer, ServeOptions
+
+LONG = {"model": "tiny", "max_tokens": 4000, "stream": True, "ignore_eos": True, "temperature": 0}
+
+
+def test_a_client_leaving_mid_stream_is_cancelled_and_frees_everything(server):
+    baseline = wait_idle(server)
+    with httpx.Client(base_url=server.url, timeout=60) as c, \
+            c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(30, 200)}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]                # a few tokens arrived: it runs
+        assert any(line.startswith("data: {") for line in got)
+        assert engine_idle(server)["running"] == 1
+    state = wait_idle(server)
+    assert state == baseline
+    assert state["running"] == 0 and state["page_refs"] == 0 and state["slot_refs"] == 0
+    assert state["pages_accounted"] and state["connector_requests"] == 0
+    assert server.server.handle.engine.stats.cancelled >= 1
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    """One sequence at a time and one waiting request allowed."""
+    with RunningServer(ServeOptions(port=0, threads=1, max_num_seqs=1, max_waiting=1)) as s:
+        yield s
+
+
+def test_a_full_waiting_queue_answers_503_with_retry_after(narrow):
+    with httpx.Client(base_url=narrow.url, timeout=60) as c, \
+            c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(31, 100)}) as running:
+        next(running.iter_lines())                           # admitted and generating
+        with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(32, 100)}):
+            assert narrow.server.worker.queue_depth == 1       # waits behind the running one
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 1})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "server_overloaded"
+    state = wait_idle(narrow)
+    assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
+    with httpx.Client(base_url=narrow.url, timeout=60) as c:          # and it serves again
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory):
+    """A server with a host tier and a disk store."""
+    store = tmp_path_factory.mktemp("store")
+    with RunningServer(ServeOptions(port=0, threads=1, host_mib=16, store=f"disk://{store}")) as s:
+        yield s
+
+
+def test_invalidate_by_tenant_salt_and_all_across_tiers(tiered):
+    ids = prompt_ids(40, 300)
+    with httpx.Client(base_url=tiered.url, timeout=60) as c:
+        def cached(prompt, tenant=None, **extra) -> int:
+            headers = {"X-Tenant": tenant} if tenant else {}
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, **extra}
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(ids) == 0 and cached(ids + [9]) == 256
+        assert cached(ids, "b") == 0 and cached(ids + [9], "b") == 256           # tenants do not share
+        assert cached(ids + [9], cache_salt="s1") == 0                            # nor do salts
+        assert cached(ids + [9], tenant="b", cache_salt="s1") == 0
+        counts = c.post("/admin/cache/invalidate", json={"tenant": "default"}).json()
+        assert counts["namespaces"] == 2 and counts["device_nodes"] >= 4
+        assert counts["tier_entries"]["store"] > 0
+        assert cached(ids + [9]) == 0 and cached(ids + [9], "b") == 256
+        counts = c.post("/admin/cache/invalidate", json={"cache_salt": "s1"}).json()
+        assert counts["namespaces"] == 1 and cached(ids + [9], tenant="b", cache_salt="s1") == 0
+        counts = c.post("/admin/cache/invalidate", json={"all": True}).json()
+        assert counts["device_nodes"] > 0 and counts["tier_entries"]["store"] > 0
+        assert cached(ids + [9], "b") == 0
+    state = wait_idle(tiered)
+    assert state["page_refs"] == 0 and state["pages_accounted"]
+
+
+def _scrape(s) -> dict:
+    text = httpx.get(s.url + "/metrics", timeout=60).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            assert "tenant" not in sample.labels
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_metrics_parse_and_move(server):
+    before = _scrape(server)
+    ids = prompt_ids(50, 200)
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2})
+        c.post("/v1/completions", json={"model": "tiny", "prompt": ids + [7], "max_tokens": 2})
+        c.post("/v1/completions", json={"model": "nope", "prompt": ids})
+    after = _scrape(server)
+
+    def moved(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+    assert moved("hybridkv_requests_total") == 2 and moved("hybridkv_reused_tokens_total") == 192
+    assert moved("hybridkv_requests_with_hit_total") == 1 and moved("hybridkv_prompt_tokens_total") == 401
+    assert moved("hybridkv_time_to_first_token_seconds_count") == 2
+    assert moved("hybridkv_reused_prompt_tokens_count") == 2 and moved("hybridkv_reused_prompt_tokens_sum") == 192
+    assert moved("hybridkv_http_errors_total", (("code", "404"),)) == 1
+    assert moved("hybridkv_engine_step_seconds_count") > 0
+    assert after[("hybridkv_tier_held_bytes", (("tier", "device"),))] > 0
+    assert after[("hybridkv_tier_capacity_bytes", (("tier", "device"),))] > 0
+    assert after[("hybridkv_queue_depth", ())] == 0
+    assert moved("hybridkv_checkpoints_created_total", (("policy", "tail"),)) >= 1
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
+    baseline = wait_idle(server)
+    cancelled = server.server.handle.engine.stats.cancelled
+    body = {**LONG, "stream": False, "prompt": prompt_ids(33, 150)}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as c, \
+            pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=body)                 # gives up long before 4,000 tokens
+    state = wait_idle(server)
+    assert state == baseline and server.server.handle.engine.stats.cancelled == cancelled + 1
+
+
+def test_a_stopped_engine_answers_503_and_health_says_so():
+    with RunningServer(ServeOptions(port=0, threads=1)) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        s.server.worker.stop()
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        assert c.get("/metrics").status_code == 200
