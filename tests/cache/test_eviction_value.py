@@ -109,10 +109,10 @@ def test_quota_never_evicts_what_a_running_request_holds():
 def test_value_evicts_the_unreused_deep_entry_before_a_reused_one_of_equal_cost():
     cache = make_cache("value", pages=8, slots=8)
     reused, once = tokens(1, 256), tokens(2, 256)
-    serve(cache, reused, [256])
-    serve(cache, once, [256])
+    serve(cache, reused, [])
+    serve(cache, once, [])
     for _ in range(3):
-        serve(cache, np.concatenate([reused, tokens(9, 8)]), [])   # reuses the 2 pages and checkpoint of `reused`
+        serve(cache, np.concatenate([reused, tokens(9, 8)]), [])   # hits the 2 pages of `reused`
     serve(cache, tokens(3, 640), [])        # 6 pages with 4 free: two evictions, both of `once` (deepest first)
     assert cache.lookup(np.concatenate([reused, [1]]), touch=False).kv_hit == 256
     assert cache.lookup(np.concatenate([once, [1]]), touch=False).kv_hit == 0

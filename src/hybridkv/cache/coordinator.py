@@ -248,11 +248,9 @@ class HybridCacheCoordinator:
         held = list(dict.fromkeys(n.page for n in path))    # every page on the hit path, before any eviction
         for p in held:
             self.pages.ref(p)
-            self.pages.used(p)
         state = None
         if hit:                                              # copy the checkpoint out while it is held
             slot = path[-1].checkpoint
-            self.checkpoints.used(slot)
             self.checkpoints.ref(slot)
             state = self.checkpoints.read(slot, hit)
             self.checkpoints.unref(slot)

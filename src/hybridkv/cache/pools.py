@@ -49,14 +49,9 @@ class _RefcountedCache:
         return self.order.victim(owner)
 
     def touch(self, i: int) -> None:
-        """A lookup saw item ``i``: under ``lru`` a cached, unreferenced item becomes most
-        recently used (``value`` counts uses, not lookups: :meth:`used`)."""
-        if self._cached(i):
-            self.order.touch(i)
-
-    def used(self, i: int) -> None:
-        """A request reuses item ``i`` (its hit count grows; the value score's ``p``)."""
-        if self._cached(i):
+        """A lookup used item ``i``: under ``lru`` a cached, unreferenced item becomes most
+        recently used; under ``value`` its hit count grows."""
+        if self._cached(i) or self.refcount[i]:
             self.order.hit(i)
 
     def _freed(self, i: int) -> None:

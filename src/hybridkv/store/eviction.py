@@ -25,8 +25,7 @@ Greedy-Dual-Size-Frequency caching policy", HP Labs TR-98-69, 1998)::
     H(item) = L + f · C / M
 
 * ``p`` — probability of another hit — is estimated proportional to
-  ``f = hits + 1``: the requests that used the item since it was cached
-  (:meth:`EvictionOrder.hit`, once per admitted request, not per lookup), plus
+  ``f = hits + 1``: the lookups that used the item since it was cached, plus
   one for the use that cached it (an entry nobody reused yet counts once).
 * ``C`` — prefill saved by a hit — is the ``cost`` the holder gives, in
   tokens: a checkpoint's boundary depth (a hit on ``C(P_t)`` skips ``t``
@@ -135,13 +134,7 @@ class EvictionOrder(ABC):
 
     @abstractmethod
     def hit(self, item: Hashable) -> None:
-        """A request used ``item`` (member or held): counts toward ``p``; ``lru`` makes a member
-        most recent."""
-
-    def touch(self, item: Hashable) -> None:
-        """A lookup saw ``item`` (it may not be used: the request can wait and look up again).
-        Recency only: ``lru`` makes a member most recent; ``value`` ignores it (hits are counted
-        by :meth:`hit`, once per use)."""
+        """A lookup used ``item`` (member or held)."""
 
     @abstractmethod
     def victim(self, owner: Hashable | None = None) -> Hashable | None:
@@ -198,12 +191,8 @@ class LRUOrder(EvictionOrder):
                     del self._by_owner[info.owner]
 
     def hit(self, item: Hashable) -> None:
-        """Count a use and move a member to the most recent end (held items stay out)."""
-        self._info(item).hits += 1
-        self.touch(item)
-
-    def touch(self, item: Hashable) -> None:
         """Move a member to the most recent end (held items: no-op)."""
+        self._info(item).hits += 1
         if item in self._q:
             self.add(item)
 
