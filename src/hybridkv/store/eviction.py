@@ -25,8 +25,12 @@ Greedy-Dual-Size-Frequency caching policy", HP Labs TR-98-69, 1998)::
     H(item) = L + f · C / M
 
 * ``p`` — probability of another hit — is estimated proportional to
-  ``f = hits + 1``: the lookups that used the item since it was cached, plus
-  one for the use that cached it (an entry nobody reused yet counts once).
+  ``f = hits + 1``: the lookups that matched the item since it was cached
+  (:meth:`EvictionOrder.hit`; a request waiting for admission looks its prompt
+  up again every engine step, so an entry a queued request is about to use
+  counts once per step it waits), plus one for the use that cached it (an entry
+  nobody reused yet counts once). Counting only admitted uses instead measured
+  worse on the bundled trace (docs/memory.md).
 * ``C`` — prefill saved by a hit — is the ``cost`` the holder gives, in
   tokens: a checkpoint's boundary depth (a hit on ``C(P_t)`` skips ``t``
   tokens of prefill); a KV page's own tokens (``block_size``); a disk object
