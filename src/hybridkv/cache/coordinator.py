@@ -158,8 +158,6 @@ class HybridCacheCoordinator:
         self.checkpoints_peak = 0
         self.evicted_pages = 0
         self.evicted_checkpoints = 0
-        self.evicted_page_bytes = 0            # bytes of KV pages evicted (page_bytes each)
-        self.evicted_checkpoint_bytes = 0      # bytes of checkpoint slots evicted
         self.labels: dict[int, str] = {}      # slot -> policy that created it (valid while published)
         self._on_evict = on_evict
         self.binding = binding
@@ -312,13 +310,12 @@ class HybridCacheCoordinator:
             n += 1
         return n
 
-    def _evict_page(self, victim: int, write_back: bool = True) -> int:
+    def _evict_page(self, victim: int) -> int:
         """Evict ``victim`` and the subtree depending on it; returns index nodes removed."""
-        if self._on_evict is not None and write_back:
+        if self._on_evict is not None:
             self._on_evict([self._evicted(n, kv=True) for n in self.index.subtree_nodes(victim)])
         self.pages.order.evicted(victim)
         self.evicted_pages += 1
-        self.evicted_page_bytes += self.page_bytes
         return self.index.evict_page(victim)
 
     def release(self, alloc: Allocation) -> None:
@@ -481,13 +478,12 @@ class HybridCacheCoordinator:
         node = path[-1]
         return node.checkpoint is not None or self._attach_new(node, ckpt)
 
-    def _evict_checkpoint(self, slot: int, write_back: bool = True) -> None:
-        if self._on_evict is not None and write_back:
+    def _evict_checkpoint(self, slot: int) -> None:
+        if self._on_evict is not None:
             self._on_evict([self._evicted(self.index.slot_node[slot], kv=False)])
         self.checkpoints.order.evicted(slot)
         self.index.detach_checkpoint(self.index.slot_node[slot])
         self.evicted_checkpoints += 1
-        self.evicted_checkpoint_bytes += self.checkpoints.slot_bytes
 
     def _evicted(self, node: BlockNode, kv: bool) -> EvictedEntry:
         parent = node
