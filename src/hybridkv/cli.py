@@ -15,7 +15,7 @@ import sys
 
 from rich.console import Console
 
-from hybridkv.replay.args import non_negative_int, positive_int
+from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
     r.add_argument("--checkpoint-slots", type=positive_int, default=None,
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
+    r.add_argument("--eviction", choices=("lru", "value"), default="lru",
+                   help="eviction order of the device pools and the host tier: lru, or value "
+                        "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
+    _register_cache_cli(sub)
     from hybridkv.store.mooncake.service import register_cli
     register_cli(sub)
     from hybridkv.replay.soak import register_cli as register_soak_cli
@@ -96,9 +100,74 @@ def main(argv: list[str] | None = None) -> int:
         return args.store_func(args)
     if args.command == "soak":
         return args.soak_func(args)
+    if args.command == "cache":
+        return _cache_purge(args, console)
     if args.command in ("serve", "bench-serve"):
         return args.func(args)
     return 2
+
+
+def _register_cache_cli(sub) -> None:
+    c = sub.add_parser("cache", help="maintain a cache store").add_subparsers(dest="cache_command", required=True)
+    p = c.add_parser("purge", help="remove entries from a store by tenant, namespace, model version or age",
+                     description="Remove cache entries (manifest first, then components) from a store. Criteria "
+                                 "combine with AND. A running engine's device and host tiers are purged through "
+                                 "hybridkv.tiers.purge.purge in that process, not by this command.")
+    p.add_argument("--store", required=True, help="store URL (disk:///PATH, memory://; a store that can list keys)")
+    p.add_argument("--model", help="model repo / preset name the entries were made with")
+    p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model)")
+    p.add_argument("--tenant", action="append", default=[],
+                   help="tenant whose entries to purge: namespace CacheIdentity(model_repo=--model, "
+                        "weight_digest=--weight-digest, tenant=T); repeatable")
+    p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
+    p.add_argument("--older-than", type=positive_float, help="seconds: entries created longer ago than this")
+
+
+def _cache_purge(args, console: Console) -> int:
+    import time
+
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.cache.purge import PurgeSelector
+    from hybridkv.store.base import StoreUnavailable
+    from hybridkv.store.url import open_store
+    from hybridkv.tiers.purge import purge_store
+
+    def fail(msg: str) -> int:
+        console.print(f"[red]error:[/red] {msg}", markup=True, highlight=False)
+        return 2
+
+    if bool(args.model) != bool(args.weight_digest):
+        return fail("--model and --weight-digest go together (they name one model version)")
+    if args.tenant and not args.model:
+        return fail("--tenant needs --model and --weight-digest (a tenant's namespace includes them)")
+    owners = set()
+    for text in args.namespace:
+        try:
+            owners.add(bytes.fromhex(text))
+        except ValueError:
+            return fail(f"--namespace {text!r} is not a hex digest")
+    owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest, tenant=t).digest()
+               for t in args.tenant}
+    models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
+        if args.model and not args.tenant else None
+    cutoff = time.time() - args.older_than if args.older_than else None
+    try:
+        selector = PurgeSelector(owners=owners or None, models=models, created_before=cutoff)
+        store = open_store(args.store)
+    except (ValueError, StoreUnavailable) as exc:
+        return fail(str(exc))
+    if store is None:
+        return fail("--store none has nothing to purge")
+    try:
+        removed = purge_store(store, selector)
+    except NotImplementedError as exc:
+        return fail(f"{exc}: purge a Mooncake store from the engines that use it")
+    except StoreUnavailable as exc:
+        return fail(str(exc))
+    finally:
+        store.close()
+    print(f"removed {removed} entries")
+    return 0
 
 
 def _replay(args, console: Console) -> int:
@@ -118,7 +187,8 @@ def _replay(args, console: Console) -> int:
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
-        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads)
+        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
+        eviction=args.eviction)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:

@@ -107,7 +107,7 @@ def test_nodes_end_at_multiples_of_the_unit():
 def test_units_can_share_a_page_and_a_cached_page_can_gain_nodes():
     index = make_index()
     (page,) = publish_path(index, H(1, 2), share=2)
-    assert index.pages.node_count[page] == 2 and index.pages.lru_evictable() == page
+    assert index.pages.node_count[page] == 2 and index.pages.next_victim() == page
     index.get_or_insert(index.walk(list(H(1, 2)))[-1], H(1, 2, 3)[-1], page)   # cached, unreferenced page
     assert index.pages.node_count[page] == 3
     assert [n.page for n in index.walk(list(H(1, 2, 3)))] == [page] * 3
@@ -170,7 +170,7 @@ def test_attach_checkpoint_publishes_the_slot_on_the_node():
     slot = index.checkpoints.take_free()
     index.attach_checkpoint(node, slot)
     assert node.checkpoint == slot and index.slot_node == {slot: node}
-    assert index.checkpoints.published[slot] and index.checkpoints.lru_evictable() == slot
+    assert index.checkpoints.published[slot] and index.checkpoints.next_victim() == slot
     check_all(index)
 
 
@@ -228,7 +228,7 @@ def test_evict_page_removes_its_nodes_with_their_subtrees_on_other_pages():
     assert all(n.parent is None and n.children == {} for n in doomed)   # detached: holders can tell
     assert index.pages.node_count[p2] == 0 and index.pages.node_count[p3] == 0
     assert index.pages.node_count[p1] == 1
-    assert index.pages.num_free == 7 and index.pages.lru_evictable() == p1
+    assert index.pages.num_free == 7 and index.pages.next_victim() == p1
     check_all(index)
 
 
@@ -287,7 +287,7 @@ def test_evict_page_releases_the_checkpoints_of_removed_nodes():
     assert index.checkpoints.num_free == 2        # s2 stays out of the free queue while referenced
     check_all(index)
     index.checkpoints.unref(s2)
-    assert index.checkpoints.num_free == 3 and index.checkpoints.lru_evictable() == s1
+    assert index.checkpoints.num_free == 3 and index.checkpoints.next_victim() == s1
     check_all(index)
 
 
@@ -405,11 +405,11 @@ class IndexAgainstDict(RuleBasedStateMachine):
             self.ref_ckpt.pop(p, None)
         assert self.pages.node_count[page] == 0
         if self.pages.refcount[page] == 0:
-            assert page in self.pages._free and page not in self.pages._evictable
+            assert page in self.pages._free and page not in self.pages.order
         return gone
 
     def evict_checkpoint_lru(self) -> bool:
-        victim = self.ckpts.lru_evictable()
+        victim = self.ckpts.next_victim()
         if victim is None:
             return False
         node = self.index.slot_node[victim]
@@ -432,12 +432,12 @@ class IndexAgainstDict(RuleBasedStateMachine):
         prev = parent.page
         need = sum(1 for i, s in enumerate(share) if not (s and (i or prev is not None)))
         while self.pages.num_free < need:
-            victim = self.pages.lru_evictable()
+            victim = self.pages.next_victim()
             if victim is None:
                 break
             self.model_evict(victim)
         if self.pages.num_free < need:
-            assert self.pages.lru_evictable() is None
+            assert self.pages.next_victim() is None
             for p in reversed(held):
                 self.pages.unref(p)
             return
@@ -464,7 +464,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
     @precondition(lambda self: self.pages.num_evictable > 0)
     @rule(data=st.data(), lru=st.booleans())
     def evict_an_evictable_page(self, data, lru):
-        page = self.pages.lru_evictable() if lru else data.draw(st.sampled_from(sorted(self.pages._evictable)))
+        page = self.pages.next_victim() if lru else data.draw(st.sampled_from(sorted(self.pages.order)))
         assert self.pages.refcount[page] == 0 and self.pages.node_count[page] > 0
         self.model_evict(page)
 
@@ -474,7 +474,7 @@ class IndexAgainstDict(RuleBasedStateMachine):
         page = data.draw(st.sampled_from(sorted(set(self.ref.values()))))
         self.pages.ref(page)
         self.held_pages.append(page)
-        assert page not in self.pages._evictable
+        assert page not in self.pages.order
 
     @precondition(lambda self: bool(self.held_pages))
     @rule(data=st.data())
@@ -487,8 +487,8 @@ class IndexAgainstDict(RuleBasedStateMachine):
     def touch_a_page(self, data):
         page = data.draw(st.sampled_from(sorted(set(self.ref.values()))))
         self.pages.touch(page)
-        if page in self.pages._evictable:
-            assert next(reversed(self.pages._evictable)) == page
+        if page in self.pages.order:
+            assert list(self.pages.order)[-1] == page
 
     @precondition(lambda self: any(p not in self.ref_ckpt for p in self.ref))
     @rule(data=st.data())

@@ -34,7 +34,7 @@ def test_new_page_pool_has_every_page_free_and_nothing_evictable():
     assert pool.num_pages == 4
     assert pool.num_free == 4
     assert pool.num_evictable == 0
-    assert pool.lru_evictable() is None
+    assert pool.next_victim() is None
     assert pool.refcount == [0] * 4 and pool.node_count == [0] * 4
     pool.check_invariants()
 
@@ -65,7 +65,7 @@ def test_page_published_while_held_becomes_evictable_not_free_on_release():
     assert pool.num_evictable == 0              # held by a request: not evictable yet
     pool.unref(page)
     assert pool.num_free == 1 and pool.num_evictable == 1
-    assert pool.lru_evictable() == page
+    assert pool.next_victim() == page
     pool.check_invariants()
 
 
@@ -75,7 +75,7 @@ def test_referencing_a_cached_page_takes_it_off_the_evictable_list():
     pool.ref(page)
     assert pool.refcount[page] == 1
     assert pool.num_evictable == 0
-    assert pool.lru_evictable() is None         # a referenced page is never offered for eviction
+    assert pool.next_victim() is None         # a referenced page is never offered for eviction
     pool.check_invariants()
 
 
@@ -85,9 +85,9 @@ def test_page_stays_referenced_until_its_last_reference_is_dropped():
     pool.ref(page)
     pool.ref(page)
     pool.unref(page)
-    assert pool.refcount[page] == 1 and pool.lru_evictable() is None
+    assert pool.refcount[page] == 1 and pool.next_victim() is None
     pool.unref(page)
-    assert pool.refcount[page] == 0 and pool.lru_evictable() == page
+    assert pool.refcount[page] == 0 and pool.next_victim() == page
     pool.check_invariants()
 
 
@@ -98,16 +98,16 @@ def test_lru_evictable_follows_release_order():
         pool.add_node(p)
     for p in [2, 0, 3, 1]:
         pool.unref(p)
-    assert list(pool._evictable) == [2, 0, 3, 1]
-    assert pool.lru_evictable() == 2
+    assert list(pool.order) == [2, 0, 3, 1]
+    assert pool.next_victim() == 2
 
 
 def test_touch_makes_a_cached_page_most_recently_used():
     pool = PagePool(3)
     a, b, c = (cached_page(pool) for _ in range(3))
     pool.touch(a)
-    assert pool.lru_evictable() == b
-    assert list(pool._evictable) == [b, c, a]
+    assert pool.next_victim() == b
+    assert list(pool.order) == [b, c, a]
 
 
 def test_re_released_page_becomes_most_recently_used():
@@ -115,7 +115,7 @@ def test_re_released_page_becomes_most_recently_used():
     a, b, c = (cached_page(pool) for _ in range(3))
     pool.ref(a)
     pool.unref(a)
-    assert list(pool._evictable) == [b, c, a]
+    assert list(pool.order) == [b, c, a]
 
 
 def test_touch_ignores_free_and_referenced_pages():
@@ -125,7 +125,7 @@ def test_touch_ignores_free_and_referenced_pages():
     cached = cached_page(pool)
     pool.touch(held)                            # referenced: must not become evictable
     pool.touch(2)                               # free: must not become evictable
-    assert list(pool._evictable) == [cached]
+    assert list(pool.order) == [cached]
     assert pool.num_free == 1
     pool.check_invariants()
 
@@ -145,7 +145,7 @@ def test_unref_below_zero_is_refused():
     page = cached_page(pool)
     with pytest.raises(RuntimeError, match="refcount would go below zero"):
         pool.unref(page)
-    assert pool.refcount[page] == 0 and pool.lru_evictable() == page
+    assert pool.refcount[page] == 0 and pool.next_victim() == page
     pool.check_invariants()
 
 
@@ -162,7 +162,7 @@ def test_a_cached_page_can_gain_more_nodes_without_a_reference():
     page = cached_page(pool)
     pool.add_node(page)
     assert pool.node_count[page] == 2
-    assert pool.lru_evictable() == page
+    assert pool.next_victim() == page
     pool.check_invariants()
 
 
@@ -178,7 +178,7 @@ def test_removing_the_last_node_of_an_unreferenced_page_frees_it():
     page = cached_page(pool)
     pool.add_node(page)
     pool.remove_node(page)
-    assert pool.lru_evictable() == page         # one node left: still cached
+    assert pool.next_victim() == page         # one node left: still cached
     pool.remove_node(page)
     assert pool.num_evictable == 0 and pool.num_free == 2
     assert [pool.pop_free(), pool.pop_free()] == [1, page]
@@ -214,7 +214,7 @@ def test_page_pool_check_invariants_detects_a_held_page_on_the_evictable_list():
     pool = PagePool(3)
     page = pool.pop_free()
     pool.add_node(page)
-    pool._evictable[page] = None
+    pool.order.add(page)
     with pytest.raises(AssertionError, match=f"page {page}: evictable membership wrong"):
         pool.check_invariants()
 
@@ -289,9 +289,9 @@ def test_page_pool_matches_a_reference_model(ops):
                 lru.append(p)
         pool.check_invariants()
         assert pool.refcount == rc and pool.node_count == nc
-        assert list(pool._free) == free and list(pool._evictable) == lru
+        assert list(pool._free) == free and list(pool.order) == lru
         assert pool.num_free == len(free) and pool.num_evictable == len(lru)
-        assert pool.lru_evictable() == (lru[0] if lru else None)
+        assert pool.next_victim() == (lru[0] if lru else None)
         assert all(rc[q] == 0 for q in lru)   # referenced pages are never evictable
 
 
@@ -304,7 +304,7 @@ def test_bookkeeping_only_checkpoint_pool_has_no_storage():
     assert pool.recurrent is None and pool.conv is None
     assert pool.slot_bytes == 1234
     assert pool.published == [False] * 3
-    assert pool.lru_evictable() is None
+    assert pool.next_victim() is None
     pool.check_invariants()
 
 
@@ -323,7 +323,7 @@ def test_take_free_reserves_slots_in_order_without_publishing_them():
     assert pool.take_free() is None
     assert pool.num_free == 0
     assert pool.published == [False, False] and pool.refcount == [0, 0]
-    assert pool.lru_evictable() is None         # reserved, not yet published: not evictable
+    assert pool.next_victim() is None         # reserved, not yet published: not evictable
     pool.check_invariants()
 
 
@@ -333,8 +333,8 @@ def test_publish_makes_a_slot_evictable_in_publication_order():
     for s in [1, 2, 0]:
         pool.publish(s)
     assert all(pool.published[s] for s in slots)
-    assert list(pool._evictable) == [1, 2, 0]
-    assert pool.lru_evictable() == 1
+    assert list(pool.order) == [1, 2, 0]
+    assert pool.next_victim() == 1
     pool.check_invariants()
 
 
@@ -342,20 +342,20 @@ def test_touch_makes_a_published_slot_most_recently_used():
     pool = CheckpointPool(3)
     a, b, c = (published_slot(pool) for _ in range(3))
     pool.touch(a)
-    assert list(pool._evictable) == [b, c, a]
+    assert list(pool.order) == [b, c, a]
     pool.ref(b)
     pool.touch(b)                               # referenced: touching must not make it evictable
-    assert list(pool._evictable) == [c, a]
+    assert list(pool.order) == [c, a]
 
 
 def test_referenced_checkpoint_slot_is_not_evictable_until_released():
     pool = CheckpointPool(2)
     a, b = published_slot(pool), published_slot(pool)
     pool.ref(a)
-    assert pool.lru_evictable() == b
-    assert list(pool._evictable) == [b]
+    assert pool.next_victim() == b
+    assert list(pool.order) == [b]
     pool.unref(a)
-    assert list(pool._evictable) == [b, a]      # released: most recently used
+    assert list(pool.order) == [b, a]      # released: most recently used
     pool.check_invariants()
 
 
@@ -374,7 +374,7 @@ def test_checkpoint_unref_below_zero_is_refused():
     slot = published_slot(pool)
     with pytest.raises(RuntimeError, match=f"CheckpointPool item {slot} refcount would go below zero"):
         pool.unref(slot)
-    assert pool.refcount[slot] == 0 and pool.lru_evictable() == slot
+    assert pool.refcount[slot] == 0 and pool.next_victim() == slot
 
 
 def test_unpublishing_an_unreferenced_slot_frees_it():
@@ -382,7 +382,7 @@ def test_unpublishing_an_unreferenced_slot_frees_it():
     slot = published_slot(pool)
     pool.unpublish(slot)
     assert not pool.published[slot]
-    assert pool.lru_evictable() is None
+    assert pool.next_victim() is None
     assert pool.num_free == 2
     assert [pool.take_free(), pool.take_free()] == [1, slot]
     pool.check_invariants()
@@ -397,7 +397,7 @@ def test_unpublishing_a_referenced_slot_frees_it_only_on_release():
     pool.check_invariants()
     pool.unref(slot)
     assert pool.num_free == 2
-    assert pool.lru_evictable() is None         # no longer published: freed, not evictable
+    assert pool.next_victim() is None         # no longer published: freed, not evictable
     pool.check_invariants()
 
 
@@ -406,7 +406,7 @@ def test_checkpoint_pool_check_invariants_detects_a_published_slot_in_the_free_q
     pool.published[1] = True
     with pytest.raises(AssertionError, match="slot 1: evictable membership wrong"):
         pool.check_invariants()
-    pool._evictable[1] = None
+    pool.order.add(1)
     with pytest.raises(AssertionError, match="slot 1: free but in use"):
         pool.check_invariants()
 

@@ -84,3 +84,17 @@ def test_pinned_async_copies_from_cuda():
     assert held.tensors["latents"].is_pinned() and held.ready is not None
     got = t.load_many(HASHES, [(ALIGN, "full")])[0]["latents"]
     assert held.ready is None and torch.equal(got, src["latents"].cpu())
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_host_quota_holds_under_a_tenant_flood(eviction):
+    """Owner B saves far more than its quota; it evicts its own entries, never A's."""
+    t = HostTier(16 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, eviction=eviction, quota_bytes=2 * KV_BYTES)
+    assert t.save_entries([t.entry(HASHES, ALIGN, "full", kv(0))], owner=b"A") == [True]
+    for i in range(2, 9):                                                   # 7 entries of B, quota 2
+        assert t.save_entries([t.entry(HASHES, i * ALIGN, "full", kv(i))], owner=b"B") == [True]
+        assert t._order.owner_bytes[b"B"] <= 2 * KV_BYTES
+    assert t.exists([(HASHES[ALIGN // UNIT - 1], "full")]) == [True]        # A's entry stayed
+    assert t.stats.evictions == 7 - 2 and t.stats.bytes_evicted == 5 * KV_BYTES
+    with pytest.raises(ValueError, match="quota_bytes=0"):
+        HostTier(KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, quota_bytes=0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from hybridkv.store.eviction import EVICTION_POLICIES
+
 KERNEL_CHUNK = 64
 """Tokens per chunk of the chunked KDA algorithm (DESIGN §1)."""
 
@@ -179,6 +181,12 @@ class CacheConfig:
         store_alignment: the only boundaries that may become store entries
             (A_store); a multiple of ``block_size`` (hence of
             ``prefix_match_unit``). ``None`` means ``block_size``.
+        eviction: ``lru`` (least recently used first) or ``value`` (lowest
+            ``p·C_saved/(M·T_residence)`` first; :mod:`hybridkv.store.eviction`)
+            in the device page and checkpoint pools.
+        tenant_quota: fraction in ``(0, 1]`` of each device pool's bytes that one
+            namespace (tenant) may keep cached; a namespace over it evicts its own
+            entries first. ``None``: no quota.
 
     Raises:
         ConfigError: from :meth:`validate` (called by ``__post_init__``).
@@ -193,6 +201,8 @@ class CacheConfig:
     mechanism: Mechanism = Mechanism.EXTRACT
     max_num_seqs: int = 8
     store_alignment: int | None = None
+    eviction: str = "lru"
+    tenant_quota: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mechanism", Mechanism.parse(self.mechanism))
@@ -218,6 +228,11 @@ class CacheConfig:
         if a is not None and (not isinstance(a, int) or a <= 0 or a % b):
             raise ConfigError(f"store_alignment={a!r} must be a positive multiple of block_size={b} "
                               f"(and so of prefix_match_unit={g})")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction={self.eviction!r} must be one of {list(EVICTION_POLICIES)}")
+        q = self.tenant_quota
+        if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
+            raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")
         if not isinstance(self.mechanism, Mechanism):
             raise ConfigError(f"mechanism={self.mechanism!r} must be a Mechanism")
         p = self.policy

@@ -14,6 +14,7 @@ callback given at construction and read device state through
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,6 +44,7 @@ class EvictedEntry:
         page: the page whose KV goes (``None``: only the checkpoint goes).
         checkpoint: slot of ``C(P_end)`` that goes with it, or ``None``; readable
             through :meth:`HybridCacheCoordinator.read_checkpoint` during the callback.
+        owner: request namespace digest it was cached under (``None``: unknown).
     """
 
     key: bytes
@@ -50,6 +52,7 @@ class EvictedEntry:
     end: int
     page: int | None
     checkpoint: int | None
+    owner: bytes | None = None
 
 
 EvictCallback = Callable[[list[EvictedEntry]], None]
@@ -83,6 +86,8 @@ class MatchResult:
         per_group: group name -> its own hit.
         hashes: chained hashes of every whole unit of the prompt.
         path: matched index nodes, one per unit, up to ``kv_hit``.
+        namespace: the request's namespace digest (the engine's when it gave none), before
+            binding: the owner of what the request publishes, for quotas and purges.
     """
 
     hit: int
@@ -92,6 +97,7 @@ class MatchResult:
     per_group: dict[str, int]
     hashes: list[bytes]
     path: list[BlockNode]
+    namespace: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -103,12 +109,14 @@ class Allocation:
         state: private working KDA state at ``start`` (``None``: zeros / simulation).
         start: tokens already present (the joint hit).
         nodes: index nodes published (or matched) for this request's units, in order.
+        owner: namespace digest its new entries are cached under (``MatchResult.namespace``).
     """
 
     block_table: list[int]
     state: KDACheckpoint | None
     start: int
     nodes: list[BlockNode] = field(default_factory=list)
+    owner: bytes | None = None
 
 
 class HybridCacheCoordinator:
@@ -127,14 +135,21 @@ class HybridCacheCoordinator:
             ``cache_binding()``: weights digest and state layout); every
             namespace, the engine's and per-request ones, is bound to it before
             hashing (:func:`~hybridkv.cache.namespace.bind_namespace`).
+        clock: seconds (default ``time.time``); stamps index nodes for purges by age.
+
+    Eviction follows ``config.eviction`` (both pools; the checkpoint pool is built with the
+    same policy by the backend). With ``config.tenant_quota`` a namespace whose cached bytes
+    in a pool exceed that fraction of the pool evicts its own entries first.
     """
 
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
                  page_bytes: int = 0, copy_page: CopyPage | None = None,
-                 on_evict: EvictCallback | None = None, binding: bytes = b"") -> None:
+                 on_evict: EvictCallback | None = None, binding: bytes = b"",
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.namespace = namespace
-        self.pages = PagePool(config.num_kv_pages)
+        self.clock = clock
+        self.pages = PagePool(config.num_kv_pages, config.eviction, page_bytes, config.block_size)
         self.checkpoints = checkpoints
         self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
         self.page_bytes = page_bytes
@@ -175,13 +190,14 @@ class HybridCacheCoordinator:
         joint = joint_hit(path, limit, GROUPS)
         hit, kv_hit = joint.hit, joint.kv_hit
         if touch:
-            for node in reversed(path):      # deepest first: the path's root end ends up most recent
-                self.pages.touch(node.page)
+            for page in dict.fromkeys(n.page for n in reversed(path)):   # deepest first: root end most recent
+                self.pages.touch(page)
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=joint.per_group[KDA],
                            branching_boundary=joint.branching_boundary,
-                           per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g])
+                           per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g],
+                           namespace=namespace or self.namespace)
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
         """Matches that reuse less than ``match``, deepest first: each checkpointed boundary of
@@ -194,7 +210,7 @@ class HybridCacheCoordinator:
             out.append(MatchResult(hit=hit, kv_hit=match.kv_hit, checkpoint_hit=hit,
                                    branching_boundary=match.kv_hit if match.kv_hit > hit else None,
                                    per_group={FULL: match.kv_hit, KDA: hit}, hashes=match.hashes,
-                                   path=match.path))
+                                   path=match.path, namespace=match.namespace))
         return out if match.hit else []
 
     def could_fit(self, match: MatchResult, num_tokens: int) -> bool:
@@ -239,7 +255,7 @@ class HybridCacheCoordinator:
         shared = [path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
         cow_src = path[-1].page if hit % b else None
         try:                                                 # an on_evict failure must not leak `held`
-            fresh = self._take_pages(-(-num_tokens // b) - len(shared))
+            fresh = self._take_pages(-(-num_tokens // b) - len(shared), match.namespace)
             if fresh is not None and cow_src is not None and self.copy_page is not None:
                 self.copy_page(cow_src, fresh[0], hit % b)
             for p in shared if fresh is not None else ():
@@ -250,18 +266,57 @@ class HybridCacheCoordinator:
         if fresh is None:
             return None
         self._note_peaks()
-        return Allocation(block_table=shared + fresh, state=state, start=hit, nodes=list(path))
+        return Allocation(block_table=shared + fresh, state=state, start=hit, nodes=list(path),
+                          owner=match.namespace)
 
-    def _take_pages(self, n: int) -> list[int] | None:
+    def _take_pages(self, n: int, owner: bytes | None = None) -> list[int] | None:
         while self.pages.num_free < n:
-            victim = self.pages.lru_evictable()
+            victim = self._victim(self.pages, owner)
             if victim is None:
                 return None
-            if self._on_evict is not None:
-                self._on_evict([self._evicted(n, kv=True) for n in self.index.subtree_nodes(victim)])
-            self.index.evict_page(victim)
-            self.evicted_pages += 1
+            self._evict_page(victim)
         return [self.pages.pop_free() for _ in range(n)]
+
+    def _victim(self, pool, owner: bytes | None) -> int | None:
+        """The next victim of ``pool``: ``owner``'s own first while it is over its quota."""
+        if owner is not None and self.over_quota(pool, owner):
+            own = pool.next_victim(owner)
+            if own is not None:
+                return own
+        return pool.next_victim()
+
+    def over_quota(self, pool, owner: bytes) -> bool:
+        """Whether ``owner``'s cached bytes in ``pool`` (``self.pages`` or ``self.checkpoints``)
+        exceed ``config.tenant_quota`` of the pool's bytes (never, without a quota)."""
+        q = self.config.tenant_quota
+        if q is None:
+            return False
+        size = (pool.num_pages * pool.page_bytes if pool is self.pages
+                else pool.num_slots * (pool.slot_bytes or 1))
+        return pool.order.owner_bytes.get(owner, 0) > q * size
+
+    def enforce_quota(self, owner: bytes | None) -> int:
+        """Evict ``owner``'s unreferenced entries (lowest first) until its bytes in each pool fit
+        its quota, or nothing of it is evictable; returns entries evicted."""
+        n = 0
+        if owner is None or self.config.tenant_quota is None:
+            return n
+        while self.over_quota(self.pages, owner) and (v := self.pages.next_victim(owner)) is not None:
+            self._evict_page(v)
+            n += 1
+        while (self.over_quota(self.checkpoints, owner)
+               and (v := self.checkpoints.next_victim(owner)) is not None):
+            self._evict_checkpoint(v)
+            n += 1
+        return n
+
+    def _evict_page(self, victim: int) -> int:
+        """Evict ``victim`` and the subtree depending on it; returns index nodes removed."""
+        if self._on_evict is not None:
+            self._on_evict([self._evicted(n, kv=True) for n in self.index.subtree_nodes(victim)])
+        self.pages.order.evicted(victim)
+        self.evicted_pages += 1
+        return self.index.evict_page(victim)
 
     def release(self, alloc: Allocation) -> None:
         """Drop every page reference the request holds (finish, cancel, failure).
@@ -271,6 +326,7 @@ class HybridCacheCoordinator:
         """
         for p in reversed(alloc.block_table):
             self.pages.unref(p)
+        self.enforce_quota(alloc.owner)
         alloc.block_table = []
         alloc.nodes = []
         alloc.state = None
@@ -330,7 +386,8 @@ class HybridCacheCoordinator:
             nodes.clear()
         parent = nodes[-1] if nodes else self.index.root
         for i in range(len(nodes), n):
-            node, _ = self.index.get_or_insert(parent, hashes[i], alloc.block_table[(i * g) // b])
+            node, _ = self.index.get_or_insert(parent, hashes[i], alloc.block_table[(i * g) // b],
+                                               alloc.owner, self.clock())
             nodes.append(node)
             parent = node
 
@@ -367,7 +424,7 @@ class HybridCacheCoordinator:
             return False
         slot = self.checkpoints.take_free()
         while slot is None:
-            victim = self.checkpoints.lru_evictable()
+            victim = self._victim(self.checkpoints, node.owner)
             if victim is None:
                 return False
             self._evict_checkpoint(victim)
@@ -404,7 +461,8 @@ class HybridCacheCoordinator:
                 write_pages(pages)
                 parent = path[-1] if path else self.index.root
                 for i in range(start // g, end // g):
-                    parent, _ = self.index.get_or_insert(parent, hashes[i], pages[(i * g - start) // b])
+                    parent, _ = self.index.get_or_insert(parent, hashes[i], pages[(i * g - start) // b],
+                                                         now=self.clock())
         finally:
             for p in held:
                 self.pages.unref(p)
@@ -423,6 +481,7 @@ class HybridCacheCoordinator:
     def _evict_checkpoint(self, slot: int) -> None:
         if self._on_evict is not None:
             self._on_evict([self._evicted(self.index.slot_node[slot], kv=False)])
+        self.checkpoints.order.evicted(slot)
         self.index.detach_checkpoint(self.index.slot_node[slot])
         self.evicted_checkpoints += 1
 
@@ -431,7 +490,7 @@ class HybridCacheCoordinator:
         for _ in range(self.config.block_size // self.config.prefix_match_unit):
             parent = parent.parent if parent is not None else None
         parent_key = parent.key if parent is not None and parent.end else None
-        return EvictedEntry(node.key, parent_key, node.end, node.page if kv else None, node.checkpoint)
+        return EvictedEntry(node.key, parent_key, node.end, node.page if kv else None, node.checkpoint, node.owner)
 
     # -- reads for lower tiers ------------------------------------------
     def read_checkpoint(self, slot: int, boundary: int) -> KDACheckpoint | None:
@@ -453,10 +512,10 @@ class HybridCacheCoordinator:
     def clear(self) -> int:
         """Evict every unreferenced entry (explicit purge); returns pages evicted."""
         n = 0
-        while (victim := self.pages.lru_evictable()) is not None:
+        while (victim := self.pages.next_victim()) is not None:
             self.index.evict_page(victim)
             n += 1
-        while (slot := self.checkpoints.lru_evictable()) is not None:
+        while (slot := self.checkpoints.next_victim()) is not None:
             self._evict_checkpoint(slot)
         return n
 

@@ -25,6 +25,9 @@ class BlockNode:
             latents for every position from its page start up to ``end``.
         checkpoint: checkpoint-pool slot holding ``C(P_end)`` or ``None``.
         children: key -> child node.
+        owner: request namespace digest the prefix was cached under (quotas, purge); inherited
+            from the parent, ``None`` when unknown (installed from a lower tier at the root).
+        created: when the node was made, in seconds on the coordinator's clock (purge by age).
     """
 
     key: bytes
@@ -33,6 +36,8 @@ class BlockNode:
     page: int | None
     checkpoint: int | None = None
     children: dict = field(default_factory=dict)
+    owner: bytes | None = None
+    created: float = 0.0
 
     @property
     def has_kv(self) -> bool:
@@ -77,10 +82,12 @@ class PrefixIndex:
             path.append(node)
         return path
 
-    def get_or_insert(self, parent: BlockNode, key: bytes, page: int) -> tuple[BlockNode, bool]:
+    def get_or_insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None = None,
+                      now: float = 0.0) -> tuple[BlockNode, bool]:
         """The child of ``parent`` with ``key``; created pointing at ``page`` if absent.
 
-        An existing node keeps its page (content is set once).
+        An existing node keeps its page (content is set once). A new node's ``owner`` is
+        ``owner`` or else its parent's; ``now`` (seconds, the caller's clock) is its ``created``.
 
         Returns:
             ``(node, created)``.
@@ -91,8 +98,10 @@ class PrefixIndex:
         node = parent.children.get(key)
         if node is not None:
             return node, False
-        self.pages.add_node(page)                 # raises before the tree changes
-        node = BlockNode(key=key, parent=parent, end=parent.end + self.unit, page=page)
+        owner = owner if owner is not None else parent.owner
+        end = parent.end + self.unit
+        self.pages.add_node(page, end, owner)     # raises before the tree changes
+        node = BlockNode(key=key, parent=parent, end=end, page=page, owner=owner, created=now)
         parent.children[key] = node
         self.by_page.setdefault(page, set()).add(node)
         self.num_nodes += 1
@@ -104,7 +113,7 @@ class PrefixIndex:
             raise RuntimeError(f"node at {node.end} already has a checkpoint")
         node.checkpoint = slot
         self.slot_node[slot] = node
-        self.checkpoints.publish(slot)
+        self.checkpoints.publish(slot, node.end, node.owner)
 
     def detach_checkpoint(self, node: BlockNode) -> None:
         """Remove the node's checkpoint (eviction); the KV part stays."""

@@ -7,54 +7,63 @@ without tensors.
 
 Page states (each page is in exactly one):
   * free      — ``refcount == 0`` and no index node points at it (in ``_free``);
-  * cached    — ``refcount == 0`` and ``>= 1`` node points at it (LRU ``_evictable``);
+  * cached    — ``refcount == 0`` and ``>= 1`` node points at it (a member of ``order``);
   * in use    — ``refcount > 0`` (held by running requests; may also be cached).
 A page's content is immutable while any node points at it ("hash set once").
 
 Checkpoint slot states: free (in ``_free``), published (attached to exactly one
-index node; LRU ``_evictable`` when unreferenced), or referenced (a request is
+index node; a member of ``order`` when unreferenced), or referenced (a request is
 copying it into its working state).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 
 import torch
 
 from hybridkv.model.state import KDACheckpoint
+from hybridkv.store.eviction import make_order
 
 
-class _RefcountedLRU:
-    """Shared bookkeeping: per-item refcounts, a free queue and an LRU of cached, unreferenced items.
+class _RefcountedCache:
+    """Shared bookkeeping: per-item refcounts, a free queue and an eviction order of cached,
+    unreferenced items (:mod:`hybridkv.store.eviction`: ``lru`` or ``value``).
 
     Subclasses say what "cached" means (:meth:`_cached`); an item is free when it
     is neither referenced nor cached, evictable when cached and unreferenced.
+    Referenced items are never members of ``order``, so they are never evicted.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, eviction: str = "lru") -> None:
         self.refcount = [0] * n                # owner: requests via ref/unref
         self._free: deque[int] = deque(range(n))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.order = make_order(eviction)      # members: cached, unreferenced items; owner: this pool
 
     def _cached(self, i: int) -> bool:
         raise NotImplementedError
 
-    def lru_evictable(self) -> int | None:
-        """Least recently used cached, unreferenced item, or ``None``."""
-        return next(iter(self._evictable), None)
+    def next_victim(self, owner=None) -> int | None:
+        """The cached, unreferenced item the eviction order gives up first (of ``owner`` when
+        given: a tenant over its quota), or ``None``."""
+        return self.order.victim(owner)
 
     def touch(self, i: int) -> None:
-        """Mark a cached, unreferenced item most recently used."""
-        if i in self._evictable:
-            self._evictable.move_to_end(i)
+        """A lookup used item ``i``: under ``lru`` a cached, unreferenced item becomes most
+        recently used; under ``value`` its hit count grows."""
+        if self._cached(i) or self.refcount[i]:
+            self.order.hit(i)
+
+    def _freed(self, i: int) -> None:
+        self.order.forget(i)
+        self._free.append(i)
 
     def ref(self, i: int) -> None:
         """Add a reference to a cached (or already referenced) item."""
         if self.refcount[i] == 0:
             if not self._cached(i):
                 raise RuntimeError(f"{type(self).__name__} item {i} is not cached; it cannot be referenced")
-            self._evictable.pop(i)
+            self.order.discard(i)
         self.refcount[i] += 1
 
     def unref(self, i: int) -> None:
@@ -64,20 +73,25 @@ class _RefcountedLRU:
         self.refcount[i] -= 1
         if self.refcount[i] == 0:
             if self._cached(i):
-                self._evictable[i] = None
+                self.order.add(i)
             else:
-                self._free.append(i)
+                self._freed(i)
 
 
-class PagePool(_RefcountedLRU):
+class PagePool(_RefcountedCache):
     """Refcounted page ids with an LRU queue of cached, unreferenced pages.
 
     Args:
         num_pages: pool size in pages.
+        eviction: ``lru`` or ``value`` (:func:`hybridkv.store.eviction.make_order`).
+        page_bytes: bytes of one page (M of the value score; 1 when unknown).
+        block_size: tokens of one page (C of the value score: a page's hit saves its tokens).
     """
 
-    def __init__(self, num_pages: int) -> None:
-        super().__init__(num_pages)
+    def __init__(self, num_pages: int, eviction: str = "lru", page_bytes: int = 0, block_size: int = 1) -> None:
+        super().__init__(num_pages, eviction)
+        self.page_bytes = page_bytes or 1
+        self.block_size = block_size
         self.num_pages = num_pages
         self.node_count = [0] * num_pages      # owner: the index via add_node/remove_node
 
@@ -93,7 +107,7 @@ class PagePool(_RefcountedLRU):
     @property
     def num_evictable(self) -> int:
         """Cached pages with no request reference."""
-        return len(self._evictable)
+        return len(self.order)
 
     # -- transitions -----------------------------------------------------
     def pop_free(self) -> int | None:
@@ -104,10 +118,15 @@ class PagePool(_RefcountedLRU):
         self.refcount[page] = 1
         return page
 
-    def add_node(self, page: int) -> None:
-        """An index node now points at ``page`` (its content is published)."""
+    def add_node(self, page: int, end: int = 0, owner=None) -> None:
+        """An index node now points at ``page`` (its content is published).
+
+        The first node describes the page to the eviction order: ``end`` (tokens, its
+        depth) and ``owner`` (the namespace whose quota it counts against)."""
         if self.refcount[page] == 0 and self.node_count[page] == 0:
             raise RuntimeError(f"page {page} is free; publish it while a request holds it")
+        if self.node_count[page] == 0:
+            self.order.describe(page, self.page_bytes, self.block_size, end, owner)
         self.node_count[page] += 1
 
     def remove_node(self, page: int) -> None:
@@ -116,8 +135,7 @@ class PagePool(_RefcountedLRU):
             raise RuntimeError(f"page {page} has no node to remove")
         self.node_count[page] -= 1
         if self.node_count[page] == 0 and self.refcount[page] == 0:
-            self._evictable.pop(page, None)
-            self._free.append(page)
+            self._freed(page)
 
     def check_invariants(self) -> None:
         """Every page is in exactly one state; raise ``AssertionError`` otherwise."""
@@ -127,10 +145,10 @@ class PagePool(_RefcountedLRU):
             rc, nc = self.refcount[p], self.node_count[p]
             assert rc >= 0 and nc >= 0, f"page {p}: negative count"
             assert (p in free) == (rc == 0 and nc == 0), f"page {p}: free-queue membership wrong"
-            assert (p in self._evictable) == (rc == 0 and nc > 0), f"page {p}: evictable membership wrong"
+            assert (p in self.order) == (rc == 0 and nc > 0), f"page {p}: evictable membership wrong"
 
 
-class CheckpointPool(_RefcountedLRU):
+class CheckpointPool(_RefcountedCache):
     """Fixed number of published-checkpoint slots, with optional tensor storage.
 
     Args:
@@ -141,14 +159,15 @@ class CheckpointPool(_RefcountedLRU):
         conv_dtype: dtype of the conv window (the model's compute dtype).
         slot_bytes: bytes of one checkpoint (used for metrics when tensor-less).
         device: torch device of the storage.
+        eviction: ``lru`` or ``value`` (:func:`hybridkv.store.eviction.make_order`).
 
     Storage: ``recurrent float32[num_slots, *recurrent_shape]`` and
     ``conv conv_dtype[num_slots, *conv_shape]``, allocated once.
     """
 
     def __init__(self, num_slots: int, *, recurrent_shape=None, conv_shape=None,
-                 conv_dtype=torch.float32, slot_bytes: int = 0, device="cpu") -> None:
-        super().__init__(num_slots)
+                 conv_dtype=torch.float32, slot_bytes: int = 0, device="cpu", eviction: str = "lru") -> None:
+        super().__init__(num_slots, eviction)
         self.num_slots = num_slots
         self.published = [False] * num_slots   # owner: the index (attach/detach)
         self.recurrent = self.conv = None
@@ -175,10 +194,14 @@ class CheckpointPool(_RefcountedLRU):
             self.recurrent[slot].copy_(ckpt.recurrent)
             self.conv[slot].copy_(ckpt.conv)
 
-    def publish(self, slot: int) -> None:
-        """Mark a written slot published (attached to an index node); it becomes evictable."""
+    def publish(self, slot: int, boundary: int = 0, owner=None) -> None:
+        """Mark a written slot published (attached to an index node); it becomes evictable.
+
+        ``boundary`` (tokens) is the prefill a hit on it saves (C of the value score) and
+        its depth; ``owner`` the namespace whose quota it counts against."""
         self.published[slot] = True
-        self._evictable[slot] = None
+        self.order.describe(slot, self.slot_bytes or 1, boundary, boundary, owner)
+        self.order.add(slot)
 
     def read(self, slot: int, boundary: int) -> KDACheckpoint | None:
         """A private copy of the checkpoint in ``slot`` (``None`` when tensor-less)."""
@@ -193,8 +216,7 @@ class CheckpointPool(_RefcountedLRU):
         """Detach a slot from the index; it is freed once unreferenced."""
         self.published[slot] = False
         if self.refcount[slot] == 0:
-            self._evictable.pop(slot, None)
-            self._free.append(slot)
+            self._freed(slot)
 
     def check_invariants(self) -> None:
         """Every slot is free, evictable or referenced; raise ``AssertionError`` otherwise."""
@@ -203,6 +225,6 @@ class CheckpointPool(_RefcountedLRU):
         for s in range(self.num_slots):
             rc, pub = self.refcount[s], self.published[s]
             assert rc >= 0, f"slot {s}: negative refcount"
-            assert (s in self._evictable) == (pub and rc == 0), f"slot {s}: evictable membership wrong"
+            assert (s in self.order) == (pub and rc == 0), f"slot {s}: evictable membership wrong"
             if s in free:
                 assert not pub and rc == 0, f"slot {s}: free but in use"

@@ -79,11 +79,11 @@ class TorchBackend:
         the model's weight digest, its compute dtype and the group specs (state layout)."""
         return f"torch|{self.model.weight_digest()}|{self.model.dtype}|{self.full_spec}|{self.kda_spec}".encode()
 
-    def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:
-        """A tensor-backed pool shaped like this model's checkpoints."""
+    def new_checkpoint_pool(self, num_slots: int, eviction: str = "lru") -> CheckpointPool:
+        """A tensor-backed pool shaped like this model's checkpoints (``eviction``: ``lru`` / ``value``)."""
         return CheckpointPool(num_slots, recurrent_shape=tuple(self._zero.recurrent.shape),
                               conv_shape=tuple(self._zero.conv.shape), conv_dtype=self._zero.conv.dtype,
-                              device=self._zero.recurrent.device)
+                              device=self._zero.recurrent.device, eviction=eviction)
 
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` latents of page ``src`` into ``dst`` (all MLA layers)."""
@@ -147,9 +147,9 @@ class SimulatedBackend:
         """No weights: the specs alone (simulated entries never meet real ones)."""
         return f"simulated|{self.full_spec}|{self.kda_spec}".encode()
 
-    def new_checkpoint_pool(self, num_slots: int) -> CheckpointPool:
-        """A bookkeeping-only pool."""
-        return CheckpointPool(num_slots, slot_bytes=self.kda_spec.page_size_bytes)
+    def new_checkpoint_pool(self, num_slots: int, eviction: str = "lru") -> CheckpointPool:
+        """A bookkeeping-only pool (``eviction``: ``lru`` / ``value``)."""
+        return CheckpointPool(num_slots, slot_bytes=self.kda_spec.page_size_bytes, eviction=eviction)
 
     copy_page = None
 

@@ -177,7 +177,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     if host_bytes:
         from hybridkv.tiers.connector import host_tier_for
         host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
-                             write_through=host_write_through)
+                             write_through=host_write_through, eviction=config.eviction,
+                             quota=config.tenant_quota)
     if model is not None:
         store = _open_store_tier(store_url, backend, namespace, config, required=store_required)
     tiers = [t for t in (host, store) if t is not None]

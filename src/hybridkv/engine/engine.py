@@ -60,7 +60,7 @@ class Engine:
         self.config = config
         self.prefetch_enabled = prefetch
         self.backend = backend
-        pool = backend.new_checkpoint_pool(config.num_checkpoint_slots)
+        pool = backend.new_checkpoint_pool(config.num_checkpoint_slots, config.eviction)
         writes_back = any(t.write_back for t in tiers)
         self.cache = HybridCacheCoordinator(config, namespace, pool,
                                             page_bytes=backend.full_spec.page_size_bytes,

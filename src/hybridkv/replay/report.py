@@ -35,8 +35,27 @@ REPORT_KEYS = (
 """Required top-level keys of the report JSON, in order."""
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected", "warm_start_reused_tokens",
-                 "interrupted")
+                 "evictions", "reused_histogram", "interrupted")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
+
+REUSE_BUCKET_EDGES = (1, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+"""Lower edges (tokens) of the reused-length histogram's buckets after the ``0`` bucket."""
+
+
+def reuse_histogram(reused_lengths) -> dict[str, int]:
+    """Requests per reused length (tokens): ``"0"``, ``"1-1023"``, ``"1024-2047"``, ... ``"65536+"``.
+
+    Every bucket is present (zero counts included), in increasing order.
+    """
+    edges = REUSE_BUCKET_EDGES
+    labels = ["0"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
+    out = dict.fromkeys(labels, 0)
+    for n in reused_lengths:
+        k = 0
+        while k < len(edges) and n >= edges[k]:
+            k += 1
+        out[labels[k]] += 1
+    return out
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
@@ -103,6 +122,9 @@ class ReplayReport:
         ``oracle_fraction`` counts only the rest, so it stays within 0..1.
     interrupted: ``True`` when the run was stopped (Ctrl-C) before every request ran: the
         figures cover the requests admitted until then (written only when ``True``).
+    evictions: entries evicted for capacity per tier: ``device`` ``{kv_pages, kv_bytes,
+        checkpoints, checkpoint_bytes}``, ``host`` ``{entries, bytes}`` (bytes).
+    reused_histogram: admitted requests per reused length bucket (tokens; :func:`reuse_histogram`).
     """
 
     requests: int
@@ -129,6 +151,8 @@ class ReplayReport:
     rejected: dict[str, Any] | None = None
     warm_start_reused_tokens: int | None = None
     interrupted: bool | None = None
+    evictions: dict[str, dict[str, int]] | None = None
+    reused_histogram: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -241,6 +265,16 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
             t = r.tiers.get(name)
             if t and (t["bytes_loaded"] or t["bytes_saved"]):
                 table.add_row(f"{name} bytes loaded / saved", f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_saved'])}")
+    if r.evictions:
+        d, h = r.evictions["device"], r.evictions["host"]
+        table.add_row("device evictions: KV pages / checkpoints",
+                      f"{d['kv_pages']:,} ({_bytes(d['kv_bytes'])}) / "
+                      f"{d['checkpoints']:,} ({_bytes(d['checkpoint_bytes'])})")
+        if h["entries"]:
+            table.add_row("host evictions", f"{h['entries']:,} ({_bytes(h['bytes'])})")
+    if r.reused_histogram:
+        table.add_row("requests by reused tokens",
+                      ", ".join(f"{k}: {v:,}" for k, v in r.reused_histogram.items() if v))
     if r.store_misses and any(r.store_misses.values()):
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")

@@ -40,7 +40,7 @@ from hybridkv.replay.instance import (
     run_instance,
 )
 from hybridkv.replay.oracle import oracle_from_trace
-from hybridkv.replay.report import ReplayReport, VerifyReport, ratio
+from hybridkv.replay.report import ReplayReport, VerifyReport, ratio, reuse_histogram
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 from hybridkv.tiers.base import MISS_REASONS
 
@@ -73,6 +73,7 @@ class ReplayOptions:
     host_bytes: int = 256 << 20
     host_write_through: bool = False
     threads: int = 1
+    eviction: str = "lru"
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -134,7 +135,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
-        store_alignment=opts.store_alignment)
+        store_alignment=opts.store_alignment, eviction=opts.eviction)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
@@ -253,6 +254,13 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
     compute = max(r.compute_seconds for r in results)
     tiers = {name: {k: sum(r.tiers[name][k] for r in results) for k in ("hit_tokens", "bytes_loaded", "bytes_saved")}
              for name in ("device", "host", "store")}
+    page_bytes = kv_tok * cfg.block_size
+    evictions = {"device": {"kv_pages": sum(r.evicted_pages for r in results),
+                            "kv_bytes": sum(r.evicted_pages for r in results) * page_bytes,
+                            "checkpoints": sum(r.evicted_checkpoints for r in results),
+                            "checkpoint_bytes": sum(r.evicted_checkpoints for r in results) * ck},
+                 "host": {"entries": sum(r.tiers["host"].get("evictions", 0) for r in results),
+                          "bytes": sum(r.tiers["host"].get("bytes_evicted", 0) for r in results)}}
     misses = Counter({reason: 0 for reason in MISS_REASONS})
     for r in results:
         misses.update(r.store_misses)
@@ -280,7 +288,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
-                "store_alignment": cfg.store_boundary, "rejected": stats["rejected"],
+                "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
                 "evicted_pages": sum(r.evicted_pages for r in results),
                 "evicted_checkpoints": sum(r.evicted_checkpoints for r in results)},
         skipped_lines=load.skipped)
@@ -292,6 +300,8 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
     report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons)}
     report.warm_start_reused_tokens = warm
     report.interrupted = True if any(r.interrupted for r in results) else None
+    report.evictions = evictions
+    report.reused_histogram = reuse_histogram(reused.values())
     return report
 
 

@@ -71,6 +71,15 @@ class ObjectStore(ABC):
     def remove(self, keys: Sequence[str]) -> None:
         """Delete keys (absent keys are ignored)."""
 
+    def list_keys(self, prefix: str) -> list[str]:
+        """Every key starting with ``prefix`` (for purges; order unspecified).
+
+        Raises:
+            NotImplementedError: the backend cannot enumerate its keys (a purge then
+                removes only the entries it can name).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
+
     def close(self) -> None:
         """Release connections / handles. Idempotent."""
 

@@ -16,8 +16,11 @@ of one key (threads or processes) agree: the first link wins, the other sees the
 key present. Readers only ever open final names, i.e. complete files.
 
 Capacity. Sizes are file sizes in bytes (header included: 20 + len(key) bytes
-over the payload). Recency is an in-memory LRU, persisted as file mtimes
-(stamped at publish, re-stamped on every hit) so a restart rebuilds it by a scan.
+over the payload). The eviction order (:mod:`hybridkv.store.eviction`) is in memory:
+``lru`` (recency, persisted as file mtimes, stamped at publish and re-stamped on
+every hit, so a restart rebuilds it by a scan) or ``value`` (hits per byte with
+GreedyDual aging: a byte store cannot see what an object saves, so ``C = 1``;
+hit counts start again after a restart, in mtime order).
 Accounting is per process: objects another process publishes are adopted when
 this process first sees them; eviction of an already-removed file is harmless.
 
@@ -31,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from typing import BinaryIO
 
@@ -47,6 +50,7 @@ from hybridkv.store.disk_files import (
     object_file_size,
     object_path,
     read_header,
+    read_key,
     read_payload,
     scan_layout,
     tmp_path,
@@ -54,6 +58,7 @@ from hybridkv.store.disk_files import (
     writable_bytes,
     write_object_file,
 )
+from hybridkv.store.eviction import make_order
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +83,11 @@ class DiskStore(ObjectStore):
             used objects are evicted silently to make room. ``None`` = unlimited.
         fsync: fsync each object and its directory before a put returns
             (durable across power loss; slower). Default ``False``.
+        eviction: ``lru`` or ``value`` (which object goes first for capacity).
 
     Raises:
         ValueError: ``path`` exists and is not a directory (or a fan-out name is a
-            file), or ``capacity_bytes`` is negative.
+            file), ``capacity_bytes`` is negative, or ``eviction`` is unknown.
         StoreUnavailable: the directory cannot be created or written (permissions).
 
     Counters (read-only for callers): ``evictions`` objects evicted for capacity;
@@ -91,9 +97,11 @@ class DiskStore(ObjectStore):
 
     scheme = "disk"
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None, fsync: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None, fsync: bool = False,
+                 eviction: str = "lru") -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"disk store capacity_bytes must be >= 0 or None, got {capacity_bytes}")
+        self._order = make_order(eviction)       # members: every accounted object (digest)
         self.root = os.path.abspath(os.fspath(path))
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
@@ -102,15 +110,15 @@ class DiskStore(ObjectStore):
         self.bad_reasons: Counter[str] = Counter()
         self._lock = threading.Lock()
         # Invariant (under _lock): _bytes == sum(_lru.values()); _lru maps object
+        # digest -> file bytes, and its keys are exactly the members of _order.
         # digest -> file bytes, least recently used first.
-        self._lru: OrderedDict[str, int] = OrderedDict()
+        self._lru: dict[str, int] = {}
         self._bytes = 0
         self._last_stamp = 0
         self._tmp_suffix = tmp_suffix()
         create_layout(self.root)
         for _, digest, size in scan_layout(self.root):  # oldest first; deletes stale temp files
-            self._lru[digest] = size
-            self._bytes += size
+            self._account(digest, size)
         with self._lock:
             self._make_room(0)
 
@@ -189,11 +197,27 @@ class DiskStore(ObjectStore):
                 self._unlink(self._path(digest))
                 self._forget(digest)
 
+    @_os_errors_unavailable
+    def list_keys(self, prefix: str) -> list[str]:
+        """Keys starting with ``prefix`` of every object file in the directory (other processes'
+        included), read from each file's header.
+
+        Raises:
+            StoreUnavailable: the directory cannot be listed or read.
+        """
+        out = []
+        for _, digest, _ in scan_layout(self.root):
+            key = read_key(self._path(digest))
+            if key is not None and key.startswith(prefix):
+                out.append(key)
+        return out
+
     def check_invariants(self) -> None:
         """Assert the accounting invariants (tests call this; single-process use)."""
         with self._lock:
             assert self._bytes == sum(self._lru.values()), (self._bytes, sum(self._lru.values()))
             assert all(size > 0 for size in self._lru.values())
+            assert set(self._order) == set(self._lru), "eviction order out of sync"
             if self.capacity_bytes is not None:
                 assert self._bytes <= self.capacity_bytes, (self._bytes, self.capacity_bytes)
 
@@ -217,16 +241,24 @@ class DiskStore(ObjectStore):
 
     def _forget(self, digest: str) -> None:
         size = self._lru.pop(digest, None)
+        self._order.forget(digest)
         if size is not None:
             self._bytes -= size
 
+    def _account(self, digest: str, size: int) -> None:
+        self._lru[digest] = size
+        self._bytes += size
+        self._order.describe(digest, size)
+        self._order.add(digest)
+
     def _make_room(self, size: int) -> None:
-        """Evict least-recently-used objects until ``size`` more bytes fit. Caller holds the lock."""
+        """Evict objects (first victims of the eviction order) until ``size`` more bytes fit.
+        Caller holds the lock."""
         if self.capacity_bytes is None:
             return
         while self._lru and self._bytes + size > self.capacity_bytes:
-            digest, victim = self._lru.popitem(last=False)
-            self._bytes -= victim
+            digest = self._order.pop()
+            self._forget(digest)
             self._unlink(self._path(digest))
             self.evictions += 1
 
@@ -248,11 +280,11 @@ class DiskStore(ObjectStore):
                         return  # replaced or evicted meanwhile; the next look adopts it
                 except FileNotFoundError:
                     return
-                self._lru[digest] = st.st_size
-                self._bytes += st.st_size
+                self._account(digest, st.st_size)
             elif not touch:
                 return
-            self._lru.move_to_end(digest)
+            else:
+                self._order.hit(digest)
             stamp = self._next_stamp()
         try:
             os.utime(path, ns=(stamp, stamp))
@@ -366,8 +398,7 @@ class DiskStore(ObjectStore):
                         return False
                     raise
                 self._forget(digest)
-                self._lru[digest] = size
-                self._bytes += size
+                self._account(digest, size)
             if self.fsync:
                 fsync_dir(os.path.dirname(path))
         finally:

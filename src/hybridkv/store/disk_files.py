@@ -54,6 +54,29 @@ def encode_object(key: str, payload: Buffer) -> bytes:
     return _HEAD.pack(MAGIC, len(kb)) + kb + _PLEN.pack(data.nbytes) + data.tobytes()
 
 
+def read_key(path: str) -> str | None:
+    """The key an object file names in its header, or ``None`` (gone, foreign or truncated).
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size:
+                return None
+            magic, klen = _HEAD.unpack(head)
+            kb = f.read(klen)
+    except FileNotFoundError:
+        return None
+    if magic != MAGIC or len(kb) != klen:
+        return None
+    try:
+        return kb.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class BadObject(Exception):
     """An object file that must be treated as absent.
 

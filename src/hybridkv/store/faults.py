@@ -173,6 +173,10 @@ class FaultyStore(ObjectStore):
         finally:
             self._leave(t0)
 
+    def list_keys(self, prefix):
+        """The inner store's keys starting with ``prefix`` (no faults injected)."""
+        return self.inner.list_keys(prefix)
+
     def remove(self, keys):
         t0 = self._enter("remove", keys)
         try:

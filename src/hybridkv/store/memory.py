@@ -54,6 +54,11 @@ class MemoryStore(ObjectStore):
             if blob is not None:
                 self._bytes -= len(blob)
 
+    def list_keys(self, prefix):
+        """Keys starting with ``prefix``."""
+        self._check()
+        return [k for k in self._data if k.startswith(prefix)]
+
     def corrupt(self, key: str, offset: int = 0) -> None:
         """Test hook: flip one byte of a stored object."""
         blob = bytearray(self._data[key])

@@ -15,7 +15,7 @@ def open_store(url: str) -> ObjectStore | None:
     """Backend for a store URL.
 
     ``none`` -> ``None``; ``memory://`` -> :class:`~hybridkv.store.memory.MemoryStore`;
-    ``disk:///PATH[?capacity=BYTES]`` -> :class:`~hybridkv.store.disk.DiskStore`;
+    ``disk:///PATH[?capacity=BYTES][&eviction=lru|value]`` -> :class:`~hybridkv.store.disk.DiskStore`;
     ``mooncake://HOST:PORT`` -> :class:`~hybridkv.store.mooncake.client.MooncakeStore`.
 
     Raises:
@@ -39,7 +39,10 @@ def open_store(url: str) -> ObjectStore | None:
     if parsed.scheme == "disk":
         if parsed.netloc or not parsed.path:
             raise ValueError(f"store URL {url!r}: use disk:///absolute/dir (three slashes, no host)")
-        return DiskStore(parsed.path, capacity_bytes=capacity())
+        unknown = sorted(set(query) - {"capacity", "eviction"})
+        if unknown:
+            raise ValueError(f"store URL {url!r}: unknown parameter {unknown[0]!r}; known: ['capacity', 'eviction']")
+        return DiskStore(parsed.path, capacity_bytes=capacity(), eviction=query.get("eviction", "lru"))
     if parsed.scheme == "mooncake":
         if not parsed.hostname or not parsed.port:
             raise ValueError(f"store URL {url!r} needs host:port, e.g. mooncake://127.0.0.1:50051")

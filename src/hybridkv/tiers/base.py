@@ -25,16 +25,20 @@ Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
 
 @dataclass(slots=True)
 class TierStats:
-    """Counters of one tier (tokens and bytes)."""
+    """Counters of one tier (tokens and bytes); ``evictions`` / ``bytes_evicted``: entries this
+    tier dropped for capacity (a store tier's backend evicts silently: see its own counters)."""
 
     hit_tokens: int = 0
     bytes_loaded: int = 0
     bytes_saved: int = 0
+    evictions: int = 0
+    bytes_evicted: int = 0
     misses: Counter = field(default_factory=lambda: Counter({r: 0 for r in MISS_REASONS}))
 
     def as_dict(self) -> dict:
-        """``{hit_tokens, bytes_loaded, bytes_saved}`` for the JSON report."""
-        return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved}
+        """``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted}`` for the JSON report."""
+        return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved,
+                "evictions": self.evictions, "bytes_evicted": self.bytes_evicted}
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +107,35 @@ class Tier(ABC):
         """Per ``(boundary, group)``: component name -> tensor, or ``None`` (a counted miss)."""
 
     @abstractmethod
-    def save_entries(self, entries: list[Entry]) -> list[bool]:
-        """Commit entries (see :data:`Entry`); per entry, whether it is visible now."""
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
+        """Commit entries (see :data:`Entry`) cached under the request namespace ``owner``;
+        per entry, whether it is visible now."""
 
     @abstractmethod
+    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+        """Remove the entries a :class:`~hybridkv.cache.purge.PurgeSelector` selects (manifest
+        first); ``chains`` (``(chained hash, boundary)``) name entries to remove where the
+        tier cannot enumerate its own. Returns entries removed (``-1``: store unreachable)."""
+
+    @abstractmethod
+    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
+        """Remove the ``group`` entry of the prefix whose chained hash is ``chain_hash`` (manifest first)."""
+
     def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
         """Remove one entry (its manifest first)."""
+        self.invalidate_chain(self.chain_hash(hashes, boundary), group)
+
+    def purge_chains(self, chains: list[tuple[bytes, int]]) -> int:
+        """Remove the entries of ``(chained hash, boundary)`` pairs at this tier's alignment, both
+        groups; returns entries that existed (``-1``: unreachable)."""
+        wanted = [(h, grp) for h, b in chains if b % self.alignment == 0 for grp in (FULL, KDA)]
+        found = self.exists(wanted) if wanted else []
+        if found is None:
+            return -1
+        for (h, grp), ok in zip(wanted, found):
+            if ok:
+                self.invalidate_chain(h, grp)
+        return sum(found)
 
     # -- shared ---------------------------------------------------------------
     def entry_nbytes(self, group: str) -> int:

@@ -54,10 +54,12 @@ def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment
 
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
-                  write_through: bool = False) -> HostTier:
-    """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page)."""
+                  write_through: bool = False, eviction: str = "lru", quota: float | None = None) -> HostTier:
+    """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
+    ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``)."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
-                    entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through)
+                    entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
+                    eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)))
 
 
 @dataclass(slots=True)
@@ -438,7 +440,7 @@ class TierConnector:
                     ckpt = self.cache.checkpoint_at(alloc, b)
                 if ckpt is not None:
                     entries.append(tier.entry(hashes, b, KDA, checkpoint_components(ckpt)))
-            visible = iter(tier.save_entries(entries))      # two batched puts per step
+            visible = iter(tier.save_entries(entries, owner=alloc.owner))      # two batched puts per step
             landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
             for b in kv:                                    # the mark moves over contiguous visible entries
                 if not landed[b]:
@@ -456,7 +458,7 @@ class TierConnector:
             if not wanted:
                 continue
             held = tier.exists([(e.key, grp) for e, grp in wanted]) or [False] * len(wanted)
-            entries = []
+            by_owner: dict[bytes | None, list] = {}
             for (e, grp), ok in zip(wanted, held):
                 if ok:
                     continue
@@ -464,5 +466,6 @@ class TierConnector:
                     tensors = {"latents": self.backend.page_latents(e.page)}
                 else:
                     tensors = checkpoint_components(self.cache.read_checkpoint(e.checkpoint, e.end))
-                entries.append((e.key, e.parent_key, grp, e.end, tensors))
-            tier.save_entries(entries)
+                by_owner.setdefault(e.owner, []).append((e.key, e.parent_key, grp, e.end, tensors))
+            for owner, entries in by_owner.items():
+                tier.save_entries(entries, owner=owner)

@@ -11,17 +11,23 @@ entry records a CUDA event after its device-to-host copies, and the event is
 waited before the entry is read (load) or its memory is dropped (eviction). On
 CPU the same code runs with plain tensors and no events.
 
-Capacity is in bytes of component payload; the least recently used entries are
-dropped to make room (an entry larger than the whole capacity is refused).
+Capacity is in bytes of component payload; the eviction order's first entries
+(:mod:`hybridkv.store.eviction`: ``lru``, or ``value`` with ``C`` = the tokens a
+hit on the entry saves: a checkpoint's boundary, a KV segment's ``alignment``)
+are dropped to make room (an entry larger than the whole capacity is refused).
+Entries are never referenced across calls (a load hands out the tensors, which
+the device install copies), so every held entry is evictable.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
 from dataclasses import dataclass
 
 import torch
 
+from hybridkv.cache.groups import KDA
+from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier
 from hybridkv.tiers.layout import DTYPES
 
@@ -31,6 +37,8 @@ class _HostEntry:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     ready: object = None          # torch.cuda.Event after async copies, else None
+    owner: bytes | None = None    # request namespace digest it was cached under
+    created: float = 0.0          # Unix seconds when this tier got it
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -47,20 +55,28 @@ class HostTier(Tier):
         namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
         pin_memory: pinned host buffers and async copies; default: when CUDA
             is available.
+        eviction: ``lru`` or ``value``.
+        quota_bytes: payload bytes one request namespace (``owner`` of a save) may hold;
+            a save over it evicts that owner's own entries first. ``None``: no quota.
 
     Raises:
-        ValueError: ``capacity_bytes`` is not a positive integer, or ``alignment``
-            does not fit ``unit``.
+        ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
+            does not fit ``unit``, or ``eviction`` is unknown.
     """
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
-                 name: str = "host", write_through: bool = False, pin_memory: bool | None = None) -> None:
+                 name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
+                 eviction: str = "lru", quota_bytes: int | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
         self.capacity_bytes = capacity_bytes
+        if quota_bytes is not None and (not isinstance(quota_bytes, int) or quota_bytes <= 0):
+            raise ValueError(f"host tier quota_bytes={quota_bytes!r} must be a positive integer or None")
+        self.quota_bytes = quota_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._entries: OrderedDict[tuple[bytes, str], _HostEntry] = OrderedDict()
+        self._entries: dict[tuple[bytes, str], _HostEntry] = {}
+        self._order = make_order(eviction)        # members: exactly the keys of _entries
         self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in comps.items()}
                           for grp, comps in shapes.items()}
         self._bytes = 0
@@ -89,30 +105,31 @@ class HostTier(Tier):
                     self.count_miss("absent")
                     out.append(None)
                     continue
-                self._entries.move_to_end(key)
+                self._order.hit(key)
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
                 out.append(dict(e.tensors))
         return out
 
-    def save_entries(self, entries: list[Entry]) -> list[bool]:
-        """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry into host memory.
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
+        """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry, cached under the
+        request namespace ``owner``, into host memory (stamped with the wall time, for purges).
 
         An entry already held is left as it is (idempotent). Components must
         match this model's shapes.
 
         Returns:
-            Per entry, whether it is held now (``False``: larger than the capacity).
+            Per entry, whether it is held now (``False``: larger than the capacity or the quota).
 
         Raises:
             ValueError: a component's name, dtype or shape differs from ``shapes``.
         """
         out = []
         with self._lock:
-            for chain_hash, _parent, group, _boundary, tensors in entries:
+            for chain_hash, _parent, group, boundary, tensors in entries:
                 key = (chain_hash, group)
                 if key in self._entries:
-                    self._entries.move_to_end(key)
+                    self._order.hit(key)
                     out.append(True)
                     continue
                 self._check(group, tensors)
@@ -120,23 +137,51 @@ class HostTier(Tier):
                 if nbytes > self.capacity_bytes:
                     out.append(False)
                     continue
+                quota = self.quota_bytes
+                if owner is not None and quota is not None:
+                    if nbytes > quota:
+                        out.append(False)
+                        continue
+                    while self._order.owner_bytes.get(owner, 0) + nbytes > quota:
+                        self._evict(self._order.pop(owner))          # over its quota: its own go first
                 while self._bytes + nbytes > self.capacity_bytes:
-                    _, old = self._entries.popitem(last=False)
-                    old.wait()                     # its async copy must finish before the memory goes
-                    self._bytes -= old.nbytes
-                self._entries[key] = self._copy(tensors, nbytes)
+                    self._evict(self._order.pop())
+                self._entries[key] = e = self._copy(tensors, nbytes)
+                e.owner, e.created = owner, time.time()
+                self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary, owner)
+                self._order.add(key)
                 self._bytes += nbytes
                 self.stats.bytes_saved += nbytes
                 out.append(True)
         return out
 
-    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
         """Drop one entry if held."""
         with self._lock:
-            e = self._entries.pop((self.chain_hash(hashes, boundary), group), None)
-            if e is not None:
-                e.wait()
-                self._bytes -= e.nbytes
+            if (chain_hash, group) in self._entries:
+                self._drop((chain_hash, group))
+
+    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+        """Remove every held entry ``selector`` selects (by this tier's namespace, the entry's owner
+        and the time this tier got it); ``chains`` are not needed (the tier enumerates itself).
+        Loads already handed out stay valid (the tensors are the caller's now)."""
+        with self._lock:
+            doomed = [k for k, e in self._entries.items() if selector.matches(self.namespace, e.owner, e.created)]
+            for k in doomed:
+                self._drop(k)
+        return len(doomed)
+
+    def _evict(self, key: tuple[bytes, str]) -> None:
+        self.stats.bytes_evicted += self._drop(key).nbytes
+        self.stats.evictions += 1
+
+    def _drop(self, key: tuple[bytes, str]) -> _HostEntry:
+        """Remove a held entry (its async copy is waited first); returns it."""
+        e = self._entries.pop(key)
+        self._order.forget(key)
+        e.wait()                                   # its async copy must finish before the memory goes
+        self._bytes -= e.nbytes
+        return e
 
     def _check(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
         expected = self._expected[group]

@@ -115,13 +115,21 @@ def entry_components(namespace: bytes, chain_hash: bytes, group: str, tensors: d
 
 def entry_manifest(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None, group: str, boundary: int,
                    segment: int, components: list[tuple[str, str, memoryview, torch.Tensor]],
-                   rank: int = 0) -> tuple[str, bytes]:
-    """The manifest object ``(key, UTF-8 JSON)`` of an entry, checksumming each component (XXH3-128)."""
+                   rank: int = 0, owner: bytes | None = None, created: float | None = None) -> tuple[str, bytes]:
+    """The manifest object ``(key, UTF-8 JSON)`` of an entry, checksumming each component (XXH3-128).
+
+    ``owner`` (the request namespace digest the entry was cached under, written as hex) and
+    ``created`` (Unix seconds) are optional fields readers ignore; purges select by them
+    (docs/cache_abi.md)."""
     listing = [{"name": name, "key": key, "nbytes": data.nbytes, "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape), "checksum": checksum(data)} for name, key, data, t in components]
     manifest = {"abi": ABI_VERSION, "layout": LAYOUT_VERSION, "checksum": CHECKSUM, "group": group,
                 "token_length": boundary, "segment": segment, "parent": parent_hash.hex() if parent_hash else "",
                 "rank": rank, "components": listing}
+    if owner is not None:
+        manifest["owner"] = owner.hex()
+    if created is not None:
+        manifest["created"] = round(float(created), 3)
     return entry_key(namespace, chain_hash, group, "manifest", rank), json.dumps(manifest, sort_keys=True).encode()
 
 

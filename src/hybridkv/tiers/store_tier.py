@@ -29,6 +29,7 @@ from hybridkv.tiers.layout import (
     entry_manifest,
     verify_component,
 )
+from hybridkv.tiers.purge import purge_store
 
 log = logging.getLogger("hybridkv.store")
 
@@ -212,7 +213,7 @@ class StoreTier(Tier):
         self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return parts
 
-    def save_entries(self, entries: list[Entry]) -> list[bool]:
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
         """Commit several entries with two batched puts: every component, then the manifests
         of the entries whose components all landed.
 
@@ -222,6 +223,8 @@ class StoreTier(Tier):
 
         Args:
             entries: ``(chain_hash, parent_hash, group, boundary, tensors)`` tuples.
+            owner: request namespace digest they were cached under; the manifests record
+                it and their creation time (Unix seconds) for purges.
 
         Returns:
             Per entry, whether it is now visible.
@@ -234,7 +237,9 @@ class StoreTier(Tier):
                 return [False] * len(entries)
         parts = [entry_components(self.namespace, h, group, tensors) for h, _, group, _, tensors in entries]
         pending = self.submit(self._call, self.store.put, [(key, data) for cs in parts for _, key, data, _ in cs])
-        manifests = [entry_manifest(self.namespace, h, parent, group, boundary, self.alignment, cs)
+        now = time.time()
+        manifests = [entry_manifest(self.namespace, h, parent, group, boundary, self.alignment, cs,
+                                    owner=owner, created=now)
                      for (h, parent, group, boundary, _), cs in zip(entries, parts)]
         ok = pending.result()
         if ok is None:
@@ -256,10 +261,23 @@ class StoreTier(Tier):
                     self.stats.bytes_saved += sum(data.nbytes for _, _, data, _ in cs) + len(m[1])
         return visible
 
-    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
         """Remove an entry: the manifest first, then its components."""
-        mkey = self._key(hashes, boundary, group)
-        self._call(self.store.remove, [mkey])
+        self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, "manifest")])
         names = self.shapes[group]
-        self._call(self.store.remove, [self._key(hashes, boundary, group, n) for n in names])
+        self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, n) for n in names])
+
+    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+        """Remove every entry of this store that ``selector`` selects, found by listing manifests
+        (:func:`hybridkv.tiers.purge.purge_store`; entries other engines wrote included).
+
+        Returns:
+            Entries removed, or ``-1`` when the store is unreachable.
+
+        Raises:
+            NotImplementedError: the backend cannot list its keys (the caller falls back to
+                :meth:`purge_chains`).
+        """
+        n = self._call(purge_store, self.store, selector)
+        return -1 if n is None else n
 

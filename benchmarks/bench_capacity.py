@@ -1,0 +1,118 @@
+"""Capacity sweep (issue 12 item 5): device KV + checkpoint capacity at fractions of what
+nothing-evicted needs, ``lru`` vs ``value`` eviction, on the bundled trace in simulate mode.
+
+Run by hand (not part of the test suite)::
+
+    python benchmarks/bench_capacity.py                          # 1, 2, 5, 10, 20 %; whole trace
+    python benchmarks/bench_capacity.py --fractions 0.05 --limit 3000 --json out.json --png out.png
+
+First one replay with pools large enough that nothing is evicted gives the peak KV pages and
+checkpoint slots; each capacity ``f`` then gets ``ceil(f * peak)`` pages and slots (at least
+``max_num_seqs`` requests' worth of pages, so every request can run). Reported per run: the
+fraction of the every-unit oracle reused, and prefill seconds saved (reused tokens at the
+cost model's rate, :class:`hybridkv.engine.backend.SimulatedBackend`), with eviction counts.
+Simulate mode has no host tier (tensors), so the host column of the issue is not modelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from rich.console import Console
+
+from hybridkv.replay.runner import ReplayOptions, run_replay
+
+FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
+
+
+def sweep(fractions, limit: int | None, console: Console) -> list[dict]:
+    """One baseline replay, then ``lru`` and ``value`` at each fraction; a row per run."""
+    base_opts = ReplayOptions(limit=limit, simulate=True, progress=False)
+    base = run_replay(base_opts, console)
+    block = base.config["block_size"]
+    rate = base.prefill_tokens_per_second
+    page_bytes = base.kv_bytes_peak // _peak_units(base.kv_bytes_peak, base, "kv")
+    slot_bytes = base.checkpoint_bytes_peak // _peak_units(base.checkpoint_bytes_peak, base, "ck")
+    peak_pages = base.kv_bytes_peak // page_bytes
+    peak_slots = base.checkpoint_bytes_peak // slot_bytes
+    rows = [dict(policy="none", fraction=1.0, pages=peak_pages, slots=peak_slots,
+                 oracle_fraction=base.oracle_fraction, reused_tokens=base.reused_tokens,
+                 saved_seconds=base.reused_tokens / rate, kv_evictions=0, checkpoint_evictions=0)]
+    min_pages = 4 * -(-max(1, base.prompt_tokens // max(1, base.requests)) // block)
+    for f in fractions:
+        pages = max(min_pages, math.ceil(f * peak_pages))
+        slots = max(8, math.ceil(f * peak_slots))
+        for eviction in ("lru", "value"):
+            opts = ReplayOptions(limit=limit, simulate=True, progress=False, num_kv_pages=pages,
+                                 num_checkpoint_slots=slots, eviction=eviction)
+            r = run_replay(opts, console)
+            ev = r.evictions["device"]
+            rows.append(dict(policy=eviction, fraction=f, pages=pages, slots=slots,
+                             oracle_fraction=r.oracle_fraction, reused_tokens=r.reused_tokens,
+                             saved_seconds=r.reused_tokens / rate, kv_evictions=ev["kv_pages"],
+                             checkpoint_evictions=ev["checkpoints"], rejected=r.rejected["requests"]))
+            console.print(rows[-1])
+    return rows
+
+
+def _peak_units(peak_bytes: int, base, kind: str) -> int:
+    """Pages or slots at the peak: bytes over the per-unit size the simulated model reports."""
+    from hybridkv.cache.groups import FullAttentionSpec, KDASpec
+    from hybridkv.engine.build import model_config
+    cfg = model_config(base.config["model"])
+    unit = (FullAttentionSpec.for_model(cfg, base.config["block_size"]).page_size_bytes if kind == "kv"
+            else KDASpec.for_model(cfg).page_size_bytes)
+    return max(1, peak_bytes // unit)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of the sweep."""
+    out = ["| device capacity | pages / slots | eviction | oracle fraction | prefill s saved | "
+           "KV evictions | checkpoint evictions |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {100 * r['fraction']:g}% | {r['pages']:,} / {r['slots']:,} | {r['policy']} | "
+                   f"{100 * r['oracle_fraction']:.2f}% | {r['saved_seconds']:,.0f} | {r['kv_evictions']:,} | "
+                   f"{r['checkpoint_evictions']:,} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Oracle fraction vs device capacity, one line per eviction order (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in ("lru", "value"):
+        pts = [(100 * r["fraction"], 100 * r["oracle_fraction"]) for r in rows if r["policy"] == policy]
+        ax.plot(*zip(*pts), marker="o", label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak")
+    ax.set_ylabel("% of every-unit oracle reused")
+    ax.set_title("bundled trace, simulate")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    p.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--png", help="write the plot here")
+    args = p.parse_args()
+    console = Console(stderr=True)
+    rows = sweep(args.fractions, args.limit, console)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.png:
+        plot(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()

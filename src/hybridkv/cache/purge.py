@@ -1,0 +1,118 @@
+"""Active invalidation of device entries (DESIGN §8): what to purge, and the device part of a purge.
+
+A :class:`PurgeSelector` names entries by who cached them and when; every tier
+applies the same selector (the whole purge across tiers is
+:func:`hybridkv.tiers.purge.purge`). Entries are selected by
+
+* ``owners``: request namespace digests (``Request.namespace``: a tenant's, a
+  salt's ``CacheIdentity(...).digest()``; the engine's own namespace for requests
+  that gave none);
+* ``models``: model namespaces (``CacheIdentity(model_repo, weight_digest).digest()``,
+  the namespace an engine and its tiers are built with): every entry of an old
+  weight digest after an upgrade;
+* ``created_before``: seconds on the clock the entry was stamped with (the
+  coordinator's clock on the device, wall time in lower tiers): a TTL purge.
+
+Criteria combine with AND; at least one must be given.
+
+Device semantics. A selected node is removed with its whole subtree (deeper
+units cannot be reached without it). Nothing a running request reads is torn:
+a removed node's page stays allocated while a request's block table holds it
+and is freed on release; a checkpoint slot being copied is freed when the copy
+ends (the pools' refcounts). The request keeps computing on its own pages and
+working state, so its output is unchanged. Nothing is written back to lower
+tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.cache.index import BlockNode
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeSelector:
+    """Which entries a purge removes (criteria AND-ed; see the module docstring).
+
+    Attributes:
+        owners: request namespace digests, or ``None`` (any owner).
+        models: model namespace digests, or ``None`` (any model).
+        created_before: seconds; entries stamped earlier match; ``None``: any age.
+
+    Raises:
+        ValueError: no criterion given, or a digest that is not bytes.
+    """
+
+    owners: frozenset[bytes] | None = None
+    models: frozenset[bytes] | None = None
+    created_before: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.owners is None and self.models is None and self.created_before is None:
+            raise ValueError("a purge needs owners, models or created_before; none was given")
+        for name in ("owners", "models"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, (bytes, str)) or not all(isinstance(x, bytes) for x in v):
+                    raise ValueError(f"purge {name}={v!r} must be a set of namespace digests (bytes)")
+                object.__setattr__(self, name, frozenset(v))
+
+    def matches(self, model: bytes | None, owner: bytes | None, created: float | None) -> bool:
+        """Whether an entry of ``model`` cached by ``owner`` at ``created`` (seconds) is selected.
+        An unknown owner or time (``None``) never matches a criterion on it."""
+        if self.models is not None and model not in self.models:
+            return False
+        if self.owners is not None and owner not in self.owners:
+            return False
+        if self.created_before is not None and (created is None or created >= self.created_before):
+            return False
+        return True
+
+
+@dataclass(slots=True)
+class DevicePurge:
+    """What :func:`purge_device` removed.
+
+    Attributes:
+        nodes: index nodes removed (one per ``prefix_match_unit`` tokens of KV).
+        checkpoints: checkpoints detached with them.
+        held_pages: removed pages that running requests still hold (freed on release).
+        chains: ``(chained hash, boundary)`` of each removed node (tokens): lower tiers
+            that cannot enumerate their entries remove these.
+    """
+
+    nodes: int = 0
+    checkpoints: int = 0
+    held_pages: int = 0
+    chains: list[tuple[bytes, int]] | None = None
+
+
+def purge_device(cache, selector: PurgeSelector) -> DevicePurge:
+    """Remove the selected entries of ``cache`` (a :class:`HybridCacheCoordinator`) and their subtrees.
+
+    Safe while requests run (see the module docstring). Returns the counts.
+    """
+    out = DevicePurge(chains=[])
+    model = cache.namespace
+    stack = list(cache.index.root.children.values())
+    doomed: list[BlockNode] = []
+    while stack:
+        n = stack.pop()
+        if selector.matches(model, n.owner, n.created):
+            doomed.append(n)                   # its subtree goes with it
+        else:
+            stack.extend(n.children.values())
+    held: set[int] = set()
+    for top in doomed:
+        sub = [top]
+        i = 0
+        while i < len(sub):
+            sub.extend(sub[i].children.values())
+            i += 1
+        out.checkpoints += sum(n.checkpoint is not None for n in sub)
+        out.chains.extend((n.key, n.end) for n in sub)
+        held.update(n.page for n in sub if cache.pages.refcount[n.page] > 0)
+        out.nodes += cache.index.remove_subtree(top)
+    out.held_pages = len(held)
+    return out

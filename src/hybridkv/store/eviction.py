@@ -1,0 +1,310 @@
+"""Eviction orders: which cached, unreferenced item goes first (DESIGN §8).
+
+One small interface, two policies, used by every capacity-bounded holder of
+cached state: the device page and checkpoint pools (:mod:`hybridkv.cache.pools`),
+the host tier (:mod:`hybridkv.tiers.host`) and the disk store's capacity
+(:mod:`hybridkv.store.disk`). It lives in the lowest layer that needs it (the
+byte store) and knows nothing of tokens or tensors: callers describe each item
+with plain numbers (:meth:`EvictionOrder.describe`).
+
+Membership. An item is *in* the order while it is cached and nobody holds it
+(refcount 0): :meth:`~EvictionOrder.add` when it becomes evictable,
+:meth:`~EvictionOrder.discard` when a request references it or it is freed.
+Only members are ever returned by :meth:`~EvictionOrder.victim`, so a holder
+that keeps referenced items out of the order never evicts what a running
+request holds. Descriptions (bytes, cost, owner, hits) outlive membership and
+are dropped by :meth:`~EvictionOrder.forget` when the item's content goes.
+
+``lru`` (:class:`LRUOrder`): least recently added or hit first.
+
+``value`` (:class:`ValueOrder`): the seed's value density
+``V = p · C_saved / (M · T_residence)`` kept as a GreedyDual-Size-Frequency
+priority (Cherkasova, "Improving WWW proxies performance with
+Greedy-Dual-Size-Frequency caching policy", HP Labs TR-98-69, 1998)::
+
+    H(item) = L + f · C / M
+
+* ``p`` — probability of another hit — is estimated proportional to
+  ``f = hits + 1``: the lookups that matched the item since it was cached
+  (:meth:`EvictionOrder.hit`; a request waiting for admission looks its prompt
+  up again every engine step, so an entry a queued request is about to use
+  counts once per step it waits), plus one for the use that cached it (an entry
+  nobody reused yet counts once). Counting only admitted uses instead measured
+  worse on the bundled trace (docs/memory.md).
+* ``C`` — prefill saved by a hit — is the ``cost`` the holder gives, in
+  tokens: a checkpoint's boundary depth (a hit on ``C(P_t)`` skips ``t``
+  tokens of prefill); a KV page's own tokens (``block_size``); a disk object
+  1 (a byte store cannot see depths, so it ranks by hits per byte).
+* ``M`` — bytes the item holds (``nbytes``).
+* ``T_residence`` — time held without a hit — enters through the clock ``L``,
+  not by division: ``L`` is the priority of the last victim, so ``L`` only
+  grows, and an item's priority is fixed at its last use. An item that stays
+  unused falls behind every item used since, exactly as dividing its value by
+  the time it has been held would rank it, but with O(log n) updates and no
+  rescoring (time is counted in evictions, not seconds: deterministic and
+  independent of machine speed).
+
+Ties (equal ``H``) evict the deeper item first (``depth``), so under equal
+value a descendant goes before the ancestor it depends on. Lookups touch the
+whole matched path, so an ancestor's ``f`` is never below its descendants'.
+
+Owners. Every item may name an ``owner`` (a tenant's namespace); the order
+counts each owner's bytes (members and held items alike) and
+:meth:`~EvictionOrder.victim` with ``owner=`` picks that owner's lowest item,
+which is how a tenant over its quota evicts its own entries first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+EVICTION_POLICIES = ("lru", "value")
+
+
+@dataclass(slots=True)
+class ItemInfo:
+    """What the order knows of one item.
+
+    Attributes:
+        nbytes: bytes held (M), > 0.
+        cost: prefill saved by a hit (C), in tokens (or 1 where unknown).
+        depth: tie-break; deeper items go first at equal value (tokens).
+        owner: owner key for quotas (``None``: unowned).
+        hits: uses since cached (``p`` is estimated from ``hits + 1``).
+    """
+
+    nbytes: int = 1
+    cost: float = 1.0
+    depth: int = 0
+    owner: Hashable | None = None
+    hits: int = 0
+
+
+class EvictionOrder(ABC):
+    """Members (cached, unreferenced items) in eviction order, plus per-owner byte counts."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.info: dict[Hashable, ItemInfo] = {}          # owner: this order (describe/forget)
+        self.owner_bytes: dict[Hashable, int] = {}        # invariant: sum of info.nbytes per owner
+
+    # -- descriptions ----------------------------------------------------
+    def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
+                 owner: Hashable | None = None) -> None:
+        """Set what ``item`` holds (a new content: hits restart at 0).
+
+        Raises:
+            ValueError: ``nbytes`` is not positive or ``cost`` is negative.
+        """
+        if nbytes <= 0:
+            raise ValueError(f"eviction item nbytes={nbytes} must be positive")
+        if cost < 0:
+            raise ValueError(f"eviction item cost={cost} must be >= 0")
+        self.forget(item)
+        self.info[item] = ItemInfo(nbytes, float(cost), depth, owner)
+        if owner is not None:
+            self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + nbytes
+
+    def forget(self, item: Hashable) -> None:
+        """The item's content is gone: drop it from the order and its description."""
+        self.discard(item)
+        info = self.info.pop(item, None)
+        if info is not None and info.owner is not None:
+            left = self.owner_bytes[info.owner] - info.nbytes
+            if left:
+                self.owner_bytes[info.owner] = left
+            else:
+                del self.owner_bytes[info.owner]
+
+    def _info(self, item: Hashable) -> ItemInfo:
+        info = self.info.get(item)
+        if info is None:
+            info = self.info[item] = ItemInfo()
+        return info
+
+    # -- membership ------------------------------------------------------
+    @abstractmethod
+    def add(self, item: Hashable) -> None:
+        """``item`` became evictable (cached, unreferenced); re-adding refreshes it."""
+
+    @abstractmethod
+    def discard(self, item: Hashable) -> None:
+        """``item`` is no longer evictable (referenced, freed); absent items are ignored."""
+
+    @abstractmethod
+    def hit(self, item: Hashable) -> None:
+        """A lookup used ``item`` (member or held)."""
+
+    @abstractmethod
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """The member to evict next (of ``owner`` only, when given), or ``None``; not removed."""
+
+    @abstractmethod
+    def __contains__(self, item: Hashable) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self):
+        """Members, first victim first."""
+
+    def pop(self, owner: Hashable | None = None) -> Hashable | None:
+        """Remove and return :meth:`victim` (``None`` when there is none)."""
+        item = self.victim(owner)
+        if item is not None:
+            self.evicted(item)
+            self.discard(item)
+        return item
+
+    def evicted(self, item: Hashable) -> None:
+        """``item`` is being evicted (the value order advances its clock)."""
+
+
+class LRUOrder(EvictionOrder):
+    """Least recently added or hit member first."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._q: OrderedDict[Hashable, None] = OrderedDict()
+        self._by_owner: dict[Hashable, OrderedDict[Hashable, None]] = {}
+
+    def add(self, item: Hashable) -> None:
+        """Make ``item`` the most recent member."""
+        self.discard(item)
+        self._q[item] = None
+        owner = self._info(item).owner
+        if owner is not None:
+            self._by_owner.setdefault(owner, OrderedDict())[item] = None
+
+    def discard(self, item: Hashable) -> None:
+        """Drop ``item`` from the order (absent: no-op)."""
+        if self._q.pop(item, 0) is None:
+            info = self.info.get(item)
+            if info is not None and info.owner is not None:
+                q = self._by_owner[info.owner]
+                del q[item]
+                if not q:
+                    del self._by_owner[info.owner]
+
+    def hit(self, item: Hashable) -> None:
+        """Move a member to the most recent end (held items: no-op)."""
+        self._info(item).hits += 1
+        if item in self._q:
+            self.add(item)
+
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """Least recent member (of ``owner``)."""
+        q = self._q if owner is None else self._by_owner.get(owner, ())
+        return next(iter(q), None)
+
+    def __contains__(self, item: Hashable) -> bool:
+        return item in self._q
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):
+        return iter(list(self._q))
+
+
+class ValueOrder(EvictionOrder):
+    """Lowest GreedyDual-Size-Frequency priority ``H = L + f·C/M`` first (see module docstring).
+
+    Heaps with lazy deletion: each change pushes a fresh ``(H, -depth, seq, item)``
+    record; stale records (superseded ``seq``) are skipped when met and the heaps
+    are rebuilt once they hold over four times the members.
+    """
+
+    name = "value"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = 0.0                                   # L: priority of the last victim
+        self._live: dict[Hashable, tuple] = {}             # member -> its current heap record
+        self._heap: list[tuple] = []
+        self._owner_heaps: dict[Hashable, list[tuple]] = {}
+        self._seq = 0
+
+    def priority(self, item: Hashable) -> float:
+        """``L + f · C / M`` of ``item`` now (``f = hits + 1``)."""
+        info = self._info(item)
+        return self.clock + (info.hits + 1) * info.cost / info.nbytes
+
+    def add(self, item: Hashable) -> None:
+        """Insert or re-score ``item`` at the current clock."""
+        info = self._info(item)
+        self._seq += 1
+        rec = (self.priority(item), -info.depth, self._seq, item)
+        self._live[item] = rec
+        heapq.heappush(self._heap, rec)
+        if info.owner is not None:
+            heapq.heappush(self._owner_heaps.setdefault(info.owner, []), rec)
+        if len(self._heap) > 4 * len(self._live) + 64:
+            self._rebuild()
+
+    def discard(self, item: Hashable) -> None:
+        """Drop ``item`` (its heap records become stale)."""
+        self._live.pop(item, None)
+
+    def hit(self, item: Hashable) -> None:
+        """Count a use; a member is re-scored."""
+        self._info(item).hits += 1
+        if item in self._live:
+            self.add(item)
+
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """Member with the lowest priority (of ``owner``)."""
+        heap = self._heap if owner is None else self._owner_heaps.get(owner)
+        while heap:
+            rec = heap[0]
+            if self._live.get(rec[3]) is rec:
+                return rec[3]
+            heapq.heappop(heap)
+        return None
+
+    def evicted(self, item: Hashable) -> None:
+        """Advance ``L`` to the victim's priority (never backwards)."""
+        rec = self._live.get(item)
+        if rec is not None:
+            self.clock = max(self.clock, rec[0])
+
+    def _rebuild(self) -> None:
+        self._heap = list(self._live.values())
+        heapq.heapify(self._heap)
+        self._owner_heaps = {}
+        for rec in self._heap:
+            owner = self.info[rec[3]].owner
+            if owner is not None:
+                self._owner_heaps.setdefault(owner, []).append(rec)
+        for h in self._owner_heaps.values():
+            heapq.heapify(h)
+
+    def __contains__(self, item: Hashable) -> bool:
+        return item in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self):
+        return iter([rec[3] for rec in sorted(self._live.values())])
+
+
+def make_order(policy: str) -> EvictionOrder:
+    """A fresh order for ``policy`` (``"lru"`` or ``"value"``).
+
+    Raises:
+        ValueError: ``policy`` is neither.
+    """
+    if policy == "lru":
+        return LRUOrder()
+    if policy == "value":
+        return ValueOrder()
+    raise ValueError(f"eviction policy {policy!r} must be one of {list(EVICTION_POLICIES)}")

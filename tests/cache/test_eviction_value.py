@@ -1,0 +1,125 @@
+"""Eviction by value in the device pools (DESIGN §8): the pollution scenario (a stream of long
+one-off prompts must not push out a short prefix most requests share under ``value``, while it
+does under ``lru``), tenant quotas under a flood, and the referenced-entries-are-never-evicted rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy, ConfigError
+from hybridkv.cache.coordinator import HybridCacheCoordinator
+from hybridkv.cache.pools import CheckpointPool
+
+NS = b"n" * 32
+UNIT, BLOCK = 64, 128
+PAGE_BYTES, SLOT_BYTES = 4096, 1000
+SHARED = 256                  # tokens of the prefix most requests share (2 pages)
+ONE_OFF = 2048                # tokens of each long one-off prompt (16 pages)
+
+
+def make_cache(eviction: str, pages: int = 40, slots: int = 4, quota: float | None = None) -> HybridCacheCoordinator:
+    cfg = CacheConfig(block_size=BLOCK, prefix_match_unit=UNIT, num_kv_pages=pages, num_checkpoint_slots=slots,
+                      policy=CheckpointPolicy.parse("branch+tail"), eviction=eviction, tenant_quota=quota)
+    pool = CheckpointPool(slots, slot_bytes=SLOT_BYTES, eviction=eviction)
+    return HybridCacheCoordinator(cfg, NS, pool, page_bytes=PAGE_BYTES, copy_page=None)
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64)
+
+
+def serve(cache, prompt, checkpoints, namespace=None):
+    """Look up, acquire, publish ``prompt`` with checkpoints at ``checkpoints`` (tokens), release.
+    Returns the lookup's joint hit (tokens)."""
+    match = cache.lookup(prompt, namespace)
+    alloc = cache.acquire(match, len(prompt) + 8)
+    assert alloc is not None
+    cache.publish(alloc, match.hashes, len(prompt), {b: (None, "tail") for b in checkpoints})
+    cache.release(alloc)
+    cache.check_invariants()
+    return match.hit
+
+
+def pollution_hits(eviction: str) -> list[int]:
+    """Joint hits of the shared-prefix requests of a stream: 20 warm-up requests on the shared
+    prefix, then 30 rounds of one shared-prefix request followed by three long one-off prompts
+    (51 pages and 3 checkpoints of one-offs per round against 40 pages and 4 slots)."""
+    cache = make_cache(eviction)
+    shared = tokens(0, SHARED)
+    seed = iter(range(1, 10_000))
+
+    def shared_request() -> int:
+        prompt = np.concatenate([shared, tokens(next(seed), 72)])
+        return serve(cache, prompt, [SHARED, len(prompt) // UNIT * UNIT])
+
+    for _ in range(20):
+        shared_request()
+    hits = []
+    for _ in range(30):
+        hits.append(shared_request())
+        for _ in range(3):
+            serve(cache, tokens(next(seed), ONE_OFF), [ONE_OFF - UNIT])
+    return hits
+
+
+def test_one_off_flood_does_not_push_out_the_shared_prefix_under_value():
+    hits = pollution_hits("value")
+    assert hits == [SHARED] * len(hits)
+
+
+def test_one_off_flood_pushes_out_the_shared_prefix_under_lru():
+    hits = pollution_hits("lru")
+    assert hits[0] == SHARED                                   # warm before the first flood round
+    assert hits[1:] == [0] * (len(hits) - 1)                   # gone after every round of one-offs
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_quota_holds_under_a_tenant_flood(eviction):
+    """Tenant B floods with distinct prompts; with a 25% quota its cached bytes stay within 25% of
+    each pool after every request, and tenant A's prefix (within its own quota) keeps hitting."""
+    quota = 0.25
+    cache = make_cache(eviction, pages=40, slots=8, quota=quota)
+    ns_a, ns_b = b"a" * 32, b"b" * 32
+    a_prompt = tokens(0, SHARED + 64)
+    assert serve(cache, a_prompt, [SHARED], ns_a) == 0
+    for i in range(40):
+        serve(cache, tokens(100 + i, 512), [448], ns_b)
+        assert cache.pages.order.owner_bytes.get(ns_b, 0) <= quota * 40 * PAGE_BYTES
+        assert cache.checkpoints.order.owner_bytes.get(ns_b, 0) <= quota * 8 * SLOT_BYTES
+    assert cache.pages.order.owner_bytes.get(ns_b, 0) > 0     # B does hold entries (up to its quota)
+    assert serve(cache, a_prompt, [SHARED], ns_a) == SHARED   # A's entries were not evicted for B
+
+
+def test_quota_never_evicts_what_a_running_request_holds():
+    cache = make_cache("value", pages=40, slots=8, quota=0.1)
+    ns = b"b" * 32
+    prompt = tokens(3, 1024)
+    match = cache.lookup(prompt, ns)
+    alloc = cache.acquire(match, len(prompt) + 8)
+    cache.publish(alloc, match.hashes, len(prompt), {})
+    assert cache.enforce_quota(match.namespace) == 0           # every page is held: nothing evicted
+    assert len(alloc.nodes) == 1024 // UNIT and all(n.parent is not None for n in alloc.nodes)
+    cache.release(alloc)                                       # released: now the quota applies
+    cache.check_invariants()
+    assert cache.evicted_pages > 0
+    assert cache.pages.order.owner_bytes.get(match.namespace, 0) <= 0.1 * 40 * PAGE_BYTES
+
+
+def test_value_evicts_the_unreused_deep_entry_before_a_reused_one_of_equal_cost():
+    cache = make_cache("value", pages=8, slots=8)
+    reused, once = tokens(1, 256), tokens(2, 256)
+    serve(cache, reused, [])
+    serve(cache, once, [])
+    for _ in range(3):
+        serve(cache, np.concatenate([reused, tokens(9, 8)]), [])   # hits the 2 pages of `reused`
+    serve(cache, tokens(3, 640), [])        # 6 pages with 4 free: two evictions, both of `once` (deepest first)
+    assert cache.lookup(np.concatenate([reused, [1]]), touch=False).kv_hit == 256
+    assert cache.lookup(np.concatenate([once, [1]]), touch=False).kv_hit == 0
+
+
+def test_bad_eviction_settings_are_refused_naming_the_value():
+    with pytest.raises(ConfigError, match="eviction='mru'"):
+        CacheConfig(eviction="mru")
+    with pytest.raises(ConfigError, match="tenant_quota=1.5"):
+        CacheConfig(tenant_quota=1.5)

@@ -1,0 +1,114 @@
+"""Eviction orders (lru, value): held items are never victims, value ranks by hits per byte with
+GreedyDual aging, owners are counted, and the lazy heap agrees with a brute-force minimum; the disk
+store's capacity follows the order it was given."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridkv.store.disk import DiskStore
+from hybridkv.store.eviction import LRUOrder, ValueOrder, make_order
+
+
+@pytest.mark.parametrize("policy", ["lru", "value"])
+def test_a_discarded_item_is_never_a_victim(policy):
+    order = make_order(policy)
+    for i in range(3):
+        order.describe(i, nbytes=10, cost=1)
+        order.add(i)
+    victim = order.victim()
+    order.discard(victim)                       # a request references it
+    assert order.victim() != victim and victim not in order and len(order) == 2
+    order.discard(0), order.discard(1), order.discard(2)
+    assert order.victim() is None and order.pop() is None
+
+
+def test_lru_evicts_least_recently_added_or_hit_first():
+    order = LRUOrder()
+    for i in range(3):
+        order.add(i)
+    order.hit(0)
+    assert list(order) == [1, 2, 0] and order.pop() == 1
+
+
+def test_value_keeps_the_reused_item_and_ages_through_its_clock():
+    order = ValueOrder()
+    for i in range(3):
+        order.describe(i, nbytes=100, cost=50)
+        order.add(i)
+    for _ in range(4):
+        order.hit(0)                            # 0: H = 5 * 50/100
+    assert order.priority(0) == pytest.approx(2.5) and order.priority(1) == pytest.approx(0.5)
+    assert order.pop() == 1 and order.clock == pytest.approx(0.5)      # L rises to the victim's H
+    order.describe(3, nbytes=100, cost=50)
+    order.add(3)                                                         # new: L + 0.5 = 1.0
+    assert order.priority(3) == pytest.approx(1.0)
+    assert order.pop() == 2 and order.pop() == 3 and order.pop() == 0
+
+
+def test_value_breaks_ties_deepest_first_and_weighs_cost_per_byte():
+    order = ValueOrder()
+    order.describe("shallow", nbytes=10, cost=10, depth=64)
+    order.describe("deep", nbytes=10, cost=10, depth=128)
+    order.describe("dense", nbytes=5, cost=10, depth=0)
+    for k in ("shallow", "deep", "dense"):
+        order.add(k)
+    assert [order.pop() for _ in range(3)] == ["deep", "shallow", "dense"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "value"])
+def test_owner_bytes_and_owner_victims(policy):
+    order = make_order(policy)
+    order.describe("a1", nbytes=10, owner="A")
+    order.describe("b1", nbytes=30, owner="B")
+    order.describe("b2", nbytes=5, owner="B")
+    for k in ("a1", "b1", "b2"):
+        order.add(k)
+    assert order.owner_bytes == {"A": 10, "B": 35}
+    assert order.victim("B") in ("b1", "b2") and order.victim("C") is None
+    order.discard("b1")                          # held: still counted, never a victim
+    assert order.owner_bytes["B"] == 35 and order.victim("B") == "b2"
+    order.forget("b1"), order.forget("b2")
+    assert order.owner_bytes == {"A": 10} and order.victim("B") is None
+
+
+def test_value_heap_agrees_with_a_brute_force_minimum():
+    rng = random.Random(7)
+    order, naive = ValueOrder(), {}
+    for step in range(3000):
+        item = rng.randrange(40)
+        op = rng.random()
+        if op < 0.4:
+            order.describe(item, nbytes=rng.randrange(1, 9), cost=rng.randrange(0, 5), depth=rng.randrange(4),
+                           owner=rng.choice("AB"))
+            order.add(item)
+        elif op < 0.6 and item in order:
+            order.hit(item)
+        elif op < 0.75:
+            order.discard(item)
+        elif op < 0.85:
+            order.forget(item)
+        else:
+            owner = rng.choice([None, "A", "B"])
+            got = order.pop(owner)
+            cands = [i for i in naive if owner is None or order.info[i].owner == owner]
+            want = min(cands, key=lambda i: naive[i]) if cands else None
+            assert got == want, step
+        naive = {i: order._live[i][:3] for i in list(order._live)}   # the key each member was last scored with
+
+
+def test_disk_store_value_eviction_keeps_the_object_that_is_read(tmp_path):
+    store = DiskStore(tmp_path, capacity_bytes=3 * 1100, eviction="value")
+    store.put([("hot", b"x" * 1000), ("cold", b"y" * 1000)])
+    for _ in range(3):
+        assert store.get(["hot"]) == [b"x" * 1000]
+    store.put([("new1", b"z" * 1000), ("new2", b"w" * 1000)])   # one must go: the unread, oldest one
+    assert store.exists(["hot", "cold"]) == [True, False]
+    store.check_invariants()
+
+
+def test_disk_store_refuses_an_unknown_eviction_policy(tmp_path):
+    with pytest.raises(ValueError, match="'fifo'"):
+        DiskStore(tmp_path, eviction="fifo")

@@ -1,0 +1,153 @@
+"""Active invalidation (hybridkv.tiers.purge): by tenant (namespace), by model version and by age,
+from the device, the host tier and the store; no later request hits what was purged; a purge while a
+running request holds the entry leaves its output exact."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hkv_helpers import assert_exact, tokens
+
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.groups import FULL, KDA
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.cache.purge import PurgeSelector
+from hybridkv.engine.backend import TorchBackend
+from hybridkv.engine.engine import Engine
+from hybridkv.engine.request import Request, Status
+from hybridkv.tiers.connector import host_tier_for, tier_for
+from hybridkv.tiers.purge import purge, purge_store
+
+BLOCK = 1024
+TENANT_A = CacheIdentity(model_repo="tiny", tenant="a").digest()
+TENANT_B = CacheIdentity(model_repo="tiny", tenant="b").digest()
+
+
+def three_tiers(model, store, weight_digest=None, budget=8192):
+    """An engine with the device, a write-through host tier and the store (entries every 1024 tokens)."""
+    cfg = CacheConfig(block_size=BLOCK, prefix_match_unit=64, num_kv_pages=32, num_checkpoint_slots=8,
+                      max_num_batched_tokens=budget,
+                      policy=CheckpointPolicy.parse("branch+tail=1024"), store_alignment=BLOCK)
+    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny", weight_digest=weight_digest or model.weight_digest()).digest()
+    host = host_tier_for(64 << 20, backend, ns, 64, BLOCK, write_through=True)
+    st = tier_for(store, backend, ns, 64, BLOCK)
+    return Engine(cfg, backend, ns, tiers=[host, st]), host, st
+
+
+def run(engine, prompt, namespace, name):
+    r = engine.add_request(Request(name, prompt, 2, namespace=namespace, record_logits=True))
+    engine.run_until_done()
+    assert r.status == Status.FINISHED, r.reject_reason
+    return r
+
+
+def held_in(tier, engine, prompt, namespace) -> list[bool]:
+    """Whether ``tier`` holds the full and kda entries at 1024 tokens of ``prompt``."""
+    h = engine.cache.hash_prompt(prompt, namespace)[BLOCK // 64 - 1]
+    return tier.exists([(h, FULL), (h, KDA)])
+
+
+def test_purge_by_tenant_removes_every_tier_and_no_later_request_hits(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(1, 1100, v), tokens(2, 1100, v)
+    e, host, st = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "a0"), run(e, pb, TENANT_B, "b0")
+    for t in (host, st):
+        assert held_in(t, e, pa, TENANT_A) == [True, True] and held_in(t, e, pb, TENANT_B) == [True, True]
+    counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_A}))
+    assert counts.device_nodes == 1100 // 64 and counts.held_pages == 0
+    assert counts.tier_entries == {"host": 2, "store": 2} and counts.unlisted == []
+    for t in (host, st):
+        assert held_in(t, e, pa, TENANT_A) == [False, False]      # A's entries are gone ...
+        assert held_in(t, e, pb, TENANT_B) == [True, True]        # ... B's stay
+    assert e.cache.lookup(pa, TENANT_A, touch=False).kv_hit == 0
+    e.cache.check_invariants()
+    assert run(e, pa, TENANT_A, "a1").reused == 0                 # no tier serves A's prefix any more
+    assert run(e, pb, TENANT_B, "b1").reused == BLOCK
+
+
+def test_purge_by_model_version_leaves_other_models_entries(tiny_model, store):
+    """After an upgrade, every entry of the old weight digest goes, from the store too, even ones
+    no running engine knows (found by listing manifests); the new model's entries stay."""
+    v = tiny_model.config.vocab_size
+    p = tokens(3, 1100, v)
+    old, old_host, old_st = three_tiers(tiny_model, store, weight_digest="old-digest")
+    new, _, new_st = three_tiers(tiny_model, store)
+    run(old, p, None, "o"), run(new, p, None, "n")
+    old_ns = CacheIdentity(model_repo="tiny", weight_digest="old-digest").digest()
+    counts = purge(old.cache, [old_host, old_st], PurgeSelector(models={old_ns}))
+    assert counts.device_nodes == 1100 // 64 and counts.tier_entries == {"host": 2, "store": 2}
+    assert held_in(old_st, old, p, None) == [False, False] and held_in(old_host, old, p, None) == [False, False]
+    assert held_in(new_st, new, p, None) == [True, True]
+    assert run(old, p, None, "o again").reused == 0
+    assert purge_store(store, PurgeSelector(models={old_ns})) == 2          # the rerun's entries, store alone
+    assert purge_store(store, PurgeSelector(models={old_ns})) == 0          # idempotent
+    assert held_in(new_st, new, p, None) == [True, True]
+
+
+def test_purge_by_age_removes_only_older_entries(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(4, 1100, v), tokens(5, 1100, v)
+    e, host, st = three_tiers(tiny_model, store)
+    run(e, pa, None, "old")
+    time.sleep(0.01)                  # separates the two runs' stamps (ms resolution in manifests)
+    cutoff = time.time()
+    time.sleep(0.01)
+    run(e, pb, None, "new")
+    counts = purge(e.cache, [host, st], PurgeSelector(created_before=cutoff))
+    assert counts.device_nodes == 1100 // 64 and counts.tier_entries == {"host": 2, "store": 2}
+    for t in (host, st):
+        assert held_in(t, e, pa, None) == [False, False] and held_in(t, e, pb, None) == [True, True]
+    assert run(e, pa, None, "old again").reused == 0
+    assert run(e, pb, None, "new again").reused == BLOCK
+
+
+def test_purge_while_a_running_request_holds_the_entry_keeps_its_output_exact(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    prefix = tokens(6, 1100, v)
+    e, host, st = three_tiers(tiny_model, store, budget=256)      # the reader's prefill takes 4 steps
+    run(e, prefix, TENANT_A, "warm")
+    r = e.add_request(Request("reader", np.concatenate([prefix[:BLOCK], tokens(7, 900, v)]), 3,
+                              namespace=TENANT_A, record_logits=True))
+    e.step()                                                   # admitted: it holds the pages of the hit
+    assert r.status == Status.PREFILL and r.reused == BLOCK    # mid-prefill
+    counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_A}))
+    assert counts.device_nodes > 0 and counts.held_pages >= 1            # detached, not torn
+    e.cache.check_invariants()
+    e.run_until_done()
+    assert r.status == Status.FINISHED
+    assert_exact(tiny_model, r)                                # tolerance 1e-4 (hkv_helpers)
+    e.cache.check_invariants()
+    assert all(rc == 0 for rc in e.cache.pages.refcount)       # every held page came back
+
+
+def test_a_purge_needs_a_criterion():
+    with pytest.raises(ValueError, match="owners, models or created_before"):
+        PurgeSelector()
+    with pytest.raises(ValueError, match="owners="):
+        PurgeSelector(owners=b"abc")
+
+
+def test_cli_purges_a_disk_store_by_namespace_then_by_model_version(tiny_model, tmp_path, capsys):
+    from hybridkv.cli import main
+    from hybridkv.store.disk import DiskStore
+
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(8, 1100, v), tokens(9, 1100, v)
+    store = DiskStore(tmp_path / "s")
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "a"), run(e, pb, TENANT_B, "b")
+    url = f"disk://{tmp_path / 's'}"
+    assert main(["cache", "purge", "--store", url, "--namespace", TENANT_A.hex()]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, TENANT_A) == [False, False] and held_in(st, e, pb, TENANT_B) == [True, True]
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest",
+                 tiny_model.weight_digest()]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pb, TENANT_B) == [False, False]
+    assert main(["cache", "purge", "--store", url, "--namespace", "zz"]) == 2       # bad input: named, nothing done
+    assert "'zz'" in capsys.readouterr().err
+    assert main(["cache", "purge", "--store", url]) == 2                            # no criterion
