@@ -1,23 +1,21 @@
 """Invalidation of cached entries by tenant, by salt, or all, across every tier.
 
-Entries are keyed by namespace-bound chained hashes, so no tier can tell a tenant's entries from
-another's by looking at them. The :class:`NamespaceLedger` remembers, per namespace digest, the
-``(tenant, salt)`` it was made from and the prompt hash chains admitted under it; a purge walks
-those chains: the device index drops the namespace's prefix trees
-(:meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.remove_prefix`), the host tier and the
-store drop every entry on the chains (the store removes each manifest before its components).
-
-What a ledger cannot see is not purged from the lower tiers: entries a previous server process
-wrote to a persistent store, and chains dropped from a full ledger (``max_chains``, oldest first).
-``all`` also clears the whole device index. The ledger keeps digests only, never token ids.
+The work is :func:`hybridkv.tiers.purge.purge` (the one implementation a CLI and a server
+share): device entries are detached (never torn under a running request), the host tier and
+the store drop every selected entry, manifest first, including entries an earlier server
+process wrote to a persistent store. What this module adds is the server's side: the
+:class:`NamespaceLedger` that maps a tenant and a salt to the request namespace digests they
+produced (the owners the purge selects by). ``all`` selects every entry of this server's model
+namespace. The ledger keeps digests and names only, never token ids.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.build import EngineHandle
+from hybridkv.tiers.purge import purge as purge_tiers
 
 
 @dataclass(slots=True)
@@ -25,9 +23,9 @@ class PurgeCounts:
     """What one invalidation removed.
 
     Attributes:
-        namespaces: namespace digests matched.
+        namespaces: request namespace digests matched (0 for ``all``: it selects by model).
         device_nodes: device index nodes removed (one per ``prefix_match_unit`` tokens of KV).
-        tier_entries: tier name -> entries removed (``host``, ``store``).
+        tier_entries: tier name -> entries removed (``host``, ``store``; ``-1``: unreachable).
     """
 
     namespaces: int = 0
@@ -36,87 +34,43 @@ class PurgeCounts:
 
 
 class NamespaceLedger:
-    """Namespace digest -> ``(tenant, salt)`` and the hash chains admitted under it.
+    """Request namespace digest -> the ``(tenant, salt)`` it was made from.
 
     Owned by the engine thread (not thread-safe).
-
-    Args:
-        max_chains: chains remembered in all (oldest dropped first); each is one prompt's
-            list of 32-byte unit hashes.
     """
 
-    def __init__(self, max_chains: int = 100_000) -> None:
-        self.max_chains = max_chains
+    def __init__(self) -> None:
         self.owners: dict[bytes, tuple[str, str]] = {}
-        self._chains: OrderedDict[tuple[bytes, bytes], list[bytes]] = OrderedDict()   # (ns, last hash) -> chain
 
-    def record(self, namespace: bytes, owner: tuple[str, str], hashes: list[bytes]) -> None:
-        """Remember that a prompt with unit hashes ``hashes`` ran under ``namespace`` of ``owner``."""
+    def record(self, namespace: bytes, owner: tuple[str, str]) -> None:
+        """Remember that requests ran under ``namespace`` for ``owner``."""
         self.owners[namespace] = owner
-        if not hashes:
-            return
-        key = (namespace, hashes[-1])
-        self._chains[key] = hashes
-        self._chains.move_to_end(key)
-        while len(self._chains) > self.max_chains:
-            self._chains.popitem(last=False)
 
     def matching(self, tenant: str | None, salt: str | None) -> set[bytes]:
         """Namespaces whose tenant and salt equal the given ones (``None`` matches any)."""
         return {ns for ns, (t, s) in self.owners.items()
                 if (tenant is None or t == tenant) and (salt is None or s == salt)}
 
-    def take(self, namespaces: set[bytes]) -> list[list[bytes]]:
-        """Remove and return the chains of ``namespaces``."""
-        keys = [k for k in self._chains if k[0] in namespaces]
-        return [self._chains.pop(k) for k in keys]
-
 
 def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, salt: str | None,
           everything: bool) -> PurgeCounts:
-    """Remove the entries of the matching namespaces (or all with ``everything``) from every tier.
-
-    Must run on the engine thread while no request runs (the device purge refuses otherwise).
-
-    Raises:
-        RuntimeError: a request still holds cache references.
+    """Remove the entries of the matching request namespaces (or, with ``everything``, of this
+    server's model) from the device, the host tier and the store. Runs on the engine thread;
+    safe while requests run.
     """
-    namespaces = set(ledger.owners) if everything else ledger.matching(tenant, salt)
-    chains = ledger.take(namespaces)
+    namespaces = set() if everything else ledger.matching(tenant, salt)
     counts = PurgeCounts(namespaces=len(namespaces))
-    cache = handle.engine.cache
-    if everything:
-        counts.device_nodes = cache.index.num_nodes
-        cache.clear()
-    else:
-        for first in {c[0] for c in chains}:
-            counts.device_nodes += cache.remove_prefix(first)
+    if not everything and not namespaces:
+        return counts
     if handle.engine.connector is not None:
         handle.engine.connector.drain(timeout_s=30.0)      # prefetches in flight end first
     if handle.store_tier is not None:
         handle.store_tier.submit(lambda: None).result()     # and queued store writes land
-    for tier in (handle.host_tier, handle.store_tier):
-        if tier is not None:
-            counts.tier_entries[tier.name] = _purge_tier(tier, chains)
-    for ns in namespaces:
+    selector = (PurgeSelector(models=frozenset({handle.namespace})) if everything
+                else PurgeSelector(owners=frozenset(namespaces)))
+    done = purge_tiers(handle.engine.cache, [t for t in (handle.host_tier, handle.store_tier) if t is not None],
+                       selector)
+    counts.device_nodes, counts.tier_entries = done.device_nodes, dict(done.tier_entries)
+    for ns in set(ledger.owners) if everything else namespaces:       # nothing of them is cached now
         ledger.owners.pop(ns, None)
     return counts
-
-
-def _purge_tier(tier, chains: list[list[bytes]]) -> int:
-    """Remove every entry of ``tier`` on ``chains``; returns entries that were present."""
-    seen: set[tuple[bytes, str]] = set()
-    removed = 0
-    for hashes in chains:
-        wanted = [(b, group) for b in range(tier.alignment, len(hashes) * tier.unit + 1, tier.alignment)
-                  for group in tier.shapes if (tier.chain_hash(hashes, b), group) not in seen]
-        if not wanted:
-            continue
-        keys = [(tier.chain_hash(hashes, b), group) for b, group in wanted]
-        seen.update(keys)
-        present = tier.exists(keys) or [False] * len(keys)
-        for (b, group), here in zip(wanted, present):
-            if here:
-                tier.invalidate(hashes, b, group)
-                removed += 1
-    return removed

@@ -240,7 +240,7 @@ class EngineWorker:
             if not job.admitted and r.status != Status.WAITING:
                 self._admitted(job)
                 if r.match is not None:
-                    self.ledger.record(job.namespace, job.owner, r.match.hashes)
+                    self.ledger.record(job.namespace, job.owner)
                     if self._on_admit is not None:
                         self._on_admit(JobStats(r.prompt_len, r.reused, time.monotonic() - job.submitted))
             if r.status == Status.REJECTED:
