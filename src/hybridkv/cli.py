@@ -13,7 +13,7 @@ import sys
 
 from rich.console import Console
 
-from hybridkv.replay.args import non_negative_int, positive_int
+from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
     r.add_argument("--instances", type=positive_int, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
+    r.add_argument("--timed", action="store_true",
+                   help="honour the trace's arrival times: a router places requests on --instances instances "
+                        "in this process, each on a virtual clock; the report adds TTFT, queue and end-to-end "
+                        "seconds and per-instance load")
+    r.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="--timed: multiply arrival times by this (> 1 slows arrivals; default 1)")
+    from hybridkv.fleet.routers import ROUTER_NAMES
+    r.add_argument("--router", choices=ROUTER_NAMES, default=None,
+                   help="--timed: router (default hybrid with --instances > 1)")
+    r.add_argument("--cost-model", default=None,
+                   help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
+                        "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     from hybridkv.store.mooncake.service import register_cli
@@ -77,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
+    if args.command == "replay" and not args.timed:
+        for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
+                            ("--time-scale", None if args.time_scale == 1.0 else args.time_scale)):
+            if value is not None:
+                parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
     if argv is None and args.command == "replay" and args.store.startswith("mooncake://"):
         from hybridkv.store.mooncake.loopback import reexec_under_loopback
         reexec_under_loopback([sys.executable, "-m", "hybridkv.cli", *sys.argv[1:]])
@@ -92,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _replay(args, console: Console) -> int:
     from hybridkv.cache.config import ConfigError
+    from hybridkv.fleet.costmodel import CostModelError
     from hybridkv.replay.report import render_summary
     from hybridkv.replay.runner import ReplayOptions, run_replay
     from hybridkv.replay.trace import TraceError
@@ -107,7 +125,8 @@ def _replay(args, console: Console) -> int:
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
-        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads)
+        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
+        timed=args.timed, time_scale=args.time_scale, router=args.router, cost_model=args.cost_model)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:
@@ -115,7 +134,7 @@ def _replay(args, console: Console) -> int:
             return 2
     try:
         report = run_replay(opts, console)
-    except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:
+    except (TraceError, ConfigError, CostModelError, ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 2
     render_summary(report, Console())

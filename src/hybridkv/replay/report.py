@@ -34,7 +34,12 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected", "warm_start_reused_tokens")
+TIMED_KEYS = ("ttft_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew", "makespan_seconds",
+              "router", "time_scale", "cost_model")
+"""Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
+
+OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
+                 "warm_start_reused_tokens") + TIMED_KEYS
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 
@@ -100,6 +105,13 @@ class ReplayReport:
     warm_start_reused_tokens: reused tokens beyond what the oracle allows a request from
         this run's earlier requests: they came from a store filled before the run.
         ``oracle_fraction`` counts only the rest, so it stays within 0..1.
+    ttft_seconds, queue_seconds, e2e_seconds: timed replay only: ``{mean, p50, p90, p99}``
+        seconds from arrival to first token, to admission, to last token (served requests).
+    instances: timed only: per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``.
+    load_skew: timed only: max / mean busy seconds over instances.
+    makespan_seconds: timed only: when the last request ended, seconds on the fleet's clock.
+    router, time_scale, cost_model: timed only: the router's name, the arrival multiplier,
+        the cost model's name (what prices simulated steps and the router's estimates).
     """
 
     requests: int
@@ -125,6 +137,15 @@ class ReplayReport:
     skipped_lines: int | None = None
     rejected: dict[str, Any] | None = None
     warm_start_reused_tokens: int | None = None
+    ttft_seconds: dict[str, float | None] | None = None
+    queue_seconds: dict[str, float | None] | None = None
+    e2e_seconds: dict[str, float | None] | None = None
+    instances: list[dict[str, Any]] | None = None
+    load_skew: float | None = None
+    makespan_seconds: float | None = None
+    router: str | None = None
+    time_scale: float | None = None
+    cost_model: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -186,6 +207,19 @@ def _bytes(n: int | None) -> str:
     return f"{n / (1 << 20):,.2f} MiB"
 
 
+def _timed_rows(r: ReplayReport, table: Table) -> None:
+    """Rows of a timed replay: router, latencies, load skew."""
+    if r.ttft_seconds is None:
+        return
+    table.add_row("router / time scale", f"{r.router} / {r.time_scale:g}x")
+    for label, stats in (("TTFT", r.ttft_seconds), ("queue", r.queue_seconds), ("end to end", r.e2e_seconds)):
+        if stats["mean"] is not None:
+            table.add_row(f"{label} mean / p50 / p90 / p99",
+                          " / ".join(f"{stats[k]:.3f}" for k in ("mean", "p50", "p90", "p99")) + " s")
+    if r.load_skew is not None:
+        table.add_row("load skew (max / mean busy)", f"{r.load_skew:.3f}")
+
+
 def render_summary(report: ReplayReport, console: Console | None = None) -> None:
     """Print the report as a two-column rich table."""
     console = console or Console()
@@ -237,6 +271,7 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
                 table.add_row(f"{name} bytes loaded / saved", f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_saved'])}")
     if r.store_misses and any(r.store_misses.values()):
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
+    _timed_rows(r, table)
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
     tps = r.prefill_tokens_per_second
     label = "prefill throughput (cost model)" if r.mode == "simulate" else "prefill throughput (engine time)"

@@ -5,7 +5,9 @@ re-runs sampled requests without any cache and compares logits at every
 position the cached run computed. Simulate mode drives the same index,
 matcher, policy and scheduler through :class:`SimulatedBackend` (no tensors).
 With ``instances > 1`` the requests are dealt round-robin to engine instances
-in their own processes, sharing one store.
+in their own processes, sharing one store. With ``timed`` the trace's arrival
+times are honoured and a router places each request on one of the instances,
+all in this process on virtual clocks (:mod:`hybridkv.replay.timed`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from hybridkv.replay.instance import (
     run_instance,
 )
 from hybridkv.replay.oracle import oracle_from_trace
-from hybridkv.replay.report import ReplayReport, VerifyReport, ratio
+from hybridkv.replay.report import TIMED_KEYS, ReplayReport, VerifyReport, ratio
+from hybridkv.replay.timed import TimedSetup, run_timed
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 from hybridkv.tiers.base import MISS_REASONS
 
@@ -69,6 +72,10 @@ class ReplayOptions:
     host_bytes: int = 256 << 20
     host_write_through: bool = False
     threads: int = 1
+    timed: bool = False
+    time_scale: float = 1.0
+    router: str | None = None
+    cost_model: str | None = None
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -121,8 +128,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
     prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
-    out_lens = [1 if opts.simulate else min(opts.max_output_tokens, scaled_output_length(r, opts.block_tokens))
-                for r in reqs]
+    out_lens = [_output_length(opts, r) for r in reqs]
     pages_needed = sum(-(-(len(p) + o) // opts.block_size) for p, o in zip(prompts, out_lens))
     cfg = CacheConfig(
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
@@ -150,8 +156,13 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
         task = bar.add_task("requests", total=len(reqs))
+        timed = None
         try:
-            if n == 1:
+            if opts.timed:
+                timed = run_timed(_timed_setup(opts, store_url), cfg, reqs, prompts, out_lens, verify_ids,
+                                  lambda k: bar.advance(task, k))
+                results = timed.results
+            elif n == 1:
                 results = [run_instance(specs[0], lambda k: bar.advance(task, k), threads=opts.threads)]
             else:
                 results = _run_processes(specs, lambda k: bar.advance(task, k), opts.threads)
@@ -159,7 +170,26 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
-    return _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    report = _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    if timed is not None:
+        for key in TIMED_KEYS:
+            setattr(report, key, timed.timing[key])
+    return report
+
+
+def _output_length(opts: ReplayOptions, r) -> int:
+    """Tokens request ``r`` generates: 1 in untimed simulation; the trace's (scaled) length in
+    timed simulation (decode is modelled); else that capped at ``max_output_tokens``."""
+    if opts.simulate:
+        return scaled_output_length(r, opts.block_tokens) if opts.timed else 1
+    return min(opts.max_output_tokens, scaled_output_length(r, opts.block_tokens))
+
+
+def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
+    router = opts.router or ("hybrid" if opts.instances > 1 else "round-robin")
+    return TimedSetup(model=opts.model, seed=opts.seed, simulate=opts.simulate, instances=opts.instances,
+                      router=router, time_scale=opts.time_scale, cost_model=opts.cost_model,
+                      store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:
