@@ -1,5 +1,6 @@
 """Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
-store) and ``hybridkv soak`` (randomized exactness checks, docs/reliability.md).
+store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md) and
+``hybridkv calibrate`` (the CPU cost model of timed simulation, docs/routing.md).
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 2 on bad input (trace line, option, model, an unwritable ``--json``
@@ -80,7 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     register_cli(sub)
     from hybridkv.replay.soak import register_cli as register_soak_cli
     register_soak_cli(sub)
+    _add_calibrate(sub)
     return p
+
+
+def _add_calibrate(sub) -> None:
+    from hybridkv.fleet.calibrate import cmd_calibrate
+    c = sub.add_parser("calibrate", help="fit a step cost model to the real model on this machine",
+                       description="Time the real model's prefill and decode steps and write the fitted "
+                                   "cost model (JSON) that `replay --simulate --timed --cost-model` reads.")
+    c.add_argument("--model", default="small", help="preset or model directory (default small)")
+    c.add_argument("--out", required=True, help="JSON file to write")
+    c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
+    c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(calibrate_func=cmd_calibrate)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.store_func(args)
     if args.command == "soak":
         return args.soak_func(args)
+    if args.command == "calibrate":
+        return args.calibrate_func(args)
     return 2
 
 

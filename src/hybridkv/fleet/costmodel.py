@@ -4,11 +4,13 @@ A step runs prefill chunks and one token of each decoding sequence. Its time is 
 roofline (compute or memory, whichever is slower) plus a fixed overhead::
 
     step = overhead + max(compute, memory)
-    compute = linear_s_per_token * tokens + attention_s_per_pair * pairs
+    compute = linear_s_per_token * tokens + attention_s_per_pair * pairs + seq_s * sequences
     memory  = weights_s(tokens) + kv_read_s_per_token * decode_context + state_s_per_seq * decoders
     weights_s(n) = dense_weights_s + expert_weights_s * (1 - (1 - k / E) ** n)
 
-``tokens`` counts every token the step computes (prefill chunk tokens plus one per decoder);
+``tokens`` counts every token the step computes (prefill chunk tokens plus one per decoder),
+``sequences`` the step's items (chunks plus decoders: per-sequence work such as the CPU
+path's per-request loops);
 ``pairs`` counts (query token, attended token) pairs of the MLA layers: a chunk
 ``[s, s + n)`` attends ``n * s + n * (n + 1) / 2`` of them, a decoder at context ``c``
 attends ``c``; ``weights_s(n)`` is the time to read the weights that ``n`` tokens
@@ -49,6 +51,7 @@ class StepCostModel:
         overhead_s: fixed seconds per step (scheduling, launches).
         linear_s_per_token: compute seconds per token through every non-attention FLOP.
         attention_s_per_pair: compute seconds per (query, attended token) pair over all MLA layers.
+        seq_s: compute seconds per sequence in the step (prefill chunk or decoder).
         dense_weights_s: seconds to read the weights every token touches.
         expert_weights_s: seconds to read every routed expert once.
         experts, experts_per_token: ``E`` and ``k`` of the expert-coverage term (``E = 0``: none).
@@ -61,6 +64,7 @@ class StepCostModel:
     overhead_s: float
     linear_s_per_token: float
     attention_s_per_pair: float
+    seq_s: float = 0.0
     dense_weights_s: float = 0.0
     expert_weights_s: float = 0.0
     experts: int = 0
@@ -92,13 +96,15 @@ class StepCostModel:
         if tokens == 0:
             return 0.0
         pairs = decode_context + sum(n * s + n * (n + 1) // 2 for s, n in chunks)
-        compute = self.linear_s_per_token * tokens + self.attention_s_per_pair * pairs
+        compute = (self.linear_s_per_token * tokens + self.attention_s_per_pair * pairs
+                   + self.seq_s * (decoders + len(chunks)))
         memory = (self.weights_seconds(tokens) + self.kv_read_s_per_token * decode_context
                   + self.state_s_per_seq * decoders)
         return self.overhead_s + max(compute, memory)
 
     def prefill_seconds(self, start: int, end: int) -> float:
-        """Compute seconds of prefilling tokens ``[start, end)`` alone (no overhead); a router's estimate."""
+        """Compute seconds of prefilling tokens ``[start, end)`` alone (no overhead, no
+        per-sequence term); a router's estimate."""
         n = max(end - start, 0)
         return self.linear_s_per_token * n + self.attention_s_per_pair * (n * start + n * (n + 1) // 2)
 
