@@ -139,17 +139,25 @@ def latency_summary(values: list[float]) -> dict[str, float | None]:
             "p99": round(float(p99), 6)}
 
 
+CDF_PERCENTILES = (1, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 95, 99, 99.9)
+"""Percentiles of ``ttft_cdf_seconds``."""
+
+
 def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance]) -> dict:
     """The timed report's figures: ``ttft_seconds``, ``queue_seconds``, ``e2e_seconds``
     (each :func:`latency_summary` over served requests, from arrival), ``rejected`` (count),
     ``instances`` (per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``),
     ``load_skew`` (max / mean busy seconds; ``None`` when nothing was busy) and
-    ``makespan_seconds`` (last finish on the fleet's clock)."""
+    ``makespan_seconds`` (last finish on the fleet's clock) and ``ttft_cdf_seconds``
+    (``[percentile, seconds]`` at :data:`CDF_PERCENTILES`, for plots)."""
     served = [fr for fr in requests if not fr.rejected and fr.first_token is not None]
     busy = [i.stats.busy_seconds for i in instances]
     mean_busy = sum(busy) / len(busy)
+    ttft = [fr.first_token - fr.arrival for fr in served]
+    cdf = np.percentile(ttft, CDF_PERCENTILES).tolist() if ttft else []
     return {
-        "ttft_seconds": latency_summary([fr.first_token - fr.arrival for fr in served]),
+        "ttft_seconds": latency_summary(ttft),
+        "ttft_cdf_seconds": [[p, round(x, 6)] for p, x in zip(CDF_PERCENTILES, cdf)],
         "queue_seconds": latency_summary([fr.admitted - fr.arrival for fr in served]),
         "e2e_seconds": latency_summary([fr.finished - fr.arrival for fr in served]),
         "rejected": sum(fr.rejected for fr in requests),

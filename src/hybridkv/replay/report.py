@@ -34,8 +34,8 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-TIMED_KEYS = ("ttft_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew", "makespan_seconds",
-              "router", "time_scale", "cost_model")
+TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew",
+              "makespan_seconds", "router", "time_scale", "cost_model")
 """Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
@@ -107,6 +107,7 @@ class ReplayReport:
         ``oracle_fraction`` counts only the rest, so it stays within 0..1.
     ttft_seconds, queue_seconds, e2e_seconds: timed replay only: ``{mean, p50, p90, p99}``
         seconds from arrival to first token, to admission, to last token (served requests).
+    ttft_cdf_seconds: timed only: ``[percentile, seconds]`` pairs of the TTFT distribution.
     instances: timed only: per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``.
     load_skew: timed only: max / mean busy seconds over instances.
     makespan_seconds: timed only: when the last request ended, seconds on the fleet's clock.
@@ -138,6 +139,7 @@ class ReplayReport:
     rejected: dict[str, Any] | None = None
     warm_start_reused_tokens: int | None = None
     ttft_seconds: dict[str, float | None] | None = None
+    ttft_cdf_seconds: list[list[float]] | None = None
     queue_seconds: dict[str, float | None] | None = None
     e2e_seconds: dict[str, float | None] | None = None
     instances: list[dict[str, Any]] | None = None

@@ -101,10 +101,15 @@ def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
     return "branch+tail+supersede"
 
 
-def _default_slots(opts: ReplayOptions, prompts) -> int:
-    """Slots so that nothing is evicted: one per unit when simulating (no tensors), else 4 per request."""
+def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy) -> int:
+    """Slots so that nothing is evicted. Simulating (no tensors): the most the policy can create,
+    per request two branch (the device's and a lower tier's), one tail and one per ``interval``
+    (one per unit without an interval: a bound that holds whatever the policy); else 4 per request."""
     if opts.simulate:
-        return 16 + sum(len(p) // opts.prefix_match_unit for p in prompts)
+        g = opts.prefix_match_unit
+        if policy.interval and not policy.hint:
+            return 16 + sum(3 + len(p) // policy.interval for p in prompts)
+        return 16 + sum(len(p) // g for p in prompts)
     return max(16, 4 * len(prompts))
 
 
@@ -134,7 +139,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
-        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts),
+        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment)
     if opts.instances < 1:
