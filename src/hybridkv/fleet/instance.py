@@ -119,6 +119,7 @@ class FleetInstance:
         ld.queued_seconds += predicted_s
         ld.in_flight += 1
         ld.in_flight_tokens += fr.request.prompt_len + fr.output_tokens
+        ld.routed += 1
         self.stats.queue_peak = max(self.stats.queue_peak, len(self.queue))
 
     def restart(self) -> None:

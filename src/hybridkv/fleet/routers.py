@@ -40,12 +40,18 @@ class InstanceLoad:
             when it routed them).
         in_flight: requests routed here and not finished.
         in_flight_tokens: prompt + output tokens of those (KV they hold or will hold).
+        routed: requests ever routed here (the last tie-break, so idle instances share misses).
     """
 
     outstanding_tokens: int = 0
     queued_seconds: float = 0.0
     in_flight: int = 0
     in_flight_tokens: int = 0
+    routed: int = 0
+
+    def key(self) -> tuple[int, int, int]:
+        """Lighter first: outstanding prompt tokens, then requests in flight, then requests routed."""
+        return self.outstanding_tokens, self.in_flight, self.routed
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +96,9 @@ class StoreCost:
 
 
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:
-    """Index with the fewest outstanding prompt tokens, then fewest in flight, then lowest index."""
+    """Index of the lightest :meth:`InstanceLoad.key` (then the lowest index) among ``among`` (default all)."""
     among = range(len(loads)) if among is None else among
-    return min(among, key=lambda j: (loads[j].outstanding_tokens, loads[j].in_flight, j))
+    return min(among, key=lambda j: (loads[j].key(), j))
 
 
 class Router(ABC):
@@ -118,7 +124,7 @@ class RoundRobin(Router):
 
 
 class LeastLoad(Router):
-    """Fewest outstanding prompt tokens (ties: fewest in flight, lowest index)."""
+    """Fewest outstanding prompt tokens (ties: :func:`least_loaded`)."""
 
     name = "least-load"
 
@@ -186,23 +192,32 @@ class KVOverlapRouter(Router):
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         b = self.block_size
 
-        def cost(j: int) -> tuple[float, int, int]:
+        def cost(j: int) -> tuple:
             overlap = fleet.views[j].kv_run(req.hashes, req.limit)
             ld = fleet.loads[j]
             prefill = (req.prompt_tokens - overlap + ld.outstanding_tokens) / b
             active = (ld.in_flight_tokens + req.prompt_tokens + req.output_tokens) / b
-            return self.overlap_weight * prefill + active, ld.outstanding_tokens, j
+            return self.overlap_weight * prefill + active, ld.key(), j
 
         return min(range(len(fleet.loads)), key=cost)
 
 
 @dataclass(frozen=True, slots=True)
 class HybridOptions:
-    """Guard against hot-spotting: an instance whose queued seconds exceed
-    ``hot_relative * mean + hot_absolute_s`` is not a candidate (unless none is below it)."""
+    """Guards against hot-spotting.
+
+    Attributes:
+        hot_relative, hot_absolute_s: an instance whose queued seconds exceed
+            ``hot_relative * mean + hot_absolute_s`` is not a candidate (unless none is below it).
+        tie_relative: scores within this fraction of the request's full prefill seconds of
+            the best count as equal, and the least loaded of them wins: a small hit (a shared
+            system prompt every instance soon holds) must not pull all traffic to the few
+            instances that hold it first while the rest stand idle.
+    """
 
     hot_relative: float = 2.0
     hot_absolute_s: float = 2.0
+    tie_relative: float = 0.1
 
 
 class HybridRouter(Router):
@@ -215,7 +230,8 @@ class HybridRouter(Router):
     * ``T_transfer``: store bytes of ``[h_local, h_store)`` over the store bandwidth, when
       the store's hit is deeper; ``T_cold``: the store's per-object latency then (the
       instance must fetch before it computes). Both 0 for a local hit or a miss.
-    * Ties (equal scores, e.g. misses everywhere) go to the least loaded.
+    * Ties (scores within ``tie_relative`` of the full prefill; misses everywhere) go to the
+      least loaded.
 
     Args:
         cost: prices prefill (:meth:`StepCostModel.prefill_seconds`).
@@ -255,9 +271,9 @@ class HybridRouter(Router):
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
         scored = {j: self.score(req, fleet, j, store_hit)[0] for j in self.candidates(fleet)}
+        tie = self.options.tie_relative * self.predicted_prefill(req, 0) + 1e-9
         top = max(scored.values())
-        best = [j for j, s in scored.items() if s >= top - 1e-9]
-        return least_loaded(fleet.loads, best)
+        return least_loaded(fleet.loads, [j for j, s in scored.items() if s >= top - tie])
 
 
 ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
