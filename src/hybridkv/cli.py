@@ -14,7 +14,7 @@ import sys
 
 from rich.console import Console
 
-from hybridkv.replay.args import non_negative_int, positive_float, positive_int
+from hybridkv.replay.args import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
                         "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
+    r.add_argument("--store-gbps", type=non_negative_float, default=1.1,
+                   help="--timed: store load bandwidth in GB/s of the simulated store (--simulate with "
+                        "--instances > 1; 0: none) and of the router's estimate (default 1.1, Mooncake measured)")
+    r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
+                   help="--timed: microseconds per store object, likewise (default 194, Mooncake measured)")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     from hybridkv.store.mooncake.service import register_cli
@@ -143,7 +148,8 @@ def _replay(args, console: Console) -> int:
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
-        timed=args.timed, time_scale=args.time_scale, router=args.router, cost_model=args.cost_model)
+        timed=args.timed, time_scale=args.time_scale, router=args.router, cost_model=args.cost_model,
+        store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:

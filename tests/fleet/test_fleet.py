@@ -13,10 +13,11 @@ from hybridkv.cli import main
 from hybridkv.engine.build import build_engine
 from hybridkv.engine.request import Request
 from hybridkv.fleet.costmodel import StepCostModel, h200_kimi_linear_48b
-from hybridkv.fleet.events import EventPublisher, InstanceView
-from hybridkv.fleet.instance import FleetInstance, FleetRequest
+from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher, InstanceView
+from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
 from hybridkv.fleet.routers import HybridRouter, RoundRobin
 from hybridkv.fleet.simulator import Fleet, latency_summary
+from hybridkv.fleet.store import StoreCost, StoreView
 from hybridkv.model.config import HybridConfig
 
 UNIT = 64
@@ -153,3 +154,43 @@ def test_bad_timed_options_are_named(args, named, capsys):
 def test_an_unknown_cost_model_is_named(tmp_path, capsys):
     rc = main(["replay", "--simulate", "--timed", "--limit", "5", "--no-progress", "--cost-model", "gpu9000"])
     assert rc == 2 and "gpu9000" in capsys.readouterr().err
+
+
+def store_fleet(bytes_per_s: float) -> tuple[Fleet, list[FleetInstance]]:
+    cfg = CacheConfig(block_size=512, prefix_match_unit=UNIT, num_kv_pages=512, num_checkpoint_slots=64,
+                      policy=CheckpointPolicy.parse("branch+tail=512"), max_num_seqs=4)
+    cost = h200_kimi_linear_48b()
+    store = StoreCost(bytes_per_s=bytes_per_s, latency_s=1e-4, alignment=512, kv_bytes_per_token=16_128,
+                      checkpoint_bytes=1 << 20)
+    view = StoreView(UNIT, 512)
+    shared = SimulatedStore(view, store)
+    instances = [FleetInstance(k, builder(cfg), cost, 4, shared) for k in range(2)]
+    return Fleet(instances, RoundRobin(), UNIT, cost, view), instances
+
+
+@pytest.mark.parametrize("bytes_per_s, loads", [(1e12, True), (1e6, False)])
+def test_a_simulated_store_serves_another_instance_only_when_loading_pays(bytes_per_s, loads):
+    fleet, instances = store_fleet(bytes_per_s)
+    prompt = np.arange(4000) % 991
+    frs = fleet_requests([prompt, prompt], 1.0)            # round-robin: the second goes to the other instance
+    fleet.run(frs)
+    second, st = frs[1], instances[1].stats
+    assert second.instance == 1
+    if loads:
+        assert second.request.reused == 3584 and st.store_hit_tokens == 3584 and st.store_bytes_loaded > 0
+        assert second.first_token - second.admitted < frs[0].first_token - frs[0].admitted
+    else:
+        assert second.request.reused == 0 and st.store_declined == 1 and st.store_bytes_loaded == 0
+
+
+def test_the_store_view_matches_whole_entries_and_outlives_restarts():
+    hashes = [bytes([i]) * 32 for i in range(10)]                           # 10 units of 64: entries of 256 end at 256, 512
+    v = StoreView(UNIT, 256)
+    v.apply(CacheEvent(0, 0, 0, EventKind.BLOCKS_STORED, tuple(hashes[:9])))
+    v.apply(CacheEvent(0, 0, 1, EventKind.CHECKPOINTS_STORED, (hashes[3], hashes[6], hashes[7])))
+    assert v.match(hashes, 640).hit == 512 and v.match(hashes, 640).kv_hit == 512
+    v.apply(CacheEvent(0, 1, 0, EventKind.ALL_CLEARED, ()))
+    v.apply(CacheEvent(0, 1, 1, EventKind.BLOCKS_REMOVED, tuple(hashes)))
+    assert v.match(hashes, 640).hit == 512
+    with pytest.raises(ValueError, match="100"):
+        StoreView(UNIT, 100)

@@ -9,6 +9,14 @@ token per step for each decoding sequence; decoding sequences take part in the p
 of every step and count against ``max_num_seqs``. Their KV pages are released when
 the engine finishes the prefill (they are not reusable by other prompts anyway), so
 decode does not press on the page pool: a stated simplification.
+
+With a simulated shared store (:class:`SimulatedStore`), a request whose joint hit in
+the store is deeper than the instance's own is loaded before it enters the engine: the
+missing KV pages and the checkpoint are installed through the coordinator's install
+seams (as the store tier does) unless the cost model predicts that computing the
+missing tokens is faster, and the load's seconds
+(:meth:`~hybridkv.fleet.store.StoreCost.load_seconds`) pass on the instance's clock
+before its next step, not overlapped with compute.
 """
 
 from __future__ import annotations
@@ -17,13 +25,15 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from hybridkv.cache.groups import reuse_cap
 from hybridkv.engine.build import EngineHandle
 from hybridkv.engine.request import Request, Status
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import EventPublisher
 from hybridkv.fleet.routers import InstanceLoad
+from hybridkv.fleet.store import StoreCost, StoreView, load_start
 
 BuildEngine = Callable[[EventPublisher, Callable | None], EngineHandle]
 """``build(listener, step_cost) -> EngineHandle``: a fresh engine whose cache reports to
@@ -46,6 +56,7 @@ class FleetRequest:
         rejected: the engine refused it.
         predicted_s: prefill seconds the fleet predicted for it when routed.
         decode_left: tokens still to generate in the modelled decode.
+        hashes: chained unit hashes of the prompt (set when routed).
     """
 
     index: int
@@ -59,16 +70,31 @@ class FleetRequest:
     rejected: bool = False
     predicted_s: float = 0.0
     decode_left: int = 0
+    hashes: list[bytes] = field(default_factory=list, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedStore:
+    """The shared store of a simulated fleet: what it holds and what a load costs."""
+
+    view: StoreView
+    cost: StoreCost
 
 
 @dataclass(slots=True)
 class InstanceStats:
-    """Per-instance figures of a timed run (tokens, seconds, requests)."""
+    """Per-instance figures of a timed run (tokens, seconds, requests); ``store_*`` count
+    loads from a simulated store (tokens of joint hit gained, bytes, seconds, and loads
+    declined because computing ``[local hit, store hit)`` was predicted faster)."""
 
     requests: int = 0
     busy_seconds: float = 0.0
     reused_tokens: int = 0
     queue_peak: int = 0
+    store_hit_tokens: int = 0
+    store_bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    store_declined: int = 0
 
     def as_dict(self) -> dict:
         """``{requests, busy_seconds, reused_tokens, queue_peak}``."""
@@ -85,10 +111,14 @@ class FleetInstance:
         cost: prices simulated steps and models decode; ``None``: a real engine whose
             steps are timed by ``time.perf_counter``.
         max_num_seqs: sequences in prefill or decode at once.
+        store: the simulated shared store, or ``None`` (none, or a real engine's own store tier).
     """
 
-    def __init__(self, index: int, build: BuildEngine, cost: StepCostModel | None, max_num_seqs: int) -> None:
+    def __init__(self, index: int, build: BuildEngine, cost: StepCostModel | None, max_num_seqs: int,
+                 store: SimulatedStore | None = None) -> None:
         self.index = index
+        self.store = store
+        self._load_s = 0.0                             # store loads waiting to pass on the clock
         self.cost = cost
         self.max_num_seqs = max_num_seqs
         self._build = build
@@ -149,8 +179,36 @@ class FleetInstance:
         engine = self.handle.engine
         while self.queue and len(engine.waiting) + len(engine.running) + len(self.decoding) < self.max_num_seqs:
             fr = self.queue.popleft()
+            if self.store is not None:
+                self._load_s += self._fetch(fr)
             engine.add_request(fr.request)
             self.in_engine.append(fr)
+
+    def _fetch(self, fr: FleetRequest) -> float:
+        """Install the store's deeper joint hit for ``fr`` (KV pages and checkpoint); its seconds."""
+        cache, r = self.handle.engine.cache, fr.request
+        got = self.store.view.match(fr.hashes, reuse_cap(r.prompt_len, cache.config.prefix_match_unit)).hit
+        if not got:
+            return 0.0
+        local = cache.lookup(r.prompt, r.namespace, touch=False)
+        if got <= local.hit:
+            return 0.0
+        start = load_start(local.kv_hit, got, cache.config.block_size)
+        seconds = self.store.cost.load_seconds(start, got)
+        if seconds >= self.cost.prefill_seconds(local.hit, got):
+            self.stats.store_declined += 1                # recomputing is faster than loading
+            return 0.0
+        if start < got and not cache.install_kv(fr.hashes, start, got, _no_tensors):
+            return 0.0
+        if not cache.install_checkpoint(fr.hashes, None, got):
+            return 0.0
+        g = cache.config.prefix_match_unit
+        self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[got // g - 1]], [])
+        st = self.stats
+        st.store_hit_tokens += got - local.hit
+        st.store_bytes_loaded += self.store.cost.load_bytes(start, got)
+        st.store_seconds += seconds
+        return seconds
 
     def _engine_step(self) -> float:
         """One engine step; its duration in seconds (modelled or measured)."""
@@ -182,8 +240,8 @@ class FleetInstance:
         Returns:
             Requests that finished or were rejected in it.
         """
-        start = self.clock
         self._feed()
+        start, load, self._load_s = self.clock + self._load_s, self._load_s, 0.0
         if self.handle.engine.has_work:
             k, dt = 1, self._engine_step()
         elif self.decoding:
@@ -191,7 +249,7 @@ class FleetInstance:
         else:
             return []
         end = self.clock = start + dt
-        self.stats.busy_seconds += dt
+        self.stats.busy_seconds += load + dt
         done = self._advance_decoders(k, end)
         done += self._collect(start, end)
         return done
@@ -245,3 +303,7 @@ class FleetInstance:
         fr.finished = end
         self.load.in_flight -= 1
         self.load.in_flight_tokens -= fr.request.prompt_len + fr.output_tokens
+
+
+def _no_tensors(pages) -> None:
+    """``write_pages`` of a simulated install: there are no latents to copy."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
+from hybridkv.fleet.store import StoreCost, load_start
 
 
 @dataclass(slots=True)
@@ -78,21 +79,6 @@ class FleetState:
     views: list[InstanceView]
     loads: list[InstanceLoad]
     store: InstanceView | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StoreCost:
-    """Cost of loading from the shared store: ``latency_s`` per object, ``bytes_per_s``
-    bandwidth; ``kv_bytes_per_token`` and ``checkpoint_bytes`` size what moves."""
-
-    bytes_per_s: float
-    latency_s: float
-    kv_bytes_per_token: int
-    checkpoint_bytes: int
-
-    def transfer_seconds(self, tokens: int) -> float:
-        """Seconds to move the KV of ``tokens`` tokens and one checkpoint (bandwidth only)."""
-        return (tokens * self.kv_bytes_per_token + self.checkpoint_bytes) / self.bytes_per_s
 
 
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:
@@ -227,9 +213,10 @@ class HybridRouter(Router):
       joint hit on instance ``j`` (its view) or in the store, whichever is deeper
       (a KV run without a checkpoint at or below it saves nothing).
     * ``T_queue``: the instance's queued prefill seconds (:attr:`InstanceLoad.queued_seconds`).
-    * ``T_transfer``: store bytes of ``[h_local, h_store)`` over the store bandwidth, when
-      the store's hit is deeper; ``T_cold``: the store's per-object latency then (the
-      instance must fetch before it computes). Both 0 for a local hit or a miss.
+    * ``T_transfer``: store bytes of the KV the instance lacks up to ``h_store`` and the
+      checkpoint there, over the store bandwidth, when the store's hit is deeper;
+      ``T_cold``: the per-object latency of that load (the instance must fetch before it
+      computes). Both 0 for a local hit or a miss (:class:`~hybridkv.fleet.store.StoreCost`).
     * Ties (scores within ``tie_relative`` of the full prefill; misses everywhere) go to the
       least loaded.
 
@@ -253,10 +240,12 @@ class HybridRouter(Router):
 
     def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int) -> tuple[float, int]:
         """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``."""
-        local = fleet.views[j].match(req.hashes, req.limit).hit
-        hit, transfer, cold = local, 0.0, 0.0
-        if self.store is not None and store_hit > local:
-            hit, transfer, cold = store_hit, self.store.transfer_seconds(store_hit - local), self.store.latency_s
+        m = fleet.views[j].match(req.hashes, req.limit)
+        hit, transfer, cold = m.hit, 0.0, 0.0
+        if self.store is not None and store_hit > m.hit:
+            start = load_start(m.kv_hit, store_hit, self.store.alignment)
+            hit = store_hit
+            transfer, cold = self.store.transfer_seconds(start, hit), self.store.latency_seconds(start, hit)
         full = self.predicted_prefill(req, 0)
         saved = full - self.predicted_prefill(req, hit)
         return saved - fleet.loads[j].queued_seconds - transfer - cold, hit

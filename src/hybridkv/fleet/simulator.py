@@ -25,6 +25,7 @@ from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import CacheEvent, InstanceView
 from hybridkv.fleet.instance import FleetInstance, FleetRequest
 from hybridkv.fleet.routers import FleetState, Router, RouteRequest
+from hybridkv.fleet.store import StoreView
 
 
 @dataclass(slots=True)
@@ -51,30 +52,36 @@ class Fleet:
         router: decides where each request goes.
         unit: ``prefix_match_unit`` in tokens.
         estimate: prices the prefill a routed request will need (its queued-seconds load).
+        store: the shared store's view (fed by every instance's events), or ``None``.
     """
 
-    def __init__(self, instances: list[FleetInstance], router: Router, unit: int, estimate: StepCostModel) -> None:
+    def __init__(self, instances: list[FleetInstance], router: Router, unit: int, estimate: StepCostModel,
+                 store: StoreView | None = None) -> None:
         if not instances:
             raise ValueError("a fleet needs at least one instance")
         self.instances = instances
         self.router = router
         self.unit = unit
         self.estimate = estimate
-        self.state = FleetState(views=[InstanceView(unit) for _ in instances], loads=[i.load for i in instances])
+        self.state = FleetState(views=[InstanceView(unit) for _ in instances], loads=[i.load for i in instances],
+                                store=store)
         self._events = _EventQueue()
         self._hash = instances[0].handle.engine.cache.hash_prompt
         self._busy: list[tuple[float, int]] = []
 
     def deliver(self, now: float) -> None:
         """Apply every event due by ``now`` (seconds) to the router's views."""
+        store = self.state.store
         for ev in self._events.pop_until(now):
             self.state.views[ev.instance].apply(ev)
+            if store is not None:
+                store.apply(ev)
 
     def route(self, fr: FleetRequest) -> int:
         """Route one request at its arrival and queue it on the chosen instance."""
         self.deliver(fr.arrival)
         r = fr.request
-        hashes = self._hash(r.prompt, r.namespace)
+        hashes = fr.hashes = self._hash(r.prompt, r.namespace)
         rr = RouteRequest(hashes=hashes, prompt_tokens=r.prompt_len, limit=reuse_cap(r.prompt_len, self.unit),
                           output_tokens=fr.output_tokens)
         j = self.router.route(rr, self.state)
@@ -91,6 +98,7 @@ class Fleet:
     def _step_next(self, horizon: float) -> int:
         _, j = heapq.heappop(self._busy)
         inst = self.instances[j]
+        self.deliver(inst.clock)                 # the store holds what was written before this step
         done = inst.step(horizon)
         self._events.push(inst.clock, inst.publisher.drain())
         if inst.has_work:
@@ -147,6 +155,7 @@ def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance])
     """The timed report's figures: ``ttft_seconds``, ``queue_seconds``, ``e2e_seconds``
     (each :func:`latency_summary` over served requests, from arrival), ``rejected`` (count),
     ``instances`` (per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``),
+    ``store`` (``{hit_tokens, bytes_loaded, seconds, declined}`` of loads from a simulated store),
     ``load_skew`` (max / mean busy seconds; ``None`` when nothing was busy) and
     ``makespan_seconds`` (last finish on the fleet's clock) and ``ttft_cdf_seconds``
     (``[percentile, seconds]`` at :data:`CDF_PERCENTILES`, for plots)."""
@@ -162,6 +171,10 @@ def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance])
         "e2e_seconds": latency_summary([fr.finished - fr.arrival for fr in served]),
         "rejected": sum(fr.rejected for fr in requests),
         "instances": [i.stats.as_dict() for i in instances],
+        "store": {"hit_tokens": sum(i.stats.store_hit_tokens for i in instances),
+                  "bytes_loaded": sum(i.stats.store_bytes_loaded for i in instances),
+                  "seconds": round(sum(i.stats.store_seconds for i in instances), 6),
+                  "declined": sum(i.stats.store_declined for i in instances)},
         "load_skew": round(max(busy) / mean_busy, 6) if mean_busy > 0 else None,
         "makespan_seconds": round(max((fr.finished or 0.0) for fr in requests), 6) if requests else 0.0,
     }

@@ -35,7 +35,7 @@ REPORT_KEYS = (
 """Required top-level keys of the report JSON, in order."""
 
 TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew",
-              "makespan_seconds", "router", "time_scale", "cost_model")
+              "makespan_seconds", "router", "time_scale", "cost_model", "store")
 """Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
@@ -113,6 +113,9 @@ class ReplayReport:
     makespan_seconds: timed only: when the last request ended, seconds on the fleet's clock.
     router, time_scale, cost_model: timed only: the router's name, the arrival multiplier,
         the cost model's name (what prices simulated steps and the router's estimates).
+    store: timed only: ``{hit_tokens, bytes_loaded, seconds, declined}``: what the fleet
+        loaded from a simulated shared store, and loads it declined because recomputing was
+        predicted faster (zeros for real engines: their store tier reports in ``tiers``).
     """
 
     requests: int
@@ -148,6 +151,7 @@ class ReplayReport:
     router: str | None = None
     time_scale: float | None = None
     cost_model: str | None = None
+    store: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""

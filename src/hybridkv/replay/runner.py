@@ -32,6 +32,7 @@ from rich.progress import (
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
+from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.instance import (
     InstanceResult,
     InstanceSpec,
@@ -76,6 +77,8 @@ class ReplayOptions:
     time_scale: float = 1.0
     router: str | None = None
     cost_model: str | None = None
+    store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
+    store_latency_s: float = MOONCAKE_GET_LATENCY_S
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -194,7 +197,8 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
     router = opts.router or ("hybrid" if opts.instances > 1 else "round-robin")
     return TimedSetup(model=opts.model, seed=opts.seed, simulate=opts.simulate, instances=opts.instances,
                       router=router, time_scale=opts.time_scale, cost_model=opts.cost_model,
-                      store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through)
+                      store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
+                      store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:
