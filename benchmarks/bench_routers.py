@@ -2,7 +2,7 @@
 
 For 8 and 32 instances and the trace's own arrival rate, 2x and 4x it (time scale 1, 0.5,
 0.25), each router's TTFT p50 / p99, load skew (max / mean busy seconds), fraction of the
-oracle reused and store bytes moved (0: the simulation has no shared store yet). Writes
+oracle reused and bytes loaded from the simulated shared store. Writes
 ``OUT.json`` (every run's figures), ``OUT.md`` (a markdown table) and ``OUT.png`` (TTFT CDF
 per router, one panel per fleet size and rate).
 
@@ -44,8 +44,8 @@ def run_one(job: tuple[int, int, str, int | None, str | None]) -> dict:
 
 def table(rows: list[dict]) -> str:
     """Markdown table; the best TTFT p50 / p99 of each (instances, rate) in bold."""
-    lines = ["| instances | rate | router | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | load skew | "
-             "oracle fraction | store bytes | sim wall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| instances | rate | router | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | load skew | "
+              "oracle fraction | store GB loaded | sim wall (s) |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for n in SIZES:
         for rate in RATES:
             group = [r for r in rows if r["instances"] == n and r["rate"] == rate]
@@ -56,7 +56,7 @@ def table(rows: list[dict]) -> str:
                 cell = {q: (f"**{r['ttft'][q]:.3f}**" if round(r["ttft"][q], 3) == best[q] else f"{r['ttft'][q]:.3f}")
                         for q in best}
                 lines.append(f"| {n} | {rate}x | {r['router']} | {cell['p50']} | {cell['p99']} | {cell['mean']} | "
-                             f"{r['load_skew']:.2f} | {r['oracle_fraction']:.3f} | {r['store_bytes']} | "
+                             f"{r['load_skew']:.2f} | {r['oracle_fraction']:.3f} | {r['store_bytes'] / 1e9:.1f} | "
                              f"{r['wall_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
