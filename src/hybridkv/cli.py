@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
     r.add_argument("--mechanism", choices=("extract", "split"), default="extract")
-    r.add_argument("--max-output-tokens", type=positive_int, default=4,
-                   help="cap on generated tokens per request (default 4)")
+    r.add_argument("--max-output-tokens", type=positive_int, default=None,
+                   help="cap on generated tokens per request (default 4; --simulate --timed: the trace's lengths)")
     r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     r.add_argument("--max-num-seqs", type=positive_int, default=4)
     r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")

@@ -47,7 +47,8 @@ from hybridkv.tiers.base import MISS_REASONS
 
 @dataclass(frozen=True, slots=True)
 class ReplayOptions:
-    """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted"."""
+    """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted";
+    ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -57,7 +58,7 @@ class ReplayOptions:
     prefix_match_unit: int = 64
     policy: str | None = None
     mechanism: str = "extract"
-    max_output_tokens: int = 4
+    max_output_tokens: int | None = None
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 4
     num_kv_pages: int | None = None
@@ -130,6 +131,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     reqs = load.requests
     if opts.block_tokens is None:     # real lengths when simulating; scaled 1/8 for CPU model runs
         opts = replace(opts, block_tokens=512 if opts.simulate else 64)
+    if opts.max_output_tokens is None and not opts.simulate:
+        opts = replace(opts, max_output_tokens=4)
     if opts.block_size is None:       # pages follow the trace's sharing granularity
         g = opts.prefix_match_unit
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
@@ -186,11 +189,12 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
 
 
 def _output_length(opts: ReplayOptions, r) -> int:
-    """Tokens request ``r`` generates: 1 in untimed simulation; the trace's (scaled) length in
-    timed simulation (decode is modelled); else that capped at ``max_output_tokens``."""
-    if opts.simulate:
-        return scaled_output_length(r, opts.block_tokens) if opts.timed else 1
-    return min(opts.max_output_tokens, scaled_output_length(r, opts.block_tokens))
+    """Tokens request ``r`` generates: 1 in untimed simulation; else the trace's (scaled) length,
+    capped at ``max_output_tokens`` when set (timed simulation models the decode)."""
+    if opts.simulate and not opts.timed:
+        return 1
+    n = scaled_output_length(r, opts.block_tokens)
+    return n if opts.max_output_tokens is None else min(opts.max_output_tokens, n)
 
 
 def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
