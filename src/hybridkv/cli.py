@@ -14,7 +14,12 @@ import sys
 
 from rich.console import Console
 
-from hybridkv.replay.args import non_negative_float, non_negative_int, positive_float, positive_int
+from hybridkv.replay.args import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
