@@ -18,7 +18,7 @@ ROOTS = [SRC, SRC.parent / "tests", SRC.parent / "benchmarks"]
 
 #: Packages, lowest first; a package may import only from packages listed before it.
 LAYERS = ["hybridkv.model", "hybridkv.store", "hybridkv.cache", "hybridkv.tiers", "hybridkv.engine",
-          "hybridkv.api", "hybridkv.replay", "hybridkv.serve", "hybridkv.cli"]
+          "hybridkv.api", "hybridkv.fleet", "hybridkv.replay", "hybridkv.serve", "hybridkv.cli"]
 
 
 #: The one module allowed to re-export: the package's documented public API (README).

@@ -1,6 +1,8 @@
 """Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
 store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md), ``hybridkv serve``
-and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md).
+and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md),
+``hybridkv cache purge`` (docs/memory.md) and ``hybridkv calibrate`` (the CPU cost model of timed
+simulation, docs/routing.md).
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 130 when Ctrl-C stopped a replay (the figures so far are printed and
@@ -15,7 +17,12 @@ import sys
 
 from rich.console import Console
 
-from hybridkv.replay.args import non_negative_int, positive_float, positive_int
+from hybridkv.replay.args import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
     r.add_argument("--mechanism", choices=("extract", "split"), default="extract")
-    r.add_argument("--max-output-tokens", type=positive_int, default=4,
-                   help="cap on generated tokens per request (default 4)")
+    r.add_argument("--max-output-tokens", type=positive_int, default=None,
+                   help="cap on generated tokens per request (default 4; --simulate --timed: the trace's lengths)")
     r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     r.add_argument("--max-num-seqs", type=positive_int, default=4)
     r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
@@ -70,6 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
     r.add_argument("--instances", type=positive_int, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
+    r.add_argument("--timed", action="store_true",
+                   help="honour the trace's arrival times: a router places requests on --instances instances "
+                        "in this process, each on a virtual clock; the report adds TTFT, queue and end-to-end "
+                        "seconds and per-instance load")
+    r.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="--timed: multiply arrival times by this (> 1 slows arrivals; default 1)")
+    from hybridkv.fleet.routers import ROUTER_NAMES
+    r.add_argument("--router", choices=ROUTER_NAMES, default=None,
+                   help="--timed: router (default hybrid with --instances > 1)")
+    r.add_argument("--cost-model", default=None,
+                   help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
+                        "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
+    r.add_argument("--store-gbps", type=non_negative_float, default=1.1,
+                   help="--timed: store load bandwidth in GB/s of the simulated store (--simulate with "
+                        "--instances > 1; 0: none) and of the router's estimate (default 1.1, Mooncake measured)")
+    r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
+                   help="--timed: microseconds per store object, likewise (default 194, Mooncake measured)")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     _register_cache_cli(sub)
@@ -79,7 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
     register_soak_cli(sub)
     from hybridkv.serve.commands import register_cli as register_serve_cli
     register_serve_cli(sub)
+    _add_calibrate(sub)
     return p
+
+
+def _add_calibrate(sub) -> None:
+    from hybridkv.fleet.calibrate import cmd_calibrate
+    c = sub.add_parser("calibrate", help="fit a step cost model to the real model on this machine",
+                       description="Time the real model's prefill and decode steps and write the fitted "
+                                   "cost model (JSON) that `replay --simulate --timed --cost-model` reads.")
+    c.add_argument("--model", default="small", help="preset or model directory (default small)")
+    c.add_argument("--out", required=True, help="JSON file to write")
+    c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
+    c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(calibrate_func=cmd_calibrate)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
+    if args.command == "replay" and not args.timed:
+        for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
+                            ("--time-scale", None if args.time_scale == 1.0 else args.time_scale)):
+            if value is not None:
+                parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
     console = Console(stderr=True)
     if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
         _native_log_to_file(console)
@@ -104,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cache_purge(args, console)
     if args.command in ("serve", "bench-serve"):
         return args.func(args)
+    if args.command == "calibrate":
+        return args.calibrate_func(args)
     return 2
 
 
@@ -172,6 +217,7 @@ def _cache_purge(args, console: Console) -> int:
 
 def _replay(args, console: Console) -> int:
     from hybridkv.cache.config import ConfigError
+    from hybridkv.fleet.costmodel import CostModelError
     from hybridkv.replay.report import render_summary
     from hybridkv.replay.runner import ReplayOptions, run_replay
     from hybridkv.replay.trace import TraceError
@@ -188,7 +234,8 @@ def _replay(args, console: Console) -> int:
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
-        eviction=args.eviction)
+        eviction=args.eviction, timed=args.timed, time_scale=args.time_scale, router=args.router,
+        cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:
@@ -201,7 +248,7 @@ def _replay(args, console: Console) -> int:
             return 2
     try:
         report = run_replay(opts, console)
-    except (TraceError, ConfigError, ValueError, FileNotFoundError) as exc:
+    except (TraceError, ConfigError, CostModelError, ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 2
     except KeyboardInterrupt:                  # before the engines ran (loading) or after (merging)

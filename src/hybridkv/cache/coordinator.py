@@ -67,11 +67,13 @@ class PublishResult:
         skipped: boundaries (tokens) whose checkpoint was not published: one
             existed there already, or no slot could be freed.
         superseded: older tail checkpoints retired by a new one (``supersede`` policy).
+        retired: boundaries (tokens) of those retired checkpoints, one per ``superseded``.
     """
 
     created: list[tuple[int, str]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     superseded: int = 0
+    retired: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -369,8 +371,9 @@ class HybridCacheCoordinator:
                 result.skipped.append(b)
                 continue
             result.created.append((b, label))
-            if label == TAIL and self.config.policy.supersede:
-                result.superseded += self.retire_checkpoint(alloc, alloc.start, TAIL)
+            if label == TAIL and self.config.policy.supersede and self.retire_checkpoint(alloc, alloc.start, TAIL):
+                result.superseded += 1
+                result.retired.append(alloc.start)
         return result
 
     def publish_units(self, alloc: Allocation, hashes: list[bytes], computed: int) -> None:

@@ -9,6 +9,7 @@ index, matcher, policy and scheduler make identical decisions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -125,17 +126,22 @@ class SimulatedBackend:
 
     Cost model (seconds) for a step: ``sum(n_i) / prefill_tokens_per_second``
     plus ``decode_seconds`` per single-token item. The defaults are the measured
-    throughput of the ``small`` preset on 2 CPU cores; override for other models.
+    throughput of the ``small`` preset on 2 CPU cores; override for other models,
+    or pass ``step_cost``, which then prices each whole step (a batch of items).
 
     Args:
         full_spec, kda_spec: group specs (bytes per page / checkpoint for metrics).
         prefill_tokens_per_second: modelled prefill throughput.
         vocab_size: checked against request token ids (``None``: not checked).
+        step_cost: ``step_cost(items) -> seconds`` of one step, replacing the
+            per-token rates (e.g. :class:`hybridkv.fleet.costmodel.StepCostModel`).
     """
 
     def __init__(self, full_spec: FullAttentionSpec, kda_spec: KDASpec,
                  prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None,
+                 step_cost: Callable[[list[StepItem]], float] | None = None) -> None:
+        self.step_cost = step_cost
         self.vocab_size = vocab_size
         self.full_spec = full_spec
         self.kda_spec = kda_spec
@@ -162,8 +168,11 @@ class SimulatedBackend:
 
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """Account the modelled time and answer with placeholders."""
-        for it in items:
-            n = int(it.token_ids.shape[0])
-            self.modelled_seconds += self.decode_seconds if n == 1 else n / self.prefill_tokens_per_second
+        if self.step_cost is not None:
+            self.modelled_seconds += self.step_cost(items)
+        else:
+            for it in items:
+                n = int(it.token_ids.shape[0])
+                self.modelled_seconds += self.decode_seconds if n == 1 else n / self.prefill_tokens_per_second
         return [StepOutput(next_token=0, logits=None, end_state=None,
                            checkpoints={b: None for b in it.capture}) for it in items]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -14,8 +15,8 @@ from typing import Self
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
 from hybridkv.cache.namespace import CacheIdentity
-from hybridkv.engine.backend import SimulatedBackend, TorchBackend
-from hybridkv.engine.engine import Engine
+from hybridkv.engine.backend import SimulatedBackend, StepItem, TorchBackend
+from hybridkv.engine.engine import CacheListener, Engine
 from hybridkv.model.config import PRESETS, HybridConfig
 from hybridkv.model.model import HybridModel
 from hybridkv.tiers.host import HostTier
@@ -131,8 +132,9 @@ def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheCon
 
 
 def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none", host_bytes: int = 0,
-                 host_write_through: bool = False, prefetch: bool = True,
-                 store_required: bool = False) -> EngineHandle:
+                 host_write_through: bool = False, prefetch: bool = True, store_required: bool = False,
+                 listener: CacheListener | None = None,
+                 step_cost: Callable[[list[StepItem]], float] | None = None) -> EngineHandle:
     """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
 
     Args:
@@ -150,13 +152,17 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         host_write_through: the host tier also saves page-aligned entries as they are computed.
         prefetch: start store loads for waiting requests in the background.
         store_required: raise instead of running without a store unreachable at startup.
+        listener: hears every publication and eviction (:class:`~hybridkv.engine.engine.CacheListener`).
+        step_cost: simulation only: ``step_cost(items) -> seconds`` of one step
+            (:class:`~hybridkv.engine.backend.SimulatedBackend`).
 
     Returns:
         An :class:`EngineHandle`; call its ``close()`` when done (it stops the store worker).
 
     Raises:
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
-            lower tier asked for in simulation, or a malformed store URL (named).
+            lower tier asked for in simulation, ``step_cost`` with a real model, or a
+            malformed store URL (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
     """
     if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
@@ -168,7 +174,10 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
             raise ValueError(f"simulation has no tensors for lower tiers: host_bytes={host_bytes}, "
                              f"store_url={store_url!r}; use 0 and 'none'")
         full, kda = FullAttentionSpec.for_model(model, config.block_size), KDASpec.for_model(model)
-        backend, digest, model = SimulatedBackend(full, kda, vocab_size=model.vocab_size), "simulated", None
+        backend = SimulatedBackend(full, kda, vocab_size=model.vocab_size, step_cost=step_cost)
+        digest, model = "simulated", None
+    elif step_cost is not None:
+        raise ValueError("step_cost prices simulated steps; a real model is timed by the clock")
     else:
         backend = TorchBackend(model, config.num_kv_pages, config.block_size)
         digest = model.weight_digest()
@@ -185,7 +194,7 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     handle = EngineHandle(engine=None, backend=backend, model=model, namespace=namespace,
                           host_tier=host, store_tier=store)
     try:
-        handle.engine = Engine(config, backend, namespace, tiers=tiers, prefetch=prefetch)
+        handle.engine = Engine(config, backend, namespace, tiers=tiers, prefetch=prefetch, listener=listener)
     except BaseException:
         handle.close()
         raise

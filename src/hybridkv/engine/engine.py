@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.coordinator import HybridCacheCoordinator
+from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
 from hybridkv.engine.request import Request, Status
 from hybridkv.engine.scheduler import plan_captures, schedule
@@ -41,6 +42,24 @@ class EngineStats:
     steps: int = 0
 
 
+class CacheListener(Protocol):
+    """Hears what an engine's cache makes reusable and what it drops, by chained unit hash.
+
+    The engine calls it from its two cache seams: after each
+    :meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.publish` and from the
+    coordinator's ``on_evict`` callback. Keys are chained hashes of ``[0, end)`` (one per
+    ``prefix_match_unit``); they identify prefixes, never carry token ids, and must not be
+    logged. :mod:`hybridkv.fleet.events` turns these calls into router events.
+    """
+
+    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes]) -> None:
+        """Units whose KV is now cached, boundaries whose checkpoint was published, and
+        boundaries whose checkpoint was retired (``supersede``), in that order of effect."""
+
+    def evicted(self, entries: list[EvictedEntry]) -> None:
+        """Entries about to be evicted (KV with its subtree, or a checkpoint alone)."""
+
+
 class Engine:
     """A small continuous-batching engine over the hybrid prefix cache.
 
@@ -53,19 +72,23 @@ class Engine:
             :class:`~hybridkv.tiers.store_tier.StoreTier`), nearest first.
         prefetch: start store loads for waiting requests in the background
             (:meth:`prefetch`); ``False`` loads only at admission.
+        listener: told of every publication and eviction (:class:`CacheListener`);
+            ``None``: nobody listens.
     """
 
-    def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True) -> None:
+    def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True,
+                 listener: CacheListener | None = None) -> None:
         tiers = list(tiers)
         self.config = config
         self.prefetch_enabled = prefetch
         self.backend = backend
         pool = backend.new_checkpoint_pool(config.num_checkpoint_slots, config.eviction)
-        writes_back = any(t.write_back for t in tiers)
+        self._writes_back = any(t.write_back for t in tiers)
+        self.listener = listener
         self.cache = HybridCacheCoordinator(config, namespace, pool,
                                             page_bytes=backend.full_spec.page_size_bytes,
                                             copy_page=backend.copy_page,
-                                            on_evict=self._write_back if writes_back else None,
+                                            on_evict=self._on_evict if self._writes_back or listener else None,
                                             binding=backend.cache_binding())
         self.connector = TierConnector(self.cache, backend, tiers) if tiers else None
         self.waiting: deque[Request] = deque()
@@ -150,9 +173,19 @@ class Engine:
         if self.connector is not None:
             self.connector.forget(req)
 
-    def _write_back(self, evicted) -> None:
-        """The coordinator's eviction callback: hand evicted entries to the write-back tiers."""
-        self.connector.write_back(evicted)
+    def _on_evict(self, evicted) -> None:
+        """The coordinator's eviction callback: tell the listener, hand the entries to the write-back tiers."""
+        if self.listener is not None:
+            self.listener.evicted(evicted)
+        if self._writes_back:
+            self.connector.write_back(evicted)
+
+    def _tell_stored(self, r: Request, start: int, end: int, published) -> None:
+        """Tell the listener what one prefill chunk ``[start, end)`` of ``r`` published."""
+        g, hashes = self.config.prefix_match_unit, r.match.hashes
+        self.listener.stored(hashes[start // g: min(len(hashes), end // g)],
+                             [hashes[b // g - 1] for b, _ in published.created],
+                             [hashes[b // g - 1] for b in published.retired])
 
     def prefetch(self) -> None:
         """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests
@@ -246,6 +279,8 @@ class Engine:
                     self.stats.checkpoints_created[label] += 1
                 self.stats.checkpoints_skipped += len(published.skipped)
                 self.stats.checkpoints_retired += published.superseded
+                if self.listener is not None:
+                    self._tell_stored(r, c.start, c.end, published)
                 if self.connector is not None:
                     self.connector.upload(r, r.alloc, c.end, made)
                 if c.end < r.prompt_len:

@@ -24,13 +24,25 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A number > 0 (seconds and the like)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    x = _float(text)
     if not x > 0:
         raise argparse.ArgumentTypeError(f"{x} must be positive")
     return x
+
+
+def non_negative_float(text: str) -> float:
+    """A number >= 0."""
+    x = _float(text)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{x} must be 0 or more")
+    return x
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def _int(text: str) -> int:

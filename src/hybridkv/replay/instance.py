@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.engine.build import build_engine, load_model, model_config
+from hybridkv.engine.build import EngineHandle, build_engine, load_model, model_config
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 
@@ -137,7 +137,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         built = build_engine(load_model(spec.model, spec.seed), spec.config, model_name=spec.model,
                              store_url=spec.store_url, host_bytes=spec.host_bytes,
                              host_write_through=spec.host_write_through and spec.host_bytes > 0)
-    engine, backend, model = built.engine, built.backend, built.model
+    engine = built.engine
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
     t0 = time.perf_counter()
@@ -149,16 +149,30 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     finally:
         built.close()                         # the store tier's worker thread, staging arena and the store
     seconds = time.perf_counter() - t0
+    return collect_result(built, spec.indices, requests, seconds)
+
+
+def collect_result(built: EngineHandle, indices: list[int], requests: list[Request], seconds: float) -> InstanceResult:
+    """The counters of one instance's engine after its run (and the verification of the
+    requests that recorded logits, when there is a model).
+
+    Args:
+        built: the instance's engine (closed or not).
+        indices: trace index of each request.
+        requests: the engine requests, in the same order.
+        seconds: engine time of a real run (a simulated run reports its modelled seconds).
+    """
+    engine, backend, model = built.engine, built.backend, built.model
     s = engine.stats
     res = InstanceResult(
         stats={k: getattr(s, k) for k in s.__slots__}, kv_bytes_peak=engine.cache.kv_bytes_peak,
         checkpoint_bytes_peak=engine.cache.checkpoint_bytes_peak,
         kv_bytes_per_token=backend.full_spec.bytes_per_token, checkpoint_bytes=backend.kda_spec.page_size_bytes,
         evicted_pages=engine.cache.evicted_pages, evicted_checkpoints=engine.cache.evicted_checkpoints,
-        compute_seconds=backend.modelled_seconds if spec.simulate else seconds,
+        compute_seconds=backend.modelled_seconds if model is None else seconds,
         tiers=built.tier_stats())
     res.reject_reasons = Counter(r.reject_reason for r in requests if r.status == Status.REJECTED)
-    res.reused = {i: r.reused for i, r in zip(spec.indices, requests) if r.match is not None}
+    res.reused = {i: r.reused for i, r in zip(indices, requests) if r.match is not None}
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
     res.interrupted = interrupted

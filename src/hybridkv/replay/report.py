@@ -34,8 +34,12 @@ REPORT_KEYS = (
 )
 """Required top-level keys of the report JSON, in order."""
 
-OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected", "warm_start_reused_tokens",
-                 "evictions", "reused_histogram", "interrupted")
+TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew",
+              "makespan_seconds", "router", "time_scale", "cost_model", "store")
+"""Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
+
+OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
+                 "warm_start_reused_tokens", "evictions", "reused_histogram") + TIMED_KEYS + ("interrupted",)
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 REUSE_BUCKET_EDGES = (1, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -125,6 +129,17 @@ class ReplayReport:
     evictions: entries evicted for capacity per tier: ``device`` ``{kv_pages, kv_bytes,
         checkpoints, checkpoint_bytes}``, ``host`` ``{entries, bytes}`` (bytes).
     reused_histogram: admitted requests per reused length bucket (tokens; :func:`reuse_histogram`).
+    ttft_seconds, queue_seconds, e2e_seconds: timed replay only: ``{mean, p50, p90, p99}``
+        seconds from arrival to first token, to admission, to last token (served requests).
+    ttft_cdf_seconds: timed only: ``[percentile, seconds]`` pairs of the TTFT distribution.
+    instances: timed only: per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``.
+    load_skew: timed only: max / mean busy seconds over instances.
+    makespan_seconds: timed only: when the last request ended, seconds on the fleet's clock.
+    router, time_scale, cost_model: timed only: the router's name, the arrival multiplier,
+        the cost model's name (what prices simulated steps and the router's estimates).
+    store: timed only: ``{hit_tokens, bytes_loaded, seconds, declined}``: what the fleet
+        loaded from a simulated shared store, and loads it declined because recomputing was
+        predicted faster (zeros for real engines: their store tier reports in ``tiers``).
     """
 
     requests: int
@@ -153,6 +168,17 @@ class ReplayReport:
     interrupted: bool | None = None
     evictions: dict[str, dict[str, int]] | None = None
     reused_histogram: dict[str, int] | None = None
+    ttft_seconds: dict[str, float | None] | None = None
+    ttft_cdf_seconds: list[list[float]] | None = None
+    queue_seconds: dict[str, float | None] | None = None
+    e2e_seconds: dict[str, float | None] | None = None
+    instances: list[dict[str, Any]] | None = None
+    load_skew: float | None = None
+    makespan_seconds: float | None = None
+    router: str | None = None
+    time_scale: float | None = None
+    cost_model: str | None = None
+    store: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -212,6 +238,19 @@ def _bytes(n: int | None) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):,.2f} GiB"
     return f"{n / (1 << 20):,.2f} MiB"
+
+
+def _timed_rows(r: ReplayReport, table: Table) -> None:
+    """Rows of a timed replay: router, latencies, load skew."""
+    if r.ttft_seconds is None:
+        return
+    table.add_row("router / time scale", f"{r.router} / {r.time_scale:g}x")
+    for label, stats in (("TTFT", r.ttft_seconds), ("queue", r.queue_seconds), ("end to end", r.e2e_seconds)):
+        if stats["mean"] is not None:
+            table.add_row(f"{label} mean / p50 / p90 / p99",
+                          " / ".join(f"{stats[k]:.3f}" for k in ("mean", "p50", "p90", "p99")) + " s")
+    if r.load_skew is not None:
+        table.add_row("load skew (max / mean busy)", f"{r.load_skew:.3f}")
 
 
 def render_summary(report: ReplayReport, console: Console | None = None) -> None:
@@ -277,6 +316,7 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
                       ", ".join(f"{k}: {v:,}" for k, v in r.reused_histogram.items() if v))
     if r.store_misses and any(r.store_misses.values()):
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
+    _timed_rows(r, table)
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
     tps = r.prefill_tokens_per_second
     label = "prefill throughput (cost model)" if r.mode == "simulate" else "prefill throughput (engine time)"

@@ -5,7 +5,9 @@ re-runs sampled requests without any cache and compares logits at every
 position the cached run computed. Simulate mode drives the same index,
 matcher, policy and scheduler through :class:`SimulatedBackend` (no tensors).
 With ``instances > 1`` the requests are dealt round-robin to engine instances
-in their own processes, sharing one store.
+in their own processes, sharing one store. With ``timed`` the trace's arrival
+times are honoured and a router places each request on one of the instances,
+all in this process on virtual clocks (:mod:`hybridkv.replay.timed`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rich.progress import (
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
+from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.instance import (
     TURN_FAILED,
     InstanceResult,
@@ -40,14 +43,16 @@ from hybridkv.replay.instance import (
     run_instance,
 )
 from hybridkv.replay.oracle import oracle_from_trace
-from hybridkv.replay.report import ReplayReport, VerifyReport, ratio, reuse_histogram
+from hybridkv.replay.report import TIMED_KEYS, ReplayReport, VerifyReport, ratio, reuse_histogram
+from hybridkv.replay.timed import TimedSetup, run_timed
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 from hybridkv.tiers.base import MISS_REASONS
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayOptions:
-    """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted"."""
+    """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted";
+    ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -57,7 +62,7 @@ class ReplayOptions:
     prefix_match_unit: int = 64
     policy: str | None = None
     mechanism: str = "extract"
-    max_output_tokens: int = 4
+    max_output_tokens: int | None = None
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 4
     num_kv_pages: int | None = None
@@ -74,6 +79,12 @@ class ReplayOptions:
     host_write_through: bool = False
     threads: int = 1
     eviction: str = "lru"
+    timed: bool = False
+    time_scale: float = 1.0
+    router: str | None = None
+    cost_model: str | None = None
+    store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
+    store_latency_s: float = MOONCAKE_GET_LATENCY_S
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -99,10 +110,15 @@ def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
     return "branch+tail+supersede"
 
 
-def _default_slots(opts: ReplayOptions, prompts) -> int:
-    """Slots so that nothing is evicted: one per unit when simulating (no tensors), else 4 per request."""
+def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy) -> int:
+    """Slots so that nothing is evicted. Simulating (no tensors): the most the policy can create,
+    per request two branch (the device's and a lower tier's), one tail and one per ``interval``
+    (one per unit without an interval: a bound that holds whatever the policy); else 4 per request."""
     if opts.simulate:
-        return 16 + sum(len(p) // opts.prefix_match_unit for p in prompts)
+        g = opts.prefix_match_unit
+        if policy.interval and not policy.hint:
+            return 16 + sum(3 + len(p) // policy.interval for p in prompts)
+        return 16 + sum(len(p) // g for p in prompts)
     return max(16, 4 * len(prompts))
 
 
@@ -120,20 +136,21 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     reqs = load.requests
     if opts.block_tokens is None:     # real lengths when simulating; scaled 1/8 for CPU model runs
         opts = replace(opts, block_tokens=512 if opts.simulate else 64)
+    if opts.max_output_tokens is None and not opts.simulate:
+        opts = replace(opts, max_output_tokens=4)
     if opts.block_size is None:       # pages follow the trace's sharing granularity
         g = opts.prefix_match_unit
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
     policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
     prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
-    out_lens = [1 if opts.simulate else min(opts.max_output_tokens, scaled_output_length(r, opts.block_tokens))
-                for r in reqs]
+    out_lens = [_output_length(opts, r) for r in reqs]
     pages_needed = sum(-(-(len(p) + o) // opts.block_size) for p, o in zip(prompts, out_lens))
     cfg = CacheConfig(
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
-        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts),
+        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction)
     if opts.instances < 1:
@@ -155,8 +172,13 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
         task = bar.add_task("requests", total=len(reqs))
+        timed = None
         try:
-            if n == 1:
+            if opts.timed:
+                timed = run_timed(_timed_setup(opts, store_url), cfg, reqs, prompts, out_lens, verify_ids,
+                                  lambda k: bar.advance(task, k))
+                results = timed.results
+            elif n == 1:
                 results = [run_instance(specs[0], lambda k: bar.advance(task, k), threads=opts.threads)]
             else:
                 results = _run_processes(specs, lambda k: bar.advance(task, k), opts.threads)
@@ -164,7 +186,28 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
-    return _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    report = _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    if timed is not None:
+        for key in TIMED_KEYS:
+            setattr(report, key, timed.timing[key])
+    return report
+
+
+def _output_length(opts: ReplayOptions, r) -> int:
+    """Tokens request ``r`` generates: 1 in untimed simulation; else the trace's (scaled) length,
+    capped at ``max_output_tokens`` when set (timed simulation models the decode)."""
+    if opts.simulate and not opts.timed:
+        return 1
+    n = scaled_output_length(r, opts.block_tokens)
+    return n if opts.max_output_tokens is None else min(opts.max_output_tokens, n)
+
+
+def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
+    router = opts.router or ("hybrid" if opts.instances > 1 else "round-robin")
+    return TimedSetup(model=opts.model, seed=opts.seed, simulate=opts.simulate, instances=opts.instances,
+                      router=router, time_scale=opts.time_scale, cost_model=opts.cost_model,
+                      store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
+                      store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

@@ -1,0 +1,111 @@
+"""Every router on the bundled trace in timed simulation (issue 9 item 6).
+
+For 8 and 32 instances and the trace's own arrival rate, 2x and 4x it (time scale 1, 0.5,
+0.25), each router's TTFT p50 / p99, load skew (max / mean busy seconds), fraction of the
+oracle reused and bytes loaded from the simulated shared store. Writes
+``OUT.json`` (every run's figures), ``OUT.md`` (a markdown table) and ``OUT.png`` (TTFT CDF
+per router, one panel per fleet size and rate).
+
+Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_routers.py [--out docs/routing] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from rich.console import Console
+
+from hybridkv.fleet.routers import ROUTER_NAMES
+from hybridkv.replay.runner import ReplayOptions, run_replay
+
+SIZES = (8, 32)
+RATES = (1, 2, 4)
+
+
+def run_one(job: tuple[int, int, str, int | None, str | None]) -> dict:
+    """One timed simulation: ``(instances, rate multiplier, router, limit, cost model)`` -> figures."""
+    n, rate, router, limit, cost = job
+    t0 = time.perf_counter()
+    rep = run_replay(ReplayOptions(limit=limit, model="kimi-linear-48b-a3b", simulate=True, timed=True,
+                                   instances=n, router=router, time_scale=1.0 / rate, cost_model=cost,
+                                   progress=False), Console(quiet=True))
+    wall = time.perf_counter() - t0
+    return {"instances": n, "rate": rate, "router": router, "requests": rep.requests,
+            "ttft": rep.ttft_seconds, "ttft_cdf": rep.ttft_cdf_seconds, "queue": rep.queue_seconds,
+            "load_skew": rep.load_skew, "oracle_fraction": rep.oracle_fraction,
+            "store_bytes": rep.tiers["store"]["bytes_loaded"] if rep.tiers else 0,
+            "cost_model": rep.cost_model, "wall_seconds": round(wall, 2),
+            "requests_per_second": round(rep.requests / wall, 1)}
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table; the best TTFT p50 / p99 of each (instances, rate) in bold."""
+    lines = [("| instances | rate | router | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | load skew | "
+              "oracle fraction | store GB loaded | sim wall (s) |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in SIZES:
+        for rate in RATES:
+            group = [r for r in rows if r["instances"] == n and r["rate"] == rate]
+            if not group:
+                continue
+            best = {q: min(round(r["ttft"][q], 3) for r in group) for q in ("p50", "p99", "mean")}
+            for r in group:
+                cell = {q: (f"**{r['ttft'][q]:.3f}**" if round(r["ttft"][q], 3) == best[q] else f"{r['ttft'][q]:.3f}")
+                        for q in best}
+                lines.append(f"| {n} | {rate}x | {r['router']} | {cell['p50']} | {cell['p99']} | {cell['mean']} | "
+                             f"{r['load_skew']:.2f} | {r['oracle_fraction']:.3f} | {r['store_bytes'] / 1e9:.1f} | "
+                             f"{r['wall_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """TTFT CDF per router, one panel per (instances, rate)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(SIZES), len(RATES), figsize=(4.2 * len(RATES), 3.4 * len(SIZES)), squeeze=False)
+    for i, n in enumerate(SIZES):
+        for k, rate in enumerate(RATES):
+            ax = axes[i][k]
+            for r in (r for r in rows if r["instances"] == n and r["rate"] == rate):
+                ps, xs = zip(*r["ttft_cdf"])
+                ax.plot([max(x, 1e-3) for x in xs], [p / 100 for p in ps], label=r["router"])
+            ax.set_xscale("log")
+            ax.set_title(f"{n} instances, {rate}x trace rate", fontsize=9)
+            ax.set_xlabel("TTFT (s)")
+            ax.set_ylabel("fraction of requests")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs/routing", help="prefix of the .json, .md and .png written")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each takes one core)")
+    ap.add_argument("--cost-model", default=None, help="as replay --cost-model (default: the H200 model)")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="instance counts, comma-separated")
+    args = ap.parse_args()
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    jobs = [(n, rate, router, args.limit, args.cost_model) for n in sizes for rate in RATES for router in ROUTER_NAMES]
+    rows = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for row in pool.map(run_one, jobs):
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "ttft_cdf"}), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table(rows))
+    plot(rows, out.with_suffix(".png"))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""``hybridkv calibrate``: fit a :class:`~hybridkv.fleet.costmodel.StepCostModel` to the real
+model's step times on this machine, for the simulator to read (``--cost-model FILE``).
+
+It times :meth:`~hybridkv.engine.backend.TorchBackend.run` on prefill chunks of several
+lengths and starting positions and on decode batches of several sizes and contexts
+(median of ``repeats`` runs each, after one warm-up), then fits
+``seconds = overhead + linear * tokens + attention * pairs + seq * sequences`` by least
+squares on relative error, with non-negative coefficients (the CPU is compute-bound, so
+the memory terms stay 0).
+The fit's relative error on each sample is reported with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from hybridkv.engine.backend import StepItem, TorchBackend
+from hybridkv.engine.build import load_model
+from hybridkv.fleet.costmodel import StepCostModel
+from hybridkv.model.state import KDACheckpoint
+
+PREFILL_SHAPES = ((0, 64), (0, 256), (0, 512), (0, 1024), (1024, 256), (2048, 256), (2048, 1024))
+"""``(start, tokens)`` of the timed prefill chunks."""
+DECODE_SHAPES = ((1, 256), (4, 256), (4, 2048), (8, 1024))
+"""``(sequences, context)`` of the timed decode steps."""
+
+
+def _features(chunks: list[tuple[int, int]], decoders: int, context: int) -> list[float]:
+    tokens = decoders + sum(n for _, n in chunks)
+    pairs = decoders * context + sum(n * s + n * (n + 1) // 2 for s, n in chunks)
+    return [1.0, float(tokens), float(pairs), float(decoders + len(chunks))]
+
+
+def _time(backend: TorchBackend, items: list[StepItem], repeats: int) -> float:
+    backend.run(items)                                     # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        backend.run(items)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _state_at(model, position: int) -> KDACheckpoint | None:
+    """A zero KDA state claimed to be at ``position`` (its values do not change a step's time)."""
+    if not position:
+        return None
+    zero = model.zero_checkpoint()
+    return KDACheckpoint(zero.recurrent, zero.conv, position)
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients clipped at 0 (a column fitted negative is dropped and the rest refitted)."""
+    keep = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        negative = [k for k in keep if coef[k] < 0]
+        if not negative:
+            return coef
+        keep.remove(negative[0])
+
+
+def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3, block_size: int = 64) -> tuple[StepCostModel, list[dict]]:
+    """Time the model and fit the cost model.
+
+    Returns:
+        The fitted model and one ``{kind, shape, seconds, fitted}`` row per sample.
+
+    Raises:
+        ValueError: unknown preset or bad model directory (from :func:`load_model`).
+    """
+    model = load_model(model_name, seed)
+    longest = max(s + n for s, n in PREFILL_SHAPES) + max(c for _, c in DECODE_SHAPES)
+    pages = -(-longest // block_size)
+    backend = TorchBackend(model, pages * max(b for b, _ in DECODE_SHAPES), block_size)
+    table = list(range(pages))
+    rng = np.random.default_rng(seed)
+    rows, x, y = [], [], []
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.from_numpy(rng.integers(0, model.config.vocab_size, n))
+
+    for start, n in PREFILL_SHAPES:
+        state = _state_at(model, start)
+        sec = _time(backend, [StepItem(ids(n), start, table, state)], repeats)
+        rows.append({"kind": "prefill", "shape": [start, n], "seconds": sec})
+        x.append(_features([(start, n)], 0, 0))
+        y.append(sec)
+    for b, ctx in DECODE_SHAPES:
+        items = [StepItem(ids(1), ctx, list(range(k * pages, (k + 1) * pages)), _state_at(model, ctx))
+                 for k in range(b)]
+        sec = _time(backend, items, repeats)
+        rows.append({"kind": "decode", "shape": [b, ctx], "seconds": sec})
+        x.append(_features([], b, ctx))
+        y.append(sec)
+    xa, ya = np.asarray(x), np.asarray(y)
+    coef = _nonnegative_fit(xa / ya[:, None], np.ones_like(ya))           # relative error of each sample
+    for row, feats in zip(rows, x):
+        row["fitted"] = float(np.dot(coef, feats))
+    worst = max(abs(r["fitted"] - r["seconds"]) / r["seconds"] for r in rows)
+    cost = StepCostModel(
+        name=f"{model_name} on {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s)",
+        overhead_s=float(coef[0]), linear_s_per_token=float(coef[1]), attention_s_per_pair=float(coef[2]),
+        seq_s=float(coef[3]),
+        source=f"hybridkv calibrate: {len(rows)} timed steps (median of {repeats}), least squares, "
+               f"worst relative error {worst:.1%}")
+    return cost, rows
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``hybridkv calibrate`` (options: ``model, out, repeats, threads, seed``): 0 when the file
+    is written, 2 on a bad model or an unwritable path."""
+    torch.set_num_threads(args.threads)
+    try:
+        cost, rows = calibrate(args.model, args.seed, args.repeats)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(cost.to_json() + "\n")
+    except OSError as exc:
+        print(f"error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    for r in rows:
+        print(f"{r['kind']:8s} {r['shape']!s:14s} measured {r['seconds'] * 1e3:9.2f} ms  "
+              f"fitted {r['fitted'] * 1e3:9.2f} ms")
+    print(f"wrote {args.out}: {cost.source}")
+    return 0

@@ -1,0 +1,158 @@
+"""Cache events: what an instance tells routers about its cache, and a router's view built from them.
+
+Modelled on vLLM's KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``)
+plus the two a hybrid model needs: a KDA checkpoint published at a boundary, and one
+removed while its KV stays. Every event carries the instance's *epoch*: a restarted
+instance starts a new epoch, and a view that sees a newer epoch forgets everything it
+knew of that instance, so cache lost in a restart stops attracting traffic even if the
+instance's sequence numbers start again at 0.
+
+Keys are chained hashes of ``[0, end)`` per ``prefix_match_unit`` (they identify a
+prefix; they are not token ids). They stay inside the process: an event's ``repr``
+shows only how many keys it carries, and nothing here logs them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hybridkv.cache.coordinator import EvictedEntry
+from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
+
+
+class EventKind(enum.Enum):
+    """What happened to the keys of one :class:`CacheEvent`."""
+
+    BLOCKS_STORED = "blocks_stored"              # KV of these units is cached
+    BLOCKS_REMOVED = "blocks_removed"            # KV (and any checkpoint) of these units is gone
+    CHECKPOINTS_STORED = "checkpoints_stored"    # a KDA checkpoint is published at these boundaries
+    CHECKPOINTS_REMOVED = "checkpoints_removed"  # the checkpoint at these boundaries is gone, KV stays
+    ALL_CLEARED = "all_cleared"                  # the instance holds nothing (restart, purge)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """One event of one instance.
+
+    Attributes:
+        instance: index of the emitting instance.
+        epoch: the instance's epoch (incremented by every restart).
+        seq: 0-based sequence number within ``(instance, epoch)``.
+        kind: what happened.
+        keys: chained unit hashes concerned (empty for ``ALL_CLEARED``).
+    """
+
+    instance: int
+    epoch: int
+    seq: int
+    kind: EventKind
+    keys: tuple[bytes, ...] = field(repr=False)
+
+    def __repr__(self) -> str:
+        return (f"CacheEvent(instance={self.instance}, epoch={self.epoch}, seq={self.seq}, "
+                f"kind={self.kind.value}, keys={len(self.keys)})")
+
+
+class EventPublisher:
+    """An engine's :class:`~hybridkv.engine.engine.CacheListener` that turns its calls into
+    :class:`CacheEvent` s, buffered until :meth:`drain` (the fleet delivers them when the
+    step that caused them ends).
+
+    Args:
+        instance: index of the instance.
+    """
+
+    def __init__(self, instance: int) -> None:
+        self.instance = instance
+        self.epoch = 0
+        self._seq = 0
+        self._buffer: list[CacheEvent] = []
+
+    def _emit(self, kind: EventKind, keys) -> None:
+        if keys or kind is EventKind.ALL_CLEARED:
+            self._buffer.append(CacheEvent(self.instance, self.epoch, self._seq, kind, tuple(keys)))
+            self._seq += 1
+
+    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes]) -> None:
+        """KV units cached, checkpoints published, tail checkpoints retired (one publish call)."""
+        self._emit(EventKind.BLOCKS_STORED, unit_keys)
+        self._emit(EventKind.CHECKPOINTS_STORED, checkpoint_keys)
+        self._emit(EventKind.CHECKPOINTS_REMOVED, retired_keys)
+
+    def evicted(self, entries: list[EvictedEntry]) -> None:
+        """Entries about to be evicted: a page's units (with their checkpoints), or a checkpoint alone."""
+        self._emit(EventKind.BLOCKS_REMOVED, [e.key for e in entries if e.page is not None])
+        self._emit(EventKind.CHECKPOINTS_REMOVED, [e.key for e in entries if e.page is None])
+
+    def restart(self) -> None:
+        """A new epoch (the instance lost its cache): sequence numbers start again at 0."""
+        self.epoch += 1
+        self._seq = 0
+        self._emit(EventKind.ALL_CLEARED, ())
+
+    def drain(self) -> list[CacheEvent]:
+        """Events emitted since the last drain, oldest first."""
+        out, self._buffer = self._buffer, []
+        return out
+
+
+class InstanceView:
+    """What a router knows of one instance's cache: the keys with KV and those with a
+    checkpoint, from events only.
+
+    Invariant: every key in ``checkpoints`` is in ``kv`` (a checkpoint hangs on a cached unit).
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens (the spacing of the keys).
+    """
+
+    def __init__(self, unit: int) -> None:
+        self.unit = unit
+        self.epoch = -1
+        self.kv: set[bytes] = set()
+        self.checkpoints: set[bytes] = set()
+        self.stale_dropped = 0          # events of an older epoch, ignored
+
+    def apply(self, event: CacheEvent) -> None:
+        """Update the view; an event of an older epoch is dropped, one of a newer epoch first
+        forgets everything known of the old one."""
+        if event.epoch < self.epoch:
+            self.stale_dropped += 1
+            return
+        if event.epoch > self.epoch:
+            self.epoch = event.epoch
+            self.kv.clear()
+            self.checkpoints.clear()
+        kind, keys = event.kind, event.keys
+        if kind is EventKind.BLOCKS_STORED:
+            self.kv.update(keys)
+        elif kind is EventKind.CHECKPOINTS_STORED:
+            self.checkpoints.update(k for k in keys if k in self.kv)
+        elif kind is EventKind.BLOCKS_REMOVED:
+            self.kv.difference_update(keys)
+            self.checkpoints.difference_update(keys)
+        elif kind is EventKind.CHECKPOINTS_REMOVED:
+            self.checkpoints.difference_update(keys)
+        else:
+            self.kv.clear()
+            self.checkpoints.clear()
+
+    def kv_run(self, hashes: list[bytes], limit: int) -> int:
+        """Contiguous KV from token 0 over ``hashes`` (whole units), at most ``limit`` tokens."""
+        n = 0
+        kv = self.kv
+        for key in hashes[: limit // self.unit]:
+            if key not in kv:
+                break
+            n += 1
+        return n * self.unit
+
+    def match(self, hashes: list[bytes], limit: int) -> JointHit:
+        """The joint hit this instance would give a prompt with unit hashes ``hashes``, under
+        ``limit`` tokens (:func:`~hybridkv.cache.groups.reuse_cap`): the rule of
+        :func:`~hybridkv.cache.groups.joint_hit` over the boundaries the events reported."""
+        g, ck = self.unit, self.checkpoints
+        run = self.kv_run(hashes, limit) // g
+        bounds = [EntryPresence((i + 1) * g, True, hashes[i] in ck) for i in range(run)]
+        return joint_hit(bounds, limit)

@@ -1,0 +1,309 @@
+"""One engine instance on a virtual clock: its queue, its engine, its modelled decode, its load.
+
+Time is virtual (seconds). Each step advances the instance's clock by the step's
+duration: the measured wall time of the real engine's step, or the cost model's
+price of the simulated engine's step (:class:`~hybridkv.fleet.costmodel.StepCostModel`).
+With a cost model the engine runs each request to its first token (prefill, the real
+cache code deciding every hit) and the instance models the rest of the decode as one
+token per step for each decoding sequence; decoding sequences take part in the price
+of every step and count against ``max_num_seqs``. Their KV pages are released when
+the engine finishes the prefill (they are not reusable by other prompts anyway), so
+decode does not press on the page pool: a stated simplification.
+
+With a simulated shared store (:class:`SimulatedStore`), a request whose joint hit in
+the store is deeper than the instance's own is loaded before it enters the engine: the
+missing KV pages and the checkpoint are installed through the coordinator's install
+seams (as the store tier does) unless the cost model predicts that computing the
+missing tokens is faster, and the load's seconds
+(:meth:`~hybridkv.fleet.store.StoreCost.load_seconds`) pass on the instance's clock
+before its next step, not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hybridkv.cache.groups import reuse_cap
+from hybridkv.engine.build import EngineHandle
+from hybridkv.engine.request import Request, Status
+from hybridkv.fleet.costmodel import StepCostModel
+from hybridkv.fleet.events import EventPublisher
+from hybridkv.fleet.routers import InstanceLoad
+from hybridkv.fleet.store import StoreCost, StoreView, load_start
+
+BuildEngine = Callable[[EventPublisher, Callable | None], EngineHandle]
+"""``build(listener, step_cost) -> EngineHandle``: a fresh engine whose cache reports to
+``listener``; ``step_cost`` is ``None`` for a real model (timed by the clock)."""
+
+
+@dataclass(slots=True, eq=False)
+class FleetRequest:
+    """One request's journey; times are seconds on the fleet's clock (``None``: not yet).
+
+    Attributes:
+        index: trace index.
+        request: the engine request (prompt, status, match).
+        arrival: when it reaches the router (scaled trace timestamp).
+        output_tokens: tokens it generates in all.
+        instance: where the router sent it.
+        admitted: when its engine admitted it (looked up, got its pages).
+        first_token: end of the step that produced its first token.
+        finished: end of the step that produced its last token (or rejected it).
+        rejected: the engine refused it.
+        predicted_s: prefill seconds the fleet predicted for it when routed.
+        decode_left: tokens still to generate in the modelled decode.
+        hashes: chained unit hashes of the prompt (set when routed).
+    """
+
+    index: int
+    request: Request
+    arrival: float
+    output_tokens: int
+    instance: int | None = None
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    rejected: bool = False
+    predicted_s: float = 0.0
+    decode_left: int = 0
+    hashes: list[bytes] = field(default_factory=list, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedStore:
+    """The shared store of a simulated fleet: what it holds and what a load costs."""
+
+    view: StoreView
+    cost: StoreCost
+
+
+@dataclass(slots=True)
+class InstanceStats:
+    """Per-instance figures of a timed run (tokens, seconds, requests); ``store_*`` count
+    loads from a simulated store (tokens of joint hit gained, bytes, seconds, and loads
+    declined because computing ``[local hit, store hit)`` was predicted faster)."""
+
+    requests: int = 0
+    busy_seconds: float = 0.0
+    reused_tokens: int = 0
+    queue_peak: int = 0
+    store_hit_tokens: int = 0
+    store_bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    store_declined: int = 0
+
+    def as_dict(self) -> dict:
+        """``{requests, busy_seconds, reused_tokens, queue_peak}``."""
+        return {"requests": self.requests, "busy_seconds": round(self.busy_seconds, 6),
+                "reused_tokens": self.reused_tokens, "queue_peak": self.queue_peak}
+
+
+class FleetInstance:
+    """An engine with a queue in front and a virtual clock.
+
+    Args:
+        index: 0-based instance index.
+        build: makes the engine (:data:`BuildEngine`); called again on :meth:`restart`.
+        cost: prices simulated steps and models decode; ``None``: a real engine whose
+            steps are timed by ``time.perf_counter``.
+        max_num_seqs: sequences in prefill or decode at once.
+        store: the simulated shared store, or ``None`` (none, or a real engine's own store tier).
+    """
+
+    def __init__(self, index: int, build: BuildEngine, cost: StepCostModel | None, max_num_seqs: int,
+                 store: SimulatedStore | None = None) -> None:
+        self.index = index
+        self.store = store
+        self._load_s = 0.0                             # store loads waiting to pass on the clock
+        self.cost = cost
+        self.max_num_seqs = max_num_seqs
+        self._build = build
+        self.publisher = EventPublisher(index)
+        self.handle = build(self.publisher, self._price if cost is not None else None)
+        self.retired: list[EngineHandle] = []         # engines replaced by restarts (their counters stay)
+        self.clock = 0.0
+        self.queue: deque[FleetRequest] = deque()
+        self.in_engine: list[FleetRequest] = []
+        self.decoding: list[FleetRequest] = []
+        self.load = InstanceLoad()
+        self.stats = InstanceStats()
+        self._priced = False
+
+    @property
+    def has_work(self) -> bool:
+        """Requests are queued, in the engine or decoding."""
+        return bool(self.queue or self.in_engine or self.decoding)
+
+    def enqueue(self, fr: FleetRequest, now: float, predicted_s: float) -> None:
+        """Accept a routed request at time ``now`` (an idle instance's clock jumps to it)."""
+        if not self.has_work:
+            self.clock = max(self.clock, now)
+        fr.instance, fr.predicted_s = self.index, predicted_s
+        self.queue.append(fr)
+        ld = self.load
+        ld.outstanding_tokens += fr.request.prompt_len
+        ld.queued_seconds += predicted_s
+        ld.in_flight += 1
+        ld.in_flight_tokens += fr.request.prompt_len + fr.output_tokens
+        ld.routed += 1
+        self.stats.queue_peak = max(self.stats.queue_peak, len(self.queue))
+
+    def restart(self) -> None:
+        """Replace the engine by a fresh one (empty cache) in a new event epoch.
+
+        Raises:
+            RuntimeError: the instance still has requests.
+        """
+        if self.has_work:
+            raise RuntimeError(f"instance {self.index}: cannot restart with requests in flight")
+        self.retired.append(self.handle)
+        self.handle.close()
+        self.publisher.restart()
+        self.handle = self._build(self.publisher, self._price if self.cost is not None else None)
+
+    # -- stepping --------------------------------------------------------
+    def _decode_context(self) -> int:
+        return sum(fr.request.prompt_len + fr.output_tokens - fr.decode_left for fr in self.decoding)
+
+    def _price(self, items) -> float:
+        """The simulated backend's ``step_cost``: prefill items plus this instance's decoders."""
+        self._priced = True
+        chunks = [(it.start, int(it.token_ids.shape[0])) for it in items]
+        return self.cost.step_seconds(chunks, len(self.decoding), self._decode_context())
+
+    def _feed(self) -> None:
+        engine = self.handle.engine
+        while self.queue and len(engine.waiting) + len(engine.running) + len(self.decoding) < self.max_num_seqs:
+            fr = self.queue.popleft()
+            if self.store is not None:
+                self._load_s += self._fetch(fr)
+            engine.add_request(fr.request)
+            self.in_engine.append(fr)
+
+    def _fetch(self, fr: FleetRequest) -> float:
+        """Install the store's deeper joint hit for ``fr`` (KV pages and checkpoint); its seconds."""
+        cache, r = self.handle.engine.cache, fr.request
+        got = self.store.view.match(fr.hashes, reuse_cap(r.prompt_len, cache.config.prefix_match_unit)).hit
+        if not got:
+            return 0.0
+        local = cache.lookup(r.prompt, r.namespace, touch=False)
+        if got <= local.hit:
+            return 0.0
+        start = load_start(local.kv_hit, got, cache.config.block_size)
+        seconds = self.store.cost.load_seconds(start, got)
+        if seconds >= self.cost.prefill_seconds(local.hit, got):
+            self.stats.store_declined += 1                # recomputing is faster than loading
+            return 0.0
+        if start < got and not cache.install_kv(fr.hashes, start, got, _no_tensors):
+            return 0.0
+        if not cache.install_checkpoint(fr.hashes, None, got):
+            return 0.0
+        g = cache.config.prefix_match_unit
+        self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[got // g - 1]], [])
+        st = self.stats
+        st.store_hit_tokens += got - local.hit
+        st.store_bytes_loaded += self.store.cost.load_bytes(start, got)
+        st.store_seconds += seconds
+        return seconds
+
+    def _engine_step(self) -> float:
+        """One engine step; its duration in seconds (modelled or measured)."""
+        engine = self.handle.engine
+        if self.cost is None:
+            t0 = time.perf_counter()
+            engine.step()
+            return time.perf_counter() - t0
+        before, self._priced = self.handle.backend.modelled_seconds, False
+        engine.step()
+        dt = self.handle.backend.modelled_seconds - before
+        if not self._priced and self.decoding:        # nothing scheduled: the decoders still step
+            dt = self.cost.step_seconds([], len(self.decoding), self._decode_context())
+        return dt
+
+    def _decode_steps(self, horizon: float) -> tuple[int, float]:
+        """Decode-only steps to run at once (until a decoder ends or ``horizon``), and their seconds."""
+        b = len(self.decoding)
+        one = self.cost.step_seconds([], b, self._decode_context())
+        k = min(fr.decode_left for fr in self.decoding)
+        if math.isfinite(horizon) and one > 0:
+            k = max(1, min(k, int((horizon - self.clock) / one)))
+        return k, self.cost.step_seconds([], b, self._decode_context() + b * (k - 1) // 2) * k
+
+    def step(self, horizon: float = math.inf) -> list[FleetRequest]:
+        """Advance by one engine step (or, with only modelled decoders, by as many decode steps
+        as end before ``horizon``, the next arrival, or the next decoder's end).
+
+        Returns:
+            Requests that finished or were rejected in it.
+        """
+        self._feed()
+        start, load, self._load_s = self.clock + self._load_s, self._load_s, 0.0
+        if self.handle.engine.has_work:
+            k, dt = 1, self._engine_step()
+        elif self.decoding:
+            k, dt = self._decode_steps(horizon)
+        else:
+            return []
+        end = self.clock = start + dt
+        self.stats.busy_seconds += load + dt
+        done = self._advance_decoders(k, end)
+        done += self._collect(start, end)
+        return done
+
+    def _advance_decoders(self, k: int, end: float) -> list[FleetRequest]:
+        done, still = [], []
+        for fr in self.decoding:
+            fr.decode_left -= k
+            (still if fr.decode_left > 0 else done).append(fr)
+        self.decoding = still
+        for fr in done:
+            self._finish(fr, end)
+        return done
+
+    def _collect(self, start: float, end: float) -> list[FleetRequest]:
+        """Record admissions, first tokens and ends of the requests in the engine."""
+        done, still = [], []
+        for fr in self.in_engine:
+            r = fr.request
+            if fr.admitted is None and r.status is not Status.WAITING:
+                fr.admitted = start
+                if r.status is not Status.REJECTED:
+                    self.stats.requests += 1
+                    self.stats.reused_tokens += r.reused
+            if r.status is Status.REJECTED:
+                fr.rejected = True
+                self._first_token(fr, end)
+                self._finish(fr, end)
+                done.append(fr)
+                continue
+            if fr.first_token is None and r.output:
+                self._first_token(fr, end)
+            if not r.done:
+                still.append(fr)
+            elif self.cost is not None and fr.output_tokens > 1:
+                fr.decode_left = fr.output_tokens - 1
+                self.decoding.append(fr)
+            else:
+                self._finish(fr, end)
+                done.append(fr)
+        self.in_engine = still
+        return done
+
+    def _first_token(self, fr: FleetRequest, end: float) -> None:
+        if not fr.rejected:
+            fr.first_token = end
+        self.load.outstanding_tokens -= fr.request.prompt_len
+        self.load.queued_seconds = max(0.0, self.load.queued_seconds - fr.predicted_s)
+
+    def _finish(self, fr: FleetRequest, end: float) -> None:
+        fr.finished = end
+        self.load.in_flight -= 1
+        self.load.in_flight_tokens -= fr.request.prompt_len + fr.output_tokens
+
+
+def _no_tensors(pages) -> None:
+    """``write_pages`` of a simulated install: there are no latents to copy."""

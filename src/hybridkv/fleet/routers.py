@@ -1,0 +1,309 @@
+"""Routers: which instance serves a request, decided from cache events and load only.
+
+Every router sees the same :class:`FleetState`: one
+:class:`~hybridkv.fleet.events.InstanceView` per instance (built from that instance's
+events, never from its memory), an optional view of the shared store, and each
+instance's :class:`InstanceLoad`. A request is its whole prompt's unit hashes, so the
+whole prompt decides, never its first message.
+
+* ``round-robin``; ``least-load``: fewest outstanding prompt tokens.
+* ``prefix``: the behaviour of SGLang's ``cache_aware`` policy in our own code: an
+  approximate per-instance tree of the prompts routed there; the longest match wins when
+  its match ratio reaches ``cache_threshold``, unless the load is imbalanced
+  (``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min`` in
+  requests in flight), when the least loaded wins; a poor match goes to the instance
+  with the smallest tree (as SGLang does, whatever its queue).
+* ``kv-overlap``: Dynamo's KV-router cost over KV blocks only:
+  ``w * prefill_blocks + active_blocks`` (blocks to prefill here, given the KV overlap,
+  plus blocks of work already queued; blocks held by requests in flight).
+* ``hybrid``: ``score = T_saved - T_queue - T_transfer - T_cold`` in seconds (DESIGN §7)
+  over the *joint* hit (KV contiguous plus a checkpoint at or below it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from hybridkv.fleet.costmodel import StepCostModel
+from hybridkv.fleet.events import InstanceView
+from hybridkv.fleet.store import StoreCost, load_start
+
+
+@dataclass(slots=True)
+class InstanceLoad:
+    """Load of one instance as routers see it; the fleet owns and updates it.
+
+    Attributes:
+        outstanding_tokens: prompt tokens of requests routed here without a first token yet.
+        queued_seconds: predicted prefill seconds of those requests (the router's estimate
+            when it routed them).
+        in_flight: requests routed here and not finished.
+        in_flight_tokens: prompt + output tokens of those (KV they hold or will hold).
+        routed: requests ever routed here (the last tie-break, so idle instances share misses).
+    """
+
+    outstanding_tokens: int = 0
+    queued_seconds: float = 0.0
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    routed: int = 0
+
+    def key(self) -> tuple[int, int, int]:
+        """Lighter first: outstanding prompt tokens, then requests in flight, then requests routed."""
+        return self.outstanding_tokens, self.in_flight, self.routed
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a router knows of a request.
+
+    Attributes:
+        hashes: chained hashes of every whole ``prefix_match_unit`` of the prompt.
+        prompt_tokens: prompt length in tokens.
+        limit: most tokens reusable (:func:`~hybridkv.cache.groups.reuse_cap`).
+        output_tokens: tokens the request will generate (its KV too).
+    """
+
+    hashes: list[bytes] = field(repr=False)
+    prompt_tokens: int
+    limit: int
+    output_tokens: int = 1
+
+
+@dataclass(slots=True)
+class FleetState:
+    """The router's inputs: per-instance views and loads, the store's view (or ``None``)."""
+
+    views: list[InstanceView]
+    loads: list[InstanceLoad]
+    store: InstanceView | None = None
+
+
+def least_loaded(loads: list[InstanceLoad], among=None) -> int:
+    """Index of the lightest :meth:`InstanceLoad.key` (then the lowest index) among ``among`` (default all)."""
+    among = range(len(loads)) if among is None else among
+    return min(among, key=lambda j: (loads[j].key(), j))
+
+
+class Router(ABC):
+    """Picks an instance for each request; may keep state of its own decisions."""
+
+    name: str
+
+    @abstractmethod
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        """Index of the instance that serves ``req``."""
+
+
+class RoundRobin(Router):
+    """Instances in turn."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        return next(self._next) % len(fleet.loads)
+
+
+class LeastLoad(Router):
+    """Fewest outstanding prompt tokens (ties: :func:`least_loaded`)."""
+
+    name = "least-load"
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        return least_loaded(fleet.loads)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixOptions:
+    """SGLang ``cache_aware`` thresholds: match ratio (0..1), absolute and relative imbalance
+    (requests in flight)."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+
+
+class PrefixRouter(Router):
+    """Longest prefix over a per-instance tree of routed prompts (approximate: no events).
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        options: thresholds.
+    """
+
+    name = "prefix"
+
+    def __init__(self, unit: int, options: PrefixOptions = PrefixOptions()) -> None:
+        self.options = options
+        self.unit = unit
+        self.trees: list[InstanceView] = []
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        n, o = len(fleet.loads), self.options
+        while len(self.trees) < n:
+            self.trees.append(InstanceView(self.unit))
+        flight = [ld.in_flight for ld in fleet.loads]
+        if max(flight) - min(flight) > o.balance_abs_threshold and max(flight) > o.balance_rel_threshold * min(flight):
+            j = least_loaded(fleet.loads)
+        else:
+            matched = [t.kv_run(req.hashes, len(req.hashes) * self.unit) for t in self.trees]
+            best = max(range(n), key=lambda i: (matched[i], -i))
+            if req.prompt_tokens and matched[best] / req.prompt_tokens >= o.cache_threshold:
+                j = best
+            else:
+                j = min(range(n), key=lambda i: (len(self.trees[i].kv), i))
+        self.trees[j].kv.update(req.hashes)
+        return j
+
+
+class KVOverlapRouter(Router):
+    """Dynamo-like: minimise ``w * prefill_blocks + active_blocks`` from KV overlap alone.
+
+    Args:
+        block_size: KV page size in tokens (the block the cost counts).
+        overlap_weight: ``w`` (Dynamo's default 1.0).
+    """
+
+    name = "kv-overlap"
+
+    def __init__(self, block_size: int, overlap_weight: float = 1.0) -> None:
+        self.block_size = block_size
+        self.overlap_weight = overlap_weight
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        b = self.block_size
+
+        def cost(j: int) -> tuple:
+            overlap = fleet.views[j].kv_run(req.hashes, req.limit)
+            ld = fleet.loads[j]
+            prefill = (req.prompt_tokens - overlap + ld.outstanding_tokens) / b
+            active = (ld.in_flight_tokens + req.prompt_tokens + req.output_tokens) / b
+            return self.overlap_weight * prefill + active, ld.key(), j
+
+        return min(range(len(fleet.loads)), key=cost)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridOptions:
+    """Guards against hot-spotting.
+
+    Attributes:
+        hot_relative, hot_absolute_s: an instance whose queued seconds exceed
+            ``hot_relative * mean + hot_absolute_s`` is not a candidate (unless none is below it).
+        tie_relative: scores within this fraction of the request's full prefill seconds of
+            the best count as equal, and the least loaded of them wins: a small hit (a shared
+            system prompt every instance soon holds) must not pull all traffic to the few
+            instances that hold it first while the rest stand idle.
+    """
+
+    hot_relative: float = 2.0
+    hot_absolute_s: float = 2.0
+    tie_relative: float = 0.1
+
+
+class HybridRouter(Router):
+    """``score_j = T_saved,j - T_queue,j - T_transfer,j - T_cold,j`` (seconds), highest wins.
+
+    * ``T_saved``: prefill seconds of ``[0, T)`` minus those of ``[h_j, T)``, ``h_j`` the
+      joint hit on instance ``j`` (its view) or in the store, whichever is deeper
+      (a KV run without a checkpoint at or below it saves nothing).
+    * ``T_queue``: the instance's queued prefill seconds (:attr:`InstanceLoad.queued_seconds`).
+    * ``T_transfer``: store bytes of the KV the instance lacks up to ``h_store`` and the
+      checkpoint there, over the store bandwidth, when the store's hit is deeper;
+      ``T_cold``: the per-object latency of that load (the instance must fetch before it
+      computes). Both 0 for a local hit or a miss (:class:`~hybridkv.fleet.store.StoreCost`).
+    * Ties (scores within ``tie_relative`` of the full prefill; misses everywhere) go to the
+      least loaded.
+
+    Args:
+        cost: prices prefill (:meth:`StepCostModel.prefill_seconds`).
+        store: store transfer cost, or ``None`` (no shared store).
+        options: hot-spot guard.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, cost: StepCostModel, store: StoreCost | None = None,
+                 options: HybridOptions = HybridOptions()) -> None:
+        self.cost = cost
+        self.store = store
+        self.options = options
+
+    def predicted_prefill(self, req: RouteRequest, hit: int) -> float:
+        """Seconds to prefill ``[hit, T)`` of ``req``."""
+        return self.cost.prefill_seconds(hit, req.prompt_tokens)
+
+    def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int) -> tuple[float, int]:
+        """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``."""
+        m = fleet.views[j].match(req.hashes, req.limit)
+        hit, transfer, cold = m.hit, 0.0, 0.0
+        if self.store is not None and store_hit > m.hit:
+            start = load_start(m.kv_hit, store_hit, self.store.alignment)
+            hit = store_hit
+            transfer, cold = self.store.transfer_seconds(start, hit), self.store.latency_seconds(start, hit)
+        full = self.predicted_prefill(req, 0)
+        saved = full - self.predicted_prefill(req, hit)
+        return saved - fleet.loads[j].queued_seconds - transfer - cold, hit
+
+    def candidates(self, fleet: FleetState) -> list[int]:
+        """Instances not hot: queued seconds within the guard."""
+        q = [ld.queued_seconds for ld in fleet.loads]
+        bound = self.options.hot_relative * sum(q) / len(q) + self.options.hot_absolute_s
+        cool = [j for j, s in enumerate(q) if s <= bound]
+        return cool or list(range(len(q)))
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
+        scored = {j: self.score(req, fleet, j, store_hit)[0] for j in self.candidates(fleet)}
+        tie = self.options.tie_relative * self.predicted_prefill(req, 0) + 1e-9
+        top = max(scored.values())
+        return least_loaded(fleet.loads, [j for j, s in scored.items() if s >= top - tie])
+
+
+ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
+"""Names ``--router`` accepts."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything a router may need, built once from the command line.
+
+    Attributes:
+        name: one of :data:`ROUTER_NAMES`.
+        unit: ``prefix_match_unit`` (tokens).  block_size: KV page size (tokens).
+        cost: the step cost model (prices prefill for ``hybrid``).
+        store: store transfer cost or ``None``.
+        prefix: ``prefix`` thresholds.  hybrid: ``hybrid`` guard.
+    """
+
+    name: str
+    unit: int
+    block_size: int
+    cost: StepCostModel
+    store: StoreCost | None = None
+    prefix: PrefixOptions = PrefixOptions()
+    hybrid: HybridOptions = HybridOptions()
+
+
+def make_router(cfg: RouterConfig) -> Router:
+    """A fresh router.
+
+    Raises:
+        ValueError: an unknown router name (named, with the choices).
+    """
+    if cfg.name == "round-robin":
+        return RoundRobin()
+    if cfg.name == "least-load":
+        return LeastLoad()
+    if cfg.name == "prefix":
+        return PrefixRouter(cfg.unit, cfg.prefix)
+    if cfg.name == "kv-overlap":
+        return KVOverlapRouter(cfg.block_size)
+    if cfg.name == "hybrid":
+        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid)
+    raise ValueError(f"unknown router {cfg.name!r}; choose one of {', '.join(ROUTER_NAMES)}")

@@ -1,0 +1,180 @@
+"""The fleet: a discrete-event loop over instances on virtual clocks, a router, and the
+event stream between them.
+
+Arrivals are taken in time order. Before a request is routed, every instance whose
+clock is earlier steps first (the instance with the earliest clock always goes next),
+so a routing decision at time ``t`` sees each instance as of its last step ending by
+``t`` (a step that started before ``t`` and ends after it is seen whole: the instance
+state is sampled at step granularity). Cache events an instance emits in a step
+reach the router's views when that step ends. The same loop drives real engines (step
+durations measured) and simulated ones (durations from a cost model).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridkv.cache.groups import reuse_cap
+from hybridkv.fleet.costmodel import StepCostModel
+from hybridkv.fleet.events import CacheEvent, InstanceView
+from hybridkv.fleet.instance import FleetInstance, FleetRequest
+from hybridkv.fleet.routers import FleetState, Router, RouteRequest
+from hybridkv.fleet.store import StoreView
+
+
+@dataclass(slots=True)
+class _EventQueue:
+    """Events waiting for their delivery time (seconds), in order."""
+
+    heap: list = field(default_factory=list)
+    seq: itertools.count = field(default_factory=itertools.count)
+
+    def push(self, at: float, events: list[CacheEvent]) -> None:
+        for ev in events:
+            heapq.heappush(self.heap, (at, next(self.seq), ev))
+
+    def pop_until(self, now: float):
+        while self.heap and self.heap[0][0] <= now:
+            yield heapq.heappop(self.heap)[2]
+
+
+class Fleet:
+    """Instances, a router and the router's event-fed views.
+
+    Args:
+        instances: the instances (indices ``0..N-1`` in order).
+        router: decides where each request goes.
+        unit: ``prefix_match_unit`` in tokens.
+        estimate: prices the prefill a routed request will need (its queued-seconds load).
+        store: the shared store's view (fed by every instance's events), or ``None``.
+    """
+
+    def __init__(self, instances: list[FleetInstance], router: Router, unit: int, estimate: StepCostModel,
+                 store: StoreView | None = None) -> None:
+        if not instances:
+            raise ValueError("a fleet needs at least one instance")
+        self.instances = instances
+        self.router = router
+        self.unit = unit
+        self.estimate = estimate
+        self.state = FleetState(views=[InstanceView(unit) for _ in instances], loads=[i.load for i in instances],
+                                store=store)
+        self._events = _EventQueue()
+        self._hash = instances[0].handle.engine.cache.hash_prompt
+        self._busy: list[tuple[float, int]] = []
+
+    def deliver(self, now: float) -> None:
+        """Apply every event due by ``now`` (seconds) to the router's views."""
+        store = self.state.store
+        for ev in self._events.pop_until(now):
+            self.state.views[ev.instance].apply(ev)
+            if store is not None:
+                store.apply(ev)
+
+    def route(self, fr: FleetRequest) -> int:
+        """Route one request at its arrival and queue it on the chosen instance."""
+        self.deliver(fr.arrival)
+        r = fr.request
+        hashes = fr.hashes = self._hash(r.prompt, r.namespace)
+        rr = RouteRequest(hashes=hashes, prompt_tokens=r.prompt_len, limit=reuse_cap(r.prompt_len, self.unit),
+                          output_tokens=fr.output_tokens)
+        j = self.router.route(rr, self.state)
+        if not 0 <= j < len(self.instances):
+            raise RuntimeError(f"router {self.router.name} chose instance {j} of {len(self.instances)}")
+        hit = self.state.views[j].match(hashes, rr.limit).hit
+        inst = self.instances[j]
+        idle = not inst.has_work
+        inst.enqueue(fr, fr.arrival, self.estimate.prefill_seconds(hit, r.prompt_len))
+        if idle:
+            heapq.heappush(self._busy, (inst.clock, j))
+        return j
+
+    def _step_next(self, horizon: float) -> int:
+        _, j = heapq.heappop(self._busy)
+        inst = self.instances[j]
+        self.deliver(inst.clock)                 # the store holds what was written before this step
+        done = inst.step(horizon)
+        self._events.push(inst.clock, inst.publisher.drain())
+        if inst.has_work:
+            heapq.heappush(self._busy, (inst.clock, j))
+        return len(done)
+
+    def run(self, requests: list[FleetRequest], progress: Callable[[int], None] | None = None) -> None:
+        """Serve ``requests`` (sorted by arrival) until every one is finished or rejected;
+        ``progress(n)`` hears of requests as they end.
+
+        Raises:
+            ValueError: ``requests`` not sorted by arrival (naming the first out of order).
+        """
+        for a, b in itertools.pairwise(requests):
+            if b.arrival < a.arrival:
+                raise ValueError(f"requests must be sorted by arrival: trace index {b.index} arrives "
+                                 f"at {b.arrival} s, before {a.arrival} s")
+        i = 0
+        while i < len(requests) or self._busy:
+            nxt = requests[i].arrival if i < len(requests) else math.inf
+            if self._busy and self._busy[0][0] < nxt:
+                ended = self._step_next(nxt)
+                if ended and progress is not None:
+                    progress(ended)
+            else:
+                self.route(requests[i])
+                i += 1
+        self.deliver(math.inf)
+
+    def restart(self, j: int) -> None:
+        """Restart instance ``j`` (idle) with an empty cache in a new epoch; the router hears
+        ``all_cleared`` at the instance's clock."""
+        inst = self.instances[j]
+        inst.restart()
+        self._events.push(inst.clock, inst.publisher.drain())
+
+
+def latency_summary(values: list[float]) -> dict[str, float | None]:
+    """``{mean, p50, p90, p99}`` of ``values`` in seconds (``None`` each when empty);
+    percentiles by linear interpolation (numpy's default)."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": round(float(a.mean()), 6), "p50": round(float(p50), 6), "p90": round(float(p90), 6),
+            "p99": round(float(p99), 6)}
+
+
+CDF_PERCENTILES = (1, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 95, 99, 99.9)
+"""Percentiles of ``ttft_cdf_seconds``."""
+
+
+def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance]) -> dict:
+    """The timed report's figures: ``ttft_seconds``, ``queue_seconds``, ``e2e_seconds``
+    (each :func:`latency_summary` over served requests, from arrival), ``rejected`` (count),
+    ``instances`` (per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``),
+    ``store`` (``{hit_tokens, bytes_loaded, seconds, declined}`` of loads from a simulated store),
+    ``load_skew`` (max / mean busy seconds; ``None`` when nothing was busy) and
+    ``makespan_seconds`` (last finish on the fleet's clock) and ``ttft_cdf_seconds``
+    (``[percentile, seconds]`` at :data:`CDF_PERCENTILES`, for plots)."""
+    served = [fr for fr in requests if not fr.rejected and fr.first_token is not None]
+    busy = [i.stats.busy_seconds for i in instances]
+    mean_busy = sum(busy) / len(busy)
+    ttft = [fr.first_token - fr.arrival for fr in served]
+    cdf = np.percentile(ttft, CDF_PERCENTILES).tolist() if ttft else []
+    return {
+        "ttft_seconds": latency_summary(ttft),
+        "ttft_cdf_seconds": [[p, round(x, 6)] for p, x in zip(CDF_PERCENTILES, cdf)],
+        "queue_seconds": latency_summary([fr.admitted - fr.arrival for fr in served]),
+        "e2e_seconds": latency_summary([fr.finished - fr.arrival for fr in served]),
+        "rejected": sum(fr.rejected for fr in requests),
+        "instances": [i.stats.as_dict() for i in instances],
+        "store": {"hit_tokens": sum(i.stats.store_hit_tokens for i in instances),
+                  "bytes_loaded": sum(i.stats.store_bytes_loaded for i in instances),
+                  "seconds": round(sum(i.stats.store_seconds for i in instances), 6),
+                  "declined": sum(i.stats.store_declined for i in instances)},
+        "load_skew": round(max(busy) / mean_busy, 6) if mean_busy > 0 else None,
+        "makespan_seconds": round(max((fr.finished or 0.0) for fr in requests), 6) if requests else 0.0,
+    }

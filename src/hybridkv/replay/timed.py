@@ -1,0 +1,163 @@
+"""``hybridkv replay --timed``: the trace on the clock, through a router, onto a fleet of
+instances (:mod:`hybridkv.fleet.simulator`).
+
+Every instance runs in this process on its own virtual clock. With the real model each
+step's measured wall time advances its instance's clock, so instances that would run in
+parallel on separate machines are timed as if they did, even though this process runs
+their steps one after another; an idle instance's clock jumps to its next arrival. With
+``--simulate`` the step times come from a cost model
+(:mod:`hybridkv.fleet.costmodel`) and the rest of each decode is modelled. Arrivals are
+the trace's ``timestamp`` (ms) times ``time_scale`` (> 1 slows them down).
+
+Several instances share a store: real engines their store tier (the replay's store, a
+fresh disk store by default), simulated ones a modelled store
+(:mod:`hybridkv.fleet.store`) at ``store_gbps`` and ``store_latency_s``. Either way the
+router's view of the store comes from the instances' events and its transfer estimate
+from those two figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.cache.config import CacheConfig
+from hybridkv.cache.groups import FullAttentionSpec, KDASpec
+from hybridkv.engine.build import build_engine, load_model, model_config
+from hybridkv.engine.request import Request
+from hybridkv.fleet.costmodel import StepCostModel, cost_model
+from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
+from hybridkv.fleet.routers import RouterConfig, make_router
+from hybridkv.fleet.simulator import Fleet, timing_summary
+from hybridkv.fleet.store import (
+    MOONCAKE_GET_LATENCY_S,
+    MOONCAKE_LOAD_BYTES_PER_S,
+    StoreCost,
+    StoreView,
+)
+from hybridkv.replay.instance import InstanceResult, collect_result
+from hybridkv.replay.trace import TraceRequest
+
+DEFAULT_SIMULATED_COST_MODEL = "h200-kimi-linear-48b"
+"""Cost model of ``--simulate --timed`` unless ``--cost-model`` names another."""
+
+CPU_ESTIMATE = StepCostModel(name="flat 4000 prefill tokens/s (uncalibrated CPU estimate)", overhead_s=0.0,
+                             linear_s_per_token=1 / 4000, attention_s_per_pair=0.0,
+                             source="SimulatedBackend's default rate for the small preset on 2 cores")
+"""What a real timed run's router prices prefill with when no ``--cost-model`` is given."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimedSetup:
+    """What a timed run needs beyond the cache config.
+
+    Attributes:
+        model: preset name or model directory.  seed: weight / token seed.
+        simulate: cost model instead of the real model.
+        instances: fleet size.  router: router name.  time_scale: arrival multiplier.
+        cost_model: built-in name or JSON path; ``None``: the default for the mode.
+        store_url, host_bytes, host_write_through: lower tiers of real instances.
+        store_gbps: store load bandwidth (GB/s) of the simulated store and of the router's
+            estimate; 0: no shared store in simulation.
+        store_latency_s: seconds per store object, likewise.
+    """
+
+    model: str
+    seed: int
+    simulate: bool
+    instances: int
+    router: str
+    time_scale: float
+    cost_model: str | None
+    store_url: str = "none"
+    host_bytes: int = 0
+    host_write_through: bool = False
+    store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
+    store_latency_s: float = MOONCAKE_GET_LATENCY_S
+
+
+@dataclass(slots=True)
+class TimedRun:
+    """Per-instance counters (merged like an untimed replay's) and the timing figures
+    (:func:`~hybridkv.fleet.simulator.timing_summary`, plus ``router``, ``time_scale``, ``cost_model``)."""
+
+    results: list[InstanceResult]
+    timing: dict
+
+
+def _store_cost(setup: TimedSetup, cfg: CacheConfig) -> StoreCost | None:
+    """The shared store's cost, or ``None`` when the instances share no store."""
+    shared = setup.instances > 1 if setup.simulate else setup.store_url not in ("none", "")
+    if not shared or setup.store_gbps <= 0:
+        return None
+    mcfg = model_config(setup.model)
+    return StoreCost(bytes_per_s=setup.store_gbps * 1e9, latency_s=setup.store_latency_s,
+                     alignment=cfg.store_boundary,
+                     kv_bytes_per_token=FullAttentionSpec.for_model(mcfg, cfg.block_size).bytes_per_token,
+                     checkpoint_bytes=KDASpec.for_model(mcfg).page_size_bytes)
+
+
+def _builder(setup: TimedSetup, cfg: CacheConfig):
+    """``build(listener, step_cost)`` for every instance (one model object shared read-only)."""
+    if setup.simulate:
+        mcfg = model_config(setup.model)
+        return lambda listener, step_cost: build_engine(mcfg, cfg, model_name=setup.model, listener=listener,
+                                                        step_cost=step_cost)
+    model = load_model(setup.model, setup.seed)
+    return lambda listener, step_cost: build_engine(
+        model, cfg, model_name=setup.model, store_url=setup.store_url, host_bytes=setup.host_bytes,
+        host_write_through=setup.host_write_through and setup.host_bytes > 0, listener=listener)
+
+
+def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], prompts, output_lengths: list[int],
+              verify: set[int], progress=None) -> TimedRun:
+    """Route and serve the requests on the clock.
+
+    Args:
+        setup: fleet, router and timing options.
+        cfg: validated cache config of every instance.
+        reqs: trace requests (their ``timestamp_ms`` give arrivals).
+        prompts: ``int64[T]`` prompt of each request.
+        output_lengths: tokens each request generates (the engine generates the first one
+            only when simulating; the instance models the rest).
+        verify: trace indices whose logits are checked against a cache-free run (real model).
+        progress: ``progress(n)`` as requests end.
+
+    Raises:
+        ValueError: unknown router name, ``time_scale`` not positive.
+        CostModelError: unknown cost model or a bad cost-model file.
+    """
+    if not setup.time_scale > 0:
+        raise ValueError(f"time_scale={setup.time_scale!r} must be positive")
+    name = setup.cost_model or (DEFAULT_SIMULATED_COST_MODEL if setup.simulate else None)
+    estimate = cost_model(name) if name else CPU_ESTIMATE
+    store_cost = _store_cost(setup, cfg)
+    router = make_router(RouterConfig(name=setup.router, unit=cfg.prefix_match_unit, block_size=cfg.block_size,
+                                      cost=estimate, store=store_cost))
+    view = StoreView(cfg.prefix_match_unit, cfg.store_boundary) if store_cost is not None else None
+    sim_store = SimulatedStore(view, store_cost) if view is not None and setup.simulate else None
+    build = _builder(setup, cfg)
+    instances = [FleetInstance(k, build, estimate if setup.simulate else None, cfg.max_num_seqs, sim_store)
+                 for k in range(setup.instances)]
+    frs = [FleetRequest(r.index, Request(f"r{r.index}", p, 1 if setup.simulate else o, record_logits=r.index in verify),
+                        arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
+           for r, p, o in zip(reqs, prompts, output_lengths)]
+    frs.sort(key=lambda fr: fr.arrival)
+    fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
+    try:
+        fleet.run(frs, progress)
+    finally:
+        for inst in instances:
+            inst.handle.close()
+    results = []
+    for inst in instances:
+        mine = [fr for fr in frs if fr.instance == inst.index]
+        res = collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
+                             inst.stats.busy_seconds)
+        if sim_store is not None:                      # loads the fleet made, not a store tier
+            res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,
+                                  "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0}
+            res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
+        results.append(res)
+    timing = timing_summary(frs, instances)
+    timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name)
+    return TimedRun(results, timing)

@@ -1,0 +1,196 @@
+"""The fleet on simulated engines: events mirror the cache, restarts, decode timing, the timed report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.groups import reuse_cap
+from hybridkv.cli import main
+from hybridkv.engine.build import build_engine
+from hybridkv.engine.request import Request
+from hybridkv.fleet.costmodel import StepCostModel, h200_kimi_linear_48b
+from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher, InstanceView
+from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
+from hybridkv.fleet.routers import HybridRouter, RoundRobin
+from hybridkv.fleet.simulator import Fleet, latency_summary
+from hybridkv.fleet.store import StoreCost, StoreView
+from hybridkv.model.config import HybridConfig
+
+UNIT = 64
+
+
+def config(pages: int = 4096, slots: int = 256, policy: str = "branch+tail+interval=256") -> CacheConfig:
+    return CacheConfig(block_size=64, prefix_match_unit=UNIT, num_kv_pages=pages, num_checkpoint_slots=slots,
+                       policy=CheckpointPolicy.parse(policy), max_num_seqs=4, max_num_batched_tokens=512)
+
+
+def builder(cfg: CacheConfig):
+    tiny = HybridConfig.preset("tiny")
+    return lambda listener, step_cost: build_engine(tiny, cfg, model_name="tiny", listener=listener,
+                                                    step_cost=step_cost)
+
+
+def prompts(seed: int, n: int) -> list[np.ndarray]:
+    """Prompts sharing prefixes: a few roots, each extended by random units."""
+    rng = np.random.default_rng(seed)
+    roots = [rng.integers(0, 1000, UNIT * rng.integers(1, 6)) for _ in range(3)]
+    return [np.concatenate([roots[rng.integers(0, 3)], rng.integers(0, 1000, rng.integers(1, 400))])
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("pages, slots", [(4096, 256), (24, 6)])
+def test_a_view_built_from_events_gives_the_caches_own_joint_hit(pages, slots):
+    cfg = config(pages, slots)
+    pub = EventPublisher(0)
+    built = builder(cfg)(pub, None)
+    engine, view = built.engine, InstanceView(UNIT)
+    probes = prompts(1, 40)
+    for i, p in enumerate(prompts(0, 60)):
+        engine.add_request(Request(f"r{i}", p, 1))
+        engine.run_until_done()
+        for ev in pub.drain():
+            view.apply(ev)
+        for q in probes[i % 4:: 10]:
+            want = engine.cache.lookup(q, touch=False)
+            got = view.match(engine.cache.hash_prompt(q), reuse_cap(len(q), UNIT))
+            assert (got.hit, got.kv_hit) == (want.hit, want.kv_hit)
+    assert engine.cache.evicted_pages > 0 or pages > 24
+
+
+def fleet_requests(ps, gap_s: float, output_tokens: int = 8) -> list[FleetRequest]:
+    return [FleetRequest(i, Request(f"r{i}", p, 1), arrival=i * gap_s, output_tokens=output_tokens)
+            for i, p in enumerate(ps)]
+
+
+def test_a_restarted_instance_loses_its_traffic_through_the_fleet():
+    cfg, cost = config(), h200_kimi_linear_48b()
+    instances = [FleetInstance(k, builder(cfg), cost, cfg.max_num_seqs) for k in range(2)]
+    fleet = Fleet(instances, HybridRouter(cost), UNIT, cost)
+    shared = np.arange(2000) % 997
+    first = fleet_requests([shared], 0.0)
+    fleet.run(first)
+    j = first[0].instance
+    again = fleet_requests([shared], 0.0)
+    again[0].arrival = 10.0
+    fleet.run(again)
+    assert again[0].instance == j and again[0].request.reused > 0     # its cache drew the request back
+    fleet.restart(j)
+    third = fleet_requests([shared], 0.0)
+    third[0].arrival = 20.0
+    instances[j].load.outstanding_tokens = 1          # j a little busier: only its lost cache could draw it
+    fleet.run(third)
+    assert fleet.state.views[j].epoch == 1
+    assert third[0].instance == 1 - j and third[0].request.reused == 0
+
+
+def test_timings_are_ordered_and_decode_is_modelled():
+    cfg = config()
+    cost = StepCostModel(name="flat", overhead_s=0.001, linear_s_per_token=1e-5, attention_s_per_pair=0.0,
+                         dense_weights_s=0.002)
+    instances = [FleetInstance(k, builder(cfg), cost, cfg.max_num_seqs) for k in range(2)]
+    frs = fleet_requests(prompts(2, 30), 0.01, output_tokens=20)
+    Fleet(instances, RoundRobin(), UNIT, cost).run(frs)
+    for fr in frs:
+        assert fr.arrival <= fr.admitted <= fr.first_token <= fr.finished
+        assert fr.finished - fr.first_token >= 19 * 0.003 - 1e-9      # 19 more tokens, each a step >= 3 ms
+    assert sum(i.stats.requests for i in instances) == 30
+
+
+def test_latency_summary_is_ordered():
+    s = latency_summary([0.5, 0.1, 2.0, 0.3, 9.0])
+    assert s["p50"] <= s["p90"] <= s["p99"] and s["p50"] == 0.5
+    assert latency_summary([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def _timed(tmp_path, *args):
+    out = tmp_path / "r.json"
+    assert main(["replay", "--no-progress", "--timed", "--json", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+def _sane(rep, instances):
+    for key in ("ttft_seconds", "queue_seconds", "e2e_seconds"):
+        s = rep[key]
+        assert 0 <= s["p50"] <= s["p90"] <= s["p99"], key
+    for q in ("mean", "p50", "p90", "p99"):
+        assert rep["queue_seconds"][q] <= rep["ttft_seconds"][q] <= rep["e2e_seconds"][q]
+    assert len(rep["instances"]) == instances
+    assert sum(i["requests"] for i in rep["instances"]) == rep["requests"]
+    assert sum(i["reused_tokens"] for i in rep["instances"]) == rep["reused_tokens"]
+    assert all(set(i) == {"requests", "busy_seconds", "reused_tokens", "queue_peak"} for i in rep["instances"])
+    assert rep["load_skew"] >= 1.0 and rep["rejected"]["requests"] == 0
+
+
+def test_simulated_timed_report_keys(tmp_path):
+    rep = _timed(tmp_path, "--simulate", "--limit", "200", "--instances", "3", "--time-scale", "0.5")
+    _sane(rep, 3)
+    assert rep["router"] == "hybrid" and rep["time_scale"] == 0.5 and "H200" in rep["cost_model"]
+    assert rep["requests"] == 200 and 0 < rep["oracle_fraction"] <= 1.0
+
+
+def test_real_timed_replay_is_exact(tmp_path):
+    rep = _timed(tmp_path, "--model", "tiny", "--limit", "8", "--instances", "2", "--verify", "2",
+                 "--time-scale", "1000", "--router", "least-load")
+    _sane(rep, 2)
+    assert rep["verify"]["requests"] == 2 and rep["verify"]["greedy_mismatches"] == 0
+    assert rep["verify"]["max_abs_logit_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--router", "hybrid"], "--router hybrid needs --timed"),
+    (["--timed", "--time-scale", "0"], "0.0 must be positive"),
+    (["--timed", "--router", "fastest"], "fastest"),
+])
+def test_bad_timed_options_are_named(args, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", "--limit", "5", "--no-progress", *args])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_an_unknown_cost_model_is_named(tmp_path, capsys):
+    rc = main(["replay", "--simulate", "--timed", "--limit", "5", "--no-progress", "--cost-model", "gpu9000"])
+    assert rc == 2 and "gpu9000" in capsys.readouterr().err
+
+
+def store_fleet(bytes_per_s: float) -> tuple[Fleet, list[FleetInstance]]:
+    cfg = CacheConfig(block_size=512, prefix_match_unit=UNIT, num_kv_pages=512, num_checkpoint_slots=64,
+                      policy=CheckpointPolicy.parse("branch+tail=512"), max_num_seqs=4)
+    cost = h200_kimi_linear_48b()
+    store = StoreCost(bytes_per_s=bytes_per_s, latency_s=1e-4, alignment=512, kv_bytes_per_token=16_128,
+                      checkpoint_bytes=1 << 20)
+    view = StoreView(UNIT, 512)
+    shared = SimulatedStore(view, store)
+    instances = [FleetInstance(k, builder(cfg), cost, 4, shared) for k in range(2)]
+    return Fleet(instances, RoundRobin(), UNIT, cost, view), instances
+
+
+@pytest.mark.parametrize("bytes_per_s, loads", [(1e12, True), (1e6, False)])
+def test_a_simulated_store_serves_another_instance_only_when_loading_pays(bytes_per_s, loads):
+    fleet, instances = store_fleet(bytes_per_s)
+    prompt = np.arange(4000) % 991
+    frs = fleet_requests([prompt, prompt], 1.0)            # round-robin: the second goes to the other instance
+    fleet.run(frs)
+    second, st = frs[1], instances[1].stats
+    assert second.instance == 1
+    if loads:
+        assert second.request.reused == 3584 and st.store_hit_tokens == 3584 and st.store_bytes_loaded > 0
+        assert second.first_token - second.admitted < frs[0].first_token - frs[0].admitted
+    else:
+        assert second.request.reused == 0 and st.store_declined == 1 and st.store_bytes_loaded == 0
+
+
+def test_the_store_view_matches_whole_entries_and_outlives_restarts():
+    hashes = [bytes([i]) * 32 for i in range(10)]                           # 10 units of 64: entries of 256 end at 256, 512
+    v = StoreView(UNIT, 256)
+    v.apply(CacheEvent(0, 0, 0, EventKind.BLOCKS_STORED, tuple(hashes[:9])))
+    v.apply(CacheEvent(0, 0, 1, EventKind.CHECKPOINTS_STORED, (hashes[3], hashes[6], hashes[7])))
+    assert v.match(hashes, 640).hit == 512 and v.match(hashes, 640).kv_hit == 512
+    v.apply(CacheEvent(0, 1, 0, EventKind.ALL_CLEARED, ()))
+    v.apply(CacheEvent(0, 1, 1, EventKind.BLOCKS_REMOVED, tuple(hashes)))
+    assert v.match(hashes, 640).hit == 512
+    with pytest.raises(ValueError, match="100"):
+        StoreView(UNIT, 100)

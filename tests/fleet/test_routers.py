@@ -1,0 +1,135 @@
+"""Routers on hand-made views: misses, restarts (epochs), the whole prompt, joint vs KV-only hits."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from hybridkv.fleet.costmodel import h200_kimi_linear_48b
+from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
+from hybridkv.fleet.routers import (
+    ROUTER_NAMES,
+    FleetState,
+    HybridOptions,
+    HybridRouter,
+    InstanceLoad,
+    KVOverlapRouter,
+    PrefixRouter,
+    RouterConfig,
+    RouteRequest,
+    make_router,
+)
+
+UNIT = 64
+
+
+def chain(*parts: str) -> list[bytes]:
+    """Chained unit hashes of a prompt made of named units (each part one unit)."""
+    out, prev = [], b""
+    for p in parts:
+        prev = hashlib.sha256(prev + p.encode()).digest()
+        out.append(prev)
+    return out
+
+
+def request(hashes: list[bytes], extra_tokens: int = 1) -> RouteRequest:
+    t = len(hashes) * UNIT + extra_tokens
+    return RouteRequest(hashes=hashes, prompt_tokens=t, limit=(t - 1) // UNIT * UNIT)
+
+
+def view(epoch: int = 0, kv=(), checkpoints=(), instance: int = 0) -> InstanceView:
+    v = InstanceView(UNIT)
+    v.apply(CacheEvent(instance, epoch, 0, EventKind.BLOCKS_STORED, tuple(kv)))
+    v.apply(CacheEvent(instance, epoch, 1, EventKind.CHECKPOINTS_STORED, tuple(checkpoints)))
+    return v
+
+
+def fleet(views, outstanding) -> FleetState:
+    return FleetState(views=views, loads=[InstanceLoad(outstanding_tokens=n, queued_seconds=n * 1e-5)
+                                          for n in outstanding])
+
+
+def every_router():
+    cost = h200_kimi_linear_48b()
+    return [make_router(RouterConfig(name=n, unit=UNIT, block_size=512, cost=cost)) for n in ROUTER_NAMES]
+
+
+def test_a_miss_goes_to_the_least_loaded_instance():
+    hashes = chain(*"abcdefgh")
+    state = fleet([view(), view(), view()], outstanding=[9000, 300, 5000])
+    for router in every_router():
+        if router.name in ("least-load", "hybrid", "kv-overlap"):
+            assert router.route(request(hashes), state) == 1, router.name
+
+
+def test_a_hit_beats_a_short_queue_but_not_a_long_one():
+    hashes = chain(*"abcdefghijklmnop")
+    hot = view(kv=hashes, checkpoints=[hashes[-1]])
+    router = HybridRouter(h200_kimi_linear_48b())
+    assert router.route(request(hashes), fleet([hot, view()], outstanding=[100, 0])) == 0
+    # the hit saves ~16 units of prefill; 100,000 queued tokens cost far more
+    assert router.route(request(hashes), fleet([hot, view()], outstanding=[100_000, 0])) == 1
+
+
+def test_a_restarted_instance_stops_attracting_traffic():
+    hashes = chain(*"abcdefgh")
+    v0 = view(epoch=0, kv=hashes, checkpoints=[hashes[-1]])
+    router = HybridRouter(h200_kimi_linear_48b())
+    state = fleet([v0, view(instance=1)], outstanding=[200, 0])
+    assert router.route(request(hashes), state) == 0           # its cache is worth the queue
+    v0.apply(CacheEvent(0, 1, 0, EventKind.ALL_CLEARED, ()))    # restart: new epoch, sequence from 0
+    v0.apply(CacheEvent(0, 0, 2, EventKind.BLOCKS_STORED, tuple(hashes)))   # a late event of the old epoch
+    assert v0.stale_dropped == 1 and not v0.kv
+    assert router.route(request(hashes), state) == 1
+
+
+def test_a_newer_epoch_without_all_cleared_still_drops_the_old_entries():
+    hashes = chain(*"abcd")
+    v = view(epoch=0, kv=hashes, checkpoints=[hashes[-1]])
+    v.apply(CacheEvent(0, 1, 0, EventKind.BLOCKS_STORED, tuple(hashes[:1])))
+    assert v.kv == {hashes[0]} and not v.checkpoints
+
+
+def test_the_whole_prompt_decides_not_its_first_message():
+    first = chain("sys", "q1")                       # the shared first message
+    one = chain("sys", "q1", "a1", "b1", "c1", "d1", "e1", "f1")
+    two = chain("sys", "q1", "a2", "b2", "c2", "d2", "e2", "f2")
+    asked = chain("sys", "q1", "a2", "b2", "c2", "d2", "e2", "f2", "g2")
+    assert one[:2] == two[:2] == first
+    state = fleet([view(kv=one, checkpoints=[one[-1]]), view(kv=two, checkpoints=[two[-1]], instance=1)],
+                  outstanding=[0, 0])
+    for router in every_router():
+        if router.name in ("hybrid", "kv-overlap"):
+            assert router.route(request(asked), state) == 1, router.name
+    prefix = PrefixRouter(UNIT)
+    empty = fleet([view(), view()], outstanding=[0, 0])
+    assert prefix.route(request(one), empty) == 0
+    assert prefix.route(request(two), empty) == 1       # 2 of 8 units < cache_threshold: the smaller tree
+    assert prefix.route(request(asked), empty) == 1
+
+
+def test_kv_only_overlap_is_not_a_hybrid_hit():
+    hashes = chain(*"abcdefghijklmnop")
+    kv_rich = view(kv=hashes, checkpoints=[hashes[0]])                  # 16 units of KV, checkpoint at 1
+    joint = view(kv=hashes[:8], checkpoints=[hashes[7]], instance=1)    # 8 units, checkpoint at 8
+    assert kv_rich.match(hashes, 16 * UNIT).hit == UNIT and kv_rich.match(hashes, 16 * UNIT).kv_hit == 16 * UNIT
+    assert joint.match(hashes, 16 * UNIT).hit == 8 * UNIT
+    state = fleet([kv_rich, joint], outstanding=[0, 0])
+    assert HybridRouter(h200_kimi_linear_48b()).route(request(hashes), state) == 1
+    assert KVOverlapRouter(512).route(request(hashes), state) == 0     # the KV-only router is fooled
+
+
+def test_the_hot_spot_guard_skips_an_overloaded_instance():
+    hashes = chain(*(f"u{i}" for i in range(400)))               # 25,600 tokens: ~0.5 s of prefill
+    hot = view(kv=hashes, checkpoints=[hashes[-1]])
+    loads = [InstanceLoad(queued_seconds=0.3), InstanceLoad(), InstanceLoad(), InstanceLoad()]
+    state = FleetState([hot, view(), view(), view()], loads)
+    assert HybridRouter(h200_kimi_linear_48b()).route(request(hashes), state) == 0
+    guarded = HybridRouter(h200_kimi_linear_48b(), options=HybridOptions(hot_relative=2.0, hot_absolute_s=0.1))
+    assert guarded.route(request(hashes), state) == 1           # 0.3 s > 2 x 0.075 + 0.1: not a candidate
+
+
+def test_an_unknown_router_is_named():
+    with pytest.raises(ValueError, match="'fastest'"):
+        make_router(RouterConfig(name="fastest", unit=UNIT, block_size=512, cost=h200_kimi_linear_48b()))
