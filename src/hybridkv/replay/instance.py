@@ -149,10 +149,11 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     finally:
         built.close()                         # the store tier's worker thread, staging arena and the store
     seconds = time.perf_counter() - t0
-    return collect_result(built, spec.indices, requests, seconds)
+    return collect_result(built, spec.indices, requests, seconds, interrupted)
 
 
-def collect_result(built: EngineHandle, indices: list[int], requests: list[Request], seconds: float) -> InstanceResult:
+def collect_result(built: EngineHandle, indices: list[int], requests: list[Request], seconds: float,
+                   interrupted: bool = False) -> InstanceResult:
     """The counters of one instance's engine after its run (and the verification of the
     requests that recorded logits, when there is a model).
 
@@ -161,6 +162,7 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
         indices: trace index of each request.
         requests: the engine requests, in the same order.
         seconds: engine time of a real run (a simulated run reports its modelled seconds).
+        interrupted: the run was stopped early (Ctrl-C): no verification, flagged in the result.
     """
     engine, backend, model = built.engine, built.backend, built.model
     s = engine.stats
