@@ -175,17 +175,25 @@ def check_ids(ids: list[int], i: int, vocab_size: int, max_model_len: int, max_t
 
 def make_sampler(gen: Generation, seed: int):
     """A sampler for :class:`~hybridkv.engine.request.Request` (``float32[vocab]`` logits -> id), or
-    ``None`` for greedy (``temperature == 0``)."""
+    ``None`` for greedy (``temperature == 0``).
+
+    The sampler runs on the engine thread, so it must not raise for any validated setting: the
+    logits are shifted so their maximum is 0 before dividing by ``temperature`` (no ``inf - inf``
+    for a temperature as small as 1e-300) and computed in float64, and nucleus filtering always
+    keeps the most likely token (a ``top_p`` below float precision leaves one token, not none).
+    """
     if gen.temperature == 0:
         return None
     rng = torch.Generator().manual_seed(seed)
     temperature, top_p = gen.temperature, gen.top_p
 
     def sample(logits: torch.Tensor) -> int:
-        probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
+        x = logits.to(torch.float64)
+        probs = torch.softmax((x - x.max()) / temperature, dim=-1)
         if top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < top_p          # the smallest set reaching top_p
+            keep[0] = True                                         # never an empty set
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=rng))
 
