@@ -97,7 +97,7 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
 
     Raises:
         APIError: 400 naming the field: ``max_tokens`` not an integer >= 1, ``temperature`` outside
-            [0, 2], ``top_p`` outside (0, 1], a non-integer ``seed``, ``stop`` not a string or list
+            [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a string or list
             of at most 4 strings, ``stream`` not a boolean, ``n`` other than 1, ``echo`` true,
             ``logprobs`` asked for, a bad ``tenant`` / ``cache_salt`` / ``cache_hints``.
     """
@@ -105,8 +105,8 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
     if not _is_int(max_tokens) or max_tokens < 1:
         raise APIError(400, f"max_tokens={max_tokens!r} must be an integer >= 1", "max_tokens")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise APIError(400, f"seed={seed!r} must be an integer", "seed")
+    if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**63):
+        raise APIError(400, f"seed={seed!r} must be a 64-bit signed integer", "seed")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
