@@ -16,6 +16,7 @@ GOOD = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
     ("not an object", b"[1, 2]", 400, None, "JSON object"),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400, None, "nested too deeply"),
     ("unknown model", {**GOOD, "model": "gpt-9"}, 404, "model", "'gpt-9' does not exist"),
     ("id beyond vocab", {**GOOD, "prompt": [5, 1024]}, 400, "prompt", "token id 1024"),
     ("negative id", {**GOOD, "prompt": [-1]}, 400, "prompt", "token id -1"),
