@@ -33,6 +33,7 @@ BAD = [
     ("echo", {**GOOD, "echo": True}, 400, "echo", "echo"),
     ("bad hint", {**GOOD, "cache_hints": [10]}, 400, "cache_hints", "multiples of 64"),
     ("tenant clash", {**GOOD, "tenant": 7}, 400, "tenant", "tenant"),
+    ("batch over the queue", {**GOOD, "prompt": [[5]] * 65}, 400, "prompt", "a batch of 65 prompts exceeds"),
     ("seed beyond int64", {**GOOD, "temperature": 1, "seed": 2**64}, 400, "seed", f"seed={2**64}"),
     ("seed below int64", {**GOOD, "temperature": 1, "seed": -2**63 - 1}, 400, "seed", f"seed={-2**63 - 1}"),
 ]
