@@ -81,3 +81,14 @@ def test_curl_gets_a_completion_and_an_error(server):
     ok = curl('{"model": "tiny", "prompt": "Say hi", "max_tokens": 3, "temperature": 0}')
     assert ok["choices"][0]["finish_reason"] in ("length", "stop") and ok["usage"]["prompt_tokens"] == 6
     assert curl('{"model": "tiny", "prompt": "x", "max_tokens": -1}')["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_names_a_port_outside_0_65535_in_one_line(port, capsys):
+    from hybridkv.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", port])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --port: {port}" in err or f"argument --port: '{port}'" in err
+    assert "Traceback" not in err
