@@ -79,6 +79,8 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
+    import httpx
+
     from hybridkv.replay.trace import TraceError
     from hybridkv.serve.bench import BenchOptions, render, run_bench
 
@@ -90,10 +92,18 @@ def _bench(args) -> int:
     except (ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except httpx.HTTPError as exc:
+        print(f"error: --url {args.url}: cannot read the server's /v1/models ({exc or type(exc).__name__})",
+              file=sys.stderr)
+        return 2
     print(render(report))
     if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
-            json.dump(report.summary(), f, indent=2)
+        try:
+            with open(args.json_path, "w", encoding="utf-8") as f:
+                json.dump(report.summary(), f, indent=2)
+        except OSError as exc:
+            print(f"error: --json {args.json_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0
 
 
