@@ -179,3 +179,9 @@ def test_store_required_with_a_bad_store_url_is_one_error_line(url, text, capsys
     err = capsys.readouterr()
     assert code == 2
     assert "--store-required" in err.out + err.err and text in err.out + err.err
+
+
+def test_more_instances_than_requests_is_refused_before_any_process_starts(capsys):
+    assert main(["replay", "--simulate", "--limit", "3", "--instances", "4", "--no-progress"]) == 2
+    err = capsys.readouterr()
+    assert "instances=4 is more than the 3 requests" in err.out + err.err
