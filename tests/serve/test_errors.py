@@ -34,6 +34,10 @@ BAD = [
     ("bad hint", {**GOOD, "cache_hints": [10]}, 400, "cache_hints", "multiples of 64"),
     ("tenant clash", {**GOOD, "tenant": 7}, 400, "tenant", "tenant"),
     ("batch over the queue", {**GOOD, "prompt": [[5]] * 65}, 400, "prompt", "a batch of 65 prompts exceeds"),
+    ("n true", {**GOOD, "n": True}, 400, "n", "n=True"),
+    ("n float", {**GOOD, "n": 1.0}, 400, "n", "n=1.0"),
+    ("include_usage text", {**GOOD, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options", "include_usage='yes'"),
     ("seed beyond int64", {**GOOD, "temperature": 1, "seed": 2**64}, 400, "seed", f"seed={2**64}"),
     ("seed below int64", {**GOOD, "temperature": 1, "seed": -2**63 - 1}, 400, "seed", f"seed={-2**63 - 1}"),
 ]

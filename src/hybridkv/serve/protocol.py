@@ -97,9 +97,10 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
 
     Raises:
         APIError: 400 naming the field: ``max_tokens`` not an integer >= 1, ``temperature`` outside
-            [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a string or list
-            of at most 4 strings, ``stream`` not a boolean, ``n`` other than 1, ``echo`` true,
-            ``logprobs`` asked for, a bad ``tenant`` / ``cache_salt`` / ``cache_hints``.
+            [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a
+            string or list of at most 4 strings, ``stream`` or ``stream_options.include_usage`` not a
+            boolean, ``n`` other than the integer 1, ``echo`` true, ``logprobs`` asked for, a bad
+            ``tenant`` / ``cache_salt`` / ``cache_hints``.
     """
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
     if not _is_int(max_tokens) or max_tokens < 1:
@@ -116,8 +117,9 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
             raise APIError(400, f"{name}={body.get(name)!r} must be a boolean", name)
     if body.get("echo"):
         raise APIError(400, "echo=true is not supported", "echo")
-    if body.get("n", 1) != 1:
-        raise APIError(400, f"n={body.get('n')!r}: only n=1 is supported", "n")
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise APIError(400, f"n={n!r}: only n=1 (an integer) is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise APIError(400, "logprobs are not supported", "logprobs")
     hints = body.get("cache_hints") or []
@@ -126,6 +128,9 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
+    if options.get("include_usage") is not None and not isinstance(options.get("include_usage"), bool):
+        raise APIError(400, f"stream_options.include_usage={options.get('include_usage')!r} must be a boolean",
+                       "stream_options")
     return Generation(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                       top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, stop=tuple(stop),
                       stream=bool(body.get("stream")), tenant=_identifier(body, "tenant", tenant_header, "default"),
