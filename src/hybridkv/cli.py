@@ -276,7 +276,9 @@ def _replay(args, console: Console) -> int:
 
 
 def _store_unavailable(url: str) -> str | None:
-    """Why the store at ``url`` cannot be used now (opened and closed again), or ``None``."""
+    """Why the store at ``url`` cannot be used now (opened and closed again), or ``None``: unreachable,
+    a malformed URL (``ValueError``), a path or log file that cannot be opened (``OSError``), or
+    Mooncake not installed (``ImportError``)."""
     from hybridkv.store.base import StoreUnavailable
     from hybridkv.store.url import open_store
 
@@ -284,6 +286,8 @@ def _store_unavailable(url: str) -> str | None:
         open_store(url).close()
     except StoreUnavailable as exc:
         return f"store {url} unreachable: {exc}"
+    except (ValueError, OSError, ImportError) as exc:
+        return f"store {url}: {exc}"
     return None
 
 

@@ -96,7 +96,8 @@ def test_rejected_requests_are_reported_and_all_rejected_exits_1(tmp_path, capsy
 
 def test_an_unwritable_json_path_fails_before_the_run(tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "1", "--json", str(tmp_path / "file" / "r.json")])
+    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "1",
+               "--json", str(tmp_path / "file" / "r.json")])
     err = capsys.readouterr()
     assert rc == 2 and "error: --json" in err.err and "hybridkv replay" not in err.out   # no run, no table
 
@@ -223,3 +224,19 @@ def test_ctrl_c_to_a_two_instance_replay_stops_every_process(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["interrupted"] is True and 0 < rep["requests"] < 1000
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("url", "text"), [("bogus://x", "scheme 'bogus'"),
+                                           ("mooncake://127.0.0.1", "needs host:port"),
+                                           ("mooncake://127.0.0.1:99999", "out of range")])
+def test_store_required_with_a_bad_store_url_is_one_error_line(url, text, capsys):
+    code = main(["replay", "--simulate", "--limit", "3", "--no-progress", "--store", url, "--store-required"])
+    err = capsys.readouterr()
+    assert code == 2
+    assert "--store-required" in err.out + err.err and text in err.out + err.err
+
+
+def test_more_instances_than_requests_is_refused_before_any_process_starts(capsys):
+    assert main(["replay", "--simulate", "--limit", "3", "--instances", "4", "--no-progress"]) == 2
+    err = capsys.readouterr()
+    assert "instances=4 is more than the 3 requests" in err.out + err.err

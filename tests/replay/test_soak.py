@@ -141,3 +141,11 @@ def test_cli_registers_soak_and_needs_a_bound(capsys):
     assert (args.command, args.seed, args.seconds, args.json_path) == ("soak", 4, 30.0, "r.json")
     assert args.soak_func is soak.cmd_soak
     assert soak.main([]) == 2 and "give --checks N, --seconds S or --rounds N" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--seed", "--first-round"])
+def test_a_negative_seed_or_round_is_a_usage_error_naming_it(option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        soak.main([option, "-1", "--rounds", "1", "--quiet"])
+    assert exc.value.code == 2
+    assert f"argument {option}: -1 must be 0 or more" in capsys.readouterr().err

@@ -28,3 +28,26 @@ def test_bench_serve_refuses_a_non_loopback_url(url, capsys):
         check_loopback(url)
     assert main(["bench-serve", "--url", url, "--limit", "1"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]          # nothing listens once the socket is closed
+
+
+@pytest.mark.parametrize(("url", "text"), [("http://127.0.0.1:99999", "out of range"),
+                                           (None, "cannot read the server's /v1/models")])
+def test_bench_serve_names_a_bad_port_or_an_absent_server_in_one_line(url, text, capsys):
+    url = url or f"http://127.0.0.1:{_closed_port()}"
+    assert main(["bench-serve", "--url", url, "--limit", "1", "--max-seconds", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --url") and text in err and "Traceback" not in err
+
+
+def test_bench_serve_names_an_unwritable_json_path(server, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "r.json"
+    assert main(["bench-serve", "--url", server.url, "--limit", "1", "--json", str(path)]) == 2
+    assert f"error: --json {path}" in capsys.readouterr().err

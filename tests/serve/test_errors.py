@@ -16,6 +16,7 @@ GOOD = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
     ("not an object", b"[1, 2]", 400, None, "JSON object"),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400, None, "nested too deeply"),
     ("unknown model", {**GOOD, "model": "gpt-9"}, 404, "model", "'gpt-9' does not exist"),
     ("id beyond vocab", {**GOOD, "prompt": [5, 1024]}, 400, "prompt", "token id 1024"),
     ("negative id", {**GOOD, "prompt": [-1]}, 400, "prompt", "token id -1"),
@@ -32,6 +33,13 @@ BAD = [
     ("echo", {**GOOD, "echo": True}, 400, "echo", "echo"),
     ("bad hint", {**GOOD, "cache_hints": [10]}, 400, "cache_hints", "multiples of 64"),
     ("tenant clash", {**GOOD, "tenant": 7}, 400, "tenant", "tenant"),
+    ("batch over the queue", {**GOOD, "prompt": [[5]] * 65}, 400, "prompt", "a batch of 65 prompts exceeds"),
+    ("n true", {**GOOD, "n": True}, 400, "n", "n=True"),
+    ("n float", {**GOOD, "n": 1.0}, 400, "n", "n=1.0"),
+    ("include_usage text", {**GOOD, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options", "include_usage='yes'"),
+    ("seed beyond int64", {**GOOD, "temperature": 1, "seed": 2**64}, 400, "seed", f"seed={2**64}"),
+    ("seed below int64", {**GOOD, "temperature": 1, "seed": -2**63 - 1}, 400, "seed", f"seed={-2**63 - 1}"),
 ]
 
 
@@ -77,3 +85,14 @@ def test_curl_gets_a_completion_and_an_error(server):
     ok = curl('{"model": "tiny", "prompt": "Say hi", "max_tokens": 3, "temperature": 0}')
     assert ok["choices"][0]["finish_reason"] in ("length", "stop") and ok["usage"]["prompt_tokens"] == 6
     assert curl('{"model": "tiny", "prompt": "x", "max_tokens": -1}')["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_names_a_port_outside_0_65535_in_one_line(port, capsys):
+    from hybridkv.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", port])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --port: {port}" in err or f"argument --port: '{port}'" in err
+    assert "Traceback" not in err

@@ -22,6 +22,14 @@ def non_negative_int(text: str) -> int:
     return n
 
 
+def port_number(text: str) -> int:
+    """A TCP port in [0, 65535] (0: let the system pick a free one)."""
+    n = _int(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a TCP port (0-65535)")
+    return n
+
+
 def positive_float(text: str) -> float:
     """A number > 0 (seconds and the like)."""
     x = _float(text)

@@ -128,7 +128,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     Raises:
         TraceError: a bad trace line (unless ``skip_bad``), naming file and line.
         ConfigError: an invalid cache option, naming the value.
-        ValueError: an unknown model preset or bad model directory.
+        ValueError: an unknown model preset or bad model directory; ``instances`` below 1 or above
+            the number of requests.
     """
     console = console or Console(stderr=True)
     t0 = time.perf_counter()
@@ -155,6 +156,9 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         store_alignment=opts.store_alignment, eviction=opts.eviction)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
+    if opts.instances > len(reqs):
+        raise ValueError(f"instances={opts.instances} is more than the {len(reqs)} requests to replay: each instance "
+                         "is a process that loads the model, and those beyond the requests would replay nothing")
     _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
     store_url, scratch = opts.store, None
     if opts.instances > 1 and store_url == "none":

@@ -44,7 +44,7 @@ from hybridkv.engine.build import EngineHandle, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.model.model import HybridModel
-from hybridkv.replay.args import positive_float, positive_int
+from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 from hybridkv.replay.soak_rounds import (
     STAGES,
     RequestSpec,
@@ -570,7 +570,8 @@ class SoakReport:
         c = ", ".join(f"{k} {v}" for k, v in self.cancellations.items())
         return "\n".join([
             (f"soak seed {self.seed}: {self.rounds} rounds, {self.checks} checks, {self.mismatches} mismatches, "
-             f"{self.routing_ties} routing ties, max |dlogit| {self.max_abs_logit_diff:.3g}, {self.leaks} leaks, {self.exceptions} exceptions, "
+             f"{self.routing_ties} routing ties, max |dlogit| {self.max_abs_logit_diff:.3g}, {self.leaks} leaks, "
+             f"{self.exceptions} exceptions, "
              f"{self.rejected} rejected, {self.wall_seconds:.1f} s"),
             f"  requests {self.requests}; cancelled: {c}",
             (f"  evicted: {self.evicted_pages} pages, {self.evicted_checkpoints} checkpoints; reused "
@@ -677,11 +678,12 @@ def run_case(path: str | Path, model: HybridModel | None = None) -> RunResult:
 # -- command line -------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``soak`` options."""
-    p.add_argument("--seed", type=int, default=0, help="soak seed; round i depends only on (seed, i) (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="soak seed; round i depends only on (seed, i) (default 0)")
     p.add_argument("--checks", type=positive_int, default=None, help="stop once N requests were checked")
     p.add_argument("--seconds", type=positive_float, default=None, help="stop starting rounds after S seconds")
     p.add_argument("--rounds", type=positive_int, default=None, help="stop after N rounds")
-    p.add_argument("--first-round", type=int, default=0, help="index of the first round (default 0)")
+    p.add_argument("--first-round", type=non_negative_int, default=0, help="index of the first round (default 0)")
     p.add_argument("--shrink-seconds", type=positive_float, default=60.0,
                    help="time to shrink a failing round's request sequence (default 60)")
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")

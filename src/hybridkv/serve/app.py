@@ -220,11 +220,14 @@ async def _collect_while_connected(run: Run, request: Request):
 
 
 def _json_object(raw: bytes) -> dict:
-    """The request body as a JSON object; a 400 :class:`APIError` for bad JSON or another type."""
+    """The request body as a JSON object; a 400 :class:`APIError` for bad JSON (nesting too deep
+    for the decoder included) or another type."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body

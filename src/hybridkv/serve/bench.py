@@ -88,11 +88,15 @@ def check_loopback(url: str) -> str:
     """``url`` without a trailing slash.
 
     Raises:
-        ValueError: not an ``http`` URL on a loopback host (naming it).
+        ValueError: not an ``http`` URL on a loopback host, or a port outside 0-65535 (naming it).
     """
     parsed = urlparse(url)
     if parsed.scheme != "http" or parsed.hostname not in LOOPBACK:
         raise ValueError(f"--url {url!r}: bench-serve only talks to http://127.0.0.1 / localhost / [::1]")
+    try:
+        parsed.port
+    except ValueError as exc:
+        raise ValueError(f"--url {url!r}: {exc}") from None
     return url.rstrip("/")
 
 

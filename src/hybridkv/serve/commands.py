@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 
-from hybridkv.replay.args import non_negative_int, positive_float, positive_int
+from hybridkv.replay.args import non_negative_int, port_number, positive_float, positive_int
 
 
 def register_cli(sub) -> None:
@@ -20,7 +20,7 @@ def register_cli(sub) -> None:
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=non_negative_int, default=8000, help="port (default 8000; 0: a free one)")
+    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: a free one)")
     s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory://, mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
@@ -79,6 +79,8 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
+    import httpx
+
     from hybridkv.replay.trace import TraceError
     from hybridkv.serve.bench import BenchOptions, render, run_bench
 
@@ -90,10 +92,18 @@ def _bench(args) -> int:
     except (ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except httpx.HTTPError as exc:
+        print(f"error: --url {args.url}: cannot read the server's /v1/models ({exc or type(exc).__name__})",
+              file=sys.stderr)
+        return 2
     print(render(report))
     if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
-            json.dump(report.summary(), f, indent=2)
+        try:
+            with open(args.json_path, "w", encoding="utf-8") as f:
+                json.dump(report.summary(), f, indent=2)
+        except OSError as exc:
+            print(f"error: --json {args.json_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0
 
 

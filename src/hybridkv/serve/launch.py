@@ -24,6 +24,11 @@ from hybridkv.serve.worker import EngineWorker
 
 log = logging.getLogger("hybridkv.serve")
 
+SHUTDOWN_GRACE_S = 2.0
+"""Seconds a stopping server (SIGINT, SIGTERM, :meth:`RunningServer.close`) lets running requests
+finish before it cancels them (their cache references are released; a stream ends without
+``[DONE]``). Without a bound, shutdown would wait for every generation to reach ``max_tokens``."""
+
 
 @dataclass(slots=True)
 class ServeOptions:
@@ -122,7 +127,7 @@ class RunningServer:
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         config = uvicorn.Config(create_app(self.server), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         self.uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
                                         name="hybridkv-http", daemon=True)
@@ -149,12 +154,14 @@ class RunningServer:
 
 
 def serve_forever(opts: ServeOptions) -> None:
-    """Run the server in the foreground until interrupted (``hybridkv serve``)."""
+    """Run the server in the foreground until SIGINT or SIGTERM (``hybridkv serve``); requests still
+    running :data:`SHUTDOWN_GRACE_S` seconds after the signal are cancelled."""
     import uvicorn
     server = build_server(opts)
     log.info("serving %s on http://%s:%d", opts.model, opts.host, opts.port)
     try:
-        uvicorn.run(create_app(server), host=opts.host, port=opts.port, log_level="info", lifespan="off")
+        uvicorn.run(create_app(server), host=opts.host, port=opts.port, log_level="info", lifespan="off",
+                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     finally:
         server.worker.stop()
         server.handle.close()

@@ -97,16 +97,17 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
 
     Raises:
         APIError: 400 naming the field: ``max_tokens`` not an integer >= 1, ``temperature`` outside
-            [0, 2], ``top_p`` outside (0, 1], a non-integer ``seed``, ``stop`` not a string or list
-            of at most 4 strings, ``stream`` not a boolean, ``n`` other than 1, ``echo`` true,
-            ``logprobs`` asked for, a bad ``tenant`` / ``cache_salt`` / ``cache_hints``.
+            [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a
+            string or list of at most 4 strings, ``stream`` or ``stream_options.include_usage`` not a
+            boolean, ``n`` other than the integer 1, ``echo`` true, ``logprobs`` asked for, a bad
+            ``tenant`` / ``cache_salt`` / ``cache_hints``.
     """
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
     if not _is_int(max_tokens) or max_tokens < 1:
         raise APIError(400, f"max_tokens={max_tokens!r} must be an integer >= 1", "max_tokens")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise APIError(400, f"seed={seed!r} must be an integer", "seed")
+    if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**63):
+        raise APIError(400, f"seed={seed!r} must be a 64-bit signed integer", "seed")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
@@ -116,8 +117,9 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
             raise APIError(400, f"{name}={body.get(name)!r} must be a boolean", name)
     if body.get("echo"):
         raise APIError(400, "echo=true is not supported", "echo")
-    if body.get("n", 1) != 1:
-        raise APIError(400, f"n={body.get('n')!r}: only n=1 is supported", "n")
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise APIError(400, f"n={n!r}: only n=1 (an integer) is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise APIError(400, "logprobs are not supported", "logprobs")
     hints = body.get("cache_hints") or []
@@ -126,6 +128,9 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
+    if options.get("include_usage") is not None and not isinstance(options.get("include_usage"), bool):
+        raise APIError(400, f"stream_options.include_usage={options.get('include_usage')!r} must be a boolean",
+                       "stream_options")
     return Generation(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                       top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, stop=tuple(stop),
                       stream=bool(body.get("stream")), tenant=_identifier(body, "tenant", tenant_header, "default"),
@@ -175,17 +180,25 @@ def check_ids(ids: list[int], i: int, vocab_size: int, max_model_len: int, max_t
 
 def make_sampler(gen: Generation, seed: int):
     """A sampler for :class:`~hybridkv.engine.request.Request` (``float32[vocab]`` logits -> id), or
-    ``None`` for greedy (``temperature == 0``)."""
+    ``None`` for greedy (``temperature == 0``).
+
+    The sampler runs on the engine thread, so it must not raise for any validated setting: the
+    logits are shifted so their maximum is 0 before dividing by ``temperature`` (no ``inf - inf``
+    for a temperature as small as 1e-300) and computed in float64, and nucleus filtering always
+    keeps the most likely token (a ``top_p`` below float precision leaves one token, not none).
+    """
     if gen.temperature == 0:
         return None
     rng = torch.Generator().manual_seed(seed)
     temperature, top_p = gen.temperature, gen.top_p
 
     def sample(logits: torch.Tensor) -> int:
-        probs = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
+        x = logits.to(torch.float64)
+        probs = torch.softmax((x - x.max()) / temperature, dim=-1)
         if top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < top_p          # the smallest set reaching top_p
+            keep[0] = True                                         # never an empty set
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=rng))
 

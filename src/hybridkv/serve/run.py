@@ -52,12 +52,16 @@ class Run:
         arrived: ``time.monotonic()`` when the request arrived (seconds).
 
     Raises:
-        APIError: 503 with ``Retry-After`` when the engine's waiting queue is full.
+        APIError: 400 when the batch has more prompts than the waiting queue holds (it could never
+            be admitted); 503 with ``Retry-After`` when the engine's waiting queue is full.
     """
 
     def __init__(self, worker: EngineWorker, codec: Codec, gen: Generation, prompts: list[list[int]],
                  namespace: bytes, metrics: ServeMetrics, arrived: float) -> None:
         self.worker, self.codec, self.gen, self.metrics, self.arrived = worker, codec, gen, metrics, arrived
+        if len(prompts) > worker.max_waiting:
+            raise APIError(400, f"a batch of {len(prompts)} prompts exceeds this server's limit of "
+                                f"{worker.max_waiting} waiting requests (--max-waiting)", "prompt")
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = [Choice() for _ in prompts]
@@ -84,8 +88,9 @@ class Run:
                 return True
             return bool(self.gen.stop) and self._stopped(out)
 
+        hints = tuple(h for h in self.gen.hints if h <= len(ids))
         return Job(np.asarray(ids, dtype=np.int64), self.gen.max_tokens, namespace,
-                   (self.gen.tenant, self.gen.cache_salt), emit, hints=tuple(h for h in self.gen.hints if h <= len(ids)),
+                   (self.gen.tenant, self.gen.cache_salt), emit, hints=hints,
                    sampler=make_sampler(self.gen, seed), stop=stop)
 
     def _stopped(self, out: list[int]) -> bool:

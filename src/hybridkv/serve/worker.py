@@ -107,6 +107,7 @@ class EngineWorker:
         self._purges: list[tuple[Future, tuple]] = []
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._closed = False                  # the engine thread has ended (guarded by _lock)
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -126,34 +127,38 @@ class EngineWorker:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait."""
+        """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait. Once the
+        engine thread has ended, ``job`` gets an ``("error", ...)`` event instead."""
         with self._lock:
-            if self._waiting >= self.max_waiting:
-                return False
-            self._waiting += 1
-        self._inbox.put(("submit", job))
+            if not self._closed:
+                if self._waiting >= self.max_waiting:
+                    return False
+                self._waiting += 1
+        self._put("submit", job)
         return True
 
     def cancel(self, job: Job) -> None:
         """Cancel ``job`` wherever it is; its cache references are released."""
-        self._inbox.put(("cancel", job))
+        self._put("cancel", job)
 
     def invalidate(self, tenant: str | None, salt: str | None, everything: bool) -> Future:
-        """Purge entries (see :func:`~hybridkv.serve.purge.purge`); a future of :class:`PurgeCounts`."""
+        """Purge entries (see :func:`~hybridkv.serve.purge.purge`); a future of :class:`PurgeCounts`
+        (a ``RuntimeError`` once the engine thread has ended)."""
         fut: Future = Future()
-        self._inbox.put(("purge", (fut, (tenant, salt, everything))))
+        self._put("purge", (fut, (tenant, salt, everything)))
         return fut
 
     def call(self, fn: Callable[[EngineHandle], object]) -> Future:
-        """Run ``fn(handle)`` on the engine thread between steps (a consistent read); a future."""
+        """Run ``fn(handle)`` on the engine thread between steps (a consistent read); a future (a
+        ``RuntimeError`` once the engine thread has ended)."""
         fut: Future = Future()
-        self._inbox.put(("call", (fut, fn)))
+        self._put("call", (fut, fn))
         return fut
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the thread (running jobs end with an error event) and wait up to ``timeout_s``."""
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._put("wake", None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -175,7 +180,31 @@ class EngineWorker:
             self.error = exc
             log.exception("engine thread failed")
         finally:
-            self._abort_all("the engine stopped" if self.error is None else f"engine failure: {self.error}")
+            message = "the engine stopped" if self.error is None else f"engine failure: {self.error}"
+            with self._lock:                  # nothing enters the inbox from now on (see _put)
+                self._closed = True
+            while True:
+                try:
+                    self._refuse(*self._inbox.get_nowait(), message)
+                except queue.Empty:
+                    break
+            self._abort_all(message)
+
+    def _put(self, kind: str, payload) -> None:
+        """Hand an item to the engine thread, or refuse it at once if that thread has ended (so no
+        caller waits on an inbox nobody reads)."""
+        with self._lock:
+            if not self._closed:
+                self._inbox.put((kind, payload))
+                return
+        self._refuse(kind, payload, "the engine stopped" if self.error is None else f"engine failure: {self.error}")
+
+    @staticmethod
+    def _refuse(kind: str, payload, message: str) -> None:
+        if kind == "submit":
+            payload.emit(("error", message))
+        elif kind in ("purge", "call"):
+            payload[0].set_exception(RuntimeError(message))
 
     def _drain_inbox(self, block: bool) -> None:
         try:

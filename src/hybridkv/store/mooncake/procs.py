@@ -115,7 +115,9 @@ def find_free_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
 
 
 def check_port_free(port: int) -> None:
-    """StoreServiceError unless a server could bind ``port`` on 127.0.0.1 now."""
+    """StoreServiceError unless a server could bind ``port`` on 127.0.0.1 now (``port`` in [1, 65535])."""
+    if not 0 < port <= 65535:
+        raise StoreServiceError(f"port {port} is not a TCP port (1-65535)")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
         try:

@@ -1,0 +1,30 @@
+"""The request sampler runs on the engine thread: no validated setting may make it raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.serve.protocol import parse_generation, make_sampler
+
+
+def _sampler(**fields):
+    gen = parse_generation({"max_tokens": 1, **fields}, None, 16, 16)
+    return make_sampler(gen, seed=7)
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 1e-300},                   # logits / t overflow to inf: inf - inf was NaN
+    {"temperature": 1e-46},                    # below float32's smallest subnormal
+    {"temperature": 1.0, "top_p": 1e-300},     # top_p under float32 precision kept no token
+    {"temperature": 1e-300, "top_p": 1e-300},
+])
+def test_extreme_but_valid_settings_sample_the_most_likely_token(fields):
+    logits = torch.tensor([0.5, 3.0, -2.0, 2.9999], dtype=torch.float32)
+    assert _sampler(**fields)(logits) == 1
+
+
+def test_ordinary_sampling_still_draws_from_several_tokens():
+    logits = torch.zeros(8, dtype=torch.float32)
+    sample = _sampler(temperature=1.0)
+    assert len({sample(logits) for _ in range(64)}) > 1
