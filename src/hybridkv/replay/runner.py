@@ -232,49 +232,51 @@ def _run_processes(specs: list[InstanceSpec], progress, threads: int) -> list[In
     """One worker process per instance (spawned: no state is inherited), progress via a queue.
 
     Requests run one at a time in trace order across instances (see :func:`run_instance`).
-    Ctrl-C reaches every process of the group; the workers and the manager ignore it, and
-    this process sets the shared ``stop`` event: each instance stops before its next
-    request and returns what it measured (``interrupted``).
+    Ctrl-C reaches every process of the group: the workers and the manager ignore it, and
+    here it only sets a flag (whatever this process is doing then: spawning, waiting), on
+    which the shared ``stop`` event is set: each instance stops before its next request
+    and returns what it measured (``interrupted``).
     """
     ctx = mp.get_context("spawn")
     ignore_sigint = (signal.signal, (signal.SIGINT, signal.SIG_IGN))
+    ctrl_c = threading.Event()
+    previous = _on_sigint(ctrl_c.set)
     manager = SyncManager(ctx=ctx)
-    manager.start(*ignore_sigint)             # Ctrl-C reaches the process group; only this process acts on it
     try:
+        manager.start(*ignore_sigint)
         queue, turn, stop = manager.Queue(), manager.Value("i", 0), manager.Event()
         with ProcessPoolExecutor(max_workers=len(specs), mp_context=ctx, initializer=ignore_sigint[0],
                                  initargs=ignore_sigint[1]) as pool:
             futures = [pool.submit(_worker, spec, queue, turn, threads, stop) for spec in specs]
-            stopping = False
             while not all(f.done() for f in futures):
+                if ctrl_c.is_set():
+                    if not stop.is_set():
+                        stop.set()                    # each instance stops before its next request
+                    wait(futures, timeout=0.2)
+                    continue
+                if any(f.done() and f.exception() is not None for f in futures):
+                    turn.value = TURN_FAILED          # a worker died before it could say so
                 try:
-                    if stopping:
-                        wait(futures, timeout=0.2)
-                        continue
-                    if any(f.done() and f.exception() is not None for f in futures):
-                        turn.value = TURN_FAILED      # a worker died before it could say so
                     progress(queue.get(timeout=0.2))
-                except KeyboardInterrupt:
-                    stopping = True
-                    _call_from_new_connection(stop.set)   # each instance stops before its next request
                 except Exception:  # noqa: BLE001 - queue.Empty from a manager proxy
                     pass
             results = [f.result() for f in futures]
-            if stopping:
+            if ctrl_c.is_set():
                 for r in results:
                     r.interrupted = True
             return results
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         manager.shutdown()
 
 
-def _call_from_new_connection(call) -> None:
-    """Call a manager proxy's method through a connection of its own: an interrupt inside a
-    proxy call leaves this thread's connection out of step (its next call reads the old
-    reply), and proxies keep one connection per thread."""
-    t = threading.Thread(target=call, name="replay-stop")
-    t.start()
-    t.join(timeout=10.0)
+def _on_sigint(action):
+    """Make SIGINT (Ctrl-C) call ``action()`` instead of raising ``KeyboardInterrupt``; returns the
+    handler to restore, or ``None`` off the main thread (where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, lambda signum, frame: action())
 
 
 def _worker(spec: InstanceSpec, queue, turn, threads: int, stop) -> InstanceResult:
