@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hybridkv.engine.request import Request, Status
-from hybridkv.replay import soak
+from hybridkv.replay import soak, soak_check
 from hybridkv.replay.soak_rounds import RequestSpec, RoundConfig, build_prompt
 
 #: The shrunk sequence of ``hybridkv soak --seed 5 --first-round 100 --rounds 1`` (tiers left out:
@@ -39,10 +39,10 @@ def test_the_full_prefill_routes_position_418_on_a_tie(tiny_model):
     prompt, _ = build_prompt(SPECS[2].segments, {}, tiny_model.config.vocab_size)
     margins = tiny_model.routing_margins(torch.from_numpy(prompt))
     assert margins.shape == (prompt.shape[0],)
-    assert float(margins[TIE_POSITION]) < soak.ROUTER_TIE_MARGIN
+    assert float(margins[TIE_POSITION]) < soak_check.ROUTER_TIE_MARGIN
     # every other prompt position routes with a clear margin
     others = torch.cat([margins[:TIE_POSITION], margins[TIE_POSITION + 1:]])
-    assert float(others.min()) > soak.ROUTER_TIE_MARGIN
+    assert float(others.min()) > soak_check.ROUTER_TIE_MARGIN
 
 
 def test_the_soak_case_has_no_mismatch(tiny_model):
@@ -50,7 +50,7 @@ def test_the_soak_case_has_no_mismatch(tiny_model):
     res = soak.run_sequence(tiny_model, RoundConfig(**CONFIG), SPECS)
     assert res.failures == []
     assert res.checks + res.routing_ties == 3 and res.routing_ties <= 1
-    assert res.max_abs_logit_diff <= soak.TOLERANCE
+    assert res.max_abs_logit_diff <= soak_check.TOLERANCE
 
 
 def _finished(model, rid: str, prompt: np.ndarray, shift_from: int | None) -> Request:
@@ -66,10 +66,10 @@ def _finished(model, rid: str, prompt: np.ndarray, shift_from: int | None) -> Re
 
 def test_a_difference_from_a_tie_is_a_tie_and_from_elsewhere_a_mismatch(tiny_model):
     prompt, _ = build_prompt(SPECS[2].segments, {}, tiny_model.config.vocab_size)
-    ref = soak.Reference(tiny_model)
-    exact = soak.check_request(ref, _finished(tiny_model, "a", prompt[:TIE_POSITION + 20], None))
-    assert exact.problem is None and exact.tie is None and exact.diff <= soak.TOLERANCE
-    tie = soak.check_request(ref, _finished(tiny_model, "b", prompt[:TIE_POSITION + 20], TIE_POSITION))
+    ref = soak_check.Reference(tiny_model)
+    exact = soak_check.check_request(ref, _finished(tiny_model, "a", prompt[:TIE_POSITION + 20], None))
+    assert exact.problem is None and exact.tie is None and exact.diff <= soak_check.TOLERANCE
+    tie = soak_check.check_request(ref, _finished(tiny_model, "b", prompt[:TIE_POSITION + 20], TIE_POSITION))
     assert tie.problem is None and tie.tie == TIE_POSITION
-    wrong = soak.check_request(ref, _finished(tiny_model, "c", prompt[:TIE_POSITION + 20], 300))
-    assert wrong.tie is None and "first at 300" in wrong.problem and wrong.diff > soak.TOLERANCE
+    wrong = soak_check.check_request(ref, _finished(tiny_model, "c", prompt[:TIE_POSITION + 20], 300))
+    assert wrong.tie is None and "first at 300" in wrong.problem and wrong.diff > soak_check.TOLERANCE

@@ -7,7 +7,8 @@ disk store, one or two engines sharing the store) and a random request sequence 
 trees, multi-turn sessions, identical resends, prompts shorter than a unit or a block, about
 30% cancellations at a chosen stage). The driver steps the engines by hand and cancels
 between steps. Every finished request is one *check*: its logits at every computed position
-against a no-cache forward of ``prompt + output[:-1]`` (at most :data:`TOLERANCE`), and the
+against a no-cache forward of ``prompt + output[:-1]`` (at most
+:data:`~hybridkv.replay.soak_check.TOLERANCE`; routing ties apart, :mod:`~hybridkv.replay.soak_check`), and the
 same greedy tokens. After each round: no references held, every page free or evictable,
 ``check_invariants()`` passes, the connector holds no request and (after ``drain``) no
 prefetch bytes; then the cache is cleared and must be empty.
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter, OrderedDict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +46,8 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.model.model import HybridModel
 from hybridkv.replay.args import non_negative_int, positive_float, positive_int
+from hybridkv.replay.soak_check import Reference, check_request
+from hybridkv.replay.soak_report import SoakFailure, SoakReport
 from hybridkv.replay.soak_rounds import (
     STAGES,
     RequestSpec,
@@ -61,96 +64,10 @@ from hybridkv.tiers.connector import host_tier_for, tier_for
 PRESET = "tiny"
 """The model every soak runs on (preset weights from seed 0)."""
 
-TOLERANCE = 1e-4
-"""Largest accepted absolute logit difference against a full prefill."""
-
-ROUTER_TIE_MARGIN = 1e-5
-"""A routing decision closer than this (score units, :meth:`Router.decision_margin`) is a tie.
-
-Measured: a chunked prefill continued from a checkpoint reaches the first MoE router with
-inputs within about 2e-6 of a whole prefill's (seed 5, round 100 of the soak), so scores
-within 1e-5 of each other may order either way in two exact computations.
-"""
-
 FAILURE_KINDS = ("mismatch", "leak", "exception", "rejected", "stuck")
 
 MAX_TICKS = 20_000          # driver loop iterations per round before a round counts as stuck
 DRAIN_TIMEOUT_S = 10.0
-
-
-# -- exactness --------------------------------------------------------------------------------------------
-class Reference:
-    """No-cache forwards of the model, remembered for identical sequences (resends)."""
-
-    def __init__(self, model: HybridModel, keep: int = 64) -> None:
-        self.model = model
-        self.keep = keep
-        self._memo: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.forwards = 0
-
-    @torch.no_grad()
-    def logits(self, ids: np.ndarray) -> torch.Tensor:
-        """``float32[len(ids), vocab]`` of a full prefill of ``ids``."""
-        key = ids.tobytes()
-        out = self._memo.get(key)
-        if out is None:
-            out = self.model(torch.from_numpy(ids)[None])[0]
-            self.forwards += 1
-            self._memo[key] = out
-            if len(self._memo) > self.keep:
-                self._memo.popitem(last=False)
-        else:
-            self._memo.move_to_end(key)
-        return out
-
-
-@dataclass(slots=True)
-class Check:
-    """The outcome of comparing one finished request with a full prefill.
-
-    Attributes:
-        diff: largest absolute logit difference over the computed positions.
-        problem: what differs (``None`` when exact or a routing tie).
-        tie: the first differing position when the full prefill's MoE routing there is within
-            :data:`ROUTER_TIE_MARGIN` of choosing other experts (``None`` otherwise).
-    """
-
-    diff: float
-    problem: str | None = None
-    tie: int | None = None
-
-
-def check_request(ref: Reference, req: Request, tol: float = TOLERANCE) -> Check:
-    """Compare a finished request (recorded logits) with a full prefill of ``prompt + output[:-1]``.
-
-    A difference is a *problem* when the positions computed are not exactly ``[reused, len)``, a
-    logit row differs by more than ``tol``, or the greedy tokens differ. It is a *tie*, not a
-    problem, when every row before the first differing position ``p`` agrees and the full
-    prefill's routing at ``p`` has a margin below :data:`ROUTER_TIE_MARGIN`
-    (:meth:`HybridModel.routing_margins`): two exact computations that round differently
-    (a chunked prefill continued from a checkpoint against a whole one) can then pick other
-    experts at ``p``, with or without a cache.
-    """
-    ids = np.concatenate([req.prompt, np.asarray(req.output[:-1], dtype=np.int64)])
-    full = ref.logits(ids)
-    positions = sorted(req.logits)
-    row_diff = {pos: float((row - full[pos]).abs().max()) for pos, row in req.logits.items()}
-    diff = max(row_diff.values(), default=0.0)
-    if positions != list(range(req.reused, len(ids))):
-        return Check(diff, f"computed positions {positions[:1]}..{positions[-1:]} ({len(positions)}) are not "
-                           f"[{req.reused}, {len(ids)})")
-    greedy = full[req.prompt_len - 1:].argmax(-1).tolist()
-    if diff <= tol and greedy == req.output:
-        return Check(diff)
-    first = next((p for p in positions if row_diff[p] > tol), None)
-    if first is not None:
-        margin = float(ref.model.routing_margins(torch.from_numpy(ids[:first + 1]))[first])
-        if margin < ROUTER_TIE_MARGIN:
-            return Check(diff, tie=first)
-        worst = max(positions, key=row_diff.__getitem__)
-        return Check(diff, f"max abs logit diff {diff:.3g} > {tol:g} at position {worst} (reused {req.reused}; "
-                           f"first at {first}, routing margin there {margin:.2g})")
-    return Check(diff, f"greedy tokens {req.output} != full prefill {greedy}")
 
 
 # -- one run of a request sequence --------------------------------------------------------------------------
@@ -446,140 +363,6 @@ def shrink(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], kind: 
             if fails(cand):
                 current = cand
     return current, runs
-
-
-# -- the soak ------------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class SoakFailure:
-    """A failing round: enough to reproduce it and the smallest sequence that still fails."""
-
-    round: int
-    kind: str
-    detail: str
-    config: dict
-    requests: int
-    shrunk: list[dict]
-    shrink_runs: int
-    reproduce: str
-
-    def render(self, vocab: int) -> str:
-        """Several lines for a terminal."""
-        lines = [f"FAILURE in round {self.round}: {self.kind}: {self.detail.splitlines()[0] if self.detail else ''}",
-                 f"  config: {json.dumps(self.config)}",
-                 (f"  smallest failing sequence ({len(self.shrunk)} of {self.requests} requests, "
-                  f"{self.shrink_runs} shrink runs):")]
-        lines += ["    " + RequestSpec(**s).describe(vocab) for s in self.shrunk]
-        lines.append(f"  reproduce: {self.reproduce}")
-        return "\n".join(lines)
-
-
-@dataclass(slots=True)
-class SoakReport:
-    """What a soak did (tokens, bytes, seconds).
-
-    Attributes:
-        seed: the soak seed.  rounds: rounds run (``first_round`` onward).
-        checks: finished requests compared with a full prefill.  mismatches: checks that failed.
-        routing_ties: finished requests that differ from the first position on which the full
-            prefill's MoE routing is a tie (:func:`check_request`); not counted as checks.
-        max_abs_logit_diff: largest difference over every check.
-        cancellations: stage -> requests cancelled there.
-        evicted_pages, evicted_checkpoints: device evictions (all engines).
-        store_hit_tokens, host_hit_tokens: hit tokens the store / host tiers supplied.
-        reused_tokens, prompt_tokens: over all admitted requests.
-        requests: requests submitted.  rejected: refused requests (each is also a failure).
-        store_misses: store-tier misses by reason.  prefetch_used: installs served by a prefetch.
-        faults_injected: store fault kind -> faults injected.  max_store_call_seconds: longest
-            store call in rounds with faults (seconds).
-        leaks: leak findings after draining.  exceptions: rounds that raised.
-        failures: the failing rounds (:class:`SoakFailure`) with shrunk sequences.
-        coverage: settings -> how many rounds used each value.
-        wall_seconds: whole run.  command: the command that reruns exactly these rounds.
-    """
-
-    seed: int
-    first_round: int = 0
-    rounds: int = 0
-    checks: int = 0
-    mismatches: int = 0
-    routing_ties: int = 0
-    max_abs_logit_diff: float = 0.0
-    cancellations: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
-    evicted_pages: int = 0
-    evicted_checkpoints: int = 0
-    store_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    reused_tokens: int = 0
-    prompt_tokens: int = 0
-    requests: int = 0
-    rejected: int = 0
-    store_misses: dict = field(default_factory=dict)
-    prefetch_used: int = 0
-    faults_injected: dict = field(default_factory=dict)
-    max_store_call_seconds: float = 0.0
-    leaks: int = 0
-    exceptions: int = 0
-    failures: list[SoakFailure] = field(default_factory=list)
-    coverage: dict = field(default_factory=dict)
-    wall_seconds: float = 0.0
-    command: str = ""
-
-    @property
-    def ok(self) -> bool:
-        """No failure of any kind."""
-        return not self.failures
-
-    def to_dict(self) -> dict:
-        """JSON-ready form (``ok`` first)."""
-        return {"ok": self.ok, **asdict(self)}
-
-    def add(self, rc: RoundConfig, res: RunResult) -> None:
-        """Merge one round."""
-        self.rounds += 1
-        self.checks += res.checks
-        self.mismatches += sum(f.kind == "mismatch" for f in res.failures)
-        self.routing_ties += res.routing_ties
-        self.max_abs_logit_diff = max(self.max_abs_logit_diff, res.max_abs_logit_diff)
-        for stage, n in res.cancellations.items():
-            self.cancellations[stage] = self.cancellations.get(stage, 0) + n
-        self.evicted_pages += res.evicted_pages
-        self.evicted_checkpoints += res.evicted_checkpoints
-        self.store_hit_tokens += res.store_hit_tokens
-        self.host_hit_tokens += res.host_hit_tokens
-        self.reused_tokens += res.reused_tokens
-        self.prompt_tokens += res.prompt_tokens
-        self.requests += res.submitted
-        self.rejected += res.rejected
-        self.prefetch_used += res.prefetch_used
-        for reason, n in res.store_misses.items():
-            self.store_misses[reason] = self.store_misses.get(reason, 0) + n
-        for kind, n in res.faults_injected.items():
-            self.faults_injected[kind] = self.faults_injected.get(kind, 0) + n
-        self.max_store_call_seconds = max(self.max_store_call_seconds, res.max_store_call_seconds)
-        self.leaks += sum(f.kind == "leak" for f in res.failures)
-        self.exceptions += any(f.kind == "exception" for f in res.failures)
-        for key, value in (("mechanism", rc.mechanism), ("block_size", rc.block_size),
-                           ("prefix_match_unit", rc.prefix_match_unit), ("store", rc.store),
-                           ("instances", rc.instances), ("host", bool(rc.host_bytes)), ("faults", bool(rc.faults)),
-                           ("max_num_batched_tokens", rc.max_num_batched_tokens)):
-            counts = self.coverage.setdefault(key, {})
-            counts[str(value)] = counts.get(str(value), 0) + 1
-
-    def summary(self) -> str:
-        """A few lines for a terminal."""
-        c = ", ".join(f"{k} {v}" for k, v in self.cancellations.items())
-        return "\n".join([
-            (f"soak seed {self.seed}: {self.rounds} rounds, {self.checks} checks, {self.mismatches} mismatches, "
-             f"{self.routing_ties} routing ties, max |dlogit| {self.max_abs_logit_diff:.3g}, {self.leaks} leaks, "
-             f"{self.exceptions} exceptions, "
-             f"{self.rejected} rejected, {self.wall_seconds:.1f} s"),
-            f"  requests {self.requests}; cancelled: {c}",
-            (f"  evicted: {self.evicted_pages} pages, {self.evicted_checkpoints} checkpoints; reused "
-             f"{self.reused_tokens} of {self.prompt_tokens} prompt tokens (store {self.store_hit_tokens}, "
-             f"host {self.host_hit_tokens}); store misses {self.store_misses}"),
-            f"  store faults injected {self.faults_injected}; longest store call {self.max_store_call_seconds:.3f} s",
-            f"  reproduce: {self.command}",
-        ])
 
 
 _MODEL: HybridModel | None = None
