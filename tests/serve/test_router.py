@@ -108,7 +108,8 @@ def test_streaming_through_the_router_with_the_openai_client(workers):
 def test_a_killed_worker_is_routed_around():
     a = RunningServer(ServeOptions(port=0, threads=1))
     b = RunningServer(ServeOptions(port=0, threads=1))
-    router = _router([a.url, b.url], "round-robin")
+    b_url = b.url
+    router = _router([a.url, b_url], "round-robin")
     try:
         _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
         for i in range(2):
@@ -123,6 +124,12 @@ def test_a_killed_worker_is_routed_around():
         assert s["unroutable"] == 0
         health = httpx.get(f"{router.url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["workers_in_rotation"] == 1
+        old_epoch = _stats(router)["workers"][0]["epoch"]
+        b = RunningServer(ServeOptions(port=int(b_url.rsplit(":", 1)[1]), threads=1))   # restarted, same port
+        back = _wait(lambda s: s["workers"][1]["healthy"], router)
+        assert back["workers"][1]["epoch"] is not None and back["workers"][1]["epoch"] != old_epoch
+        assert [_complete(router, prompt_ids(300 + i, 70))["usage"]["completion_tokens"] for i in range(2)] == [2, 2]
+        assert _routed(_stats(router))[1] >= 2
     finally:
         router.close()
         a.close()
@@ -135,3 +142,24 @@ def test_a_bad_worker_list_is_refused_naming_it():
                               cost_model=None, poll_interval=0.05, health_every=2)
     with pytest.raises(ValueError, match="given twice"):
         router_service(args)
+
+
+def test_worker_events_page_and_epochs(workers):
+    """``/v1/cache/events`` pages through the worker's events; a purge starts a new epoch."""
+    w = workers[0]
+    _ = httpx.post(f"{w.url}/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": prompt_ids(7, 200), "max_tokens": 1, "temperature": 0})
+    info = httpx.get(f"{w.url}/v1/cache/info", timeout=10).json()
+    assert info["prefix_match_unit"] == 64 and len(bytes.fromhex(info["binding"])) > 0
+    page = httpx.get(f"{w.url}/v1/cache/events", params={"epoch": info["epoch"], "after": -1, "limit": 1},
+                     timeout=10).json()
+    assert page["epoch"] == info["epoch"] and len(page["events"]) == 1 and page["more"] and not page["gap"]
+    assert page["events"][0]["seq"] == 0 and all(len(k) == 64 for k in page["events"][0]["keys"])
+    rest = httpx.get(f"{w.url}/v1/cache/events", params={"epoch": info["epoch"], "after": 0}, timeout=10).json()
+    assert rest["events"][0]["seq"] == 1 and not rest["more"]
+    assert httpx.get(f"{w.url}/v1/cache/events", params={"limit": 0}, timeout=10).status_code == 400
+    assert httpx.post(f"{w.url}/admin/cache/invalidate", json={"all": True}, timeout=30).status_code == 200
+    after = httpx.get(f"{w.url}/v1/cache/events", params={"epoch": info["epoch"], "after": rest["next"] - 1},
+                      timeout=10).json()
+    assert after["epoch"] == info["epoch"] + 1
+    assert [e["kind"] for e in after["events"]] == ["all_cleared"]
