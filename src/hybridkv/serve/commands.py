@@ -121,6 +121,7 @@ def _router(args) -> int:
     from hybridkv.serve.router import create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per event poll
     try:
         service = router_service(args)
     except (ValueError, FileNotFoundError) as exc:
