@@ -20,8 +20,8 @@ from serve_helpers import prompt_ids
 PREFIX = 320                                   # 5 units of 64 tokens
 
 
-def _router(urls: list[str], policy: str) -> BackgroundUvicorn:
-    args = argparse.Namespace(worker=urls, policy=policy, model="tiny", cost_model=None, poll_interval=0.05,
+def _router(urls: list[str], policy: str, poll_interval: float = 0.05) -> BackgroundUvicorn:
+    args = argparse.Namespace(worker=urls, policy=policy, model="tiny", cost_model=None, poll_interval=poll_interval,
                               health_every=2)
     return BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
 
@@ -142,6 +142,29 @@ def test_a_bad_worker_list_is_refused_naming_it():
                               cost_model=None, poll_interval=0.05, health_every=2)
     with pytest.raises(ValueError, match="given twice"):
         router_service(args)
+
+
+def test_a_refused_connection_is_retried_on_another_worker():
+    """Polling slowed to once an hour: the router learns of the dead worker from the refused
+    connection itself, takes it out of rotation and retries the request elsewhere."""
+    a = RunningServer(ServeOptions(port=0, threads=1))
+    b = RunningServer(ServeOptions(port=0, threads=1))
+    router = _router([a.url, b.url], "round-robin", poll_interval=3600)
+    try:
+        assert all(w["healthy"] for w in _stats(router)["workers"])      # the startup round
+        b.close()
+        b = None
+        usages = [_complete(router, prompt_ids(400 + i, 70))["usage"] for i in range(3)]
+        assert [u["completion_tokens"] for u in usages] == [2, 2, 2]
+        s = _stats(router)
+        assert s["retries"] == 1 and s["workers"][1]["healthy"] is False
+        assert "connection failed" in s["workers"][1]["last_error"]
+        assert s["workers"][0]["routed"] == 3
+    finally:
+        router.close()
+        a.close()
+        if b is not None:
+            b.close()
 
 
 def test_worker_events_page_and_epochs(workers):
