@@ -62,9 +62,14 @@ def _routed(stats: dict) -> list[int]:
     return [w["routed"] for w in stats["workers"]]
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "round-robin"])
+POLICY_SEEDS = {"hybrid": 10, "kv-overlap": 12, "prefix": 14, "round-robin": 20, "least-load": 22}
+
+
+@pytest.mark.parametrize("policy", list(POLICY_SEEDS))
 def test_second_request_sharing_a_prefix(workers, policy):
-    first, second = _shared_prefix_pair({"hybrid": 10, "round-robin": 20}[policy])
+    """Cache-aware policies send the second request to the worker holding the prefix; the
+    load-only ones send it to the other (idle, fewer requests routed) worker."""
+    first, second = _shared_prefix_pair(POLICY_SEEDS[policy])
     router = _router([w.url for w in workers], policy)
     try:
         _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
@@ -78,7 +83,7 @@ def test_second_request_sharing_a_prefix(workers, policy):
     finally:
         router.close()
     assert u1["prompt_tokens_details"]["cached_tokens"] == 0
-    if policy == "hybrid":
+    if policy in ("hybrid", "kv-overlap", "prefix"):
         assert second_to == holder
         assert u2["prompt_tokens_details"]["cached_tokens"] >= PREFIX - 64
     else:
