@@ -15,7 +15,7 @@ import pytest
 from hybridkv.serve.commands import router_service
 from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
 from hybridkv.serve.router import create_router_app
-from serve_helpers import prompt_ids
+from serve_helpers import prompt_ids, wait_idle
 
 PREFIX = 320                                   # 5 units of 64 tokens
 
@@ -106,6 +106,14 @@ def test_streaming_through_the_router_with_the_openai_client(workers):
         chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=3, temperature=0, stream=True))
         assert chat[-1].choices[0].finish_reason in ("length", "stop")
+        with httpx.stream("POST", f"{router.url}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "gone", "max_tokens": 500, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")            # then the client goes away
+        idle = _wait(lambda s: all(w["in_flight"] == 0 for w in s["workers"]), router)
+        assert all(w["outstanding_tokens"] == 0 for w in idle["workers"])
+        for w in workers:                                              # the worker cancelled it too
+            assert wait_idle(w)["page_refs"] == 0
     finally:
         router.close()
 

@@ -63,7 +63,7 @@ class _Ticket:
 
     def __init__(self, w: WorkerState, tokens: int, output: int, seconds: float) -> None:
         self.w, self.tokens, self.output, self.seconds = w, tokens, output, seconds
-        self.waiting = True
+        self.waiting, self.closed = True, False
         ld = w.load
         ld.outstanding_tokens += tokens
         ld.queued_seconds += seconds
@@ -78,6 +78,9 @@ class _Ticket:
             self.w.load.queued_seconds = max(0.0, self.w.load.queued_seconds - self.seconds)
 
     def done(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.first_byte()
         self.w.load.in_flight -= 1
         self.w.load.in_flight_tokens -= self.tokens + self.output
@@ -199,8 +202,7 @@ class RouterService:
             except httpx.HTTPError as exc:
                 ticket.done()
                 return _error(502, f"worker {w.url} failed: {type(exc).__name__}", "bad_gateway")
-            return StreamingResponse(_relay(upstream, ticket), status_code=upstream.status_code,
-                                     media_type=upstream.headers.get("content-type"))
+            return _ProxiedResponse(upstream, ticket)
         self.unroutable += 1
         return _error(503, "no worker is in rotation; retry shortly", "no_healthy_worker")
 
@@ -226,6 +228,24 @@ class RouterService:
         """``GET /router/stats``: the policy, per-worker counters, retries."""
         return {"policy": self.settings.policy, "retries": self.retries, "unroutable": self.unroutable,
                 "workers": [w.stats() for w in self.workers.states]}
+
+
+class _ProxiedResponse(StreamingResponse):
+    """The worker's answer streamed through; its load and connection are returned however the
+    response ends (a client gone before the first chunk included, when the body iterator never
+    starts and so never runs its own cleanup)."""
+
+    def __init__(self, upstream: httpx.Response, ticket: _Ticket) -> None:
+        super().__init__(_relay(upstream, ticket), status_code=upstream.status_code,
+                         media_type=upstream.headers.get("content-type"))
+        self._upstream, self._ticket = upstream, ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ticket.done()
+            await self._upstream.aclose()
 
 
 async def _relay(upstream: httpx.Response, ticket: _Ticket):
