@@ -199,3 +199,12 @@ def test_worker_events_page_and_epochs(workers):
                       timeout=10).json()
     assert after["epoch"] == info["epoch"] + 1
     assert [e["kind"] for e in after["events"]] == ["all_cleared"]
+
+
+def test_the_router_command_refuses_bad_options(capsys):
+    from hybridkv.cli import main
+    assert main(["router", "--worker", "http://127.0.0.1:1", "--worker", "http://127.0.0.1:1"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["router", "--worker", "http://127.0.0.1:1", "--policy", "nearest"])
+    assert "nearest" in capsys.readouterr().err
