@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.soak_func(args)
     if args.command == "cache":
         return _cache_purge(args, console)
-    if args.command in ("serve", "bench-serve"):
+    if args.command in ("serve", "bench-serve", "router"):
         return args.func(args)
     if args.command == "calibrate":
         return args.calibrate_func(args)

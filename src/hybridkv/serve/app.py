@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one engine thread (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``. Errors answer with the
+``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``, and for ``hybridkv router``
+``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`). Errors answer with the
 OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/serve.md.
 """
 
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
+from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts
 from hybridkv.serve.run import Run
@@ -51,11 +53,13 @@ class Server:
         codec: the tokenizer.
         settings: names and limits.
         metrics: the server's metrics (observed by ``worker`` callbacks too).
+        events: the engine's cache-event listener, or ``None`` (no ``/v1/cache/*`` routes).
     """
 
     def __init__(self, handle: EngineHandle, worker: EngineWorker, codec: Codec, settings: ServeSettings,
-                 metrics: ServeMetrics) -> None:
+                 metrics: ServeMetrics, events: EventFeed | None = None) -> None:
         self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
+        self.events = events
         self.vocab_size = handle.backend.vocab_size
         self.unit = handle.engine.config.prefix_match_unit
         self._weights = handle.model.weight_digest() if handle.model is not None else "simulated"
@@ -70,12 +74,15 @@ class Server:
                                 f"{self.settings.model_name!r}", "model", "model_not_found", "not_found_error")
         return body
 
+    def identity(self) -> dict[str, str]:
+        """The :class:`CacheIdentity` fields every request shares (all but tenant and salt)."""
+        tok, template = self.codec.identity
+        return {"model_repo": self.settings.model_name, "weight_digest": self._weights,
+                "tokenizer_version": tok, "chat_template_version": template}
+
     def namespace(self, tenant: str, salt: str) -> bytes:
         """The namespace digest of a request of ``tenant`` with ``salt`` (32 bytes)."""
-        tok, template = self.codec.identity
-        return CacheIdentity(model_repo=self.settings.model_name, weight_digest=self._weights,
-                             tokenizer_version=tok, chat_template_version=template, tenant=tenant,
-                             cache_salt=salt).digest()
+        return CacheIdentity(**self.identity(), tenant=tenant, cache_salt=salt).digest()
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
         self._check_alive()
@@ -196,7 +203,24 @@ class Server:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
         self._check_alive()
         counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
+        if self.events is not None:
+            self.events.reset()               # purges are not evictions: routers rebuild from a new epoch
         return asdict(counts)
+
+    async def cache_info(self) -> dict:
+        """``GET /v1/cache/info``: what a router needs to hash prompts as this server does (the
+        namespace fields, the backend binding, units in tokens) and the event epoch."""
+        cfg = self.handle.engine.config
+        return {"model": self.settings.model_name, "epoch": self.events.epoch, "identity": self.identity(),
+                "binding": self.handle.backend.cache_binding().hex(), "prefix_match_unit": cfg.prefix_match_unit,
+                "block_size": cfg.block_size, "vocab_size": self.vocab_size}
+
+    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX) -> dict:
+        """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N`` (see :meth:`EventFeed.page`)."""
+        try:
+            return self.events.page(epoch, after, limit)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -248,6 +272,9 @@ def create_app(server: Server) -> FastAPI:
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics_text)
     app.post("/admin/cache/invalidate")(server.invalidate)
+    if server.events is not None:
+        app.get("/v1/cache/info")(server.cache_info)
+        app.get("/v1/cache/events")(server.cache_events)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):

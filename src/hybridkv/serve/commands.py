@@ -1,4 +1,4 @@
-"""``hybridkv serve`` and ``hybridkv bench-serve``: argument parsing and the two entry points.
+"""``hybridkv serve``, ``hybridkv router`` and ``hybridkv bench-serve``: argument parsing and entry points.
 
 Exit status: 0 on success, 2 on a bad option or model (one ``error:`` line naming it).
 """
@@ -15,7 +15,7 @@ from hybridkv.replay.args import non_negative_int, port_number, positive_float, 
 
 
 def register_cli(sub) -> None:
-    """Add the ``serve`` and ``bench-serve`` subcommands to ``sub`` (an argparse subparsers object)."""
+    """Add the ``serve``, ``router`` and ``bench-serve`` subcommands to ``sub`` (argparse subparsers)."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/serve.md)",
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
@@ -41,6 +41,8 @@ def register_cli(sub) -> None:
                    help="requests waiting for admission before answering 503 (default 64)")
     s.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     s.set_defaults(func=_serve)
+
+    _register_router(sub)
 
     b = sub.add_parser("bench-serve", help="replay a trace against a running server and report TTFT",
                        description="Replay a Mooncake-format trace against a loopback server with its "
@@ -75,6 +77,57 @@ def _serve(args) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _register_router(sub) -> None:
+    from hybridkv.fleet.routers import ROUTER_NAMES
+    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/serve.md)",
+                       description="Route OpenAI-style requests to workers by their cache events and load.")
+    r.add_argument("--worker", action="append", required=True, metavar="URL",
+                   help="a worker's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
+    r.add_argument("--policy", choices=ROUTER_NAMES, default="hybrid", help="routing policy (default hybrid)")
+    r.add_argument("--model", default="tiny", help="the workers' --model (its tokenizer is used to hash prompts)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    r.add_argument("--port", type=port_number, default=8080, help="port (default 8080)")
+    r.add_argument("--cost-model", default=None,
+                   help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
+    r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
+    r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
+    r.set_defaults(func=_router)
+
+
+def router_service(args):
+    """The :class:`~hybridkv.serve.router.RouterService` of parsed ``router`` arguments.
+
+    Raises:
+        ValueError / CostModelError / FileNotFoundError: a bad model, cost model or worker list (named).
+    """
+    from hybridkv.engine.build import model_config
+    from hybridkv.fleet.costmodel import cost_model
+    from hybridkv.replay.timed import CPU_ESTIMATE
+    from hybridkv.serve.router import RouterService, RouterSettings
+    from hybridkv.serve.tokenizer import load_codec
+
+    cost = cost_model(args.cost_model) if args.cost_model else CPU_ESTIMATE
+    codec = load_codec(args.model, model_config(args.model).vocab_size)
+    return RouterService(args.worker, codec, RouterSettings(args.policy, cost, poll_interval_s=args.poll_interval,
+                                                            health_every=args.health_every))
+
+
+def _router(args) -> int:
+    import uvicorn
+
+    from hybridkv.serve.router import create_router_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per event poll
+    try:
+        service = router_service(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_router_app(service), host=args.host, port=args.port, log_level="info", lifespan="on")
     return 0
 
 

@@ -18,6 +18,7 @@ from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import EngineHandle, build_engine, load_model
 from hybridkv.serve.app import Server, ServeSettings, create_app
+from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
 from hybridkv.serve.tokenizer import load_codec
 from hybridkv.serve.worker import EngineWorker
@@ -66,8 +67,9 @@ class ServeOptions:
     default_max_tokens: int = 16
 
 
-def build_handle(opts: ServeOptions) -> EngineHandle:
-    """The engine for ``opts`` (see :func:`~hybridkv.engine.build.build_engine`).
+def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> EngineHandle:
+    """The engine for ``opts`` (see :func:`~hybridkv.engine.build.build_engine`); ``listener`` hears
+    its cache events.
 
     Raises:
         ConfigError / ValueError: a bad cache setting or model name (named).
@@ -81,7 +83,8 @@ def build_handle(opts: ServeOptions) -> EngineHandle:
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     model = load_model(opts.model, opts.seed)
-    return build_engine(model, config, model_name=opts.model, store_url=opts.store, host_bytes=opts.host_mib << 20)
+    return build_engine(model, config, model_name=opts.model, store_url=opts.store, host_bytes=opts.host_mib << 20,
+                        listener=listener)
 
 
 def build_server(opts: ServeOptions) -> Server:
@@ -90,7 +93,8 @@ def build_server(opts: ServeOptions) -> Server:
     Raises:
         ValueError: a bad option, or ``max_model_len`` beyond what the KV pool holds (named).
     """
-    handle = build_handle(opts)
+    events = EventFeed()
+    handle = build_handle(opts, events)
     try:
         cfg = handle.engine.config
         pool_tokens = cfg.num_kv_pages * cfg.block_size
@@ -106,27 +110,30 @@ def build_server(opts: ServeOptions) -> Server:
     except BaseException:
         handle.close()
         raise
-    return Server(handle, worker, codec, ServeSettings(opts.model, limit, opts.default_max_tokens), metrics)
+    return Server(handle, worker, codec, ServeSettings(opts.model, limit, opts.default_max_tokens), metrics,
+                  events)
 
 
-class RunningServer:
-    """A server with uvicorn on its own thread; ``url`` is ``http://HOST:PORT``.
+class BackgroundUvicorn:
+    """An ASGI app served by uvicorn on its own thread; ``url`` is ``http://HOST:PORT``.
 
     Args:
-        opts: server options (``port=0`` picks a free port).
+        app: the ASGI application.
+        host, port: where to listen (``port=0``: a free port).
+        lifespan: uvicorn's ``lifespan`` setting (``"on"`` runs the app's startup/shutdown).
 
-    Use as a context manager, or call :meth:`close`.
+    Raises:
+        RuntimeError: the server did not start (naming the URL).
     """
 
-    def __init__(self, opts: ServeOptions) -> None:
+    def __init__(self, app, host: str, port: int, lifespan: str = "off") -> None:
         import uvicorn
-        self.server = build_server(opts)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((opts.host, opts.port))
+        self.sock.bind((host, port))
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
-        config = uvicorn.Config(create_app(self.server), log_level="warning", lifespan="off",
+        config = uvicorn.Config(app, log_level="warning", lifespan=lifespan,
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         self.uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
@@ -139,10 +146,34 @@ class RunningServer:
             raise RuntimeError(f"the HTTP server did not start on {self.url}")
 
     def close(self) -> None:
-        """Stop uvicorn, the engine thread and the store worker."""
+        """Stop uvicorn (running requests get :data:`SHUTDOWN_GRACE_S`) and close the socket."""
         self.uvicorn.should_exit = True
         self._thread.join(10)
         self.sock.close()
+
+
+class RunningServer:
+    """A server with uvicorn on its own thread; ``url`` is ``http://HOST:PORT``.
+
+    Args:
+        opts: server options (``port=0`` picks a free port).
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, opts: ServeOptions) -> None:
+        self.server = build_server(opts)
+        try:
+            self.http = BackgroundUvicorn(create_app(self.server), opts.host, opts.port)
+        except BaseException:
+            self.server.worker.stop()
+            self.server.handle.close()
+            raise
+        self.url = self.http.url
+
+    def close(self) -> None:
+        """Stop uvicorn, the engine thread and the store worker."""
+        self.http.close()
         self.server.worker.stop()
         self.server.handle.close()
 
