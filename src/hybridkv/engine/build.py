@@ -131,7 +131,8 @@ def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheCon
         raise
 
 
-def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none", host_bytes: int = 0,
+def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none",
+                 host_bytes: int = 0,
                  host_write_through: bool = False, prefetch: bool = True, store_required: bool = False,
                  listener: CacheListener | None = None,
                  step_cost: Callable[[list[StepItem]], float] | None = None) -> EngineHandle:

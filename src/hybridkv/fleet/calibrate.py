@@ -68,7 +68,8 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         keep.remove(negative[0])
 
 
-def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3, block_size: int = 64) -> tuple[StepCostModel, list[dict]]:
+def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3,
+              block_size: int = 64) -> tuple[StepCostModel, list[dict]]:
     """Time the model and fit the cost model.
 
     Returns:

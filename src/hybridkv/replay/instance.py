@@ -123,7 +123,8 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     instance runs its requests one at a time in global trace order: request
     ``i`` starts once ``turn == i`` and sets ``turn = i + 1`` when it finishes,
     so instances see each other's store entries exactly as a single ordered
-    replay would. An instance that fails sets ``turn = -1`` and the others stop. Without it, requests run concurrently up to ``max_num_seqs``.
+    replay would. An instance that fails sets ``turn = -1`` and the others stop. Without
+    it, requests run concurrently up to ``max_num_seqs``.
     ``threads`` sets torch's intra-op threads of this process. A ``KeyboardInterrupt``
     (Ctrl-C in-process, or ``stop`` set by the runner) while requests run ends the run
     early: the result holds what ran until then, with ``interrupted`` set (and no

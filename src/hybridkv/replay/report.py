@@ -303,7 +303,8 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
         for name in ("host", "store"):
             t = r.tiers.get(name)
             if t and (t["bytes_loaded"] or t["bytes_saved"]):
-                table.add_row(f"{name} bytes loaded / saved", f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_saved'])}")
+                table.add_row(f"{name} bytes loaded / saved",
+                              f"{_bytes(t['bytes_loaded'])} / {_bytes(t['bytes_saved'])}")
     if r.evictions:
         d, h = r.evictions["device"], r.evictions["host"]
         table.add_row("device evictions: KV pages / checkpoints",

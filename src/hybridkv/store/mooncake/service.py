@@ -214,7 +214,7 @@ def _probe_in_subprocess(master: str, work: Path, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         raise StoreServiceError(f"probe of {master} did not finish within {timeout_s + 10:g} s") from None
     if done.returncode != 0:
-        lines = [ln for ln in done.stderr.splitlines() if not ln[:1] in "IWE" or not ln[1:5].isdigit()]
+        lines = [ln for ln in done.stderr.splitlines() if ln[:1] not in "IWE" or not ln[1:5].isdigit()]
         raise StoreServiceError(f"probe of {master} failed:\n" + "\n".join(lines[-10:]))
 
 

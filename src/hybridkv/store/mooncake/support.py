@@ -98,7 +98,8 @@ def send_native_log_to_file() -> str | None:
 
     Descriptor 2 is pointed at the file (appended to); ``sys.stderr`` is rebound to a duplicate of
     the original descriptor (and logging handlers that wrote to the old ``sys.stderr`` are moved
-    to it), so Python's own messages, warnings and tracebacks still reach the terminal. Does nothing when the variable is unset or empty. Returns the log path in use.
+    to it), so Python's own messages, warnings and tracebacks still reach the terminal. Does
+    nothing when the variable is unset or empty. Returns the log path in use.
 
     Raises:
         OSError: the file cannot be opened (the message names it).
