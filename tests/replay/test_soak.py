@@ -149,3 +149,14 @@ def test_a_negative_seed_or_round_is_a_usage_error_naming_it(option, capsys):
         soak.main([option, "-1", "--rounds", "1", "--quiet"])
     assert exc.value.code == 2
     assert f"argument {option}: -1 must be 0 or more" in capsys.readouterr().err
+
+
+def test_value_eviction_rounds_are_exact_and_leak_free(tiny_model):
+    """The soak's --eviction value: the same rounds with the device pools and host tier evicting by
+    value (issue 12) stay exact and leak-free; an unknown order is refused before any round."""
+    rep = soak.run_soak(0, rounds=8, model=tiny_model, eviction="value")
+    assert rep.ok, "\n".join(f.render(tiny_model.config.vocab_size) for f in rep.failures)
+    assert rep.checks >= 60 and rep.evicted_pages > 0 and rep.coverage["eviction"] == {"value": 8}
+    assert rep.command.endswith("--eviction value")
+    with pytest.raises(ValueError, match="eviction='fifo'"):
+        soak.run_soak(0, rounds=1, model=tiny_model, eviction="fifo")

@@ -33,7 +33,7 @@ import time
 import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -49,11 +49,13 @@ from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 from hybridkv.replay.soak_check import Reference, check_request
 from hybridkv.replay.soak_report import SoakFailure, SoakReport
 from hybridkv.replay.soak_rounds import (
+    EVICTION_CHOICES,
     STAGES,
     RequestSpec,
     RoundConfig,
     build_prompt,
     make_round,
+    round_eviction,
 )
 from hybridkv.store.base import ObjectStore
 from hybridkv.store.disk import DiskStore
@@ -119,9 +121,9 @@ def _build(model: HybridModel, rc: RoundConfig, store: ObjectStore | None, disk_
     backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
     ns = CacheIdentity(model_repo=PRESET, weight_digest=model.weight_digest()).digest()
     host = (host_tier_for(rc.host_bytes, backend, ns, cfg.prefix_match_unit, cfg.block_size,
-                          write_through=rc.host_write_through) if rc.host_bytes else None)
-    if disk_dir is not None:
-        store = DiskStore(disk_dir, capacity_bytes=rc.store_capacity)   # one per engine, like processes
+                          write_through=rc.host_write_through, eviction=rc.eviction) if rc.host_bytes else None)
+    if disk_dir is not None:                                            # one per engine, like processes
+        store = DiskStore(disk_dir, capacity_bytes=rc.store_capacity, eviction=rc.eviction)
         if rc.faults:
             store = _faulty(store, rc, index)
             faulty.append(store)
@@ -378,7 +380,7 @@ def soak_model() -> HybridModel:
 
 def run_soak(seed: int, checks: int | None = None, seconds: float | None = None, *, rounds: int | None = None,
              first_round: int = 0, shrink_seconds: float = 60.0, stop_on_failure: bool = True,
-             model: HybridModel | None = None, log=None) -> SoakReport:
+             model: HybridModel | None = None, log=None, eviction: str = "lru") -> SoakReport:
     """Run rounds ``first_round, first_round + 1, ...`` of soak ``seed`` until a bound is reached.
 
     Args:
@@ -392,12 +394,14 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
         model: the model (default :func:`soak_model`); it must be the ``tiny`` preset for the
             reproduce command to hold.
         log: called with a line of progress now and then (``None``: silent).
+        eviction: ``lru``, ``value`` or ``mixed`` (:func:`~hybridkv.replay.soak_rounds.round_eviction`).
 
     Raises:
-        ValueError: no bound given, or a bound that is not positive.
+        ValueError: no bound given, a bound that is not positive, or an unknown ``eviction``.
     """
     if checks is None and seconds is None and rounds is None:
         raise ValueError("run_soak needs a bound: checks, seconds or rounds")
+    round_eviction(eviction, 0)                    # an unknown choice fails before any round
     for name, v in (("checks", checks), ("seconds", seconds), ("rounds", rounds)):
         if v is not None and not v > 0:
             raise ValueError(f"{name}={v!r} must be positive")
@@ -405,6 +409,7 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
     vocab = model.config.vocab_size
     ref = Reference(model)
     report = SoakReport(seed=seed, first_round=first_round)
+    flag = "" if eviction == "lru" else f" --eviction {eviction}"
     t0 = time.monotonic()
     last_log = t0
     i = first_round
@@ -418,6 +423,7 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
             if seconds is not None and time.monotonic() - t0 >= seconds:
                 break
             rc, specs = make_round(seed, i, vocab)
+            rc = replace(rc, eviction=round_eviction(eviction, i))
             res = run_sequence(model, rc, specs, ref, janitor)
             report.add(rc, res)
             if res.failures:
@@ -429,7 +435,7 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
                 report.failures.append(SoakFailure(
                     round=i, kind=first.kind, detail=first.detail, config=asdict(rc), requests=len(specs),
                     shrunk=[_spec_dict(s) for s in small], shrink_runs=runs,
-                    reproduce=f"hybridkv soak --seed {seed} --first-round {i} --rounds 1"))
+                    reproduce=f"hybridkv soak --seed {seed} --first-round {i} --rounds 1{flag}"))
                 if stop_on_failure:
                     break
             now = time.monotonic()
@@ -441,7 +447,7 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
     finally:
         janitor.shutdown(wait=True)               # every temporary store directory is gone
     report.wall_seconds = time.monotonic() - t0
-    report.command = f"hybridkv soak --seed {seed} --first-round {first_round} --rounds {report.rounds}"
+    report.command = f"hybridkv soak --seed {seed} --first-round {first_round} --rounds {report.rounds}{flag}"
     return report
 
 
@@ -470,6 +476,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shrink-seconds", type=positive_float, default=60.0,
                    help="time to shrink a failing round's request sequence (default 60)")
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
+    p.add_argument("--eviction", choices=EVICTION_CHOICES, default="lru",
+                   help="eviction order of the device pools and host tier: lru (default; every earlier "
+                        "round reproduces), value, or mixed (value in odd rounds)")
     p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the report here")
@@ -525,7 +534,8 @@ def _soak(args: argparse.Namespace) -> int:
         return 1 if res.failures else 0
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     report = run_soak(args.seed, args.checks, args.seconds, rounds=args.rounds, first_round=args.first_round,
-                      shrink_seconds=args.shrink_seconds, stop_on_failure=not args.keep_going, log=log)
+                      shrink_seconds=args.shrink_seconds, stop_on_failure=not args.keep_going, log=log,
+                      eviction=args.eviction)
     vocab = soak_model().config.vocab_size
     for f in report.failures:
         print(f.render(vocab))

@@ -124,7 +124,7 @@ class SoakReport:
         for key, value in (("mechanism", rc.mechanism), ("block_size", rc.block_size),
                            ("prefix_match_unit", rc.prefix_match_unit), ("store", rc.store),
                            ("instances", rc.instances), ("host", bool(rc.host_bytes)), ("faults", bool(rc.faults)),
-                           ("max_num_batched_tokens", rc.max_num_batched_tokens)):
+                           ("max_num_batched_tokens", rc.max_num_batched_tokens), ("eviction", rc.eviction)):
             counts = self.coverage.setdefault(key, {})
             counts[str(value)] = counts.get(str(value), 0) + 1
 

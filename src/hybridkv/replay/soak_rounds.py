@@ -34,6 +34,8 @@ class RoundConfig:
         prefetch: background prefetch for waiting requests.
         faults: rate of each injected store fault (:class:`~hybridkv.store.faults.FaultyStore`;
             ``unavailable`` at a third of it); 0: none.
+        eviction: eviction order of the device pools and the host tier (``lru`` or ``value``;
+            not drawn by :func:`make_round`: the soak's ``--eviction`` option sets it).
     """
 
     policy: str
@@ -52,6 +54,7 @@ class RoundConfig:
     instances: int = 1
     prefetch: bool = True
     faults: float = 0.0
+    eviction: str = "lru"
 
     def cache_config(self) -> CacheConfig:
         """The validated :class:`CacheConfig` of these settings."""
@@ -59,7 +62,8 @@ class RoundConfig:
                            max_num_batched_tokens=self.max_num_batched_tokens, num_kv_pages=self.num_kv_pages,
                            num_checkpoint_slots=self.num_checkpoint_slots,
                            policy=CheckpointPolicy.parse(self.policy), mechanism=self.mechanism,
-                           max_num_seqs=self.max_num_seqs, store_alignment=self.store_alignment)
+                           max_num_seqs=self.max_num_seqs, store_alignment=self.store_alignment,
+                           eviction=self.eviction)
 
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -219,6 +223,21 @@ def _workload(rng: np.random.Generator, *, unit: int, block: int, instances: int
             else:
                 add("short", [["r", seed(), n]], t0)
     return specs
+
+
+EVICTION_CHOICES = ("lru", "value", "mixed")
+"""The soak's ``--eviction`` values: one order for every round, or ``mixed`` (by round parity)."""
+
+
+def round_eviction(choice: str, round_index: int) -> str:
+    """The eviction order of round ``round_index`` under the soak's ``--eviction`` ``choice``
+    (``mixed``: ``value`` in odd rounds). Kept out of :func:`make_round`'s random stream, so
+    every round's other draws are the same whatever the choice."""
+    if choice not in EVICTION_CHOICES:
+        raise ValueError(f"eviction={choice!r} must be one of {EVICTION_CHOICES}")
+    if choice == "mixed":
+        return "value" if round_index % 2 else "lru"
+    return choice
 
 
 def make_round(seed: int, round_index: int, vocab: int) -> tuple[RoundConfig, list[RequestSpec]]:
