@@ -454,3 +454,26 @@ def test_a_shorter_hit_credits_each_tier_with_what_it_supplied_below_it():
     assert fetched.gains == {"host": 256, "store": 512}
     assert fetched.credit(600) == {"host": 256, "store": 88}
     assert fetched.credit(256) == {"host": 0, "store": 0}
+
+
+def test_a_load_slower_than_recomputing_is_declined_and_counted(tiny_model):
+    """Issue 9, item 3: the store answers every call after 3 s. The reader's first request loads
+    (no rates measured yet) and so measures the store; its second, on another stored prefix,
+    would wait seconds to save 1,024 tokens the tiny model computes far faster, so it
+    recomputes: declined and counted, output exact."""
+    from hybridkv.store.faults import FaultyStore
+
+    v = tiny_model.config.vocab_size
+    store = MemoryStore()
+    P, Q = tokens(140, 1024, v), tokens(141, 1024, v)
+    a, _ = instance(tiny_model, store, policy="tail=1024")
+    for prefix in (P, Q):
+        run_one(a, np.concatenate([prefix, tokens(142, 50, v)]))
+    slow = FaultyStore(store, {"slow": 1.0}, slow_seconds=3.0, close_inner=False)
+    b, tier = instance(tiny_model, slow, policy="tail=1024")
+    first = run_one(b, np.concatenate([P, tokens(143, 50, v)]))
+    assert first.reused == 1024 and tier.stats.loads_taken == 1
+    second = run_one(b, np.concatenate([Q, tokens(144, 50, v)]))
+    assert second.reused == 0 and tier.stats.loads_declined == 1 and tier.stats.loads_taken == 1
+    assert b.connector.load_seconds_per_entry[tier.name] * 2 > b.connector.compute_seconds_per_token * 1024
+    assert_exact(tiny_model, second)

@@ -8,6 +8,7 @@ at tensors beyond handing them between the backend and the cache.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -261,7 +262,10 @@ class Engine:
                 ids = torch.from_numpy(r.prompt[c.start:c.end])
             items.append(StepItem(ids, c.start, r.alloc.block_table, r.alloc.state,
                                   mechanism.backend_captures(c.capture), r.record_logits))
+        t0 = time.perf_counter()
         outs = self.backend.run(items)
+        if self.connector is not None:                # the rate a load is weighed against
+            self.connector.note_compute(sum(int(it.token_ids.numel()) for it in items), time.perf_counter() - t0)
         self.stats.steps += 1
         finished = []
         for c, out in zip(chunks, outs):

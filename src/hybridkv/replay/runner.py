@@ -301,7 +301,8 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
     total_bytes = stats["prompt_tokens"] * kv_tok + stats["requests"] * ck
     reused_bytes = stats["reused_tokens"] * kv_tok + stats["requests_with_hit"] * ck
     compute = max(r.compute_seconds for r in results)
-    tiers = {name: {k: sum(r.tiers[name][k] for r in results) for k in ("hit_tokens", "bytes_loaded", "bytes_saved")}
+    tiers = {name: {k: sum(r.tiers[name].get(k, 0) for r in results)
+                    for k in ("hit_tokens", "bytes_loaded", "bytes_saved", "loads_taken", "loads_declined")}
              for name in ("device", "host", "store")}
     page_bytes = kv_tok * cfg.block_size
     evictions = {"device": {"kv_pages": sum(r.evicted_pages for r in results),

@@ -26,19 +26,26 @@ Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
 @dataclass(slots=True)
 class TierStats:
     """Counters of one tier (tokens and bytes); ``evictions`` / ``bytes_evicted``: entries this
-    tier dropped for capacity (a store tier's backend evicts silently: see its own counters)."""
+    tier dropped for capacity (a store tier's backend evicts silently: see its own counters);
+    ``loads_taken`` / ``loads_declined``: installs from this tier attempted, and skipped because
+    recomputing was predicted faster."""
 
     hit_tokens: int = 0
     bytes_loaded: int = 0
     bytes_saved: int = 0
     evictions: int = 0
     bytes_evicted: int = 0
+    loads_taken: int = 0
+    loads_declined: int = 0
     misses: Counter = field(default_factory=lambda: Counter({r: 0 for r in MISS_REASONS}))
 
     def as_dict(self) -> dict:
-        """``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted}`` for the JSON report."""
+        """``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted, loads_taken,
+        loads_declined}`` for the JSON report (``loads_*``: installs attempted from this tier, and
+        ones skipped because recomputing was predicted faster; see ``TierConnector``)."""
         return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved,
-                "evictions": self.evictions, "bytes_evicted": self.bytes_evicted}
+                "evictions": self.evictions, "bytes_evicted": self.bytes_evicted,
+                "loads_taken": self.loads_taken, "loads_declined": self.loads_declined}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,15 @@ coordinator's methods (``lookup``, ``install_*``, ``read_checkpoint``,
 
 A directory hit is not data: the computed-token count moves only through the
 repeated device lookup, after transfer, checksum and install.
+
+Reuse only when it pays (issue 9, item 3; the seed's rule): before installing
+from a tier, the predicted ``T_lookup + T_load + T_transfer + T_install`` (the
+tier's measured seconds per installed entry, times the entries needed) is
+compared with ``T_prefill`` of the tokens it would save (the engine's measured
+compute seconds per token, :meth:`TierConnector.note_compute`); the load is
+skipped, and counted as declined, when it would be slower. Until both rates are
+measured, loads are taken. A background prefetch applies the same rule before it
+loads (and times its loads too); a load it already made is taken at admission.
 """
 
 from __future__ import annotations
@@ -60,6 +69,14 @@ def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, blo
     return HostTier(capacity_bytes, namespace, unit, block_size,
                     entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
                     eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)))
+
+
+EWMA_WEIGHT = 0.3
+"""Weight of the newest sample in the connector's measured rates (compute, load)."""
+
+
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * sample
 
 
 @dataclass(slots=True)
@@ -193,6 +210,31 @@ class TierConnector:
         self._deferred = 0               # cancelled jobs whose release has not run yet
         self._deferred_done = threading.Condition()
         self._requests: dict[Hashable, _RequestState] = {}
+        self._step_seconds: float | None = None          # EWMAs of the engine's steps: seconds and
+        self._step_tokens: float | None = None           # tokens, so big prefill steps weigh most
+        self.load_seconds_per_entry: dict[str, float] = {}     # EWMA per tier, installs timed whole
+
+    def note_compute(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` tokens in ``seconds`` of model time (one step)."""
+        if tokens > 0 and seconds > 0:
+            self._step_seconds = _ewma(self._step_seconds, seconds)
+            self._step_tokens = _ewma(self._step_tokens, float(tokens))
+
+    @property
+    def compute_seconds_per_token(self) -> float | None:
+        """Recent compute seconds per token: the ratio of the step-time and step-size averages, so
+        a one-token decode step moves it little against a long prefill step (``None``: no step yet)."""
+        if self._step_seconds is None or not self._step_tokens:
+            return None
+        return self._step_seconds / self._step_tokens
+
+    def worth_loading(self, tier: Tier, entries: int, tokens_saved: int) -> bool:
+        """Whether installing ``entries`` entries from ``tier`` is predicted no slower than computing
+        the ``tokens_saved`` tokens they save (``True`` until both rates are measured)."""
+        per_entry, per_token = self.load_seconds_per_entry.get(tier.name), self.compute_seconds_per_token
+        if per_entry is None or per_token is None:
+            return True
+        return per_entry * entries <= per_token * tokens_saved
 
     @property
     def writes_back(self) -> bool:
@@ -294,18 +336,28 @@ class TierConnector:
             return 0, {}, 0
         boundary = rm.best_joint
         wanted = self._wanted(tier, local_kv, boundary)
+        if not self.worth_loading(tier, len(wanted), boundary - hit):
+            return 0, {}, 0                         # admission will recompute (and count it declined)
         need = sum(tier.entry_nbytes(grp) for _, grp in wanted)
         with self._prefetch_lock:
             if self.prefetch_held_bytes + need > self.prefetch_limit_bytes:
                 self.prefetch_skipped += 1
                 return 0, {}, 0
             self.prefetch_held_bytes += need
+        t0 = time.perf_counter()
         try:
             loaded = tier.load_many(hashes, wanted)
         except BaseException:
             self._release(need)
             raise
+        self._note_load(tier, time.perf_counter() - t0, len(wanted))
         return boundary, dict(zip(wanted, loaded)), need
+
+    def _note_load(self, tier: Tier, seconds: float, entries: int) -> None:
+        """A load (and install, at admission) of ``entries`` entries from ``tier`` took ``seconds``."""
+        with self._prefetch_lock:                   # prefetch jobs report from the tiers' threads
+            self.load_seconds_per_entry[tier.name] = _ewma(self.load_seconds_per_entry.get(tier.name),
+                                                           seconds / max(1, entries))
 
     def _release(self, nbytes: int) -> None:
         with self._prefetch_lock:
@@ -352,7 +404,16 @@ class TierConnector:
             for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
                 if boundary <= match.hit:
                     break
-                installed = self._install(tier, match, boundary, ready if boundary == rm.best_joint else None)
+                from_prefetch = ready if boundary == rm.best_joint else None
+                entries = len(self._wanted(tier, match.kv_hit, boundary))
+                if from_prefetch is None and not self.worth_loading(tier, entries, boundary - match.hit):
+                    tier.stats.loads_declined += 1              # recomputing is predicted faster
+                    break
+                tier.stats.loads_taken += 1
+                t0 = time.perf_counter()
+                installed = self._install(tier, match, boundary, from_prefetch)
+                if from_prefetch is None:
+                    self._note_load(tier, time.perf_counter() - t0, entries)
                 before = match.hit
                 match = self.cache.lookup(prompt, namespace)   # installing may have evicted pages of the hit
                 if installed:
