@@ -405,13 +405,14 @@ class TierConnector:
                 if boundary <= match.hit:
                     break
                 from_prefetch = ready if boundary == rm.best_joint else None
-                entries = len(self._wanted(tier, match.kv_hit, boundary))
+                wanted = self._wanted(tier, match.kv_hit, boundary)
+                entries = len(wanted)
                 if from_prefetch is None and not self.worth_loading(tier, entries, boundary - match.hit):
                     tier.stats.loads_declined += 1              # recomputing is predicted faster
                     break
                 tier.stats.loads_taken += 1
                 t0 = time.perf_counter()
-                installed = self._install(tier, match, boundary, from_prefetch)
+                installed = self._install(tier, match, boundary, wanted, from_prefetch)
                 if from_prefetch is None:
                     self._note_load(tier, time.perf_counter() - t0, entries)
                 before = match.hit
@@ -433,13 +434,14 @@ class TierConnector:
         st = self._state(key)
         st.hashes, st.start, st.prompt_len, st.marks, st.uploads = match.hashes, match.hit, prompt_len, {}, 0
 
-    def _install(self, tier: Tier, match: MatchResult, boundary: int, ready: dict | None = None) -> bool:
+    def _install(self, tier: Tier, match: MatchResult, boundary: int, wanted: list[tuple[int, str]],
+                 ready: dict | None = None) -> bool:
         """Install the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)``, in order;
         ``False`` at the first miss. The entries come from ``ready`` (a prefetch) when it has all of
-        them, else from one batched load (into the tier's staging arena for a store tier)."""
+        them, else from one batched load (into the tier's staging arena for a store tier); ``wanted`` is
+        :meth:`_wanted` of that boundary."""
         a = tier.alignment
         hashes = match.hashes
-        wanted = self._wanted(tier, match.kv_hit, boundary)
         if ready is not None and all(ready.get(w) is not None for w in wanted):
             got = [ready[w] for w in wanted]
             self.prefetch_used += 1
