@@ -191,8 +191,9 @@ class LLM:
         """Cache counters so far.
 
         Returns:
-            ``tiers``: per tier (``device``, ``host``, ``store``) ``{hit_tokens, bytes_loaded,
-            bytes_saved}``; ``store_misses``: reason -> count (``absent``, ``evicted``,
+            ``tiers``: per tier (``device``, ``host``, ``store``) the replay report's per-tier
+            keys ``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted,
+            loads_taken, loads_declined}`` (tokens, bytes, counts); ``store_misses``: reason -> count (``absent``, ``evicted``,
             ``checksum``, ``incomplete``, ``unreachable``); ``kv_bytes_peak`` and
             ``checkpoint_bytes_peak`` (bytes held by published entries at peak);
             ``evicted_pages``, ``evicted_checkpoints`` (device evictions); ``store_connected``.

@@ -69,7 +69,11 @@ def test_shared_prefix_is_reused_exactly(llm):
     assert [o.reused_tokens for o in ref] == [0, 0]
     assert [o.token_ids for o in ref] == [a.token_ids, b.token_ids]
     assert llm.stats.reused_tokens >= 256
-    assert llm.cache_info()["tiers"]["device"]["hit_tokens"] == llm.stats.reused_tokens
+    tiers = llm.cache_info()["tiers"]
+    assert tiers["device"]["hit_tokens"] == llm.stats.reused_tokens
+    report_keys = {"hit_tokens", "bytes_loaded", "bytes_saved", "evictions", "bytes_evicted",
+                   "loads_taken", "loads_declined"}                    # the replay report's per-tier keys
+    assert all(set(t) == report_keys for t in tiers.values()), tiers
 
 
 def test_batch_keeps_input_order_and_accepts_arrays():

@@ -19,6 +19,7 @@ from hybridkv.engine.backend import SimulatedBackend, StepItem, TorchBackend
 from hybridkv.engine.engine import CacheListener, Engine
 from hybridkv.model.config import PRESETS, HybridConfig
 from hybridkv.model.model import HybridModel
+from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.store_tier import StoreTier
 
@@ -80,10 +81,13 @@ class EngineHandle:
     closed: bool = False
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
-        """Per tier (``device``, ``host``, ``store``, in that order): ``{hit_tokens, bytes_loaded,
-        bytes_saved}`` (tokens, bytes). A missing tier reports zeros; the device is credited with
-        every reused token the lower tiers did not supply."""
-        empty = {"hit_tokens": 0, "bytes_loaded": 0, "bytes_saved": 0}
+        """Per tier (``device``, ``host``, ``store``, in that order): the same keys for every tier,
+        those of ``TierStats.as_dict`` (``hit_tokens``, ``bytes_loaded``, ``bytes_saved``,
+        ``evictions``, ``bytes_evicted``, ``loads_taken``, ``loads_declined``; tokens, bytes,
+        counts). A missing tier reports zeros; the device is credited with every reused token the
+        lower tiers did not supply (its own evictions are the cache's ``evicted_pages`` /
+        ``evicted_checkpoints``)."""
+        empty = TierStats().as_dict()
         host = self.host_tier.stats.as_dict() if self.host_tier is not None else dict(empty)
         store = self.store_tier.stats.as_dict() if self.store_tier is not None else dict(empty)
         device = {**empty, "hit_tokens": self.engine.stats.reused_tokens - host["hit_tokens"] - store["hit_tokens"]}
