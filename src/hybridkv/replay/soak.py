@@ -47,7 +47,7 @@ from hybridkv.engine.request import Request, Status
 from hybridkv.model.model import HybridModel
 from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 from hybridkv.replay.soak_check import Reference, check_request
-from hybridkv.replay.soak_report import SoakFailure, SoakReport
+from hybridkv.replay.soak_report import SoakCounters, SoakFailure, SoakReport, add_counts
 from hybridkv.replay.soak_rounds import (
     EVICTION_CHOICES,
     STAGES,
@@ -83,26 +83,14 @@ class Failure:
 
 
 @dataclass(slots=True)
-class RunResult:
-    """Counters and failures of one run of a request sequence."""
+class RunResult(SoakCounters):
+    """Counters (:class:`SoakCounters`) and failures of one run of a request sequence;
+    ``cancellations``: stage -> requests cancelled there; ``submitted``: requests submitted;
+    ``frozen``: the sequence with every prompt resolved."""
 
-    checks: int = 0
-    max_abs_logit_diff: float = 0.0
     failures: list[Failure] = field(default_factory=list)
     cancellations: Counter = field(default_factory=Counter)
-    evicted_pages: int = 0
-    evicted_checkpoints: int = 0
-    reused_tokens: int = 0
-    prompt_tokens: int = 0
-    store_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    store_misses: Counter = field(default_factory=Counter)
-    prefetch_used: int = 0
-    rejected: int = 0
-    routing_ties: int = 0
     submitted: int = 0
-    faults_injected: Counter = field(default_factory=Counter)
-    max_store_call_seconds: float = 0.0
     frozen: list[RequestSpec] = field(default_factory=list)   # the sequence with every prompt resolved
 
 
@@ -252,7 +240,7 @@ def run_sequence(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], 
         res.rejected += e.stats.rejected
         if h.store_tier is not None:
             res.store_hit_tokens += h.store_tier.stats.hit_tokens
-            res.store_misses.update(h.store_tier.stats.misses)
+            add_counts(res.store_misses, h.store_tier.stats.misses)
         if h.host_tier is not None:
             res.host_hit_tokens += h.host_tier.stats.hit_tokens
         if e.connector is not None:
@@ -309,7 +297,7 @@ def run_sequence(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], 
             except Exception as exc:  # noqa: BLE001 - a failing close is a finding too
                 res.failures.append(Failure("exception", f"close: {type(exc).__name__}: {exc}"))
         for f in faulty:
-            res.faults_injected.update({k: n for k, n in f.injected.items() if n})
+            add_counts(res.faults_injected, {k: n for k, n in f.injected.items() if n})
             res.max_store_call_seconds = max(res.max_store_call_seconds, f.max_call_seconds)
         if tmp is not None:
             if janitor is not None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from hybridkv.replay.soak_rounds import STAGES, RequestSpec, RoundConfig
@@ -36,50 +37,81 @@ class SoakFailure:
         return "\n".join(lines)
 
 
+def add_counts(into: dict, counts: Mapping) -> None:
+    """Add ``counts`` (key -> number) into ``into`` key by key."""
+    for k, n in counts.items():
+        into[k] = into.get(k, 0) + n
+
+
 @dataclass(slots=True)
-class SoakReport:
-    """What a soak did (tokens, bytes, seconds).
+class SoakCounters:
+    """The counters a run of a request sequence and a whole soak share (tokens, bytes, seconds).
 
     Attributes:
-        seed: the soak seed.  rounds: rounds run (``first_round`` onward).
-        checks: finished requests compared with a full prefill.  mismatches: checks that failed.
+        checks: finished requests compared with a full prefill.
         routing_ties: finished requests that differ from the first position on which the full
             prefill's MoE routing is a tie (:func:`check_request`); not counted as checks.
         max_abs_logit_diff: largest difference over every check.
-        cancellations: stage -> requests cancelled there.
         evicted_pages, evicted_checkpoints: device evictions (all engines).
         store_hit_tokens, host_hit_tokens: hit tokens the store / host tiers supplied.
         reused_tokens, prompt_tokens: over all admitted requests.
-        requests: requests submitted.  rejected: refused requests (each is also a failure).
-        store_misses: store-tier misses by reason.  prefetch_used: installs served by a prefetch.
+        rejected: refused requests (each is also a failure).
+        store_misses: store-tier misses by reason (plain dicts, JSON-ready: add with
+            :func:`add_counts`).  prefetch_used: installs served by a prefetch.
         faults_injected: store fault kind -> faults injected.  max_store_call_seconds: longest
             store call in rounds with faults (seconds).
-        leaks: leak findings after draining.  exceptions: rounds that raised.
-        failures: the failing rounds (:class:`SoakFailure`) with shrunk sequences.
-        coverage: settings -> how many rounds used each value.
-        wall_seconds: whole run.  command: the command that reruns exactly these rounds.
     """
 
-    seed: int
-    first_round: int = 0
-    rounds: int = 0
     checks: int = 0
-    mismatches: int = 0
     routing_ties: int = 0
     max_abs_logit_diff: float = 0.0
-    cancellations: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
     evicted_pages: int = 0
     evicted_checkpoints: int = 0
     store_hit_tokens: int = 0
     host_hit_tokens: int = 0
     reused_tokens: int = 0
     prompt_tokens: int = 0
-    requests: int = 0
     rejected: int = 0
     store_misses: dict = field(default_factory=dict)
     prefetch_used: int = 0
     faults_injected: dict = field(default_factory=dict)
     max_store_call_seconds: float = 0.0
+
+    _MAXIMA = ("max_abs_logit_diff", "max_store_call_seconds")
+
+    def merge(self, other: SoakCounters) -> None:
+        """Add ``other``'s counters to these: sums, per-key sums of the dicts, maxima of the
+        ``max_*`` fields."""
+        for f in fields(SoakCounters):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name in self._MAXIMA:
+                setattr(self, f.name, max(mine, theirs))
+            elif isinstance(mine, dict):
+                add_counts(mine, theirs)
+            else:
+                setattr(self, f.name, mine + theirs)
+
+
+@dataclass(slots=True)
+class SoakReport(SoakCounters):
+    """What a soak did (tokens, bytes, seconds): the :class:`SoakCounters` of every round, plus
+
+    Attributes:
+        seed: the soak seed (required).  rounds: rounds run (``first_round`` onward).
+        mismatches: checks that failed.  cancellations: stage -> requests cancelled there.
+        requests: requests submitted.
+        leaks: leak findings after draining.  exceptions: rounds that raised.
+        failures: the failing rounds (:class:`SoakFailure`) with shrunk sequences.
+        coverage: settings -> how many rounds used each value.
+        wall_seconds: whole run.  command: the command that reruns exactly these rounds.
+    """
+
+    seed: int = -1
+    first_round: int = 0
+    rounds: int = 0
+    mismatches: int = 0
+    cancellations: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    requests: int = 0
     leaks: int = 0
     exceptions: int = 0
     failures: list[SoakFailure] = field(default_factory=list)
@@ -99,26 +131,11 @@ class SoakReport:
     def add(self, rc: RoundConfig, res: RunResult) -> None:
         """Merge one round."""
         self.rounds += 1
-        self.checks += res.checks
+        self.merge(res)
         self.mismatches += sum(f.kind == "mismatch" for f in res.failures)
-        self.routing_ties += res.routing_ties
-        self.max_abs_logit_diff = max(self.max_abs_logit_diff, res.max_abs_logit_diff)
         for stage, n in res.cancellations.items():
             self.cancellations[stage] = self.cancellations.get(stage, 0) + n
-        self.evicted_pages += res.evicted_pages
-        self.evicted_checkpoints += res.evicted_checkpoints
-        self.store_hit_tokens += res.store_hit_tokens
-        self.host_hit_tokens += res.host_hit_tokens
-        self.reused_tokens += res.reused_tokens
-        self.prompt_tokens += res.prompt_tokens
         self.requests += res.submitted
-        self.rejected += res.rejected
-        self.prefetch_used += res.prefetch_used
-        for reason, n in res.store_misses.items():
-            self.store_misses[reason] = self.store_misses.get(reason, 0) + n
-        for kind, n in res.faults_injected.items():
-            self.faults_injected[kind] = self.faults_injected.get(kind, 0) + n
-        self.max_store_call_seconds = max(self.max_store_call_seconds, res.max_store_call_seconds)
         self.leaks += sum(f.kind == "leak" for f in res.failures)
         self.exceptions += any(f.kind == "exception" for f in res.failures)
         for key, value in (("mechanism", rc.mechanism), ("block_size", rc.block_size),
