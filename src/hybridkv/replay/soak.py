@@ -47,7 +47,12 @@ from hybridkv.engine.request import Request, Status
 from hybridkv.model.model import HybridModel
 from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 from hybridkv.replay.soak_check import Reference, check_request
-from hybridkv.replay.soak_report import SoakCounters, SoakFailure, SoakReport, add_counts
+from hybridkv.replay.soak_report import (
+    SoakCounters,
+    SoakFailure,
+    SoakReport,
+    add_counts,
+)
 from hybridkv.replay.soak_rounds import (
     EVICTION_CHOICES,
     STAGES,
