@@ -206,7 +206,8 @@ def _cache_purge(args, console: Console) -> int:
     try:
         removed = purge_store(store, selector)
     except NotImplementedError as exc:
-        return fail(f"{exc}: purge a Mooncake store from the engines that use it")
+        return fail(f"{exc}: here a Mooncake store can be purged by model version alone (--model with "
+                    "--weight-digest); by tenant, namespace or age, purge it from the engines that use it")
     except StoreUnavailable as exc:
         return fail(str(exc))
     finally:

@@ -382,3 +382,21 @@ def test_a_real_full_disk_refuses_puts_and_keeps_what_it_holds(small_filesystem)
     assert store.get(stored) == [blob] * len(stored)
     store.remove(stored[:2])
     assert store.put([("again", blob)]) == [True] and store.get(["again"]) == [blob]
+
+
+@pytest.mark.parametrize("kind", ["disk", "memory"])
+def test_remove_prefix_by_listing(tmp_path, kind):
+    """The default ``remove_prefix`` lists and removes; bad characters and an empty prefix are refused."""
+    from hybridkv.store.memory import MemoryStore
+    store = DiskStore(tmp_path / "s") if kind == "disk" else MemoryStore()
+    keys = ["hkv3/aa/e1/manifest", "hkv3/aa/e1/kv", "hkv3/ab/e1/manifest"]
+    assert store.put([(k, b"x" * 8) for k in keys]) == [True] * 3
+    assert store.remove_prefix("hkv3/aa/", "/manifest") == 1
+    assert store.exists(keys) == [False, True, True]
+    assert store.remove_prefix("hkv3/aa/") == 1
+    assert store.exists(keys) == [False, False, True]
+    with pytest.raises(ValueError, match="non-empty"):
+        store.remove_prefix("")
+    with pytest.raises(ValueError, match=r"'\['"):
+        store.remove_prefix("hkv3/[a]/")
+    store.close()

@@ -304,3 +304,17 @@ def test_replay_sends_mooncakes_own_log_to_a_file_and_says_where(store_service, 
     native = [ln for ln in out.stderr.splitlines() if ln[:1] in "IWEF" and ln[1:5].isdigit()]
     assert native == [], native[:5]                                    # glog lines: I1201 03:00:10 ...
     assert sum(1 for ln in logs[0].read_text().splitlines() if ln[:1] in "IWEF" and ln[1:5].isdigit()) >= 5
+
+
+def test_remove_prefix_removes_a_namespace_without_listing(store, ns):
+    """Mooncake cannot list keys; a purge of a whole namespace still works (remove_by_regex):
+    manifests first, then the rest; other namespaces and near-miss keys stay."""
+    other = ns[:-1] + "x/"                                   # shares every character but the last
+    keys = [ns + "e1/manifest", ns + "e1/kv.0", ns + "e2/manifest", ns + "e2.kv", other + "e1/manifest"]
+    assert store.put([(k, payload(64, i)) for i, k in enumerate(keys)]) == [True] * 5
+    assert store.remove_prefix(ns, "/manifest") == 2
+    assert store.exists(keys) == [False, True, False, True, True]
+    assert store.remove_prefix(ns) == 2
+    assert store.exists(keys) == [False, False, False, False, True]
+    with pytest.raises(ValueError, match=r"'\*'"):
+        store.remove_prefix(ns + "*")

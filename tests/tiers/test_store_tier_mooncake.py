@@ -23,6 +23,7 @@ except MooncakeNotInstalled as exc:
     pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
 
 import test_connector  # noqa: E402
+import test_purge  # noqa: E402
 import test_store_tier  # noqa: E402
 
 from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402
@@ -60,6 +61,17 @@ def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
                                           ("drop_manifest", "absent")])
 def test_s10_object_integrity(tiny_model, store, fault, reason):
     test_store_tier.test_s10_object_integrity(tiny_model, store, fault, reason)
+
+
+def test_purge_by_model_version_reaches_entries_no_engine_names(tiny_model, store):
+    """Mooncake cannot list keys, yet an upgrade's purge (model version alone) removes every
+    entry of the old weight digest, ones no running engine knows included (remove_by_regex)."""
+    test_purge.test_purge_by_model_version_leaves_other_models_entries(tiny_model, store)
+
+
+def test_a_store_purge_by_tenant_says_it_cannot_list_keys(tiny_model, store):
+    with pytest.raises(NotImplementedError):
+        test_purge.purge_store(store, test_purge.PurgeSelector(owners={test_purge.TENANT_A}))
 
 
 def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):

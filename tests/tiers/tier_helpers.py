@@ -59,6 +59,13 @@ class PrefixedStore:
     def remove(self, keys):
         return self.inner.remove([self.prefix + k for k in keys])
 
+    def list_keys(self, prefix):
+        n = len(self.prefix)
+        return [k[n:] for k in self.inner.list_keys(self.prefix + prefix)]
+
+    def remove_prefix(self, prefix, suffix=""):
+        return self.inner.remove_prefix(self.prefix + prefix, suffix)
+
     def register_memory(self, buffer):
         return self.inner.register_memory(buffer)
 

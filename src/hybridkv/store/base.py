@@ -13,6 +13,7 @@ implements the whole interface; batched forms are the primitive. Contract:
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -21,6 +22,24 @@ Buffer = bytes | bytearray | memoryview
 
 class StoreUnavailable(RuntimeError):
     """The backing service cannot be reached (or timed out); the message says which."""
+
+
+_KEY_PATTERN_CHARS = re.compile(r"[0-9A-Za-z/_.\-]*")
+
+
+def check_key_pattern(prefix: str, suffix: str = "") -> None:
+    """Check the arguments of :meth:`ObjectStore.remove_prefix`.
+
+    Raises:
+        ValueError: ``prefix`` is empty, or ``prefix`` / ``suffix`` holds a character other
+            than letters, digits and ``/ _ . -`` (the error names it, never the whole key).
+    """
+    if not prefix:
+        raise ValueError("remove_prefix needs a non-empty prefix (it would remove every key)")
+    for name, text in (("prefix", prefix), ("suffix", suffix)):
+        if not _KEY_PATTERN_CHARS.fullmatch(text):
+            bad = next(c for c in text if not _KEY_PATTERN_CHARS.fullmatch(c))
+            raise ValueError(f"remove_prefix {name} holds {bad!r}: only letters, digits and / _ . - are allowed")
 
 
 class ObjectStore(ABC):
@@ -79,6 +98,25 @@ class ObjectStore(ABC):
                 removes only the entries it can name).
         """
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
+
+    def remove_prefix(self, prefix: str, suffix: str = "") -> int:
+        """Delete every key that starts with ``prefix`` and ends with ``suffix`` (a whole
+        namespace, for purges). ``prefix`` and ``suffix`` may hold only letters, digits and
+        ``/ _ . -`` (keys of the cache ABI: docs/cache_abi.md). The default lists the keys
+        (:meth:`list_keys`) and removes them; a backend that can match keys itself overrides it.
+
+        Returns:
+            Keys removed.
+
+        Raises:
+            ValueError: ``prefix`` or ``suffix`` holds another character, or ``prefix`` is empty.
+            NotImplementedError: the backend can neither list nor match its keys.
+        """
+        check_key_pattern(prefix, suffix)
+        keys = [k for k in self.list_keys(prefix) if k.endswith(suffix)]
+        for i in range(0, len(keys), 256):
+            self.remove(keys[i:i + 256])
+        return len(keys)
 
     def close(self) -> None:
         """Release connections / handles. Idempotent."""

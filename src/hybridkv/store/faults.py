@@ -177,6 +177,10 @@ class FaultyStore(ObjectStore):
         """The inner store's keys starting with ``prefix`` (no faults injected)."""
         return self.inner.list_keys(prefix)
 
+    def remove_prefix(self, prefix, suffix=""):
+        """The inner store's :meth:`remove_prefix` (no faults injected)."""
+        return self.inner.remove_prefix(prefix, suffix)
+
     def remove(self, keys):
         t0 = self._enter("remove", keys)
         try:

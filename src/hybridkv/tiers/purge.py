@@ -12,9 +12,10 @@ is in each key, the owner and creation time in the manifest (docs/cache_abi.md).
 Every selected manifest is removed first (the entry stops existing for every
 reader at once), then its components. A reader that already holds a manifest
 and reads a component removed meanwhile gets a counted ``evicted`` miss, never
-wrong bytes (components are checksummed against the manifest). A backend that
-cannot list its keys (Mooncake) is purged of the entries the device could name
-(``chains``) only; :attr:`PurgeCounts.unlisted` says so.
+wrong bytes (components are checksummed against the manifest). A purge of model
+versions alone removes whole key prefixes instead, which Mooncake (it cannot list
+keys) supports too; for any other selector such a backend is purged of the entries
+the device could name (``chains``) only, and :attr:`PurgeCounts.unlisted` says so.
 
 Counts only, never keys, hashes or namespaces, are returned or logged.
 """
@@ -81,10 +82,23 @@ def purge_store(store: ObjectStore, selector: PurgeSelector) -> int:
     components each listed (only keys inside its own entry). Manifests that do not parse are
     left alone (not ours to judge; a reader drops them). Returns entries removed.
 
+    A selector of model versions alone (no owner, no age: an upgrade's purge) needs no manifest
+    read, since the model namespace is each key's second part: every manifest under the model's
+    key prefix is removed, then every other key there (components, and orphans a crashed writer
+    left), through :meth:`~hybridkv.store.base.ObjectStore.remove_prefix`, which a store that
+    cannot list its keys (Mooncake) answers too.
+
     Raises:
-        NotImplementedError: the backend cannot list its keys.
+        NotImplementedError: the backend cannot list its keys (and the selector needs them).
         StoreUnavailable: the store cannot be reached.
     """
+    if selector.models is not None and selector.owners is None and selector.created_before is None:
+        removed = 0
+        for model in sorted(selector.models):
+            prefix = f"{KEY_PREFIX}/{model.hex()}/"
+            removed += store.remove_prefix(prefix, "/manifest")    # the entries end for every reader
+            store.remove_prefix(prefix)                             # then their bytes
+        return removed
     prefix = f"{KEY_PREFIX}/"
     if selector.models is not None and len(selector.models) == 1:
         prefix += next(iter(selector.models)).hex() + "/"

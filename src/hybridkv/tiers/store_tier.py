@@ -275,8 +275,8 @@ class StoreTier(Tier):
             Entries removed, or ``-1`` when the store is unreachable.
 
         Raises:
-            NotImplementedError: the backend cannot list its keys (the caller falls back to
-                :meth:`purge_chains`).
+            NotImplementedError: the backend cannot list its keys and the selector needs them
+                (the caller falls back to :meth:`purge_chains`).
         """
         n = self._call(purge_store, self.store, selector)
         return -1 if n is None else n

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
+from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable, check_key_pattern
 from hybridkv.store.mooncake.support import (
     MIN_SEGMENT_BYTES,
     NO_SPACE,
@@ -277,6 +277,25 @@ class MooncakeStore(ObjectStore):
                     self._check_failure("remove", code)
             self._succeeded()
 
+    def remove_prefix(self, prefix: str, suffix: str = "") -> int:
+        """Delete every key that starts with ``prefix`` and ends with ``suffix`` in one master
+        call (Mooncake's ``remove_by_regex``, forced like :meth:`remove`), although Mooncake
+        cannot list keys. See :meth:`ObjectStore.remove_prefix`.
+
+        Raises:
+            ValueError: a character outside letters, digits and ``/ _ . -``.
+            StoreUnavailable: the master cannot be reached.
+        """
+        check_key_pattern(prefix, suffix)
+        with self._lock:
+            client = self._ready()
+            # '.' is the only regex metacharacter check_key_pattern lets through
+            n = client.remove_by_regex(f"^{_literal(prefix)}.*{_literal(suffix)}$", True)
+            if n < 0:
+                self._check_failure("remove_by_regex", n)
+            self._succeeded()
+        return int(n)
+
     def register_memory(self, buffer: Buffer) -> None:
         """Register a long-lived writable buffer (e.g. a host KV pool) once.
 
@@ -394,3 +413,8 @@ class MooncakeStore(ObjectStore):
         self._down_reason = reason
         self._retry_at = time.monotonic() + self.retry_interval_s
         raise StoreUnavailable(reason)
+
+
+def _literal(text: str) -> str:
+    """``text`` (checked by :func:`check_key_pattern`) as a regex that matches it literally."""
+    return text.replace(".", "\\.")
