@@ -120,6 +120,8 @@ def _add_calibrate(sub) -> None:
                        description="Time the real model's prefill and decode steps and write the fitted "
                                    "cost model (JSON) that `replay --simulate --timed --cost-model` reads.")
     c.add_argument("--model", default="small", help="preset or model directory (default small)")
+    c.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time each forward by wall clock (default) or by this process's CPU seconds")
     c.add_argument("--from-steps", default=None, metavar="STEP_LOG",
                    help="fit to the whole engine steps of a real timed replay's --step-log (what Engine.step "
                         "costs, cache bookkeeping and store tier included) instead of timing the forward alone")

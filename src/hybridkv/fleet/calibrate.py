@@ -50,13 +50,18 @@ def _features(chunks: list[tuple[int, int]], decoders: int, context: int) -> lis
     return [1.0, float(tokens), float(pairs), float(decoders + len(chunks))]
 
 
-def _time(backend: TorchBackend, items: list[StepItem], repeats: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""How ``calibrate`` times a forward: wall clock, or this process's CPU seconds (other processes on a
+shared machine left out)."""
+
+
+def _time(backend: TorchBackend, items: list[StepItem], repeats: int, clock=time.perf_counter) -> float:
     backend.run(items)                                     # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         backend.run(items)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -69,15 +74,18 @@ def _state_at(model, position: int) -> KDACheckpoint | None:
 
 
 def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3,
-              block_size: int = 64) -> tuple[StepCostModel, list[dict]]:
-    """Time the model and fit the cost model.
+              block_size: int = 64, clock: str = "wall") -> tuple[StepCostModel, list[dict]]:
+    """Time the model and fit the cost model; ``clock`` is ``wall`` or ``cpu`` (:data:`CLOCKS`).
 
     Returns:
         The fitted model and one ``{kind, shape, seconds, fitted}`` row per sample.
 
     Raises:
-        ValueError: unknown preset or bad model directory (from :func:`load_model`).
+        ValueError: unknown preset or bad model directory (from :func:`load_model`), unknown ``clock``.
     """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r}: expected one of {', '.join(CLOCKS)}")
+    tick = CLOCKS[clock]
     model = load_model(model_name, seed)
     longest = max(s + n for s, n in PREFILL_SHAPES) + max(c for _, c in DECODE_SHAPES)
     pages = -(-longest // block_size)
@@ -91,14 +99,14 @@ def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3,
 
     for start, n in PREFILL_SHAPES:
         state = _state_at(model, start)
-        sec = _time(backend, [StepItem(ids(n), start, table, state)], repeats)
+        sec = _time(backend, [StepItem(ids(n), start, table, state)], repeats, tick)
         rows.append({"kind": "prefill", "shape": [start, n], "seconds": sec})
         x.append(_features([(start, n)], 0, 0))
         y.append(sec)
     for b, ctx in DECODE_SHAPES:
         items = [StepItem(ids(1), ctx, list(range(k * pages, (k + 1) * pages)), _state_at(model, ctx))
                  for k in range(b)]
-        sec = _time(backend, items, repeats)
+        sec = _time(backend, items, repeats, tick)
         rows.append({"kind": "decode", "shape": [b, ctx], "seconds": sec})
         x.append(_features([], b, ctx))
         y.append(sec)
@@ -111,7 +119,7 @@ def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3,
         name=f"{model_name} on {platform.machine()} CPU, {torch.get_num_threads()} torch thread(s)",
         overhead_s=float(coef[0]), linear_s_per_token=float(coef[1]), attention_s_per_pair=float(coef[2]),
         seq_s=float(coef[3]),
-        source=f"hybridkv calibrate: {len(rows)} timed steps (median of {repeats}), least squares, "
+        source=f"hybridkv calibrate: {len(rows)} timed forwards (median of {repeats}, {clock} clock), least squares, "
                f"worst relative error {worst:.1%}")
     return cost, rows
 
@@ -123,7 +131,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return _from_steps(args)
     torch.set_num_threads(args.threads)
     try:
-        cost, rows = calibrate(args.model, args.seed, args.repeats)
+        cost, rows = calibrate(args.model, args.seed, args.repeats, clock=getattr(args, "clock", "wall"))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
