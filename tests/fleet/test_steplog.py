@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+import torch
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cli import main
@@ -116,13 +119,22 @@ def _run(simulate: bool, prompts: list[np.ndarray], outputs: list[int], clock: s
     return [inst]
 
 
-def test_a_real_and_a_simulated_instance_run_the_same_steps():
+@pytest.fixture
+def one_thread():
+    """One torch thread, as timed replays run (several threads spin on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_real_and_a_simulated_instance_run_the_same_steps(one_thread):
     """Same requests, all arriving at once: the simulated engine (decode modelled by the instance)
     and the real one (decoding in the engine) take the same steps, chunk for chunk and decoder
     for decoder; every real record's seconds is its step's CPU time, the clock's sum."""
     rng = np.random.default_rng(3)
-    shared = rng.integers(0, 500, 192)
-    prompts = [np.concatenate([shared, rng.integers(0, 500, int(n))]) for n in (40, 130, 70, 300, 10)]
+    shared = rng.integers(0, 500, 128)
+    prompts = [np.concatenate([shared, rng.integers(0, 500, int(n))]) for n in (20, 70, 40, 150, 10)]
     outputs = [2, 6, 4, 3, 5]                  # unequal: a freed slot admits a prefill beside decoders
     real, sim = _run(False, prompts, outputs)[0], _run(True, prompts, outputs)[0]
     shape = [(r.chunks, r.decoders) for r in real.step_log]
@@ -134,3 +146,18 @@ def test_a_real_and_a_simulated_instance_run_the_same_steps():
     assert sum(r.seconds for r in real.step_log) == pytest.approx(real.stats.busy_seconds, abs=CLOCK_ATOL * 50)
     for r in sim.step_log:                                            # a simulated step is its price
         assert r.seconds == pytest.approx(r.price(KNOWN), abs=CLOCK_ATOL)
+
+
+def test_a_timed_replay_writes_its_step_log_on_the_cpu_clock(tmp_path):
+    log, rep = tmp_path / "steps.json", tmp_path / "r.json"
+    assert main(["replay", "--no-progress", "--timed", "--model", "tiny", "--limit", "4", "--instances", "2",
+                 "--time-scale", "1000", "--router", "least-load", "--step-clock", "cpu", "--step-log", str(log),
+                 "--json", str(rep)]) == 0
+    steps, meta = read_step_log(log)
+    assert meta["mode"] == "model" and meta["step_clock"] == "cpu" and meta["requests"] == 4
+    report = json.loads(rep.read_text())
+    for k, inst in enumerate(report["instances"]):
+        mine = [r for r in steps if r.instance == k]
+        assert sum(r.seconds for r in mine) == pytest.approx(inst["busy_seconds"], abs=CLOCK_ATOL * len(mine))
+        assert all(r.seconds == pytest.approx(r.cpu_seconds, abs=CLOCK_ATOL) for r in mine)
+    assert summarize_steps(steps)["prefill_tokens"] == report["computed_prompt_tokens"]

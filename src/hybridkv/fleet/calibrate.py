@@ -156,7 +156,8 @@ def _from_steps(args: argparse.Namespace) -> int:
             raise StepLogError(f"step log {args.from_steps!r}: mode {meta.get('mode')!r}; "
                                "only a real model's steps (mode 'model') can be fitted")
         cost = fit_steps(records, f"{meta.get('model', args.model)} whole engine steps on {platform.machine()} CPU",
-                         source=f"step log of a {meta.get('instances', '?')}-instance timed replay")
+                         source=f"step log of a {meta.get('instances', '?')}-instance timed replay, "
+                                f"{meta.get('step_clock') or 'wall'} clock")
     except (StepLogError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -182,7 +182,7 @@ def fit_steps(records: list[StepRecord], name: str, source: str = "") -> StepCos
     return StepCostModel(
         name=name, overhead_s=float(coef[0]), linear_s_per_token=float(coef[1]),
         attention_s_per_pair=float(coef[2]), seq_s=float(coef[3]),
-        source=f"fitted to {len(use)} whole engine steps (Engine.step wall time), least squares on relative "
+        source=f"fitted to {len(use)} whole engine steps (Engine.step() as the run timed it), least squares on relative "
                f"error; median |error| {float(np.median(rel)):.1%}, total {float((x @ coef).sum() / y.sum() - 1):+.1%}"
                + (f"; {source}" if source else ""))
 
