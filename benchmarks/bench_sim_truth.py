@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="directory for the step logs and reports (default: a temp dir)")
     args = ap.parse_args(argv)
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                            check=False).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=ROOT, check=False).stdout.strip())
     work = Path(args.work or tempfile.mkdtemp(prefix="sim-truth-"))
     work.mkdir(parents=True, exist_ok=True)
     phases: list[dict] = []
@@ -172,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu = [r.cpu_seconds for r in real_steps if r.cpu_seconds is not None]
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=ROOT, check=False).stdout.strip(),
+        "commit": commit + ("+uncommitted changes" if dirty else ""),
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work")},
         "phases": phases, "cost_model": json.loads(cost.read_text(encoding="utf-8")),
         "real": real, "sim": sim, "table": rows,
