@@ -250,7 +250,8 @@ class FleetInstance:
             t0 = self._clock()
             engine.step()
             return self._clock() - t0
-        self._shape = ([], len(self.decoding), self._decode_context(), None)
+        if self.step_log is not None:                 # replaced by _price when the engine runs items
+            self._shape = ([], len(self.decoding), self._decode_context(), None)
         before, self._priced = self.handle.backend.modelled_seconds, False
         engine.step()
         dt = self.handle.backend.modelled_seconds - before
@@ -293,7 +294,8 @@ class FleetInstance:
             k, dt = 1, self._engine_step()
         elif self.decoding:
             k, dt = self._decode_steps(horizon)
-            self._shape = ([], len(self.decoding), self._decode_context(), None)
+            if self.step_log is not None:
+                self._shape = ([], len(self.decoding), self._decode_context(), None)
         else:
             return []
         end = self.clock = start + dt
