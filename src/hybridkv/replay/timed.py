@@ -166,19 +166,21 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     try:
         fleet.run(frs, progress)
     finally:
-        torch.set_num_threads(threads)
         for inst in instances:
             inst.handle.close()
     results = []
-    for inst in instances:
-        mine = [fr for fr in frs if fr.instance == inst.index]
-        res = collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
-                             inst.stats.busy_seconds)
+    try:                                               # verification (in collect_result) on the same threads
+        for inst in instances:
+            mine = [fr for fr in frs if fr.instance == inst.index]
+            results.append(collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
+                                          inst.stats.busy_seconds))
+    finally:
+        torch.set_num_threads(threads)
+    for res, inst in zip(results, instances):
         if sim_store is not None:                      # loads the fleet made, not a store tier
             res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,
                                   "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0}
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
-        results.append(res)
     timing = timing_summary(frs, instances)
     timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name)
     if not setup.simulate:
