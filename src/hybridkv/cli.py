@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "--instances > 1; 0: none) and of the router's estimate (default 1.1, Mooncake measured)")
     r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
                    help="--timed: microseconds per store object, likewise (default 194, Mooncake measured)")
+    r.add_argument("--step-clock", choices=("wall", "cpu"), default="wall",
+                   help="--timed, real model: time each engine step by wall clock (default; includes other "
+                        "processes on a shared machine) or by this process's CPU seconds (what the step would "
+                        "take on a core of its own)")
+    r.add_argument("--step-log", default=None,
+                   help="--timed: write every instance's steps (start, seconds, prefill chunks, decoders; "
+                        "shapes and times only) to this JSON file, for `hybridkv calibrate --from-steps`")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     _register_cache_cli(sub)
@@ -113,6 +120,11 @@ def _add_calibrate(sub) -> None:
                        description="Time the real model's prefill and decode steps and write the fitted "
                                    "cost model (JSON) that `replay --simulate --timed --cost-model` reads.")
     c.add_argument("--model", default="small", help="preset or model directory (default small)")
+    c.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time each forward by wall clock (default) or by this process's CPU seconds")
+    c.add_argument("--from-steps", default=None, metavar="STEP_LOG",
+                   help="fit to the whole engine steps of a real timed replay's --step-log (what Engine.step "
+                        "costs, cache bookkeeping and store tier included) instead of timing the forward alone")
     c.add_argument("--out", required=True, help="JSON file to write")
     c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
     c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
@@ -128,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
     if args.command == "replay" and not args.timed:
         for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
-                            ("--time-scale", None if args.time_scale == 1.0 else args.time_scale)):
+                            ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
+                            ("--step-log", args.step_log),
+                            ("--step-clock", None if args.step_clock == "wall" else args.step_clock)):
             if value is not None:
                 parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
     console = Console(stderr=True)
@@ -236,7 +250,8 @@ def _replay(args, console: Console) -> int:
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
         eviction=args.eviction, timed=args.timed, time_scale=args.time_scale, router=args.router,
-        cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6)
+        cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
+        step_log=args.step_log, step_clock=args.step_clock)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:

@@ -33,7 +33,11 @@ from hybridkv.engine.request import Request, Status
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import EventPublisher
 from hybridkv.fleet.routers import InstanceLoad
+from hybridkv.fleet.steplog import RecordingBackend, StepRecord
 from hybridkv.fleet.store import StoreCost, StoreView, load_start
+
+STEP_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+"""How a real engine step is timed (``FleetInstance(step_clock=...)``)."""
 
 BuildEngine = Callable[[EventPublisher, Callable | None], EngineHandle]
 """``build(listener, step_cost) -> EngineHandle``: a fresh engine whose cache reports to
@@ -109,13 +113,22 @@ class FleetInstance:
         index: 0-based instance index.
         build: makes the engine (:data:`BuildEngine`); called again on :meth:`restart`.
         cost: prices simulated steps and models decode; ``None``: a real engine whose
-            steps are timed by ``time.perf_counter``.
+            steps are timed by ``step_clock``.
         max_num_seqs: sequences in prefill or decode at once.
         store: the simulated shared store, or ``None`` (none, or a real engine's own store tier).
+        step_clock: how a real step is timed: ``wall`` (``time.perf_counter``: includes whatever
+            else the machine runs) or ``cpu`` (``time.process_time``: this process's CPU seconds,
+            what the step would take on a core of its own; time blocked on I/O is not counted).
+
+    Raises:
+        ValueError: ``step_clock`` not ``wall`` or ``cpu``.
     """
 
     def __init__(self, index: int, build: BuildEngine, cost: StepCostModel | None, max_num_seqs: int,
-                 store: SimulatedStore | None = None) -> None:
+                 store: SimulatedStore | None = None, step_clock: str = "wall") -> None:
+        if step_clock not in STEP_CLOCKS:
+            raise ValueError(f"step_clock={step_clock!r}: expected one of {', '.join(STEP_CLOCKS)}")
+        self._clock = STEP_CLOCKS[step_clock]
         self.index = index
         self.store = store
         self._load_s = 0.0                             # store loads waiting to pass on the clock
@@ -132,6 +145,21 @@ class FleetInstance:
         self.load = InstanceLoad()
         self.stats = InstanceStats()
         self._priced = False
+        self.step_log: list[StepRecord] | None = None   # see record_steps()
+        self._shape: tuple[list[list[int]], int, int, float | None] = ([], 0, 0, None)
+        self._times: tuple[float | None, float | None] = (None, None)   # a real step's wall and CPU seconds
+
+    def record_steps(self) -> None:
+        """Keep a :class:`~hybridkv.fleet.steplog.StepRecord` of every step from now on in
+        :attr:`step_log` (a real engine's backend is wrapped to time its forward)."""
+        if self.step_log is None:
+            self.step_log = []
+            self._wrap_backend()
+
+    def _wrap_backend(self) -> None:
+        engine = self.handle.engine
+        if self.step_log is not None and self.cost is None and not isinstance(engine.backend, RecordingBackend):
+            engine.backend = RecordingBackend(engine.backend, self._clock)
 
     @property
     def has_work(self) -> bool:
@@ -164,6 +192,7 @@ class FleetInstance:
         self.handle.close()
         self.publisher.restart()
         self.handle = self._build(self.publisher, self._price if self.cost is not None else None)
+        self._wrap_backend()
 
     # -- stepping --------------------------------------------------------
     def _decode_context(self) -> int:
@@ -173,6 +202,8 @@ class FleetInstance:
         """The simulated backend's ``step_cost``: prefill items plus this instance's decoders."""
         self._priced = True
         chunks = [(it.start, int(it.token_ids.shape[0])) for it in items]
+        if self.step_log is not None:
+            self._shape = ([list(c) for c in chunks], len(self.decoding), self._decode_context(), None)
         return self.cost.step_seconds(chunks, len(self.decoding), self._decode_context())
 
     def _feed(self) -> None:
@@ -214,15 +245,32 @@ class FleetInstance:
         """One engine step; its duration in seconds (modelled or measured)."""
         engine = self.handle.engine
         if self.cost is None:
-            t0 = time.perf_counter()
+            if self.step_log is not None:
+                return self._recorded_real_step()
+            t0 = self._clock()
             engine.step()
-            return time.perf_counter() - t0
+            return self._clock() - t0
+        if self.step_log is not None:                 # replaced by _price when the engine runs items
+            self._shape = ([], len(self.decoding), self._decode_context(), None)
         before, self._priced = self.handle.backend.modelled_seconds, False
         engine.step()
         dt = self.handle.backend.modelled_seconds - before
         if not self._priced and self.decoding:        # nothing scheduled: the decoders still step
             dt = self.cost.step_seconds([], len(self.decoding), self._decode_context())
         return dt
+
+    def _recorded_real_step(self) -> float:
+        """A real engine step with its shape and forward time kept for the step log."""
+        engine, backend = self.handle.engine, self.handle.engine.backend
+        decoders = [r.position for r in engine.running if r.status is Status.DECODE]
+        backend.last_items, backend.last_seconds = [], 0.0
+        w0, c0 = time.perf_counter(), time.process_time()
+        engine.step()
+        self._times = (time.perf_counter() - w0, time.process_time() - c0)
+        ran = backend.last_items
+        d = len(decoders) if ran else 0                  # the scheduler puts decoders first
+        self._shape = (ran[d:], d, sum(decoders) if ran else 0, backend.last_seconds)
+        return self._times[0] if self._clock is time.perf_counter else self._times[1]
 
     def _decode_steps(self, horizon: float) -> tuple[int, float]:
         """Decode-only steps to run at once (until a decoder ends or ``horizon``), and their seconds."""
@@ -246,13 +294,27 @@ class FleetInstance:
             k, dt = 1, self._engine_step()
         elif self.decoding:
             k, dt = self._decode_steps(horizon)
+            if self.step_log is not None:
+                self._shape = ([], len(self.decoding), self._decode_context(), None)
         else:
             return []
         end = self.clock = start + dt
+        if self.step_log is not None:
+            self._log_steps(start, dt, k, load)
         self.stats.busy_seconds += load + dt
         done = self._advance_decoders(k, end)
         done += self._collect(start, end)
         return done
+
+    def _log_steps(self, start: float, dt: float, k: int, load: float) -> None:
+        """Append the step (``k`` > 1: ``k`` equal decode-only steps run at once) to the step log."""
+        chunks, decoders, context, backend_s = self._shape
+        wall, cpu = self._times
+        self._times = (None, None)
+        for i in range(k):
+            self.step_log.append(StepRecord(self.index, round(start + i * dt / k, 6), round(dt / k, 6), chunks,
+                                            decoders, context + i * decoders, backend_s,
+                                            round(load, 6) if i == 0 else 0.0, wall, cpu))
 
     def _advance_decoders(self, k: int, end: float) -> list[FleetRequest]:
         done, still = [], []

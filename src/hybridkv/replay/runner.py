@@ -20,8 +20,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, wait
-from multiprocessing.managers import SyncManager
 from dataclasses import dataclass, replace
+from multiprocessing.managers import SyncManager
 
 import numpy as np
 from rich.console import Console
@@ -35,6 +35,7 @@ from rich.progress import (
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
+from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.instance import (
     TURN_FAILED,
@@ -43,7 +44,13 @@ from hybridkv.replay.instance import (
     run_instance,
 )
 from hybridkv.replay.oracle import oracle_from_trace
-from hybridkv.replay.report import TIMED_KEYS, ReplayReport, VerifyReport, ratio, reuse_histogram
+from hybridkv.replay.report import (
+    TIMED_KEYS,
+    ReplayReport,
+    VerifyReport,
+    ratio,
+    reuse_histogram,
+)
 from hybridkv.replay.timed import TimedSetup, run_timed
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 from hybridkv.tiers.base import MISS_REASONS
@@ -85,6 +92,8 @@ class ReplayOptions:
     cost_model: str | None = None
     store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
+    step_log: str | None = None
+    step_clock: str = "wall"
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -194,6 +203,12 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     if timed is not None:
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
+        if opts.step_log is not None:
+            write_step_log(opts.step_log, timed.steps,
+                           {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
+                            "instances": opts.instances, "time_scale": opts.time_scale,
+                            "cost_model": timed.timing["cost_model"], "requests": len(reqs),
+                            "step_clock": None if opts.simulate else opts.step_clock})
     return report
 
 
@@ -211,7 +226,9 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
     return TimedSetup(model=opts.model, seed=opts.seed, simulate=opts.simulate, instances=opts.instances,
                       router=router, time_scale=opts.time_scale, cost_model=opts.cost_model,
                       store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
-                      store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s)
+                      store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s,
+                      record_steps=opts.step_log is not None, threads=opts.threads,
+                      step_clock=opts.step_clock)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

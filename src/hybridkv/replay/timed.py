@@ -18,7 +18,9 @@ from those two figures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
@@ -28,6 +30,7 @@ from hybridkv.fleet.costmodel import StepCostModel, cost_model
 from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
 from hybridkv.fleet.routers import RouterConfig, make_router
 from hybridkv.fleet.simulator import Fleet, timing_summary
+from hybridkv.fleet.steplog import StepRecord
 from hybridkv.fleet.store import (
     MOONCAKE_GET_LATENCY_S,
     MOONCAKE_LOAD_BYTES_PER_S,
@@ -59,6 +62,11 @@ class TimedSetup:
         store_gbps: store load bandwidth (GB/s) of the simulated store and of the router's
             estimate; 0: no shared store in simulation.
         store_latency_s: seconds per store object, likewise.
+        record_steps: keep every instance's step records (:mod:`hybridkv.fleet.steplog`).
+        step_clock: ``wall`` or ``cpu``: how real steps are timed
+            (:class:`~hybridkv.fleet.instance.FleetInstance`).
+        threads: torch threads of the real model during the run (``--threads``; calibration
+            times the model with the same number).
     """
 
     model: str
@@ -73,15 +81,20 @@ class TimedSetup:
     host_write_through: bool = False
     store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
+    record_steps: bool = False
+    threads: int = 1
+    step_clock: str = "wall"
 
 
 @dataclass(slots=True)
 class TimedRun:
     """Per-instance counters (merged like an untimed replay's) and the timing figures
-    (:func:`~hybridkv.fleet.simulator.timing_summary`, plus ``router``, ``time_scale``, ``cost_model``)."""
+    (:func:`~hybridkv.fleet.simulator.timing_summary`, plus ``router``, ``time_scale``, ``cost_model``);
+    ``steps``: every instance's step records in order of start (empty unless ``record_steps``)."""
 
     results: list[InstanceResult]
     timing: dict
+    steps: list[StepRecord] = field(default_factory=list)
 
 
 def _store_cost(setup: TimedSetup, cfg: CacheConfig) -> StoreCost | None:
@@ -136,28 +149,41 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     view = StoreView(cfg.prefix_match_unit, cfg.store_boundary) if store_cost is not None else None
     sim_store = SimulatedStore(view, store_cost) if view is not None and setup.simulate else None
     build = _builder(setup, cfg)
-    instances = [FleetInstance(k, build, estimate if setup.simulate else None, cfg.max_num_seqs, sim_store)
+    instances = [FleetInstance(k, build, estimate if setup.simulate else None, cfg.max_num_seqs, sim_store,
+                               step_clock=setup.step_clock)
                  for k in range(setup.instances)]
+    if setup.record_steps:
+        for inst in instances:
+            inst.record_steps()
     frs = [FleetRequest(r.index, Request(f"r{r.index}", p, 1 if setup.simulate else o, record_logits=r.index in verify),
                         arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
            for r, p, o in zip(reqs, prompts, output_lengths)]
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
+    threads = torch.get_num_threads()
+    if not setup.simulate:
+        torch.set_num_threads(setup.threads)
     try:
         fleet.run(frs, progress)
     finally:
         for inst in instances:
             inst.handle.close()
     results = []
-    for inst in instances:
-        mine = [fr for fr in frs if fr.instance == inst.index]
-        res = collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
-                             inst.stats.busy_seconds)
+    try:                                               # verification (in collect_result) on the same threads
+        for inst in instances:
+            mine = [fr for fr in frs if fr.instance == inst.index]
+            results.append(collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
+                                          inst.stats.busy_seconds))
+    finally:
+        torch.set_num_threads(threads)
+    for res, inst in zip(results, instances):
         if sim_store is not None:                      # loads the fleet made, not a store tier
             res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,
                                   "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0}
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
-        results.append(res)
     timing = timing_summary(frs, instances)
     timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name)
-    return TimedRun(results, timing)
+    if not setup.simulate:
+        timing["step_clock"] = setup.step_clock
+    steps = sorted((r for inst in instances for r in inst.step_log or ()), key=lambda r: (r.start, r.instance))
+    return TimedRun(results, timing, steps)
