@@ -20,9 +20,10 @@ from serve_helpers import prompt_ids, wait_idle
 PREFIX = 320                                   # 5 units of 64 tokens
 
 
-def _router(urls: list[str], policy: str, poll_interval: float = 0.05) -> BackgroundUvicorn:
+def _router(urls: list[str], policy: str, poll_interval: float = 0.05, follow_wait: float = 2.0,
+            store_gbps: float = 1.1) -> BackgroundUvicorn:
     args = argparse.Namespace(worker=urls, policy=policy, model="tiny", cost_model=None, poll_interval=poll_interval,
-                              health_every=2)
+                              health_every=2, follow_wait=follow_wait, store_gbps=store_gbps, store_latency_us=194.0)
     return BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
 
 
@@ -158,11 +159,11 @@ def test_a_bad_worker_list_is_refused_naming_it():
 
 
 def test_a_refused_connection_is_retried_on_another_worker():
-    """Polling slowed to once an hour: the router learns of the dead worker from the refused
-    connection itself, takes it out of rotation and retries the request elsewhere."""
+    """Polling slowed to once an hour and no long polls: the router learns of the dead worker from
+    the refused connection itself, takes it out of rotation and retries the request elsewhere."""
     a = RunningServer(ServeOptions(port=0, threads=1))
     b = RunningServer(ServeOptions(port=0, threads=1))
-    router = _router([a.url, b.url], "round-robin", poll_interval=3600)
+    router = _router([a.url, b.url], "round-robin", poll_interval=3600, follow_wait=0)
     try:
         assert all(w["healthy"] for w in _stats(router)["workers"])      # the startup round
         b.close()

@@ -209,16 +209,19 @@ class Server:
 
     async def cache_info(self) -> dict:
         """``GET /v1/cache/info``: what a router needs to hash prompts as this server does (the
-        namespace fields, the backend binding, units in tokens) and the event epoch."""
+        namespace fields, the backend binding, units in tokens), the event epoch and the shared
+        store's ``{id, alignment, kv_bytes_per_token, checkpoint_bytes}`` (``null``: none)."""
         cfg = self.handle.engine.config
         return {"model": self.settings.model_name, "epoch": self.events.epoch, "identity": self.identity(),
                 "binding": self.handle.backend.cache_binding().hex(), "prefix_match_unit": cfg.prefix_match_unit,
-                "block_size": cfg.block_size, "vocab_size": self.vocab_size}
+                "block_size": cfg.block_size, "vocab_size": self.vocab_size, "store": self.events.store_info()}
 
-    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX) -> dict:
-        """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N`` (see :meth:`EventFeed.page`)."""
+    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX,
+                           wait: float = 0.0) -> dict:
+        """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N&wait=S`` (see :meth:`EventFeed.wait`;
+        ``wait`` seconds of long poll, 0: answer at once)."""
         try:
-            return self.events.page(epoch, after, limit)
+            return await self.events.wait(epoch, after, limit, wait)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
