@@ -56,6 +56,9 @@ def register_cli(sub) -> None:
     b.add_argument("--block-tokens", type=positive_int, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
+                        "token each under the presets' byte tokenizer), for routers that only take text")
     b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
     b.set_defaults(func=_bench)
 
@@ -150,7 +153,7 @@ def _bench(args) -> int:
 
     opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
                         max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
-                        seed=args.seed)
+                        seed=args.seed, prompt_format=args.prompt_format)
     try:
         report = asyncio.run(run_bench(opts))
     except (ValueError, TraceError) as exc:
