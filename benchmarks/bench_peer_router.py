@@ -86,7 +86,8 @@ def _finished(url: str) -> int:
 def sglang_available(python: str) -> bool:
     """Whether ``python`` imports ``sglang_router``."""
     try:
-        return subprocess.run([python, "-c", "import sglang_router"], capture_output=True, timeout=60).returncode == 0
+        return subprocess.run([python, "-c", "import sglang_router"], capture_output=True, timeout=60,
+                              check=False).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -109,13 +110,15 @@ def run_config(name: str, args, root: Path) -> dict:
         if kind == "hybridkv":
             cmd = [sys.executable, "-m", "hybridkv.cli", "router", "--model", args.model, "--port", str(rport),
                    "--policy", policy] + [a for u in urls for a in ("--worker", u)]
-            ready = lambda: httpx.get(f"http://127.0.0.1:{rport}/health",  # noqa: E731
-                                      timeout=5).json().get("workers_in_rotation") == len(urls)
+            def ready() -> bool:
+                return httpx.get(f"http://127.0.0.1:{rport}/health", timeout=5).json().get(
+                    "workers_in_rotation") == len(urls)
         else:
             cmd = [args.sglang_python, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy",
                    policy, "--port", str(rport), "--prometheus-port", str(rport + 1), "--log-level", "warn"]
-            ready = lambda: httpx.get(f"http://127.0.0.1:{rport}/workers",  # noqa: E731
-                                      timeout=5).text.count('"is_healthy":true') == len(urls)
+            def ready() -> bool:
+                return httpx.get(f"http://127.0.0.1:{rport}/workers", timeout=5).text.count(
+                    '"is_healthy":true') == len(urls)
         router = _start(cmd, root / f"{name}-router.log")
         procs.append(router)
         _wait(ready, f"{name} router", 120, procs)
@@ -135,6 +138,10 @@ def run_config(name: str, args, root: Path) -> dict:
     finally:
         for p in reversed(procs):
             _stop(p)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def main() -> None:
@@ -167,9 +174,9 @@ def main() -> None:
     print(f"{'config':24} {'sent':>5} {'done':>5} {'errors':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'cached':>8} {'prompt':>8}  per worker")
     for r in results:
-        ms = lambda k: "-" if r[k] is None else f"{r[k]:.0f}"  # noqa: E731
+        p50, p99 = (_ms(r[k]) for k in ("ttft_p50_ms", "ttft_p99_ms"))
         print(f"{r['config']:24} {r['sent']:>5} {r['completed']:>5} {sum(r['errors'].values()):>8} "
-              f"{ms('ttft_p50_ms'):>9} {ms('ttft_p99_ms'):>9} {r['cached_tokens']:>8} {r['prompt_tokens']:>8}  "
+              f"{p50:>9} {p99:>9} {r['cached_tokens']:>8} {r['prompt_tokens']:>8}  "
               f"{' / '.join(map(str, r['requests_per_worker']))}")
 
 

@@ -12,11 +12,11 @@ import time
 import httpx
 import openai
 import pytest
+from serve_helpers import prompt_ids, wait_idle
 
 from hybridkv.serve.commands import router_service
 from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
 from hybridkv.serve.router import create_router_app
-from serve_helpers import prompt_ids, wait_idle
 
 PREFIX = 320                                   # 5 units of 64 tokens
 
