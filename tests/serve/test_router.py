@@ -331,3 +331,35 @@ def test_events_reach_the_router_by_long_poll_without_a_poll_period(workers):
     for bad in (-1, 31):
         r = httpx.get(f"{workers[0].url}/v1/cache/events", params={"wait": bad}, timeout=10)
         assert r.status_code == 400 and "wait" in r.json()["error"]["message"]
+
+
+def test_the_shared_store_view_follows_entries_at_aligned_boundaries():
+    """KV entries contiguous from token 0 up to the deepest checkpoint entry at or below them;
+    removals and ``all_cleared`` apply; epochs do not (the store outlives workers)."""
+    from hybridkv.fleet.events import CacheEvent, EventKind
+    from hybridkv.serve.fleet_view import SharedStoreView
+
+    unit, align = 64, 128
+    hashes = [bytes([i]) * 32 for i in range(8)]                  # 8 units: boundaries 64 .. 512
+    key = {b: hashes[b // unit - 1] for b in range(align, 513, align)}
+    view = SharedStoreView(unit, align)
+
+    def ev(kind, *bounds, epoch=0):
+        return CacheEvent(0, epoch, 0, kind, tuple(key[b] for b in bounds))
+
+    view.apply(ev(EventKind.BLOCKS_STORED, 128, 256, 512))        # 384 missing: KV runs to 256
+    view.apply(ev(EventKind.CHECKPOINTS_STORED, 128, 512))
+    assert view.kv_run(hashes, 511) == 256
+    assert view.match(hashes, 511).hit == 128                      # the checkpoint at or below the run
+    view.apply(ev(EventKind.BLOCKS_STORED, 384, epoch=7))          # another worker, another epoch
+    assert view.kv_run(hashes, 511) == 384
+    assert view.match(hashes, 511).hit == 128                      # no checkpoint at 384; 512 is past the limit
+    assert view.match(hashes, 512).hit == 512
+    view.apply(ev(EventKind.CHECKPOINTS_REMOVED, 512))
+    assert view.match(hashes, 512).hit == 128
+    view.apply(ev(EventKind.BLOCKS_REMOVED, 128))
+    assert view.match(hashes, 512).hit == 0 and view.kv_run(hashes, 512) == 0
+    view.apply(CacheEvent(0, 0, 0, EventKind.ALL_CLEARED, ()))
+    assert not view.kv and not view.checkpoints and view.events_applied == 6
+    with pytest.raises(ValueError, match="alignment 96"):
+        SharedStoreView(64, 96)
