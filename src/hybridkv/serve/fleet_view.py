@@ -301,6 +301,7 @@ class Workers:
         """Read ``w``'s new events into its view and the store's (the first page may wait up to
         ``wait_s`` seconds for one); returns events applied."""
         applied = 0
+        outs = w.failures                              # a take_out in the meantime makes this answer stale
         async with w.pull_lock:
             for page_no in range(MAX_PAGES_PER_POLL):
                 params = {"epoch": w.epoch if w.epoch is not None else -1, "after": w.after}
@@ -309,7 +310,7 @@ class Workers:
                 r = await self.client.get(f"{w.url}/v1/cache/events", params=params)
                 r.raise_for_status()
                 page = r.json()
-                if not w.healthy:                      # taken out while the answer was on its way
+                if not w.healthy or w.failures != outs:   # taken out while the answer was on its way
                     return applied
                 if page["epoch"] != w.epoch or page["gap"]:
                     w.view, w.epoch, w.after = InstanceView(self.fleet.unit), int(page["epoch"]), -1

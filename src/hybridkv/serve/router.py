@@ -31,8 +31,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
-from hybridkv.fleet.routers import FleetState, RouteRequest, Router, RouterConfig, make_router
-from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S, StoreCost
+from hybridkv.fleet.routers import (
+    FleetState,
+    Router,
+    RouterConfig,
+    RouteRequest,
+    make_router,
+)
+from hybridkv.fleet.store import (
+    MOONCAKE_GET_LATENCY_S,
+    MOONCAKE_LOAD_BYTES_PER_S,
+    StoreCost,
+)
 from hybridkv.serve.fleet_view import Workers, WorkerState
 from hybridkv.serve.protocol import APIError, parse_generation, parse_prompts
 from hybridkv.serve.tokenizer import Codec
@@ -250,6 +260,7 @@ class RouterService:
                 continue
             except httpx.HTTPError as exc:
                 ticket.done()
+                log.warning("worker %s failed before answering: %s", w.url, type(exc).__name__)
                 return _error(502, f"worker {w.url} failed: {type(exc).__name__}", "bad_gateway")
             return upstream, ticket
         self.unroutable += 1
@@ -370,7 +381,7 @@ async def _merge(parts: list[tuple[httpx.Response, _Ticket]]):
                 while b"\n\n" in buf:
                     frame, buf = buf.split(b"\n\n", 1)
                     await queue.put((i, frame))
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.StreamError) as exc:        # StreamError: closed as the client left
             log.warning("worker %s broke off an answer: %s", ticket.w.url, type(exc).__name__)
         finally:
             ticket.done()
