@@ -45,7 +45,7 @@ def run(url: str, documents: int, asks: int, prefix_tokens: int, suffix_tokens: 
                 out["repeat_asks_reusing"] += cached > 0
             seen.add(d)
             applied = sum(w["events_applied"] for w in client.get(f"{url}/router/stats").json()["workers"])
-            for _ in range(200):                   # the router polls events every 0.2 s by default
+            for _ in range(200):                   # events arrive by long poll (periodic polls as fallback)
                 time.sleep(0.05)
                 now = sum(w["events_applied"] for w in client.get(f"{url}/router/stats").json()["workers"])
                 if now > applied:

@@ -6,23 +6,25 @@ Real workers, real router, real HTTP: the router's views come from the workers' 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import httpx
 import openai
 import pytest
+from serve_helpers import prompt_ids, wait_idle
 
 from hybridkv.serve.commands import router_service
 from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
 from hybridkv.serve.router import create_router_app
-from serve_helpers import prompt_ids, wait_idle
 
 PREFIX = 320                                   # 5 units of 64 tokens
 
 
-def _router(urls: list[str], policy: str, poll_interval: float = 0.05) -> BackgroundUvicorn:
+def _router(urls: list[str], policy: str, poll_interval: float = 0.05, follow_wait: float = 2.0,
+            store_gbps: float = 1.1) -> BackgroundUvicorn:
     args = argparse.Namespace(worker=urls, policy=policy, model="tiny", cost_model=None, poll_interval=poll_interval,
-                              health_every=2)
+                              health_every=2, follow_wait=follow_wait, store_gbps=store_gbps, store_latency_us=194.0)
     return BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
 
 
@@ -158,11 +160,11 @@ def test_a_bad_worker_list_is_refused_naming_it():
 
 
 def test_a_refused_connection_is_retried_on_another_worker():
-    """Polling slowed to once an hour: the router learns of the dead worker from the refused
-    connection itself, takes it out of rotation and retries the request elsewhere."""
+    """Polling slowed to once an hour and no long polls: the router learns of the dead worker from
+    the refused connection itself, takes it out of rotation and retries the request elsewhere."""
     a = RunningServer(ServeOptions(port=0, threads=1))
     b = RunningServer(ServeOptions(port=0, threads=1))
-    router = _router([a.url, b.url], "round-robin", poll_interval=3600)
+    router = _router([a.url, b.url], "round-robin", poll_interval=3600, follow_wait=0)
     try:
         assert all(w["healthy"] for w in _stats(router)["workers"])      # the startup round
         b.close()
@@ -208,3 +210,156 @@ def test_the_router_command_refuses_bad_options(capsys):
     with pytest.raises(SystemExit):
         main(["router", "--worker", "http://127.0.0.1:1", "--policy", "nearest"])
     assert "nearest" in capsys.readouterr().err
+
+
+def test_a_store_entry_written_by_one_worker_is_a_store_hit_for_the_other(tmp_path):
+    """Two workers writing through to one disk store: the prefix worker A wrote reaches the
+    router as ``medium: store`` events, and the router's ``hybrid`` score for worker B (whose own
+    cache is empty) counts it as a store hit; with A gone, B serves the prefix from the store."""
+    from hybridkv.fleet.routers import FleetState, make_router
+
+    url = f"disk://{tmp_path}"
+    a = RunningServer(ServeOptions(port=0, threads=1, store=url))
+    b = RunningServer(ServeOptions(port=0, threads=1, store=url))
+    args = argparse.Namespace(worker=[a.url, b.url], policy="hybrid", model="tiny", cost_model=None,
+                              poll_interval=0.05, health_every=2, follow_wait=2.0, store_gbps=1.1,
+                              store_latency_us=194.0)
+    service = router_service(args)
+    router = BackgroundUvicorn(create_router_app(service), "127.0.0.1", 0, lifespan="on")
+    first, second = _shared_prefix_pair(30)
+    try:
+        _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
+        info = httpx.get(f"{a.url}/v1/cache/info", timeout=10).json()["store"]
+        assert info is not None and info["alignment"] == 64 and info["checkpoint_bytes"] > 0
+        _complete(router, first)
+        holder = _routed(_stats(router)).index(1)
+        other = 1 - holder
+        s = _wait(lambda s: s["stores"].get(info["id"], {}).get("checkpoint_entries", 0) >= 1
+                  and s["stores"][info["id"]]["kv_entries"] >= PREFIX // 64, router)
+        assert s["workers"][holder]["store_events_applied"] >= 2 and s["workers"][other]["store_events_applied"] == 0
+        assert s["workers"][other]["kv_keys"] == 0
+
+        (req,) = service.route_requests({"model": "tiny", "prompt": second}, {}, chat=False)
+        view, store_info = service.workers.shared_store([0, 1])
+        store_hit = view.match(req.hashes, req.limit).hit
+        assert store_hit >= PREFIX - 64                       # the prefix's entries, checkpoint included
+        hybrid = make_router(service._config(64, 64, store_info))
+        states = service.workers.states
+        fleet = FleetState([w.view for w in states], [w.load for w in states], view)
+        _, hit_other = hybrid.score(req, fleet, other, store_hit)
+        no_store = FleetState(fleet.views, fleet.loads, None)
+        assert hit_other == store_hit                        # a store hit for B, at transfer cost
+        assert hybrid.score(req, fleet, other, store_hit)[0] > hybrid.score(req, no_store, other, 0)[0]
+
+        (a if holder == 0 else b).close()                     # the holder goes away: B must use the store
+        usage = _complete(router, second)["usage"]
+        s = _stats(router)
+        assert s["workers"][other]["routed"] == 1
+        assert s["workers"][other]["predicted_store_hit_tokens_routed"] == store_hit
+        assert usage["prompt_tokens_details"]["cached_tokens"] == store_hit
+    finally:
+        router.close()
+        for w in (a, b):
+            w.close()                                         # closing twice is harmless
+
+
+def test_a_batch_is_split_across_workers_and_put_back_in_order(workers):
+    """Each prompt of a completion batch is routed on its own; choices come back in prompt order
+    with the texts single requests give, ``usage`` summed, streamed or not."""
+    router = _router([w.url for w in workers], "hybrid")
+    try:
+        _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
+        first, second = _shared_prefix_pair(40)
+        _complete(router, first)
+        holder = _routed(_stats(router)).index(1)
+        _wait(lambda s: s["workers"][holder]["kv_keys"] >= PREFIX // 64, router)
+        fresh = prompt_ids(43, 90)
+        alone = [_complete(router, p) for p in (fresh, second)]           # what each prompt gives alone
+        before = _routed(_stats(router))
+        _wait(lambda s: all(w["in_flight"] == 0 for w in s["workers"]), router)
+        out = _complete(router, [second, fresh, "a text prompt"])
+        after = _stats(router)
+        assert after["split_batches"] == 1 and sum(_routed(after)) - sum(before) == 3
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert out["choices"][0]["text"] == alone[1]["choices"][0]["text"]
+        assert out["choices"][1]["text"] == alone[0]["choices"][0]["text"]
+        u = out["usage"]
+        text_tokens = _complete(router, "a text prompt")["usage"]["prompt_tokens"]
+        assert u["prompt_tokens"] == len(second) + len(fresh) + text_tokens
+        assert u["completion_tokens"] == 6 and u["total_tokens"] == u["prompt_tokens"] + 6
+        assert u["prompt_tokens_details"]["cached_tokens"] >= PREFIX + 64         # second again, fresh's first unit
+
+        with httpx.stream("POST", f"{router.url}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": [second, fresh], "max_tokens": 3, "temperature": 0,
+                                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        assert len({c["id"] for c in chunks}) == 1
+        texts = {0: "", 1: ""}
+        for c in chunks:
+            for ch in c["choices"]:
+                texts[ch["index"]] += ch["text"]
+        plain = _complete(router, [second, fresh], max_tokens=3)
+        assert texts == {0: plain["choices"][0]["text"], 1: plain["choices"][1]["text"]}
+        (last,) = [c for c in chunks if c.get("usage")]
+        assert last["usage"]["prompt_tokens"] == len(second) + len(fresh) and last["usage"]["completion_tokens"] == 6
+
+        bad = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                         json={"model": "tiny", "prompt": [fresh, [5, 10 ** 9]], "max_tokens": 2})
+        assert bad.status_code == 400 and "error" in bad.json()
+        _wait(lambda s: all(w["in_flight"] == 0 and w["outstanding_tokens"] == 0 for w in s["workers"]), router)
+    finally:
+        router.close()
+
+
+def test_events_reach_the_router_by_long_poll_without_a_poll_period(workers):
+    """Periodic polls once an hour: a prefix cached on a worker after the router's first round
+    still reaches the router's view, through the long poll (``wait``) on the worker's events."""
+    router = _router([w.url for w in workers], "hybrid", poll_interval=3600)
+    try:
+        s = _stats(router)
+        assert all(w["healthy"] for w in s["workers"])                # the startup round
+        keys = s["workers"][1]["kv_keys"]
+        r = httpx.post(f"{workers[1].url}/v1/completions", timeout=60,           # straight to the worker
+                       json={"model": "tiny", "prompt": prompt_ids(50, PREFIX + 10), "max_tokens": 1})
+        assert r.status_code == 200
+        _wait(lambda s: s["workers"][1]["kv_keys"] >= keys + PREFIX // 64, router)
+    finally:
+        router.close()
+    for bad in (-1, 31):
+        r = httpx.get(f"{workers[0].url}/v1/cache/events", params={"wait": bad}, timeout=10)
+        assert r.status_code == 400 and "wait" in r.json()["error"]["message"]
+
+
+def test_the_shared_store_view_follows_entries_at_aligned_boundaries():
+    """KV entries contiguous from token 0 up to the deepest checkpoint entry at or below them;
+    removals and ``all_cleared`` apply; epochs do not (the store outlives workers)."""
+    from hybridkv.fleet.events import CacheEvent, EventKind
+    from hybridkv.serve.fleet_view import SharedStoreView
+
+    unit, align = 64, 128
+    hashes = [bytes([i]) * 32 for i in range(8)]                  # 8 units: boundaries 64 .. 512
+    key = {b: hashes[b // unit - 1] for b in range(align, 513, align)}
+    view = SharedStoreView(unit, align)
+
+    def ev(kind, *bounds, epoch=0):
+        return CacheEvent(0, epoch, 0, kind, tuple(key[b] for b in bounds))
+
+    view.apply(ev(EventKind.BLOCKS_STORED, 128, 256, 512))        # 384 missing: KV runs to 256
+    view.apply(ev(EventKind.CHECKPOINTS_STORED, 128, 512))
+    assert view.kv_run(hashes, 511) == 256
+    assert view.match(hashes, 511).hit == 128                      # the checkpoint at or below the run
+    view.apply(ev(EventKind.BLOCKS_STORED, 384, epoch=7))          # another worker, another epoch
+    assert view.kv_run(hashes, 511) == 384
+    assert view.match(hashes, 511).hit == 128                      # no checkpoint at 384; 512 is past the limit
+    assert view.match(hashes, 512).hit == 512
+    view.apply(ev(EventKind.CHECKPOINTS_REMOVED, 512))
+    assert view.match(hashes, 512).hit == 128
+    view.apply(ev(EventKind.BLOCKS_REMOVED, 128))
+    assert view.match(hashes, 512).hit == 0 and view.kv_run(hashes, 512) == 0
+    view.apply(CacheEvent(0, 0, 0, EventKind.ALL_CLEARED, ()))
+    assert not view.kv and not view.checkpoints and view.events_applied == 6
+    with pytest.raises(ValueError, match="alignment 96"):
+        SharedStoreView(64, 96)

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``, and for ``hybridkv router``
-``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`). Errors answer with the
+``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`), and SGLang's
+``/server_info``, ``/model_info``, ``/get_load`` and ``/flush_cache`` (:mod:`hybridkv.serve.compat`). Errors answer with the
 OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/serve.md.
 """
 
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
+from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts
 from hybridkv.serve.run import Run
@@ -209,16 +211,19 @@ class Server:
 
     async def cache_info(self) -> dict:
         """``GET /v1/cache/info``: what a router needs to hash prompts as this server does (the
-        namespace fields, the backend binding, units in tokens) and the event epoch."""
+        namespace fields, the backend binding, units in tokens), the event epoch and the shared
+        store's ``{id, alignment, kv_bytes_per_token, checkpoint_bytes}`` (``null``: none)."""
         cfg = self.handle.engine.config
         return {"model": self.settings.model_name, "epoch": self.events.epoch, "identity": self.identity(),
                 "binding": self.handle.backend.cache_binding().hex(), "prefix_match_unit": cfg.prefix_match_unit,
-                "block_size": cfg.block_size, "vocab_size": self.vocab_size}
+                "block_size": cfg.block_size, "vocab_size": self.vocab_size, "store": self.events.store_info()}
 
-    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX) -> dict:
-        """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N`` (see :meth:`EventFeed.page`)."""
+    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX,
+                           wait: float = 0.0) -> dict:
+        """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N&wait=S`` (see :meth:`EventFeed.wait`;
+        ``wait`` seconds of long poll, 0: answer at once)."""
         try:
-            return self.events.page(epoch, after, limit)
+            return await self.events.wait(epoch, after, limit, wait)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -275,6 +280,7 @@ def create_app(server: Server) -> FastAPI:
     if server.events is not None:
         app.get("/v1/cache/info")(server.cache_info)
         app.get("/v1/cache/events")(server.cache_events)
+    add_compat_routes(app, server)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):

@@ -2,8 +2,11 @@
 and report TTFT percentiles, cached tokens and errors.
 
 Each trace request becomes one streaming ``/v1/completions`` call with synthetic token ids
-(:func:`~hybridkv.replay.trace.request_token_array`, the same ids ``hybridkv replay`` uses),
-greedy, ``max_tokens`` the scaled output length capped by ``--max-tokens``. Request ``i`` is
+(:func:`~hybridkv.replay.trace.request_token_array`, the same ids ``hybridkv replay`` uses) or,
+with ``prompt_format="text"``, the same structure as text (ids drawn from a 95-id vocabulary,
+each written as the printable ASCII character ``chr(32 + id)``: one token per character under the
+presets' byte tokenizer, so prompt lengths and shared prefixes are those of the ids; for routers
+that only accept text prompts), greedy, ``max_tokens`` the scaled output length capped by ``--max-tokens``. Request ``i`` is
 sent at ``timestamp_i * time_scale`` seconds after the start. The URL must be loopback.
 """
 
@@ -21,6 +24,8 @@ import numpy as np
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+TEXT_VOCAB = 95
+"""Printable ASCII characters (32-126) a ``text`` prompt is written with."""
 
 
 @dataclass(slots=True)
@@ -36,6 +41,7 @@ class BenchOptions:
         block_tokens: synthetic tokens per trace hash id.
         max_tokens: cap on generated tokens per request.
         seed: seed of the synthetic token ids.
+        prompt_format: ``ids`` (token-id prompts) or ``text`` (printable ASCII, see above).
     """
 
     url: str
@@ -46,6 +52,7 @@ class BenchOptions:
     block_tokens: int = 64
     max_tokens: int = 4
     seed: int = 0
+    prompt_format: str = "ids"
 
 
 @dataclass(slots=True)
@@ -150,16 +157,19 @@ async def run_bench(opts: BenchOptions) -> BenchReport:
         httpx.HTTPError: the server's ``/v1/models`` cannot be read.
     """
     url = check_loopback(opts.url)
+    if opts.prompt_format not in ("ids", "text"):
+        raise ValueError(f"prompt_format={opts.prompt_format!r} must be 'ids' or 'text'")
+    text = opts.prompt_format == "text"
     trace = load_trace(opts.trace, limit=opts.limit).requests
     report = BenchReport()
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(opts.max_seconds)) as client:
         card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
-        model, vocab = card["id"], card["vocab_size"]
+        model, vocab = card["id"], TEXT_VOCAB if text else card["vocab_size"]
         start = time.monotonic()
         tasks = []
         for req in trace:
             ids = request_token_array(req, opts.block_tokens, vocab, opts.seed).tolist()
-            body = {"model": model, "prompt": ids, "temperature": 0, "stream": True,
+            body = {"model": model, "prompt": "".join(chr(32 + i) for i in ids) if text else ids, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True},
                     "max_tokens": min(opts.max_tokens, scaled_output_length(req, opts.block_tokens))}
             tasks.append(asyncio.create_task(_send_at(client, req.timestamp_ms / 1000 * opts.time_scale, body,

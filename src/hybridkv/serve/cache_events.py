@@ -1,38 +1,56 @@
-"""A worker's cache events over HTTP: what ``hybridkv router`` builds its per-worker views from.
+"""A worker's cache events over HTTP: what ``hybridkv router`` builds its views from.
 
 :class:`EventFeed` is the engine's :class:`~hybridkv.engine.engine.CacheListener`: each call
 (on the engine thread) goes through the fleet's :class:`~hybridkv.fleet.events.EventPublisher`
 and the events it produced are moved, under a lock, into a bounded buffer that the event loop
-pages through for ``GET /v1/cache/events?epoch=E&after=SEQ&limit=N``. The answer::
+pages through for ``GET /v1/cache/events?epoch=E&after=SEQ&limit=N[&wait=S]``. Attached to the
+worker's shared store tier (:meth:`EventFeed.watch_store`, a
+:class:`~hybridkv.tiers.base.TierObserver`) it also publishes the store's committed entries and
+removals, in the same sequence, with ``medium: "store"`` (as vLLM's KV events name the medium a
+block lives on); the worker's own device cache is ``medium: "device"``. The answer::
 
-    {"epoch": E', "events": [{"seq", "kind", "keys": [hex, ...]}, ...], "next": S, "gap": bool,
-     "more": bool}
+    {"epoch": E', "events": [{"seq", "kind", "medium", "keys": [hex, ...]}, ...], "next": S,
+     "gap": bool, "more": bool}
 
 ``E'`` is the worker's epoch: a fresh one at every start (``time.time_ns()``) and after every
 purge (``POST /admin/cache/invalidate``), so a reader that sees another epoch than it asked
 for drops its view (the page then starts at the new epoch's first event still buffered).
 ``gap`` says events the reader had not seen fell out of the buffer (it should drop its view
-too); ``next`` is the ``after`` of the next call plus one. Keys are chained unit hashes, never
+too); ``next`` is the ``after`` of the next call plus one. With ``wait=S`` (seconds) a reader
+that is up to date is answered as soon as a new event arrives, or empty after ``S`` seconds
+(a long poll: :meth:`EventFeed.wait`). Store events carry the store entry's chained hash at
+an ``alignment`` boundary: ``blocks_stored`` / ``blocks_removed`` for KV segments (group
+``full``), ``checkpoints_stored`` / ``checkpoints_removed`` for checkpoints (group ``kda``),
+``all_cleared`` after a purge removed entries it cannot name. Keys are chained hashes, never
 token ids; nothing here logs them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import itertools
 import threading
 import time
 from collections import deque
 
-from hybridkv.fleet.events import CacheEvent, EventPublisher
+from hybridkv.cache.groups import FULL, KDA
+from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher
 
 EVENT_BUFFER = 65536
 """Events a worker keeps for readers (oldest dropped first)."""
 EVENT_PAGE_MAX = 1024
 """Most events one ``GET /v1/cache/events`` answers."""
+MAX_WAIT_S = 30.0
+"""Longest long poll (``wait``) one ``GET /v1/cache/events`` may ask for, seconds."""
+DEVICE, STORE = "device", "store"
+"""The ``medium`` of an event: the worker's own cache (device pools), or its shared store tier."""
 
 
 class EventFeed:
-    """Thread-safe hand-off of the engine's cache events to HTTP readers.
+    """Thread-safe hand-off of the engine's (and its store tier's) cache events to HTTP readers.
+
+    Sequence numbers are the feed's own, one series per epoch over both media.
 
     Args:
         capacity: events kept (oldest dropped first; a reader that falls behind gets ``gap``).
@@ -47,14 +65,58 @@ class EventFeed:
         self._publisher = EventPublisher(0)
         self._publisher.epoch = time.time_ns()
         self._lock = threading.Lock()
-        self._events: deque[CacheEvent] = deque(maxlen=capacity)
+        self._events: deque[tuple[str, CacheEvent]] = deque(maxlen=capacity)
         self._next = 0                         # seq of the next event of this epoch
+        self._store: dict | None = None        # what /v1/cache/info says of the store tier
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     @property
     def epoch(self) -> int:
         """The current epoch (nanoseconds since the epoch at start, then +1 per purge)."""
         with self._lock:
             return self._publisher.epoch
+
+    # -- the shared store -----------------------------------------------------------
+    def watch_store(self, tier, url: str) -> None:
+        """Publish ``tier``'s committed entries and removals as ``medium: store`` events.
+
+        Args:
+            tier: the worker's :class:`~hybridkv.tiers.store_tier.StoreTier` (its ``observer``
+                becomes this feed).
+            url: the store URL the worker was started with; only its SHA-256 (first 16 hex
+                digits) is published, as the store's ``id``: workers with the same id share it.
+        """
+        self._store = {"id": hashlib.sha256(url.encode()).hexdigest()[:16], "alignment": tier.alignment,
+                       "kv_bytes_per_token": tier.entry_nbytes(FULL) // tier.alignment,
+                       "checkpoint_bytes": tier.entry_nbytes(KDA)}
+        tier.observer = self
+
+    def store_info(self) -> dict | None:
+        """``{"id", "alignment" (tokens), "kv_bytes_per_token", "checkpoint_bytes"}`` of the watched
+        store, or ``None`` (no store tier)."""
+        return dict(self._store) if self._store is not None else None
+
+    def entries_saved(self, tier: str, entries: list[tuple[bytes, str]]) -> None:
+        """Store entries committed (:class:`~hybridkv.tiers.base.TierObserver`)."""
+        self._store_event(EventKind.BLOCKS_STORED, EventKind.CHECKPOINTS_STORED, entries)
+
+    def entries_removed(self, tier: str, entries: list[tuple[bytes, str]]) -> None:
+        """Store entries removed (:class:`~hybridkv.tiers.base.TierObserver`)."""
+        self._store_event(EventKind.BLOCKS_REMOVED, EventKind.CHECKPOINTS_REMOVED, entries)
+
+    def entries_purged(self, tier: str) -> None:
+        """A purge removed store entries it does not name: readers forget the store view."""
+        with self._lock:
+            self._append(STORE, EventKind.ALL_CLEARED, ())
+
+    def _store_event(self, kv_kind: EventKind, ck_kind: EventKind, entries: list[tuple[bytes, str]]) -> None:
+        kv = [h for h, grp in entries if grp == FULL]
+        ck = [h for h, grp in entries if grp == KDA]
+        with self._lock:
+            if kv:
+                self._append(STORE, kv_kind, kv)
+            if ck:
+                self._append(STORE, ck_kind, ck)
 
     # -- the engine thread (CacheListener) ------------------------------------------
     def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes]) -> None:
@@ -70,10 +132,15 @@ class EventFeed:
             self._take()
 
     def _take(self) -> None:
-        new = self._publisher.drain()
-        if new:
-            self._events.extend(new)
-            self._next = new[-1].seq + 1
+        for e in self._publisher.drain():
+            self._append(DEVICE, e.kind, e.keys)
+
+    def _append(self, medium: str, kind: EventKind, keys) -> None:
+        """Buffer one event under the lock and wake every long poll."""
+        self._events.append((medium, CacheEvent(0, self._publisher.epoch, self._next, kind, tuple(keys))))
+        self._next += 1
+        for loop, ev in self._waiters:
+            loop.call_soon_threadsafe(ev.set)
 
     # -- any thread -----------------------------------------------------------------
     def reset(self) -> None:
@@ -81,6 +148,7 @@ class EventFeed:
         with self._lock:
             self._publisher.restart()
             self._events.clear()
+            self._next = 0
             self._take()
 
     def page(self, epoch: int | None, after: int, limit: int = EVENT_PAGE_MAX) -> dict:
@@ -97,10 +165,38 @@ class EventFeed:
         with self._lock:
             current = self._publisher.epoch
             start = after + 1 if epoch == current else 0
-            first = self._events[0].seq if self._events else self._next
+            first = self._events[0][1].seq if self._events else self._next
             i = max(start - first, 0)
             page = list(itertools.islice(self._events, i, i + limit))
-            nxt = page[-1].seq + 1 if page else max(start, first)
+            nxt = page[-1][1].seq + 1 if page else max(start, first)
             more = nxt < self._next
         return {"epoch": current, "next": nxt, "gap": start < first, "more": more,
-                "events": [{"seq": e.seq, "kind": e.kind.value, "keys": [k.hex() for k in e.keys]} for e in page]}
+                "events": [{"seq": e.seq, "kind": e.kind.value, "medium": m, "keys": [k.hex() for k in e.keys]}
+                           for m, e in page]}
+
+    async def wait(self, epoch: int | None, after: int, limit: int = EVENT_PAGE_MAX, wait_s: float = 0.0) -> dict:
+        """:meth:`page`, but when it would be empty for a reader that is up to date (same
+        ``epoch``, nothing after ``after``), wait up to ``wait_s`` seconds for the next event (or
+        a new epoch) first. Call on the event loop.
+
+        Raises:
+            ValueError: as :meth:`page`, or ``wait_s`` outside [0, MAX_WAIT_S] (named).
+        """
+        if not 0.0 <= wait_s <= MAX_WAIT_S:
+            raise ValueError(f"wait={wait_s} must be in [0, {MAX_WAIT_S}] seconds")
+        ready = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), ready)
+        with self._lock:
+            self._waiters.add(waiter)
+        try:
+            answer = self.page(epoch, after, limit)
+            if answer["events"] or answer["epoch"] != epoch or answer["gap"] or wait_s == 0.0:
+                return answer
+            try:
+                await asyncio.wait_for(ready.wait(), timeout=wait_s)
+            except TimeoutError:
+                pass
+            return self.page(epoch, after, limit)
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)

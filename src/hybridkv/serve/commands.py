@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 
-from hybridkv.replay.args import non_negative_int, port_number, positive_float, positive_int
+from hybridkv.replay.args import non_negative_float, non_negative_int, port_number, positive_float, positive_int
 
 
 def register_cli(sub) -> None:
@@ -56,6 +56,9 @@ def register_cli(sub) -> None:
     b.add_argument("--block-tokens", type=positive_int, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                   help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
+                        "token each under the presets' byte tokenizer), for routers that only take text")
     b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
     b.set_defaults(func=_bench)
 
@@ -94,6 +97,14 @@ def _register_router(sub) -> None:
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
+    r.add_argument("--follow-wait", type=non_negative_float, default=2.0,
+                   help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "
+                        "polls only")
+    r.add_argument("--store-gbps", type=non_negative_float, default=1.1,
+                   help="hybrid: load bandwidth in GB/s of the store the workers share (default 1.1, Mooncake "
+                        "measured); 0: ignore the store")
+    r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
+                   help="hybrid: microseconds per store object (default 194, Mooncake measured)")
     r.set_defaults(func=_router)
 
 
@@ -111,8 +122,11 @@ def router_service(args):
 
     cost = cost_model(args.cost_model) if args.cost_model else CPU_ESTIMATE
     codec = load_codec(args.model, model_config(args.model).vocab_size)
-    return RouterService(args.worker, codec, RouterSettings(args.policy, cost, poll_interval_s=args.poll_interval,
-                                                            health_every=args.health_every))
+    settings = RouterSettings(args.policy, cost, poll_interval_s=args.poll_interval, health_every=args.health_every,
+                              follow_wait_s=getattr(args, "follow_wait", 2.0),
+                              store_bytes_per_s=getattr(args, "store_gbps", 1.1) * 1e9,
+                              store_latency_s=getattr(args, "store_latency_us", 194.0) * 1e-6)
+    return RouterService(args.worker, codec, settings)
 
 
 def _router(args) -> int:
@@ -139,7 +153,7 @@ def _bench(args) -> int:
 
     opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
                         max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
-                        seed=args.seed)
+                        seed=args.seed, prompt_format=args.prompt_format)
     try:
         report = asyncio.run(run_bench(opts))
     except (ValueError, TraceError) as exc:

@@ -1,12 +1,20 @@
-"""What ``hybridkv router`` knows of its workers: health, cache views from their events, load.
+"""What ``hybridkv router`` knows of its workers: health, cache views from their events, load,
+and the shared store they write to.
 
 One :class:`WorkerState` per ``--worker`` URL. :class:`Workers` refreshes them from a background
 task: ``GET /health`` every ``health_every`` polls (and on every poll while a worker is out of
-rotation), and ``GET /v1/cache/events`` pages on every poll of a healthy worker. A worker enters
-rotation once ``/health`` answers 200 and its ``/v1/cache/info`` names the same cache identity as
-the fleet's (the first worker seen sets it); it leaves rotation, its view cleared, when a check or
-a proxied connection fails. A new epoch (a restart, a purge) or a gap in the events replaces its
-view with an empty one. Logs name workers by URL only, never prompts, ids or hashes.
+rotation), and ``GET /v1/cache/events`` pages on every poll of a healthy worker; with
+:meth:`Workers.follow_forever` each healthy worker is also long-polled (``wait=S``), so a new
+event reaches the view as soon as the worker publishes it and the periodic poll is the fallback.
+A worker enters rotation once ``/health`` answers 200 and its ``/v1/cache/info`` names the same
+cache identity as the fleet's (the first worker seen sets it); it leaves rotation, its view
+cleared, when a check or a proxied connection fails. A new epoch (a restart, a purge) or a gap
+in the events replaces its view with an empty one.
+
+Events with ``medium: store`` describe a shared store tier (``/v1/cache/info`` names it by an id
+and gives its entry alignment): every worker's store events feed one :class:`SharedStoreView`
+per store id, which outlives worker restarts and epochs (the store does), and is forgotten only
+on a store ``all_cleared`` (a purge). Logs name workers by URL only, never prompts, ids or hashes.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
 from hybridkv.cache.namespace import CacheIdentity, bind_namespace, chained_block_hashes
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 from hybridkv.fleet.routers import InstanceLoad
@@ -25,6 +34,67 @@ log = logging.getLogger("hybridkv.serve.router")
 
 MAX_PAGES_PER_POLL = 16
 """Event pages read from one worker per poll (the rest waits for the next poll)."""
+
+
+class SharedStoreView(InstanceView):
+    """Entries of one shared store, from every worker's ``medium: store`` events.
+
+    ``kv`` holds the chained hashes of KV entries (each the segment ``[b - alignment, b)`` of
+    the prefix ending at an aligned boundary ``b``), ``checkpoints`` those of checkpoint entries;
+    a prefix is held up to the deepest aligned boundary whose KV entries from token 0 are all
+    present, usable up to the deepest checkpoint at or below it (the store tier's own lookup
+    rule, :meth:`~hybridkv.tiers.base.Tier.lookup`).
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        alignment: tokens per store entry (a positive multiple of ``unit``).
+
+    Raises:
+        ValueError: ``alignment`` not a positive multiple of ``unit`` (named).
+    """
+
+    def __init__(self, unit: int, alignment: int) -> None:
+        if alignment <= 0 or alignment % unit:
+            raise ValueError(f"store alignment {alignment} is not a positive multiple of the unit {unit}")
+        super().__init__(unit)
+        self.alignment = alignment
+        self.events_applied = 0
+
+    def apply(self, event: CacheEvent) -> None:
+        """Add or remove entries; ``all_cleared`` forgets them all. Epochs do not apply: the
+        store outlives the workers that wrote to it."""
+        kind, keys = event.kind, event.keys
+        if kind is EventKind.BLOCKS_STORED:
+            self.kv.update(keys)
+        elif kind is EventKind.CHECKPOINTS_STORED:
+            self.checkpoints.update(keys)
+        elif kind is EventKind.BLOCKS_REMOVED:
+            self.kv.difference_update(keys)
+        elif kind is EventKind.CHECKPOINTS_REMOVED:
+            self.checkpoints.difference_update(keys)
+        else:
+            self.kv.clear()
+            self.checkpoints.clear()
+        self.events_applied += 1
+
+    def _presence(self, hashes: list[bytes], limit: int) -> list[EntryPresence]:
+        g, a, kv, ck = self.unit, self.alignment, self.kv, self.checkpoints
+        out = []
+        for end in range(a, min(limit, len(hashes) * g) + 1, a):
+            key = hashes[end // g - 1]
+            if key not in kv:
+                break
+            out.append(EntryPresence(end, True, key in ck))
+        return out
+
+    def kv_run(self, hashes: list[bytes], limit: int) -> int:
+        """Contiguous KV entries from token 0 over ``hashes``, at most ``limit`` tokens (aligned)."""
+        bounds = self._presence(hashes, limit)
+        return bounds[-1].end if bounds else 0
+
+    def match(self, hashes: list[bytes], limit: int) -> JointHit:
+        """The joint hit the store would give a prompt with unit hashes ``hashes`` under ``limit``."""
+        return joint_hit(self._presence(hashes, limit), limit)
 
 
 class FleetMismatch(ValueError):
@@ -66,6 +136,10 @@ class WorkerState:
         after: last event seq applied in ``epoch`` (-1: none).
         load: requests and prompt tokens in flight through this router.
         events_applied, views_dropped, failures: counters.
+        store_id: the shared store it writes to (``/v1/cache/info``), or ``None``.
+        store_events_applied: its ``medium: store`` events applied to that store's view.
+        hit_tokens_routed: the local joint hits it was predicted to give the requests routed to it.
+        store_hit_tokens_routed: tokens of the store's hit beyond that local hit, likewise.
         last_error: why it last left rotation (no prompt content).
     """
 
@@ -79,7 +153,11 @@ class WorkerState:
     views_dropped: int = 0
     failures: int = 0
     hit_tokens_routed: int = 0
+    store_id: str | None = None
+    store_events_applied: int = 0
+    store_hit_tokens_routed: int = 0
     last_error: str = ""
+    pull_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def stats(self) -> dict:
         """JSON-ready counters (key counts, never keys)."""
@@ -89,7 +167,8 @@ class WorkerState:
                 "kv_keys": len(self.view.kv), "checkpoint_keys": len(self.view.checkpoints),
                 "events_applied": self.events_applied, "views_dropped": self.views_dropped,
                 "failures": self.failures, "predicted_hit_tokens_routed": self.hit_tokens_routed,
-                "last_error": self.last_error}
+                "store_id": self.store_id, "store_events_applied": self.store_events_applied,
+                "predicted_store_hit_tokens_routed": self.store_hit_tokens_routed, "last_error": self.last_error}
 
 
 class Workers:
@@ -115,11 +194,22 @@ class Workers:
         self.client = client
         self.health_every = max(1, health_every)
         self.fleet: FleetIdentity | None = None
+        self.stores: dict[str, SharedStoreView] = {}
+        self.store_info: dict[str, dict] = {}
         self._polls = 0
 
     def healthy(self, exclude: set[int] = frozenset()) -> list[int]:
         """Indices of the workers in rotation, less ``exclude``."""
         return [i for i, w in enumerate(self.states) if w.healthy and i not in exclude]
+
+    def shared_store(self, among: list[int]) -> tuple[SharedStoreView, dict] | None:
+        """The store every worker of ``among`` writes to (its view and ``/v1/cache/info`` store
+        entry), or ``None`` when they do not all share one."""
+        ids = {self.states[i].store_id for i in among}
+        if len(ids) != 1 or None in ids:
+            return None
+        (sid,) = ids
+        return self.stores[sid], self.store_info[sid]
 
     def take_out(self, w: WorkerState, why: str) -> None:
         """Take ``w`` out of rotation and forget its cache (``why``: a short reason, logged)."""
@@ -141,11 +231,35 @@ class Workers:
             await self.poll_once()
             await asyncio.sleep(interval_s)
 
+    async def follow_forever(self, wait_s: float, idle_s: float) -> None:
+        """Long-poll every healthy worker's events (``wait=wait_s`` seconds) until cancelled, so
+        an event reaches its view as soon as the worker publishes it; a worker out of rotation
+        is looked at again every ``idle_s`` seconds (the periodic poll brings it back)."""
+        await asyncio.gather(*(self._follow(w, wait_s, idle_s) for w in self.states))
+
+    async def _follow(self, w: WorkerState, wait_s: float, idle_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not w.healthy:
+                await asyncio.sleep(idle_s)
+                continue
+            began = loop.time()
+            try:
+                got = await self._pull(w, wait_s)
+            except FleetMismatch as exc:
+                self.take_out(w, str(exc))
+                continue
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                self.take_out(w, f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            if not got and loop.time() - began < wait_s / 2:
+                await asyncio.sleep(idle_s)        # a worker that answers at once (no long poll)
+
     async def _poll(self, w: WorkerState, due: bool) -> None:
         try:
             if due or not w.healthy:
                 await self._check(w)
-            if w.healthy:
+            if w.healthy and not w.pull_lock.locked():     # locked: a long poll is reading it
                 await self._pull(w)
         except FleetMismatch as exc:
             self.take_out(w, str(exc))
@@ -167,22 +281,53 @@ class Workers:
         elif fleet != self.fleet:
             raise FleetMismatch(f"worker {w.url} hashes prompts differently from the fleet "
                                 "(another model, weights, tokenizer or prefix_match_unit)")
+        store = info.get("store")
+        if store is not None:
+            sid = str(store["id"])
+            if sid not in self.stores:
+                self.stores[sid] = SharedStoreView(fleet.unit, int(store["alignment"]))
+                self.store_info[sid] = {k: int(store[k]) for k in ("alignment", "kv_bytes_per_token",
+                                                                   "checkpoint_bytes")}
+            elif int(store["alignment"]) != self.stores[sid].alignment:
+                raise FleetMismatch(f"worker {w.url} writes store entries of {store['alignment']} tokens to a "
+                                    f"store other workers write {self.stores[sid].alignment}-token entries to")
+            w.store_id = sid
+        else:
+            w.store_id = None
         w.view, w.epoch, w.after, w.healthy = InstanceView(fleet.unit), int(info["epoch"]), -1, True
         log.info("worker %s in rotation (epoch %d)", w.url, w.epoch)
 
-    async def _pull(self, w: WorkerState) -> None:
-        for _ in range(MAX_PAGES_PER_POLL):
-            r = await self.client.get(f"{w.url}/v1/cache/events",
-                                      params={"epoch": w.epoch if w.epoch is not None else -1, "after": w.after})
-            r.raise_for_status()
-            page = r.json()
-            if page["epoch"] != w.epoch or page["gap"]:
-                w.view, w.epoch, w.after = InstanceView(self.fleet.unit), int(page["epoch"]), -1
-                w.views_dropped += 1
-            for e in page["events"]:
-                w.view.apply(CacheEvent(0, 0, int(e["seq"]), EventKind(e["kind"]),
-                                        tuple(bytes.fromhex(k) for k in e["keys"])))
-                w.events_applied += 1
-            w.after = int(page["next"]) - 1
-            if not page["more"]:
-                return
+    async def _pull(self, w: WorkerState, wait_s: float = 0.0) -> int:
+        """Read ``w``'s new events into its view and the store's (the first page may wait up to
+        ``wait_s`` seconds for one); returns events applied."""
+        applied = 0
+        outs = w.failures                              # a take_out in the meantime makes this answer stale
+        async with w.pull_lock:
+            for page_no in range(MAX_PAGES_PER_POLL):
+                params = {"epoch": w.epoch if w.epoch is not None else -1, "after": w.after}
+                if wait_s > 0 and page_no == 0:
+                    params["wait"] = wait_s
+                r = await self.client.get(f"{w.url}/v1/cache/events", params=params)
+                r.raise_for_status()
+                page = r.json()
+                if not w.healthy or w.failures != outs:   # taken out while the answer was on its way
+                    return applied
+                if page["epoch"] != w.epoch or page["gap"]:
+                    w.view, w.epoch, w.after = InstanceView(self.fleet.unit), int(page["epoch"]), -1
+                    w.views_dropped += 1
+                store = self.stores.get(w.store_id) if w.store_id is not None else None
+                for e in page["events"]:
+                    event = CacheEvent(0, 0, int(e["seq"]), EventKind(e["kind"]),
+                                       tuple(bytes.fromhex(k) for k in e["keys"]))
+                    if e.get("medium", "device") == "store":
+                        if store is not None:
+                            store.apply(event)
+                            w.store_events_applied += 1
+                    else:
+                        w.view.apply(event)
+                        w.events_applied += 1
+                    applied += 1
+                w.after = int(page["next"]) - 1
+                if not page["more"]:
+                    break
+        return applied

@@ -96,6 +96,8 @@ def build_server(opts: ServeOptions) -> Server:
     events = EventFeed()
     handle = build_handle(opts, events)
     try:
+        if handle.store_tier is not None:
+            events.watch_store(handle.store_tier, opts.store)      # store writes reach routers too
         cfg = handle.engine.config
         pool_tokens = cfg.num_kv_pages * cfg.block_size
         limit = opts.max_model_len if opts.max_model_len is not None else pool_tokens

@@ -4,8 +4,13 @@ Each completion or chat request is tokenized as the workers do it (the same
 :mod:`hybridkv.serve.tokenizer` code and chat template, the same namespace with tenant and
 ``cache_salt``), hashed per ``prefix_match_unit``, and handed to the fleet replay's routers
 (:func:`~hybridkv.fleet.routers.make_router`) with one view per worker built from that worker's
-cache events (:mod:`hybridkv.serve.fleet_view`) and the load this router put on it. The request
-body is forwarded unchanged and the answer, SSE included, streamed back unchanged. A request whose
+cache events (:mod:`hybridkv.serve.fleet_view`), the load this router put on it, and, when the
+workers share a store tier, one view of that store built from all their ``medium: store`` events
+(so ``hybrid`` prices a store hit on any worker at its transfer cost, as the fleet replay does).
+The request body is forwarded unchanged and the answer, SSE included, streamed back unchanged. A
+completion whose ``prompt`` is a batch is split: each prompt is routed on its own and sent as a
+one-prompt request, and the answers are put back together in order (``choices[i].index`` = ``i``,
+``usage`` summed; streamed chunks are merged as they come, indexes rewritten). A request whose
 connection to a worker fails is retried once on another worker (that worker leaves rotation).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (passed
@@ -22,11 +27,22 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
-from hybridkv.fleet.routers import FleetState, RouteRequest, Router, RouterConfig, make_router
+from hybridkv.fleet.routers import (
+    FleetState,
+    Router,
+    RouterConfig,
+    RouteRequest,
+    make_router,
+)
+from hybridkv.fleet.store import (
+    MOONCAKE_GET_LATENCY_S,
+    MOONCAKE_LOAD_BYTES_PER_S,
+    StoreCost,
+)
 from hybridkv.serve.fleet_view import Workers, WorkerState
 from hybridkv.serve.protocol import APIError, parse_generation, parse_prompts
 from hybridkv.serve.tokenizer import Codec
@@ -48,6 +64,11 @@ class RouterSettings:
         health_every: polls between two ``/health`` checks of a worker in rotation.
         connect_timeout_s: connecting to a worker; longer counts as a failed connection.
         default_max_tokens: output tokens assumed when a request leaves ``max_tokens`` out.
+        follow_wait_s: seconds of each long poll of a worker's events (``wait``), so events
+            arrive as they are published; 0 turns long polling off (periodic polls only).
+        store_bytes_per_s, store_latency_s: the shared store's load bandwidth (bytes/s) and
+            seconds per object for ``hybrid``'s transfer cost (default: the Mooncake figures
+            measured in docs/benchmarks.md); ``store_bytes_per_s`` 0: ignore the store.
     """
 
     policy: str
@@ -56,6 +77,9 @@ class RouterSettings:
     health_every: int = 5
     connect_timeout_s: float = 2.0
     default_max_tokens: int = 16
+    follow_wait_s: float = 2.0
+    store_bytes_per_s: float = MOONCAKE_LOAD_BYTES_PER_S
+    store_latency_s: float = MOONCAKE_GET_LATENCY_S
 
 
 class _Ticket:
@@ -106,63 +130,88 @@ class RouterService:
         self._routers: dict[tuple[int, ...], Router] = {}
         self.retries = 0
         self.unroutable = 0
+        self.split_batches = 0
         self._config(1, 1)                     # an unknown policy fails now, not at the first request
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
-    def _config(self, unit: int, block_size: int) -> RouterConfig:
-        cfg = RouterConfig(name=self.settings.policy, unit=unit, block_size=block_size, cost=self.settings.cost)
+    def _config(self, unit: int, block_size: int, store: dict | None = None) -> RouterConfig:
+        cost = None
+        if store is not None and self.settings.store_bytes_per_s > 0:
+            cost = StoreCost(bytes_per_s=self.settings.store_bytes_per_s, latency_s=self.settings.store_latency_s,
+                             alignment=store["alignment"], kv_bytes_per_token=store["kv_bytes_per_token"],
+                             checkpoint_bytes=store["checkpoint_bytes"])
+        cfg = RouterConfig(name=self.settings.policy, unit=unit, block_size=block_size, cost=self.settings.cost,
+                           store=cost)
         make_router(cfg)
         return cfg
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """First health round, then the background poll task."""
+        """First health round, then the background poll task (and the long polls, if on)."""
         await self.workers.poll_once()
-        self._task = asyncio.create_task(self.workers.poll_forever(self.settings.poll_interval_s))
+        s = self.settings
+        self._tasks = [asyncio.create_task(self.workers.poll_forever(s.poll_interval_s))]
+        if s.follow_wait_s > 0:
+            self._tasks.append(asyncio.create_task(self.workers.follow_forever(s.follow_wait_s,
+                                                                               min(s.poll_interval_s, 1.0))))
 
     async def stop(self) -> None:
         """Stop polling and close the HTTP clients."""
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await self.control.aclose()
         await self.proxy.aclose()
 
     # -- routing ---------------------------------------------------------------------
     def route_request(self, body: dict | None, headers, chat: bool) -> RouteRequest:
-        """What the routers see of a request: its first prompt's unit hashes under the request's
+        """What the routers see of a request: its (first) prompt's unit hashes under the request's
         tenant and salt. A body the workers will reject (or no fleet identity yet) gives an empty
         request, routed on load alone; the worker then answers the error."""
+        return self.route_requests(body, headers, chat)[0]
+
+    def route_requests(self, body: dict | None, headers, chat: bool) -> list[RouteRequest]:
+        """One :class:`RouteRequest` per prompt of the request (a completion's batch gives
+        several; a chat one); one empty request when the body will be rejected."""
         fleet = self.workers.fleet
+        empty = [RouteRequest([], 0, 0, self.settings.default_max_tokens)]
         if fleet is None or not isinstance(body, dict):
-            return RouteRequest([], 0, 0, self.settings.default_max_tokens)
+            return empty
         try:
             gen = parse_generation(body, headers.get("x-tenant"), self.settings.default_max_tokens, fleet.unit)
-            ids = self.codec.chat(body.get("messages")) if chat else parse_prompts(body.get("prompt"),
-                                                                                   self.codec.encode)[0]
+            batch = [self.codec.chat(body.get("messages"))] if chat else parse_prompts(body.get("prompt"),
+                                                                                      self.codec.encode)
         except (APIError, ValueError, TypeError):
-            return RouteRequest([], 0, 0, self.settings.default_max_tokens)
-        return RouteRequest(fleet.hashes(ids, gen.tenant, gen.cache_salt), len(ids),
-                            reuse_cap(len(ids), fleet.unit), gen.max_tokens)
+            return empty
+        return [RouteRequest(fleet.hashes(ids, gen.tenant, gen.cache_salt), len(ids),
+                             reuse_cap(len(ids), fleet.unit), gen.max_tokens) for ids in batch]
 
     def pick(self, req: RouteRequest, exclude: set[int]) -> int | None:
         """The worker for ``req`` among those in rotation less ``exclude`` (``None``: none left).
-        Each set of workers in rotation has its own router, so a router's own state (round-robin
-        turn, ``prefix`` trees) stays indexed consistently while a worker is away."""
+        Each set of workers in rotation (with or without a store they all share) has its own
+        router, so a router's own state (round-robin turn, ``prefix`` trees) stays indexed
+        consistently while a worker is away."""
         live = self.workers.healthy(exclude)
         if not live:
             return None
-        key = tuple(live)
+        shared = self.workers.shared_store(live) if self.settings.store_bytes_per_s > 0 else None
+        store_view, store_info = shared if shared is not None else (None, None)
+        key = (tuple(live), self.workers.states[live[0]].store_id if shared is not None else None)
         router = self._routers.get(key)
         if router is None:
             fleet = self.workers.fleet
             router = self._routers[key] = make_router(self._config(fleet.unit if fleet else 1,
-                                                                    fleet.block_size if fleet else 1))
+                                                                    fleet.block_size if fleet else 1, store_info))
         states = [self.workers.states[i] for i in live]
-        j = router.route(req, FleetState([w.view for w in states], [w.load for w in states]))
+        j = router.route(req, FleetState([w.view for w in states], [w.load for w in states], store_view))
         w = states[j]
-        w.hit_tokens_routed += w.view.match(req.hashes, req.limit).hit if req.hashes else 0
+        if req.hashes:
+            local = w.view.match(req.hashes, req.limit).hit
+            w.hit_tokens_routed += local
+            if store_view is not None:
+                w.store_hit_tokens_routed += max(0, store_view.match(req.hashes, req.limit).hit - local)
         return live[j]
 
     # -- handlers --------------------------------------------------------------------
@@ -180,8 +229,18 @@ class RouterService:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             body = None                                    # the worker answers the 400
-        req = self.route_request(body, request.headers, chat)
+        reqs = self.route_requests(body, request.headers, chat)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        if len(reqs) > 1:
+            return await self._split(body, reqs, path, headers)
+        sent = await self._send(reqs[0], path, raw, headers)
+        return sent if isinstance(sent, JSONResponse) else _ProxiedResponse(*sent)
+
+    async def _send(self, req: RouteRequest, path: str, raw: bytes,
+                    headers: dict) -> tuple[httpx.Response, _Ticket] | JSONResponse:
+        """Route ``req`` and send ``raw`` to its worker (one retry elsewhere on a refused
+        connection): the worker's streamed answer and the request's load ticket, or the error
+        answer (502, 503) for the client."""
         seconds = self.settings.cost.prefill_seconds(0, req.prompt_tokens) if req.prompt_tokens else 0.0
         tried: set[int] = set()
         for _attempt in range(2):
@@ -201,10 +260,38 @@ class RouterService:
                 continue
             except httpx.HTTPError as exc:
                 ticket.done()
+                log.warning("worker %s failed before answering: %s", w.url, type(exc).__name__)
                 return _error(502, f"worker {w.url} failed: {type(exc).__name__}", "bad_gateway")
-            return _ProxiedResponse(upstream, ticket)
+            return upstream, ticket
         self.unroutable += 1
         return _error(503, "no worker is in rotation; retry shortly", "no_healthy_worker")
+
+    async def _split(self, body: dict, reqs: list[RouteRequest], path: str, headers: dict):
+        """A completion batch: each prompt routed and sent on its own, the answers put back
+        together in prompt order. The first error any part answers (a non-200 status, or no
+        worker) is the client's answer and the other parts are dropped."""
+        self.split_batches += 1
+        parts = [json.dumps({**body, "prompt": p}).encode() for p in body["prompt"]]
+        sent = await asyncio.gather(*(self._send(r, path, raw, headers) for r, raw in zip(reqs, parts, strict=True)))
+        ok = [x for x in sent if not isinstance(x, JSONResponse)]
+        failed = next((x for x in sent if isinstance(x, JSONResponse)), None)
+        if failed is None:
+            bad = next(((u, t) for u, t in ok if u.status_code != 200), None)
+            if bad is not None:
+                content = await bad[0].aread()
+                failed = Response(content, status_code=bad[0].status_code,
+                                  media_type=bad[0].headers.get("content-type"))
+        if failed is not None:
+            await _release(ok)
+            return failed
+        if body.get("stream") is True:
+            return _MergedResponse(ok)
+        try:
+            answers = [json.loads(await u.aread()) for u, _ in ok]
+        finally:
+            await _release(ok)
+        choices = [{**c, "index": i} for i, a in enumerate(answers) for c in a["choices"]]
+        return JSONResponse({**answers[0], "choices": choices, "usage": _sum_usage([a.get("usage") for a in answers])})
 
     async def models(self):
         """``GET /v1/models`` from a worker in rotation (the next one if it cannot be reached)."""
@@ -225,9 +312,13 @@ class RouterService:
                             status_code=200 if n else 503)
 
     async def stats(self) -> dict:
-        """``GET /router/stats``: the policy, per-worker counters, retries."""
+        """``GET /router/stats``: the policy, per-worker counters, retries, batches split, and
+        per shared store the entries its view holds (counts, never keys)."""
         return {"policy": self.settings.policy, "retries": self.retries, "unroutable": self.unroutable,
-                "workers": [w.stats() for w in self.workers.states]}
+                "split_batches": self.split_batches, "workers": [w.stats() for w in self.workers.states],
+                "stores": {sid: {"kv_entries": len(v.kv), "checkpoint_entries": len(v.checkpoints),
+                                 "events_applied": v.events_applied, "alignment": v.alignment}
+                           for sid, v in self.workers.stores.items()}}
 
 
 class _ProxiedResponse(StreamingResponse):
@@ -259,6 +350,100 @@ async def _relay(upstream: httpx.Response, ticket: _Ticket):
     finally:
         ticket.done()
         await upstream.aclose()
+
+
+class _MergedResponse(StreamingResponse):
+    """The streamed answers of a split batch merged into one SSE stream as chunks arrive:
+    ``choices[].index`` set to the part's prompt index, one ``id``, the parts' final ``usage``
+    chunks summed into one, one ``[DONE]``. Every part's load and connection are returned
+    however the response ends."""
+
+    def __init__(self, parts: list[tuple[httpx.Response, _Ticket]]) -> None:
+        super().__init__(_merge(parts), status_code=200, media_type="text/event-stream")
+        self._parts = parts
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _release(self._parts)
+
+
+async def _merge(parts: list[tuple[httpx.Response, _Ticket]]):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, upstream: httpx.Response, ticket: _Ticket) -> None:
+        buf = b""
+        try:
+            async for chunk in upstream.aiter_raw():
+                ticket.first_byte()
+                buf += chunk
+                while b"\n\n" in buf:
+                    frame, buf = buf.split(b"\n\n", 1)
+                    await queue.put((i, frame))
+        except (httpx.HTTPError, httpx.StreamError) as exc:        # StreamError: closed as the client left
+            log.warning("worker %s broke off an answer: %s", ticket.w.url, type(exc).__name__)
+        finally:
+            ticket.done()
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, u, t)) for i, (u, t) in enumerate(parts)]
+    usage_chunks: list[dict] = []
+    first_id, left = None, len(tasks)
+    try:
+        while left:
+            i, frame = await queue.get()
+            if frame is None:
+                left -= 1
+                continue
+            line = frame.decode().strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                yield frame + b"\n\n"
+                continue
+            first_id = first_id or chunk.get("id")
+            chunk["id"] = first_id
+            if chunk.get("choices"):
+                for c in chunk["choices"]:
+                    c["index"] = i
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            elif chunk.get("usage") is not None:
+                usage_chunks.append(chunk)
+        if usage_chunks:
+            total = _sum_usage([c["usage"] for c in usage_chunks])
+            yield f"data: {json.dumps({**usage_chunks[0], 'id': first_id, 'usage': total})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _release(parts: list[tuple[httpx.Response, _Ticket]]) -> None:
+    """Return every part's load and close its connection (idempotent)."""
+    for upstream, ticket in parts:
+        ticket.done()
+        await upstream.aclose()
+
+
+def _sum_usage(usages: list[dict | None]) -> dict | None:
+    """OpenAI ``usage`` objects summed field by field (nested ones too, e.g.
+    ``prompt_tokens_details.cached_tokens``); ``None`` when none was given."""
+    usages = [u for u in usages if isinstance(u, dict)]
+    if not usages:
+        return None
+    out: dict = {}
+    for u in usages:
+        for k, v in u.items():
+            if isinstance(v, dict):
+                out[k] = _sum_usage([out.get(k), v])
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+            else:
+                out.setdefault(k, v)
+    return out
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:

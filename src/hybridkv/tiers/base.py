@@ -11,6 +11,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -65,6 +66,22 @@ class RemoteMatch:
     missing_branching_boundary: int | None
 
 
+class TierObserver(Protocol):
+    """Hears what a tier commits and removes, by ``(chained hash, group)`` (keys identify
+    prefixes, never carry token ids, and must not be logged). ``hybridkv serve`` publishes a
+    shared store's changes as cache events with ``medium: store`` through it
+    (:class:`~hybridkv.serve.cache_events.EventFeed`). Called on whatever thread touched the tier."""
+
+    def entries_saved(self, tier: str, entries: list[tuple[bytes, str]]) -> None:
+        """Entries now visible in tier ``tier`` (manifest committed)."""
+
+    def entries_removed(self, tier: str, entries: list[tuple[bytes, str]]) -> None:
+        """Entries removed from tier ``tier``."""
+
+    def entries_purged(self, tier: str) -> None:
+        """A purge removed entries of tier ``tier`` that are not named (a view should forget them all)."""
+
+
 class Tier(ABC):
     """What every lower tier shares: keys, alignment, lookup, existence and miss counting.
 
@@ -102,6 +119,20 @@ class Tier(ABC):
             raise ValueError(f"{name} tier: neither write-through nor write-back, so it would never be written")
         self.stats = TierStats()
         self._lock = threading.RLock()            # guards store calls and statistics
+        self.observer: TierObserver | None = None  # told of committed saves and removals
+
+    def _observe(self, what: str, entries: list[tuple[bytes, str]]) -> None:
+        """Tell the observer (if any) that ``entries`` (``(chained hash, group)``) were ``what``:
+        ``saved``, ``removed`` or ``purged`` (entries unknown: empty)."""
+        obs = self.observer
+        if obs is None:
+            return
+        if what == "saved":
+            obs.entries_saved(self.name, entries)
+        elif what == "removed":
+            obs.entries_removed(self.name, entries)
+        else:
+            obs.entries_purged(self.name)
 
     # -- what subclasses implement ----------------------------------------
     @abstractmethod

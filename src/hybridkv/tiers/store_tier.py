@@ -259,6 +259,7 @@ class StoreTier(Tier):
                 visible.append(v)
                 if v:
                     self.stats.bytes_saved += sum(data.nbytes for _, _, data, _ in cs) + len(m[1])
+        self._observe("saved", [(e[0], e[2]) for e, v in zip(entries, visible) if v])
         return visible
 
     def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
@@ -266,6 +267,7 @@ class StoreTier(Tier):
         self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, "manifest")])
         names = self.shapes[group]
         self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, n) for n in names])
+        self._observe("removed", [(chain_hash, group)])
 
     def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
         """Remove every entry of this store that ``selector`` selects, found by listing manifests
@@ -279,5 +281,7 @@ class StoreTier(Tier):
                 (the caller falls back to :meth:`purge_chains`).
         """
         n = self._call(purge_store, self.store, selector)
+        if n:
+            self._observe("purged", [])
         return -1 if n is None else n
 
