@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``, and for ``hybridkv router``
-``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`). Errors answer with the
+``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`), and SGLang's
+``/server_info``, ``/model_info``, ``/get_load`` and ``/flush_cache`` (:mod:`hybridkv.serve.compat`). Errors answer with the
 OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/serve.md.
 """
 
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
+from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts
 from hybridkv.serve.run import Run
@@ -275,6 +277,7 @@ def create_app(server: Server) -> FastAPI:
     if server.events is not None:
         app.get("/v1/cache/info")(server.cache_info)
         app.get("/v1/cache/events")(server.cache_events)
+    add_compat_routes(app, server)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):

@@ -126,6 +126,7 @@ class ServeMetrics:
         ttft, e2e, queue_wait, step: latency histograms (seconds).
         reused: histogram of reused prompt tokens per request (tokens).
         http_errors: error answers by HTTP status code.
+        flushes: ``POST /flush_cache`` calls served.
     """
 
     def __init__(self) -> None:
@@ -142,6 +143,7 @@ class ServeMetrics:
         self.reused = Histogram("hybridkv_reused_prompt_tokens", "prompt tokens reused per request",
                                 buckets=_TOKENS, registry=r)
         self.http_errors = Counter("hybridkv_http_errors", "error answers by status code", ["code"], registry=r)
+        self.flushes = Counter("hybridkv_cache_flushes", "POST /flush_cache calls served", registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
 

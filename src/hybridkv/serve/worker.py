@@ -102,6 +102,7 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting = 0                     # jobs submitted, not yet admitted (guarded by _lock)
+        self._active: set[Job] = set()        # jobs submitted and not yet ended (guarded by _lock)
         self._jobs: list[Job] = []            # engine thread: jobs in the engine
         self._held: list[Job] = []            # engine thread: jobs held back during an invalidation
         self._purges: list[tuple[Future, tuple]] = []
@@ -134,8 +135,24 @@ class EngineWorker:
                 if self._waiting >= self.max_waiting:
                     return False
                 self._waiting += 1
+                self._active.add(job)
         self._put("submit", job)
         return True
+
+    def load(self) -> dict[str, int]:
+        """What this worker has to do, read without waiting for the engine thread.
+
+        Returns:
+            ``num_reqs``: jobs submitted and not ended (requests); ``num_waiting_reqs``: those not
+            yet admitted by the engine; ``num_tokens``: prompt tokens of every such job plus the
+            tokens generated so far by the admitted ones (tokens). A job's figures may lag the
+            engine thread by one step.
+        """
+        with self._lock:
+            jobs = list(self._active)
+        waiting = sum(not j.admitted for j in jobs)
+        tokens = sum(len(j.prompt) + j.sent for j in jobs)
+        return {"num_reqs": len(jobs), "num_waiting_reqs": waiting, "num_tokens": tokens}
 
     def cancel(self, job: Job) -> None:
         """Cancel ``job`` wherever it is; its cache references are released."""
@@ -199,9 +216,9 @@ class EngineWorker:
                 return
         self._refuse(kind, payload, "the engine stopped" if self.error is None else f"engine failure: {self.error}")
 
-    @staticmethod
-    def _refuse(kind: str, payload, message: str) -> None:
+    def _refuse(self, kind: str, payload, message: str) -> None:
         if kind == "submit":
+            self._retire(payload)
             payload.emit(("error", message))
         elif kind in ("purge", "call"):
             payload[0].set_exception(RuntimeError(message))
@@ -242,11 +259,18 @@ class EngineWorker:
             self.handle.engine.add_request(job.request)
         except ValueError as exc:
             self._admitted(job)
+            self._retire(job)
             job.emit(("error", str(exc)))
             return
         self._jobs.append(job)
 
+    def _retire(self, job: Job) -> None:
+        """``job`` has ended (finished, refused, failed or cancelled): it no longer counts as load."""
+        with self._lock:
+            self._active.discard(job)
+
     def _cancel(self, job: Job) -> None:
+        self._retire(job)
         if job in self._held:
             self._held.remove(job)
             self._admitted(job)
@@ -274,6 +298,7 @@ class EngineWorker:
                         self._on_admit(JobStats(r.prompt_len, r.reused, time.monotonic() - job.submitted))
             if r.status == Status.REJECTED:
                 self._jobs.remove(job)
+                self._retire(job)
                 job.emit(("error", r.reject_reason))
                 continue
             stopped = False
@@ -285,6 +310,7 @@ class EngineWorker:
                 engine.finish(r)
             if stopped or r.status == Status.FINISHED:
                 self._jobs.remove(job)
+                self._retire(job)
                 job.emit(("done", "stop" if stopped else "length"))
 
     def _run_purges(self) -> None:
@@ -301,6 +327,7 @@ class EngineWorker:
 
     def _abort_all(self, message: str) -> None:
         for job in self._jobs + self._held:
+            self._retire(job)
             job.emit(("error", message))
         for fut, _ in self._purges:
             fut.set_exception(RuntimeError(message))

@@ -1,0 +1,92 @@
+"""SGLang-style endpoints of a worker (serve/compat.py): server and model info under both names,
+/get_load in the shape sglang-router reads, and /flush_cache dropping device entries without
+tearing a request that runs meanwhile."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from serve_helpers import prompt_ids, wait_idle
+
+from hybridkv.serve.launch import RunningServer, ServeOptions
+
+LONG = {"model": "tiny", "max_tokens": 4000, "stream": True, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """A server of its own: the flush below empties its device cache."""
+    with RunningServer(ServeOptions(port=0, threads=1)) as s:
+        yield s
+
+
+def _cached(c: httpx.Client, prompt: list[int], max_tokens: int = 1) -> tuple[int, list[int]]:
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                        "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"], body["choices"][0]["token_ids"]
+
+
+def test_server_and_model_info_under_both_names(worker):
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        info = c.get("/server_info").json()
+        assert c.get("/get_server_info").json() == info
+        assert info["model_id"] == "tiny" and info["served_model_name"] == "tiny"
+        assert info["dp_size"] == 1 and info["tp_size"] == 1
+        assert info["tokenizer_path"] is None                       # the preset's byte tokenizer
+        assert info["context_length"] == info["max_total_tokens"] == 65536
+        model = c.get("/model_info").json()
+        assert c.get("/get_model_info").json() == model
+        assert model["is_generation"] is True and model["model_path"] == "tiny"
+        assert model["architectures"] == ["KimiLinearForCausalLM"]
+
+
+def test_get_load_counts_queued_and_running_work(worker):
+    wait_idle(worker)
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        assert c.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(70, 150)}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):                 # generating
+                pass
+            (load,) = c.get("/get_load").json()
+            assert load["num_reqs"] == 1 and load["num_waiting_reqs"] == 0
+            assert load["num_tokens"] >= 151                            # the prompt plus a generated token
+    wait_idle(worker)
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        assert c.get("/get_load").json()[0]["num_reqs"] == 0
+
+
+def test_flush_cache_drops_device_entries_and_spares_a_running_request(worker):
+    ids = prompt_ids(71, 300)
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        assert _cached(c, ids)[0] == 0
+        assert _cached(c, ids + [9])[0] == 256
+        before = c.get("/metrics").text
+        assert "hybridkv_cache_flushes_total 0.0" in before
+        out = c.post("/flush_cache")
+        assert out.status_code == 200 and out.json()["success"] is True
+        assert out.json()["device_nodes"] >= 4 and out.json()["held_pages"] == 0
+        assert _cached(c, ids + [9])[0] == 0                             # nothing of it is left
+        assert "hybridkv_cache_flushes_total 1.0" in c.get("/metrics").text
+
+        # a flush while a request decodes: it finishes with the tokens of an undisturbed run
+        other = prompt_ids(72, 200)
+        _, reference = _cached(c, other, max_tokens=400)
+        c.post("/flush_cache")
+        body = {"model": "tiny", "prompt": other, "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            flushed = c.post("/flush_cache").json()
+            rest = [line for line in lines if line.startswith("data: {")]
+        assert flushed["held_pages"] >= 1                                 # its pages were detached, not freed
+        last = json.loads(rest[-1][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length" and first
+        assert last["choices"][0]["token_ids"] == reference
+    state = wait_idle(worker)
+    assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
