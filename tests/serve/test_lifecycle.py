@@ -116,6 +116,11 @@ def test_metrics_parse_and_move(server):
     assert after[("hybridkv_tier_capacity_bytes", (("tier", "device"),))] > 0
     assert after[("hybridkv_queue_depth", ())] == 0
     assert moved("hybridkv_checkpoints_created_total", (("policy", "tail"),)) >= 1
+    # cache operation histograms: two admissions looked up the device; the hit saved measured prefill time
+    assert moved("hybridkv_cache_lookup_seconds_count", (("tier", "device"),)) >= 2
+    assert moved("hybridkv_saved_prefill_seconds_count") == 1 and moved("hybridkv_saved_prefill_seconds_sum") > 0
+    for weight in ("token", "request", "byte"):
+        assert 0 < after[("hybridkv_hit_rate", (("weight", weight),))] <= 1
 
 
 def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
@@ -137,3 +142,25 @@ def test_a_stopped_engine_answers_503_and_health_says_so():
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
         assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_time_a_load_from_the_store(tiered):
+    ids = prompt_ids(51, 300)
+    with httpx.Client(base_url=tiered.url, timeout=60) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1}).status_code == 200
+        tiered.server.worker.call(lambda h: h.store_tier.submit(lambda: None).result()).result(timeout=60)
+        assert c.post("/flush_cache").json()["device_nodes"] > 0         # only the store holds it now
+        before = _scrape(tiered)
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": ids + [9], "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    after = _scrape(tiered)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+    store = (("tier", "store"),)
+    assert moved("hybridkv_tier_hit_tokens_total", store) == 256
+    for name in ("hybridkv_cache_lookup_seconds", "hybridkv_tier_load_seconds", "hybridkv_tier_transfer_seconds",
+                 "hybridkv_tier_install_seconds"):
+        assert moved(f"{name}_count", store) >= 1, name
+        assert moved(f"{name}_sum", store) > 0, name
+    assert moved("hybridkv_saved_prefill_seconds_count") == 1

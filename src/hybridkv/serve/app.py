@@ -62,6 +62,7 @@ class Server:
                  metrics: ServeMetrics, events: EventFeed | None = None) -> None:
         self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
         self.events = events
+        handle.engine.set_timings(metrics)    # lookup / load / transfer / install / saved-prefill histograms
         self.vocab_size = handle.backend.vocab_size
         self.unit = handle.engine.config.prefix_match_unit
         self._weights = handle.model.weight_digest() if handle.model is not None else "simulated"
