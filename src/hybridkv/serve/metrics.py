@@ -95,8 +95,8 @@ _COUNTER_HELP = {
 }
 _TIER_HELP = {"held_bytes": ("gauge", "bytes held by the tier"),
               "capacity_bytes": ("gauge", "bytes the tier may hold"),
-              "evictions": ("counter", "entries evicted from the tier for capacity (device: pages and "
-                                       "checkpoints; a store backend's own evictions are not seen)"),
+              "evictions": ("counter", ("entries evicted from the tier for capacity (device: pages and "
+                                        "checkpoints; a store backend's own evictions are not seen)")),
               "hit_tokens": ("counter", "reused prompt tokens this tier supplied"),
               "loaded_bytes": ("counter", "bytes loaded from the tier"),
               "saved_bytes": ("counter", "bytes saved into the tier")}
