@@ -83,16 +83,18 @@ class Server:
         return {"model_repo": self.settings.model_name, "weight_digest": self._weights,
                 "tokenizer_version": tok, "chat_template_version": template}
 
-    def namespace(self, tenant: str, salt: str) -> bytes:
-        """The namespace digest of a request of ``tenant`` with ``salt`` (32 bytes)."""
-        return CacheIdentity(**self.identity(), tenant=tenant, cache_salt=salt).digest()
+    def namespace(self, tenant: str, salt: str, adapter: str = "", adapter_version: str = "") -> bytes:
+        """The namespace digest of a request of ``tenant`` with ``salt`` and ``adapter`` at
+        ``adapter_version`` (``""``: none) (32 bytes)."""
+        return CacheIdentity(**self.identity(), adapter_id=adapter, adapter_version=adapter_version,
+                             tenant=tenant, cache_salt=salt).digest()
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
         self._check_alive()
         gen = parse_generation(body, request.headers.get("x-tenant"), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
-        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt),
+        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version),
                    self.metrics, arrived)
 
     def _check_alive(self) -> None:
