@@ -46,8 +46,8 @@ class Job:
         emit: called on the engine thread with each event (see the module docstring).
         hints: checkpoint boundaries (multiples of ``prefix_match_unit``).
         sampler: ``float32[vocab]`` logits -> token id; ``None``: greedy.
-        stop: called on the engine thread with the ids generated so far; ``True`` ends the
-            job with ``finish_reason="stop"`` (EOS, a stop string).
+        stop: called on the engine thread with each generated id, in order (once per id);
+            ``True`` ends the job with ``finish_reason="stop"`` (EOS, a stop string).
         submitted: ``time.monotonic()`` at submission (seconds).
         request: the engine's request once submitted (engine thread only).
     """
@@ -59,7 +59,7 @@ class Job:
     emit: Callable[[tuple], None]
     hints: tuple[int, ...] = ()
     sampler: Callable | None = None
-    stop: Callable[[list[int]], bool] | None = None
+    stop: Callable[[int], bool] | None = None
     submitted: float = field(default_factory=time.monotonic)
     request: Request | None = None
     sent: int = 0
@@ -305,7 +305,7 @@ class EngineWorker:
             while job.sent < len(r.output) and not stopped:
                 job.sent += 1
                 job.emit(("token", r.output[job.sent - 1]))
-                stopped = job.stop is not None and job.stop(r.output[:job.sent])
+                stopped = job.stop is not None and job.stop(r.output[job.sent - 1])
             if stopped and r.status == Status.DECODE:
                 engine.finish(r)
             if stopped or r.status == Status.FINISHED:
