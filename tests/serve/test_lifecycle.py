@@ -38,7 +38,8 @@ def narrow():
 def test_a_full_waiting_queue_answers_503_with_retry_after(narrow):
     with httpx.Client(base_url=narrow.url, timeout=60) as c, \
             c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(31, 100)}) as running:
-        next(running.iter_lines())                           # admitted and generating
+        lines = running.iter_lines()                         # kept: a dropped line iterator closes the stream
+        next(lines)                                          # admitted and generating
         with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(32, 100)}):
             assert narrow.server.worker.queue_depth == 1       # waits behind the running one
             r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 1})
@@ -48,6 +49,25 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(narrow):
     assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
     with httpx.Client(base_url=narrow.url, timeout=60) as c:          # and it serves again
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).status_code == 200
+
+
+def test_a_batch_answered_503_counts_no_cancellation():
+    """One sequence at a time, two waiting requests: a batch of two prompts meeting one free slot
+    is refused whole, and nothing of it is counted as cancelled."""
+    with RunningServer(ServeOptions(port=0, threads=1, max_num_seqs=1, max_waiting=2)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c, \
+            c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(34, 100)}) as running:
+        lines = running.iter_lines()                         # kept: a dropped line iterator closes the stream
+        next(lines)                                          # admitted and generating
+        with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(35, 100)}):
+            assert s.server.worker.queue_depth == 1          # one slot of two left
+            before = _scrape(s)[("hybridkv_requests_cancelled_total", ())]
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6], [7, 8]], "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+            assert s.server.worker.queue_depth == 1          # nothing of the batch was queued
+            after = _scrape(s)
+            assert after[("hybridkv_requests_cancelled_total", ())] == before == 0
+            assert s.server.handle.engine.stats.cancelled == 0
 
 
 @pytest.fixture(scope="module")

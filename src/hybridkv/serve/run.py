@@ -109,12 +109,9 @@ class Run:
         self.holdback = max((len(s) for s in gen.stop), default=1) - 1      # characters
         self.first_token_at: float | None = None
         self.jobs = [self._job(i, ids, namespace) for i, ids in enumerate(prompts)]
-        for n, job in enumerate(self.jobs):
-            if not worker.submit(job):
-                for queued in self.jobs[:n]:
-                    worker.cancel(queued)
-                raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests; "
-                                    "retry shortly", None, "server_overloaded", "server_error")
+        if not worker.submit_all(self.jobs):           # all or none: nothing to cancel on a refusal
+            raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests; "
+                                "retry shortly", None, "server_overloaded", "server_error")
         self._open = set(range(len(self.jobs)))
 
     def _job(self, i: int, ids: list[int], namespace: bytes) -> Job:

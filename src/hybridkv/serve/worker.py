@@ -130,13 +130,21 @@ class EngineWorker:
     def submit(self, job: Job) -> bool:
         """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait. Once the
         engine thread has ended, ``job`` gets an ``("error", ...)`` event instead."""
+        return self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> bool:
+        """Queue every job of ``jobs`` (one request's prompts), or none: ``False`` when they would
+        take the jobs waiting past ``max_waiting``. All or none, so a refused batch never leaves
+        jobs to cancel (a refusal is not a cancellation). Once the engine thread has ended, each
+        job gets an ``("error", ...)`` event instead."""
         with self._lock:
             if not self._closed:
-                if self._waiting >= self.max_waiting:
+                if self._waiting + len(jobs) > self.max_waiting:
                     return False
-                self._waiting += 1
-                self._active.add(job)
-        self._put("submit", job)
+                self._waiting += len(jobs)
+                self._active.update(jobs)
+        for job in jobs:
+            self._put("submit", job)
         return True
 
     def load(self) -> dict[str, int]:
