@@ -30,16 +30,16 @@ def test_stop_scan_matches_a_whole_text_search_over_any_split():
 
 
 def test_a_long_generation_ends_before_its_stop_string(server):
-    body = {"model": "tiny", "prompt": prompt_ids(90, 64), "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-    with httpx.Client(base_url=server.url, timeout=300) as c:
+    body = {"model": "tiny", "prompt": prompt_ids(90, 64), "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=600) as c:
         free = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
         # a stop string whose first occurrence is as late in the text as possible
         k = max(k for k in range(len(free) - 3) if free.find(free[k:k + 3]) == k)
-        assert k > 20, "the greedy continuation needs a late unique 3-character string"
+        assert k > 15, "the greedy continuation needs a late unique 3-character string"
         stop = free[k:k + 3]
         out = c.post("/v1/completions", json={**body, "stop": [stop, "\x00never"]}).json()
         assert out["choices"][0]["text"] == free[:k] and out["choices"][0]["finish_reason"] == "stop"
-        assert out["usage"]["completion_tokens"] < 300
+        assert out["usage"]["completion_tokens"] < 200
         text, finish = "", None
         with c.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as r:
             for line in r.iter_lines():
