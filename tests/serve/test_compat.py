@@ -75,9 +75,9 @@ def test_flush_cache_drops_device_entries_and_spares_a_running_request(worker):
 
         # a flush while a request decodes: it finishes with the tokens of an undisturbed run
         other = prompt_ids(72, 200)
-        _, reference = _cached(c, other, max_tokens=400)
+        _, reference = _cached(c, other, max_tokens=200)
         c.post("/flush_cache")
-        body = {"model": "tiny", "prompt": other, "max_tokens": 400, "temperature": 0, "stream": True,
+        body = {"model": "tiny", "prompt": other, "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True}
         with c.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()

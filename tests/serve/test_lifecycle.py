@@ -38,7 +38,8 @@ def narrow():
 def test_a_full_waiting_queue_answers_503_with_retry_after(narrow):
     with httpx.Client(base_url=narrow.url, timeout=60) as c, \
             c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(31, 100)}) as running:
-        next(running.iter_lines())                           # admitted and generating
+        lines = running.iter_lines()                         # kept: a dropped line iterator closes the stream
+        next(lines)                                          # admitted and generating
         with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(32, 100)}):
             assert narrow.server.worker.queue_depth == 1       # waits behind the running one
             r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 1})
@@ -48,6 +49,25 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(narrow):
     assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
     with httpx.Client(base_url=narrow.url, timeout=60) as c:          # and it serves again
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).status_code == 200
+
+
+def test_a_batch_answered_503_counts_no_cancellation():
+    """One sequence at a time, two waiting requests: a batch of two prompts meeting one free slot
+    is refused whole, and nothing of it is counted as cancelled."""
+    with RunningServer(ServeOptions(port=0, threads=1, max_num_seqs=1, max_waiting=2)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c, \
+            c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(34, 100)}) as running:
+        lines = running.iter_lines()                         # kept: a dropped line iterator closes the stream
+        next(lines)                                          # admitted and generating
+        with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(35, 100)}):
+            assert s.server.worker.queue_depth == 1          # one slot of two left
+            before = _scrape(s)[("hybridkv_requests_cancelled_total", ())]
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": [[5, 6], [7, 8]], "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+            assert s.server.worker.queue_depth == 1          # nothing of the batch was queued
+            after = _scrape(s)
+            assert after[("hybridkv_requests_cancelled_total", ())] == before == 0
+            assert s.server.handle.engine.stats.cancelled == 0
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +136,11 @@ def test_metrics_parse_and_move(server):
     assert after[("hybridkv_tier_capacity_bytes", (("tier", "device"),))] > 0
     assert after[("hybridkv_queue_depth", ())] == 0
     assert moved("hybridkv_checkpoints_created_total", (("policy", "tail"),)) >= 1
+    # cache operation histograms: two admissions looked up the device; the hit saved measured prefill time
+    assert moved("hybridkv_cache_lookup_seconds_count", (("tier", "device"),)) >= 2
+    assert moved("hybridkv_saved_prefill_seconds_count") == 1 and moved("hybridkv_saved_prefill_seconds_sum") > 0
+    for weight in ("token", "request", "byte"):
+        assert 0 < after[("hybridkv_hit_rate", (("weight", weight),))] <= 1
 
 
 def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
@@ -137,3 +162,25 @@ def test_a_stopped_engine_answers_503_and_health_says_so():
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
         assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_time_a_load_from_the_store(tiered):
+    ids = prompt_ids(51, 300)
+    with httpx.Client(base_url=tiered.url, timeout=60) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1}).status_code == 200
+        tiered.server.worker.call(lambda h: h.store_tier.submit(lambda: None).result()).result(timeout=60)
+        assert c.post("/flush_cache").json()["device_nodes"] > 0         # only the store holds it now
+        before = _scrape(tiered)
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": ids + [9], "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+    after = _scrape(tiered)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+    store = (("tier", "store"),)
+    assert moved("hybridkv_tier_hit_tokens_total", store) == 256
+    for name in ("hybridkv_cache_lookup_seconds", "hybridkv_tier_load_seconds", "hybridkv_tier_transfer_seconds",
+                 "hybridkv_tier_install_seconds"):
+        assert moved(f"{name}_count", store) >= 1, name
+        assert moved(f"{name}_sum", store) > 0, name
+    assert moved("hybridkv_saved_prefill_seconds_count") == 1

@@ -111,3 +111,23 @@ def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
                                          stream=True, extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in streamed) == cut
     assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_adapters_never_share_cached_entries(server):
+    c, ids = client(server), prompt_ids(80, 300)
+
+    def cached(prompt, **adapter) -> int:
+        out = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                   extra_body=adapter or None)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(ids, adapter="a") == 0
+    assert cached(ids + [9], adapter="a") == 256                            # same adapter: cached
+    assert cached(ids + [9], adapter="b") == 0                              # another adapter: not
+    assert cached(ids + [9], adapter="a", adapter_version="2") == 0         # another version: not
+    assert cached(ids + [9]) == 0                                           # no adapter: not
+    assert cached(ids + [10], adapter="b") == 256
+    with pytest.raises(openai.BadRequestError, match="adapter_version"):
+        cached(ids, adapter_version="2")
+    with pytest.raises(openai.BadRequestError, match="adapter"):
+        cached(ids, adapter=["x"])

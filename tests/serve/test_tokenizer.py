@@ -13,7 +13,7 @@ from hybridkv.serve.tokenizer import (
     IM_END,
     IM_START,
     ByteTokenizer,
-    incremental_text,
+    TextStream,
     load_codec,
 )
 
@@ -31,11 +31,21 @@ def test_byte_tokenizer_round_trips_utf8_and_renders_the_chat_template():
         tok.chat([{"role": "bot", "content": "x"}])
 
 
-def test_incremental_text_holds_back_a_split_utf8_character():
+def test_text_stream_holds_back_a_split_utf8_character():
     tok = ByteTokenizer()
-    ids = tok.encode("a日")                                      # 1 + 3 bytes
-    assert incremental_text(tok, ids[:2], 0) == ("a", 1)       # the first byte of 日 alone: held back
-    assert incremental_text(tok, ids, 1) == ("日", 2)
+    stream = TextStream(tok)
+    got = [stream.push(i) for i in tok.encode("a日b")]          # 1 + 3 + 1 bytes
+    assert got == ["a", "", "", "日", "b"]                       # the first bytes of 日 alone: held back
+
+
+def test_text_stream_pieces_join_to_the_whole_decode():
+    tok = ByteTokenizer()
+    text = "naïve 日本語 text, ünïcödé 🙂 and ascii " * 40
+    ids = tok.encode(text) + [2, 1000, 0]                         # specials and ids above the bytes decode to ""
+    stream = TextStream(tok)
+    assert "".join(stream.push(i) for i in ids) == tok.decode(ids) == text
+    bad = TextStream(tok)                                         # invalid bytes are released, not held forever
+    assert "".join(bad.push(i) for i in [8 + 0xFF] * 20 + tok.encode("x")) == "\ufffd" * 20 + "x"
 
 
 def test_a_preset_vocabulary_too_small_for_bytes_is_refused():
@@ -81,3 +91,18 @@ def test_the_chat_template_enters_the_namespace(tmp_path):
     _save_tokenizer(b, TEMPLATE + " ")
     ca, cb = load_codec(str(a), 1024), load_codec(str(b), 1024)
     assert ca.identity[1] != cb.identity[1]
+
+
+def test_text_stream_decodes_a_bounded_window_per_id():
+    class Counting(ByteTokenizer):
+        longest = 0
+
+        def decode(self, ids):
+            Counting.longest = max(Counting.longest, len(ids))
+            return super().decode(ids)
+
+    tok = Counting()
+    stream = TextStream(tok)
+    ids = tok.encode("日本語 and more text " * 500)                # 11,000 ids
+    assert "".join(stream.push(i) for i in ids) == ByteTokenizer().decode(ids)
+    assert Counting.longest <= 4                                   # a context id and one 3-byte character

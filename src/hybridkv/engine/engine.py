@@ -21,7 +21,7 @@ from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
 from hybridkv.engine.request import Request, Status
 from hybridkv.engine.scheduler import plan_captures, schedule
-from hybridkv.tiers.connector import TierConnector
+from hybridkv.tiers.connector import ComputeRate, TierConnector, TimingSink
 
 
 @dataclass(slots=True)
@@ -75,6 +75,13 @@ class Engine:
             (:meth:`prefetch`); ``False`` loads only at admission.
         listener: told of every publication and eviction (:class:`CacheListener`);
             ``None``: nobody listens.
+
+    Attributes:
+        compute_rate: the measured compute seconds per token (every step noted; shared with the
+            connector, which weighs loads against it).
+        timings: told each lookup, load, transfer and install time and each request's saved
+            prefill seconds (:class:`~hybridkv.tiers.connector.TimingSink`; set with
+            :meth:`set_timings`), or ``None``.
     """
 
     def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True,
@@ -91,10 +98,19 @@ class Engine:
                                             copy_page=backend.copy_page,
                                             on_evict=self._on_evict if self._writes_back or listener else None,
                                             binding=backend.cache_binding())
-        self.connector = TierConnector(self.cache, backend, tiers) if tiers else None
+        self.compute_rate = ComputeRate()
+        self.timings: TimingSink | None = None
+        self.connector = TierConnector(self.cache, backend, tiers, compute=self.compute_rate) if tiers else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats(checkpoints_created={n: 0 for n in config.policy.names()})
+
+    def set_timings(self, sink: TimingSink | None) -> None:
+        """Report operation times to ``sink`` from now on (the engine's and its connector's);
+        ``None`` stops it. See :data:`~hybridkv.tiers.connector.TIMING_KINDS`."""
+        self.timings = sink
+        if self.connector is not None:
+            self.connector.timings = sink
 
     # -- requests --------------------------------------------------------
     def add_request(self, req: Request) -> Request:
@@ -201,7 +217,10 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             t = req.prompt_len
+            t0 = time.perf_counter()
             match = self.cache.lookup(req.prompt, req.namespace)
+            if self.timings is not None:
+                self.timings.observe("lookup", time.perf_counter() - t0, "device")
             if self.running and not self.cache.could_fit(match, t + req.max_output_tokens - 1):
                 req.admission_failures += 1
                 return                        # wait for pages; loading now would be evicted before it ran
@@ -244,6 +263,9 @@ class Engine:
             s.kv_hit_tokens += match.kv_hit
             s.requests_with_hit += match.hit > 0
             s.branch_recompute_tokens += match.kv_hit - match.hit
+            per_token = self.compute_rate.seconds_per_token
+            if self.timings is not None and match.hit > 0 and per_token is not None:
+                self.timings.observe("saved_prefill", match.hit * per_token)
 
     def step(self) -> list[Request]:
         """Run one engine step; returns the requests that finished in it."""
@@ -264,8 +286,8 @@ class Engine:
                                   mechanism.backend_captures(c.capture), r.record_logits))
         t0 = time.perf_counter()
         outs = self.backend.run(items)
-        if self.connector is not None:                # the rate a load is weighed against
-            self.connector.note_compute(sum(int(it.token_ids.numel()) for it in items), time.perf_counter() - t0)
+        # the rate a load is weighed against, and that prices a hit's saved prefill
+        self.compute_rate.note(sum(int(it.token_ids.numel()) for it in items), time.perf_counter() - t0)
         self.stats.steps += 1
         finished = []
         for c, out in zip(chunks, outs):

@@ -62,6 +62,7 @@ class Server:
                  metrics: ServeMetrics, events: EventFeed | None = None) -> None:
         self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
         self.events = events
+        handle.engine.set_timings(metrics)    # lookup / load / transfer / install / saved-prefill histograms
         self.vocab_size = handle.backend.vocab_size
         self.unit = handle.engine.config.prefix_match_unit
         self._weights = handle.model.weight_digest() if handle.model is not None else "simulated"
@@ -82,16 +83,18 @@ class Server:
         return {"model_repo": self.settings.model_name, "weight_digest": self._weights,
                 "tokenizer_version": tok, "chat_template_version": template}
 
-    def namespace(self, tenant: str, salt: str) -> bytes:
-        """The namespace digest of a request of ``tenant`` with ``salt`` (32 bytes)."""
-        return CacheIdentity(**self.identity(), tenant=tenant, cache_salt=salt).digest()
+    def namespace(self, tenant: str, salt: str, adapter: str = "", adapter_version: str = "") -> bytes:
+        """The namespace digest of a request of ``tenant`` with ``salt`` and ``adapter`` at
+        ``adapter_version`` (``""``: none) (32 bytes)."""
+        return CacheIdentity(**self.identity(), adapter_id=adapter, adapter_version=adapter_version,
+                             tenant=tenant, cache_salt=salt).digest()
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
         self._check_alive()
         gen = parse_generation(body, request.headers.get("x-tenant"), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
-        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt),
+        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version),
                    self.metrics, arrived)
 
     def _check_alive(self) -> None:

@@ -1,7 +1,10 @@
 """Prometheus metrics of one server, in a per-server ``CollectorRegistry``.
 
-Two kinds: histograms the server observes as requests go (TTFT, end-to-end latency, queue
-wait, reused length, engine step time), and engine counters read at scrape time from a
+Three kinds: histograms the server observes as requests go (TTFT, end-to-end latency, queue
+wait, reused length, engine step time); histograms of cache operations the engine and its
+connector report as they happen (:class:`ServeMetrics.observe`, a
+:class:`~hybridkv.tiers.connector.TimingSink`: lookup, load, transfer and install seconds per
+tier, saved prefill seconds per request); and engine counters read at scrape time from a
 snapshot taken on the engine thread (:func:`engine_snapshot`). All figures are aggregate over
 tenants: no label carries a tenant, prompt text, token ids or keys.
 
@@ -9,7 +12,8 @@ Hit rates derive from the counters: token hit rate
 ``hybridkv_reused_tokens_total / hybridkv_prompt_tokens_total``, request hit rate
 ``hybridkv_requests_with_hit_total / hybridkv_requests_total``, byte-weighted hit rate
 ``hybridkv_reused_kv_bytes_total / hybridkv_prompt_kv_bytes_total`` (MLA KV bytes of the reused
-and of all prompt tokens).
+and of all prompt tokens); ``hybridkv_hit_rate{weight="token"|"request"|"byte"}`` exports the
+three ratios since start as gauges.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from hybridkv.engine.build import EngineHandle
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_FINE_SECONDS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Buckets (seconds) of the cache operation histograms: a device lookup takes microseconds, a
+store load of a long prefix seconds."""
 _TOKENS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
@@ -30,7 +38,8 @@ def engine_snapshot(handle: EngineHandle, queue_depth: int) -> dict:
         ``counters`` (name -> value), ``checkpoints_created`` (policy -> count), ``tiers``
         (tier -> ``{held_bytes, capacity_bytes, evictions, hit_tokens, loaded_bytes,
         saved_bytes}``, bytes and tokens), ``misses`` (tier -> reason -> count), ``queue_depth``
-        and ``running`` (requests).
+        and ``running`` (requests), ``hit_rates`` (``token``, ``request``, ``byte`` -> the
+        fraction since start, 0 before any request).
     """
     engine, cache = handle.engine, handle.engine.cache
     s = engine.stats
@@ -51,14 +60,21 @@ def engine_snapshot(handle: EngineHandle, queue_depth: int) -> dict:
     for tier in (handle.host_tier, handle.store_tier):
         if tier is not None:
             tiers[tier.name] = {"held_bytes": getattr(tier, "used_bytes", None),
-                                "capacity_bytes": getattr(tier, "capacity_bytes", None)}
+                                "capacity_bytes": getattr(tier, "capacity_bytes", None),
+                                "evictions": tier.stats.evictions}
             misses[tier.name] = dict(tier.stats.misses)
     for name, st in handle.tier_stats().items():
         if name in tiers:
             tiers[name].update(hit_tokens=st["hit_tokens"], loaded_bytes=st["bytes_loaded"],
                                saved_bytes=st["bytes_saved"])
+    rates = {"token": _ratio(s.reused_tokens, s.prompt_tokens), "request": _ratio(s.requests_with_hit, s.requests),
+             "byte": _ratio(counters["reused_kv_bytes"], counters["prompt_kv_bytes"])}
     return {"counters": counters, "checkpoints_created": dict(s.checkpoints_created), "tiers": tiers,
-            "misses": misses, "queue_depth": queue_depth, "running": len(engine.running)}
+            "misses": misses, "queue_depth": queue_depth, "running": len(engine.running), "hit_rates": rates}
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
 
 
 _COUNTER_HELP = {
@@ -79,7 +95,8 @@ _COUNTER_HELP = {
 }
 _TIER_HELP = {"held_bytes": ("gauge", "bytes held by the tier"),
               "capacity_bytes": ("gauge", "bytes the tier may hold"),
-              "evictions": ("counter", "entries evicted from the tier"),
+              "evictions": ("counter", ("entries evicted from the tier for capacity (device: pages and "
+                                        "checkpoints; a store backend's own evictions are not seen)")),
               "hit_tokens": ("counter", "reused prompt tokens this tier supplied"),
               "loaded_bytes": ("counter", "bytes loaded from the tier"),
               "saved_bytes": ("counter", "bytes saved into the tier")}
@@ -114,6 +131,12 @@ class _EngineCollector:
             for reason, n in reasons.items():
                 fam.add_metric([tier, reason], n)
         yield fam
+        rates = GaugeMetricFamily("hybridkv_hit_rate", "reused / prompt tokens (token), requests with a hit / "
+                                  "requests (request), reused / prompt MLA KV bytes (byte), since start",
+                                  labels=["weight"])
+        for weight, value in snap["hit_rates"].items():
+            rates.add_metric([weight], value)
+        yield rates
         yield GaugeMetricFamily("hybridkv_queue_depth", "requests waiting for admission", value=snap["queue_depth"])
         yield GaugeMetricFamily("hybridkv_running_requests", "requests running in the engine", value=snap["running"])
 
@@ -125,6 +148,8 @@ class ServeMetrics:
         registry: the ``CollectorRegistry`` ``/metrics`` renders.
         ttft, e2e, queue_wait, step: latency histograms (seconds).
         reused: histogram of reused prompt tokens per request (tokens).
+        lookup, load, transfer, install: cache operation histograms by ``tier`` (seconds).
+        saved_prefill: histogram of the prefill seconds each hit saved (seconds).
         http_errors: error answers by HTTP status code.
         flushes: ``POST /flush_cache`` calls served.
     """
@@ -144,8 +169,41 @@ class ServeMetrics:
                                 buckets=_TOKENS, registry=r)
         self.http_errors = Counter("hybridkv_http_errors", "error answers by status code", ["code"], registry=r)
         self.flushes = Counter("hybridkv_cache_flushes", "POST /flush_cache calls served", registry=r)
+        self.lookup = Histogram("hybridkv_cache_lookup_seconds", "one cache lookup: the device index at an "
+                                "admission attempt (tier=device) or a lower tier's directory", ["tier"],
+                                buckets=_FINE_SECONDS, registry=r)
+        self.load = Histogram("hybridkv_tier_load_seconds", "one batched read of a tier's entries into host "
+                              "memory (at admission or by a background prefetch)", ["tier"],
+                              buckets=_FINE_SECONDS, registry=r)
+        self.transfer = Histogram("hybridkv_tier_transfer_seconds", "one install's copy of loaded KV into "
+                                  "device pages", ["tier"], buckets=_FINE_SECONDS, registry=r)
+        self.install = Histogram("hybridkv_tier_install_seconds", "one install's page allocation, indexing "
+                                 "and checkpoint attach (transfer excluded)", ["tier"],
+                                 buckets=_FINE_SECONDS, registry=r)
+        self.saved_prefill = Histogram("hybridkv_saved_prefill_seconds", "per request with a hit: reused "
+                                       "tokens times the measured compute seconds per token",
+                                       buckets=_FINE_SECONDS, registry=r)
+        self._timing = {"lookup": self.lookup, "load": self.load, "transfer": self.transfer,
+                        "install": self.install}
         self._engine = _EngineCollector()
         r.register(self._engine)
+
+    def observe(self, kind: str, seconds: float, tier: str | None = None) -> None:
+        """One cache operation's time (the :class:`~hybridkv.tiers.connector.TimingSink` the engine
+        reports to; thread-safe). ``kind``: ``lookup``, ``load``, ``transfer``, ``install`` (per
+        ``tier``) or ``saved_prefill`` (no tier).
+
+        Raises:
+            ValueError: an unknown ``kind``, or a per-tier kind without a tier (naming it).
+        """
+        if kind == "saved_prefill":
+            self.saved_prefill.observe(seconds)
+            return
+        hist = self._timing.get(kind)
+        if hist is None or tier is None:
+            raise ValueError(f"timing kind={kind!r} tier={tier!r}: expected saved_prefill, or one of "
+                             f"{sorted(self._timing)} with a tier")
+        hist.labels(tier).observe(seconds)
 
     def set_snapshot(self, snapshot: dict) -> None:
         """The engine figures the next scrape reports (from :func:`engine_snapshot`)."""

@@ -52,6 +52,8 @@ class Generation:
         return_token_ids: add each choice's generated ``token_ids`` to the answer.
         include_usage: streaming: send a final chunk with ``usage``.
         ignore_eos: keep generating after the tokenizer's end-of-sequence token.
+        adapter, adapter_version: the adapter name and version the request names (``""``: none);
+            they enter the cache namespace only (this server applies no adapter weights).
     """
 
     max_tokens: int
@@ -66,6 +68,8 @@ class Generation:
     return_token_ids: bool
     include_usage: bool
     ignore_eos: bool = False
+    adapter: str = ""
+    adapter_version: str = ""
 
 
 def _is_int(x) -> bool:
@@ -100,7 +104,8 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
             [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a
             string or list of at most 4 strings, ``stream`` or ``stream_options.include_usage`` not a
             boolean, ``n`` other than the integer 1, ``echo`` true, ``logprobs`` asked for, a bad
-            ``tenant`` / ``cache_salt`` / ``cache_hints``.
+            ``tenant`` / ``cache_salt`` / ``cache_hints``, an ``adapter`` or ``adapter_version`` that
+            is not a string of at most 256 characters, an ``adapter_version`` without ``adapter``.
     """
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
     if not _is_int(max_tokens) or max_tokens < 1:
@@ -131,12 +136,17 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
     if options.get("include_usage") is not None and not isinstance(options.get("include_usage"), bool):
         raise APIError(400, f"stream_options.include_usage={options.get('include_usage')!r} must be a boolean",
                        "stream_options")
+    adapter = _identifier(body, "adapter", None, "")
+    adapter_version = _identifier(body, "adapter_version", None, "")
+    if adapter_version and not adapter:
+        raise APIError(400, f"adapter_version={adapter_version!r} needs an adapter name", "adapter_version")
     return Generation(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                       top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=seed, stop=tuple(stop),
                       stream=bool(body.get("stream")), tenant=_identifier(body, "tenant", tenant_header, "default"),
                       cache_salt=_identifier(body, "cache_salt", None, ""), hints=tuple(hints),
                       return_token_ids=bool(body.get("return_token_ids")),
-                      include_usage=bool(options.get("include_usage")), ignore_eos=bool(body.get("ignore_eos")))
+                      include_usage=bool(options.get("include_usage")), ignore_eos=bool(body.get("ignore_eos")),
+                      adapter=adapter, adapter_version=adapter_version)
 
 
 def parse_prompts(prompt, encode) -> list[list[int]]:

@@ -17,26 +17,67 @@ import numpy as np
 
 from hybridkv.serve.metrics import ServeMetrics
 from hybridkv.serve.protocol import APIError, Generation, make_sampler
-from hybridkv.serve.tokenizer import Codec, incremental_text
+from hybridkv.serve.tokenizer import Codec, TextStream
 from hybridkv.serve.worker import EngineWorker, Job
 
 
-@dataclass(slots=True)
+class StopScan:
+    """Finds the first stop string in a text that arrives in pieces.
+
+    Each :meth:`feed` searches only the new piece and the ``len(longest stop) - 1`` characters
+    before it (a stop string that starts earlier would have been found already), so a text of
+    ``n`` characters costs O(n) in all.
+
+    Args:
+        stops: the stop strings (non-empty).
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.keep = max(len(x) for x in stops) - 1
+        self.tail = ""                    # the last ``keep`` characters seen
+        self.seen = 0                     # characters fed so far
+        self.found: int | None = None     # where the first stop string found starts (characters)
+
+    def feed(self, piece: str) -> int | None:
+        """Add ``piece``; the index (characters from the start of the text) where the first stop
+        string starts once one has been met, else ``None``."""
+        if self.found is None and piece:
+            window = self.tail + piece
+            hits = [i for i in (window.find(x) for x in self.stops) if i >= 0]
+            if hits:
+                self.found = self.seen - len(self.tail) + min(hits)
+            self.tail = window[len(window) - self.keep:] if self.keep else ""
+        self.seen += len(piece)
+        return self.found
+
+
+@dataclass(slots=True, eq=False)
 class Choice:
     """What one prompt produced so far.
 
     Attributes:
         ids: generated token ids.
-        text: generated text up to the first stop string (complete once ``finish_reason`` is set).
-        sent: characters of ``text`` already streamed.
+        parts: text released so far (to the client when streaming), in pieces.
+        pending: decoded text not released yet: the tail that may begin a stop string, or what
+            follows a stop string once one was met.
+        released: characters released.
         finish_reason: ``"length"`` or ``"stop"``, ``None`` while running.
+        stream: the incremental decoder of ``ids``; scan: the stop-string search, or ``None``.
     """
 
+    stream: TextStream
+    scan: StopScan | None
     ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0
-    decoded: int = 0
+    parts: list[str] = field(default_factory=list)
+    pending: str = ""
+    released: int = 0
     finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The text released so far: up to the first stop string once ``finish_reason`` is set."""
+        return "".join(self.parts)
 
 
 class Run:
@@ -64,43 +105,33 @@ class Run:
                                 f"{worker.max_waiting} waiting requests (--max-waiting)", "prompt")
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.choices = [Choice() for _ in prompts]
-        self.holdback = max((len(s) for s in gen.stop), default=1) - 1
+        self.choices = [Choice(TextStream(codec), StopScan(gen.stop) if gen.stop else None) for _ in prompts]
+        self.holdback = max((len(s) for s in gen.stop), default=1) - 1      # characters
         self.first_token_at: float | None = None
         self.jobs = [self._job(i, ids, namespace) for i, ids in enumerate(prompts)]
-        for n, job in enumerate(self.jobs):
-            if not worker.submit(job):
-                for queued in self.jobs[:n]:
-                    worker.cancel(queued)
-                raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests; "
-                                    "retry shortly", None, "server_overloaded", "server_error")
+        if not worker.submit_all(self.jobs):           # all or none: nothing to cancel on a refusal
+            raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests; "
+                                "retry shortly", None, "server_overloaded", "server_error")
         self._open = set(range(len(self.jobs)))
 
     def _job(self, i: int, ids: list[int], namespace: bytes) -> Job:
         seed = self.gen.seed + i if self.gen.seed is not None else secrets.randbits(63)
         eos = None if self.gen.ignore_eos else self.codec.eos_token_id
+        text = TextStream(self.codec)             # the engine thread's own decoder and search
+        scan = StopScan(self.gen.stop) if self.gen.stop else None
 
         def emit(event: tuple) -> None:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
 
-        def stop(out: list[int]) -> bool:
-            if eos is not None and out[-1] == eos:
+        def stop(token_id: int) -> bool:
+            if eos is not None and token_id == eos:
                 return True
-            return bool(self.gen.stop) and self._stopped(out)
+            return scan is not None and scan.feed(text.push(token_id)) is not None
 
         hints = tuple(h for h in self.gen.hints if h <= len(ids))
         return Job(np.asarray(ids, dtype=np.int64), self.gen.max_tokens, namespace,
                    (self.gen.tenant, self.gen.cache_salt), emit, hints=hints,
                    sampler=make_sampler(self.gen, seed), stop=stop)
-
-    def _stopped(self, out: list[int]) -> bool:
-        text = self.codec.decode(out)
-        return any(s in text for s in self.gen.stop)
-
-    def _cut(self, text: str) -> str:
-        """``text`` up to the first stop string."""
-        cuts = [text.find(s) for s in self.gen.stop if s in text]
-        return text[: min(cuts)] if cuts else text
 
     @property
     def prompt_tokens(self) -> int:
@@ -142,18 +173,25 @@ class Run:
                 self.first_token_at = time.monotonic()
                 self.metrics.ttft.observe(self.first_token_at - self.arrived)
             c.ids.append(value)
-            delta, c.decoded = incremental_text(self.codec, c.ids, c.decoded)
-            c.text += delta
-            ready = min(len(self._cut(c.text)), len(c.text) - (self.holdback if self.gen.stop else 0))
+            piece = c.stream.push(value)
+            c.pending += piece
+            found = c.scan.feed(piece) if c.scan is not None else None
+            ready = found if found is not None else c.released + len(c.pending) - self.holdback
         else:
             self._open.discard(i)
             c.finish_reason = value
-            c.text = self._cut(c.text)
-            ready = len(c.text)
+            found = c.scan.found if c.scan is not None else None
+            ready = found if found is not None else c.released + len(c.pending)
             self.metrics.reused.observe(self.jobs[i].cached_tokens)
             if not self._open:
                 self.metrics.e2e.observe(time.monotonic() - self.arrived)
-        delta, c.sent = c.text[c.sent: max(ready, c.sent)], max(ready, c.sent)
+        n = max(0, ready - c.released)
+        delta, c.pending = c.pending[:n], c.pending[n:]
+        c.released += n
+        if delta:
+            c.parts.append(delta)
+        if c.finish_reason is not None:
+            c.pending = ""                    # past the stop string, or an incomplete character
         return delta                          # "" for a token whose text is held back: one chunk per token
 
     async def collect(self) -> list[Choice]:

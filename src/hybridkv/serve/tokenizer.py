@@ -151,16 +151,41 @@ def load_codec(model: str, vocab_size: int) -> Codec:
     return ByteTokenizer()
 
 
-def incremental_text(codec: Codec, ids: list[int], sent: int) -> tuple[str, int]:
-    """The new text of ``ids`` after ``sent`` characters were already sent, holding back a trailing
-    incomplete UTF-8 sequence (U+FFFD) until more tokens complete it.
+HOLD_MAX_IDS = 8
+"""Ids a :class:`TextStream` holds back at most while their text ends in an incomplete character
+(U+FFFD); past it the replacement character is released as text (a UTF-8 character is at most 4
+bytes, so only invalid output is released this way)."""
 
-    Returns:
-        ``(delta, sent_after)`` in characters.
+
+class TextStream:
+    """The text of a growing id sequence, decoded incrementally.
+
+    Each :meth:`push` decodes a short window: one id of context (the last settled one) plus the
+    ids not settled yet, so a sequence of ``n`` ids costs O(n) decoding in all, not O(n^2) as
+    decoding the whole sequence per id would. The context id keeps tokenizers that render an id
+    differently at the start of a text (a leading space) consistent: only the window's text past
+    what the context itself decodes to is new. A trailing incomplete UTF-8 character (U+FFFD) is
+    held back until later ids complete it (at most :data:`HOLD_MAX_IDS` ids).
+
+    Args:
+        codec: the tokenizer.
     """
-    text = codec.decode(ids)
-    if text.endswith("\ufffd"):
-        text = text.rstrip("\ufffd")
-    if len(text) <= sent:
-        return "", sent
-    return text[sent:], len(text)
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self._window: list[int] = []      # the context id (after the first) and the unsettled ids
+        self._emitted = 0                 # characters of decode(_window) already returned
+
+    def push(self, token_id: int) -> str:
+        """Append ``token_id``; the text it completes (possibly ``""``)."""
+        self._window.append(token_id)
+        text = self.codec.decode(self._window)
+        settled = not text.endswith("\ufffd") or len(self._window) > HOLD_MAX_IDS
+        stable = text if settled else text.rstrip("\ufffd")
+        new = stable[self._emitted:]
+        if settled:
+            self._window = self._window[-1:]
+            self._emitted = len(self.codec.decode(self._window))
+        else:
+            self._emitted = max(self._emitted, len(stable))
+        return new

@@ -46,8 +46,8 @@ class Job:
         emit: called on the engine thread with each event (see the module docstring).
         hints: checkpoint boundaries (multiples of ``prefix_match_unit``).
         sampler: ``float32[vocab]`` logits -> token id; ``None``: greedy.
-        stop: called on the engine thread with the ids generated so far; ``True`` ends the
-            job with ``finish_reason="stop"`` (EOS, a stop string).
+        stop: called on the engine thread with each generated id, in order (once per id);
+            ``True`` ends the job with ``finish_reason="stop"`` (EOS, a stop string).
         submitted: ``time.monotonic()`` at submission (seconds).
         request: the engine's request once submitted (engine thread only).
     """
@@ -59,7 +59,7 @@ class Job:
     emit: Callable[[tuple], None]
     hints: tuple[int, ...] = ()
     sampler: Callable | None = None
-    stop: Callable[[list[int]], bool] | None = None
+    stop: Callable[[int], bool] | None = None
     submitted: float = field(default_factory=time.monotonic)
     request: Request | None = None
     sent: int = 0
@@ -130,13 +130,21 @@ class EngineWorker:
     def submit(self, job: Job) -> bool:
         """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait. Once the
         engine thread has ended, ``job`` gets an ``("error", ...)`` event instead."""
+        return self.submit_all([job])
+
+    def submit_all(self, jobs: list[Job]) -> bool:
+        """Queue every job of ``jobs`` (one request's prompts), or none: ``False`` when they would
+        take the jobs waiting past ``max_waiting``. All or none, so a refused batch never leaves
+        jobs to cancel (a refusal is not a cancellation). Once the engine thread has ended, each
+        job gets an ``("error", ...)`` event instead."""
         with self._lock:
             if not self._closed:
-                if self._waiting >= self.max_waiting:
+                if self._waiting + len(jobs) > self.max_waiting:
                     return False
-                self._waiting += 1
-                self._active.add(job)
-        self._put("submit", job)
+                self._waiting += len(jobs)
+                self._active.update(jobs)
+        for job in jobs:
+            self._put("submit", job)
         return True
 
     def load(self) -> dict[str, int]:
@@ -305,7 +313,7 @@ class EngineWorker:
             while job.sent < len(r.output) and not stopped:
                 job.sent += 1
                 job.emit(("token", r.output[job.sent - 1]))
-                stopped = job.stop is not None and job.stop(r.output[:job.sent])
+                stopped = job.stop is not None and job.stop(r.output[job.sent - 1])
             if stopped and r.status == Status.DECODE:
                 engine.finish(r)
             if stopped or r.status == Status.FINISHED:

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hybridkv.cache.coordinator import (
     Allocation,
@@ -77,6 +78,58 @@ EWMA_WEIGHT = 0.3
 
 def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * sample
+
+
+class TimingSink(Protocol):
+    """Hears how long each cache operation took (seconds); used for a server's histograms.
+
+    ``kind`` is one of :data:`TIMING_KINDS`; ``tier`` is the tier it concerns (``device`` for the
+    device index, a lower tier's name, ``None`` for ``saved_prefill``). Called from the engine
+    thread and, for background prefetch loads and lookups, from a store tier's worker thread, so
+    an implementation must be thread-safe. It never receives keys, ids or content.
+    """
+
+    def observe(self, kind: str, seconds: float, tier: str | None = None) -> None:
+        """One operation of ``kind`` took ``seconds``."""
+
+
+TIMING_KINDS = ("lookup", "load", "transfer", "install", "saved_prefill")
+"""What a :class:`TimingSink` hears, per event:
+
+* ``lookup``: one device index lookup at an admission attempt (tier ``device``), or one lookup
+  of a lower tier's directory (its name), at admission or by a background prefetch;
+* ``load``: one batched read of a tier's entries into host memory (``load_many``), at admission
+  or in a background prefetch;
+* ``transfer``: the copy of one install's KV latents into device pages (``write_pages``);
+* ``install``: one install's remaining work: page allocation, indexing, checkpoint decode and
+  attach (the checkpoint's copy into its slot is part of it);
+* ``saved_prefill``: per admitted request that reused ``h > 0`` tokens, ``h`` times the engine's
+  measured compute seconds per token (:class:`ComputeRate`) at admission: the prefill time the
+  hit is estimated to save (not reported before the first step is measured).
+"""
+
+
+class ComputeRate:
+    """The engine's recent compute speed: EWMAs (weight :data:`EWMA_WEIGHT`) of step seconds and
+    step tokens, whose ratio is seconds per token, so a one-token decode step moves it little
+    against a long prefill step."""
+
+    def __init__(self) -> None:
+        self._seconds: float | None = None
+        self._tokens: float | None = None
+
+    def note(self, tokens: int, seconds: float) -> None:
+        """One step computed ``tokens`` tokens in ``seconds`` of model time (ignored unless both > 0)."""
+        if tokens > 0 and seconds > 0:
+            self._seconds = _ewma(self._seconds, seconds)
+            self._tokens = _ewma(self._tokens, float(tokens))
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Recent compute seconds per token (``None``: no step measured yet)."""
+        if self._seconds is None or not self._tokens:
+            return None
+        return self._seconds / self._tokens
 
 
 @dataclass(slots=True)
@@ -181,6 +234,12 @@ class TierConnector:
         prefetch_limit_bytes: most bytes that background prefetches may hold
             at once (loaded and not yet installed); a prefetch that would
             exceed it loads nothing and the request loads at admission.
+        compute: the engine's compute rate (shared with the engine, which notes each step);
+            default a fresh one fed by :meth:`note_compute`.
+
+    Attributes:
+        timings: told the seconds of each lookup, load, transfer and install
+            (:class:`TimingSink`), or ``None``.
 
     Raises:
         ValueError: two tiers share a name, or a write-back tier's alignment is
@@ -188,7 +247,7 @@ class TierConnector:
     """
 
     def __init__(self, cache: HybridCacheCoordinator, backend, tiers: list[Tier],
-                 prefetch_limit_bytes: int = 512 << 20) -> None:
+                 prefetch_limit_bytes: int = 512 << 20, compute: ComputeRate | None = None) -> None:
         self.cache = cache
         self.backend = backend
         self.tiers = tiers
@@ -210,23 +269,30 @@ class TierConnector:
         self._deferred = 0               # cancelled jobs whose release has not run yet
         self._deferred_done = threading.Condition()
         self._requests: dict[Hashable, _RequestState] = {}
-        self._step_seconds: float | None = None          # EWMAs of the engine's steps: seconds and
-        self._step_tokens: float | None = None           # tokens, so big prefill steps weigh most
+        self.compute = compute if compute is not None else ComputeRate()
         self.load_seconds_per_entry: dict[str, float] = {}     # EWMA per tier, installs timed whole
+        self.timings: TimingSink | None = None
 
     def note_compute(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` tokens in ``seconds`` of model time (one step)."""
-        if tokens > 0 and seconds > 0:
-            self._step_seconds = _ewma(self._step_seconds, seconds)
-            self._step_tokens = _ewma(self._step_tokens, float(tokens))
+        self.compute.note(tokens, seconds)
 
     @property
     def compute_seconds_per_token(self) -> float | None:
-        """Recent compute seconds per token: the ratio of the step-time and step-size averages, so
-        a one-token decode step moves it little against a long prefill step (``None``: no step yet)."""
-        if self._step_seconds is None or not self._step_tokens:
-            return None
-        return self._step_seconds / self._step_tokens
+        """Recent compute seconds per token (:attr:`ComputeRate.seconds_per_token`; ``None``: no step yet)."""
+        return self.compute.seconds_per_token
+
+    def _timed(self, kind: str, seconds: float, tier: str | None) -> None:
+        if self.timings is not None:
+            self.timings.observe(kind, seconds, tier)
+
+    def _lookup(self, tier: Tier, hashes, cap: int, kv_hit: int):
+        """``tier.lookup`` timed (``lookup``)."""
+        t0 = time.perf_counter()
+        try:
+            return tier.lookup(hashes, cap, kv_hit)
+        finally:
+            self._timed("lookup", time.perf_counter() - t0, tier.name)
 
     def worth_loading(self, tier: Tier, entries: int, tokens_saved: int) -> bool:
         """Whether installing ``entries`` entries from ``tier`` is predicted no slower than computing
@@ -331,7 +397,7 @@ class TierConnector:
         """Worker side of :meth:`prefetch`: ``(boundary, loaded, reserved bytes)`` with ``loaded[(b, group)]``
         verified. Loads nothing when they would take the bytes held by prefetches past
         ``prefetch_limit_bytes``."""
-        rm = tier.lookup(hashes, cap, local_kv)
+        rm = self._lookup(tier, hashes, cap, local_kv)
         if rm is None or rm.best_joint <= hit:
             return 0, {}, 0
         boundary = rm.best_joint
@@ -350,7 +416,9 @@ class TierConnector:
         except BaseException:
             self._release(need)
             raise
-        self._note_load(tier, time.perf_counter() - t0, len(wanted))
+        seconds = time.perf_counter() - t0
+        self._timed("load", seconds, tier.name)
+        self._note_load(tier, seconds, len(wanted))
         return boundary, dict(zip(wanted, loaded)), need
 
     def _note_load(self, tier: Tier, seconds: float, entries: int) -> None:
@@ -395,7 +463,7 @@ class TierConnector:
         cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         missing = None
         for tier in self.tiers:
-            rm = tier.lookup(match.hashes, cap, match.kv_hit)
+            rm = self._lookup(tier, match.hashes, cap, match.kv_hit)
             if rm is None:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
@@ -443,19 +511,32 @@ class TierConnector:
         a = tier.alignment
         hashes = match.hashes
         if ready is not None and all(ready.get(w) is not None for w in wanted):
-            got = [ready[w] for w in wanted]
+            got = [ready[w] for w in wanted]              # loaded (and timed) by the prefetch
             self.prefetch_used += 1
-        elif isinstance(tier, StoreTier):
-            got = tier.load_many(hashes, wanted, staging=True)
         else:
-            got = tier.load_many(hashes, wanted)
-        for (b, _), entry in zip(wanted[:-1], got):
-            if entry is None or not self.cache.install_kv(
-                    hashes, b - a, b, lambda pages, lat=entry["latents"]: self.backend.write_pages(pages, lat)):
-                return False
-        kda = got[-1]
-        return kda is not None and self.cache.install_checkpoint(
-            hashes, checkpoint_from_components(kda, boundary), boundary)
+            t0 = time.perf_counter()
+            got = tier.load_many(hashes, wanted, staging=True) if isinstance(tier, StoreTier) \
+                else tier.load_many(hashes, wanted)
+            self._timed("load", time.perf_counter() - t0, tier.name)
+        moved = [0.0]                                      # seconds in write_pages (the transfer)
+
+        def write(pages, lat) -> None:
+            t = time.perf_counter()
+            self.backend.write_pages(pages, lat)
+            moved[0] += time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        try:
+            for (b, _), entry in zip(wanted[:-1], got):
+                if entry is None or not self.cache.install_kv(
+                        hashes, b - a, b, lambda pages, lat=entry["latents"]: write(pages, lat)):
+                    return False
+            kda = got[-1]
+            return kda is not None and self.cache.install_checkpoint(
+                hashes, checkpoint_from_components(kda, boundary), boundary)
+        finally:
+            self._timed("transfer", moved[0], tier.name)
+            self._timed("install", time.perf_counter() - t0 - moved[0], tier.name)
 
     # -- saving -------------------------------------------------------------
     def upload(self, key: Hashable, alloc: Allocation, computed: int,
