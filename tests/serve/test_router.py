@@ -93,6 +93,28 @@ def test_second_request_sharing_a_prefix(workers, policy):
         assert u2["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_the_router_hashes_an_adapters_requests_in_the_adapters_namespace(workers):
+    """A request naming an adapter is predicted (and routed) within that adapter's namespace,
+    as the workers cache it: the same adapter goes to the holder and reuses; a prediction made
+    without the adapter would have found nothing."""
+    first, second = _shared_prefix_pair(30)
+    router = _router([w.url for w in workers], "hybrid")
+    try:
+        _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
+        lora = {"adapter": "lora-a", "adapter_version": "3"}
+        assert _complete(router, first, **lora)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        before = _routed(_stats(router))
+        holder = before.index(max(before))
+        _wait(lambda s: s["workers"][holder]["kv_keys"] >= PREFIX // 64, router)
+        u2 = _complete(router, second, **lora)["usage"]
+        after = _routed(_stats(router))
+        second_to = [a - b for a, b in zip(after, before, strict=True)].index(1)
+    finally:
+        router.close()
+    assert second_to == holder
+    assert u2["prompt_tokens_details"]["cached_tokens"] >= PREFIX - 64
+
+
 def test_streaming_through_the_router_with_the_openai_client(workers):
     router = _router([w.url for w in workers], "hybrid")
     try:

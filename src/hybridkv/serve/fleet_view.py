@@ -118,9 +118,13 @@ class FleetIdentity:
                    bytes.fromhex(info["binding"]), int(info["prefix_match_unit"]), int(info["block_size"]),
                    int(info["vocab_size"]))
 
-    def hashes(self, ids: list[int], tenant: str, salt: str) -> list[bytes]:
-        """Chained unit hashes of prompt ``ids`` for ``tenant`` / ``salt``, as the workers compute them."""
-        ns = CacheIdentity(**dict(self.identity), tenant=tenant, cache_salt=salt).digest()
+    def hashes(self, ids: list[int], tenant: str, salt: str, adapter: str = "",
+               adapter_version: str = "") -> list[bytes]:
+        """Chained unit hashes (32 bytes each, one per ``prefix_match_unit`` tokens) of prompt
+        ``ids`` for ``tenant`` / ``salt`` / ``adapter`` at ``adapter_version`` (``""``: none), as
+        the workers compute them."""
+        ns = CacheIdentity(**dict(self.identity), adapter_id=adapter, adapter_version=adapter_version,
+                           tenant=tenant, cache_salt=salt).digest()
         return chained_block_hashes(bind_namespace(ns, self.binding), ids, self.unit)
 
 

@@ -185,7 +185,7 @@ class RouterService:
                                                                                       self.codec.encode)
         except (APIError, ValueError, TypeError):
             return empty
-        return [RouteRequest(fleet.hashes(ids, gen.tenant, gen.cache_salt), len(ids),
+        return [RouteRequest(fleet.hashes(ids, gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version), len(ids),
                              reuse_cap(len(ids), fleet.unit), gen.max_tokens) for ids in batch]
 
     def pick(self, req: RouteRequest, exclude: set[int]) -> int | None:
