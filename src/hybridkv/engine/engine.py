@@ -20,7 +20,7 @@ from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
 from hybridkv.engine.request import Request, Status
-from hybridkv.engine.scheduler import plan_captures, schedule
+from hybridkv.engine.scheduler import HOST, plan_captures, schedule
 from hybridkv.tiers.connector import TierConnector
 
 
@@ -75,11 +75,18 @@ class Engine:
             (:meth:`prefetch`); ``False`` loads only at admission.
         listener: told of every publication and eviction (:class:`CacheListener`);
             ``None``: nobody listens.
+
+    Raises:
+        ValueError: ``config.host_interval`` is set but no tier is write-through (its captures
+            would go nowhere).
     """
 
     def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True,
                  listener: CacheListener | None = None) -> None:
         tiers = list(tiers)
+        if config.host_interval and not any(t.write_through for t in tiers):
+            raise ValueError(f"host_interval={config.host_interval} captures checkpoints for write-through "
+                             "lower tiers, and this engine has none (enable host write-through)")
         self.config = config
         self.prefetch_enabled = prefetch
         self.backend = backend
@@ -278,7 +285,8 @@ class Engine:
                 r.computed = c.end
                 made = {b: mechanism.checkpoint(b, c.end, out.end_state, out.checkpoints) for b in c.capture}
                 published = self.cache.publish(r.alloc, r.match.hashes, c.end,
-                                               {b: (ckpt, r.capture[b]) for b, ckpt in made.items()})
+                                               {b: (ckpt, r.capture[b]) for b, ckpt in made.items()
+                                                if r.capture[b] != HOST})       # host-only captures: tiers
                 for _, label in published.created:
                     self.stats.checkpoints_created[label] += 1
                 self.stats.checkpoints_skipped += len(published.skipped)
