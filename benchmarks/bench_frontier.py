@@ -18,15 +18,16 @@ evictions written back), promotions (host installs) and host evictions.
 
 Variants (``VARIANTS``; the device policy is the replay default unless named):
 
-* ``wb``: write-back only: a checkpoint the device evicts is demoted to the host (LRU there),
-  a host hit is promoted (installed into the device, evicting another, which is demoted).
-* ``wt``: ``wb`` plus write-through: every page-aligned checkpoint the device policy
-  creates is also saved to the host as it is computed.
-* ``dense``: ``wt`` plus ``host_interval=B``: the prefill also captures a checkpoint at every
-  block boundary for the host only (never published on the device): dense on the host,
-  sparse on the device.
-* ``dense4``: ``dense`` with ``host_interval=4B``.
-* ``value``: ``dense`` with ``value`` eviction in the device pool and the host tier.
+* ``default``: the replay default with a host tier: device evictions are demoted to the host
+  (write-back), a host hit is promoted (installed into the device, evicting another, which is
+  demoted), and checkpoints are written through to the host as they are computed: the device
+  policy's and, for the host only (never published on the device), one every 4 blocks
+  (``host_interval=4B``, :func:`hybridkv.replay.runner.default_host_interval`).
+* ``wb``: write-back only (``host_interval=0``): the host gets what the device evicts.
+* ``wt``: ``wb`` plus write-through of every page-aligned checkpoint the device policy creates.
+* ``dense``: ``default`` with ``host_interval=B``: a checkpoint at every block on the host.
+* ``dense2``: ``default`` with ``host_interval=2B``.
+* ``value``: ``default`` with ``value`` eviction in the device pool and the host tier.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ from hybridkv.replay.runner import ReplayOptions, run_replay
 DEVICE = (0.02, 0.05, 0.10)
 HOST = (0.0, 0.10, 0.25)
 VARIANTS = {
-    "wb": {},
-    "wt": {"host_write_through": True},
-    "dense": {"host_write_through": True, "host_interval": 1},
-    "dense4": {"host_write_through": True, "host_interval": 4},
-    "value": {"host_write_through": True, "host_interval": 1, "eviction": "value"},
+    "default": {},
+    "wb": {"host_interval": 0},
+    "wt": {"host_write_through": True, "host_interval": 0},
+    "dense": {"host_interval": 1},
+    "dense2": {"host_interval": 2},
+    "value": {"eviction": "value"},
 }
 """Variant name -> replay options (``host_interval`` in blocks)."""
 
@@ -86,8 +88,8 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
 
 def table(rows: list[dict]) -> str:
     """Markdown table of the frontier."""
-    out = ["| variant | device budget | host budget | oracle fraction | device peak | host peak | "
-           "demotions | promotions | host evictions |",
+    out = [("| variant | device budget | host budget | oracle fraction | device peak | host peak | "
+            "demotions | promotions | host evictions |"),
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['variant']} ({r['eviction']}) | {100 * r['device']:g}% | {100 * r['host']:g}% | "
@@ -104,7 +106,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=512, help="tokens per trace hash id (default 512)")
     p.add_argument("--device", type=float, nargs="+", default=list(DEVICE), help="device budgets, fractions of P")
     p.add_argument("--host", type=float, nargs="+", default=list(HOST), help="host budgets, fractions of P")
-    p.add_argument("--variants", nargs="+", default=["wb", "wt", "dense"], choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["default", "wb", "dense"], choices=list(VARIANTS))
     p.add_argument("--policy", default=None, help="device checkpoint policy (default: the replay default)")
     p.add_argument("--peak", type=int, default=None,
                    help="P in bytes from an earlier baseline of the same trace and limit (skips the baseline run)")

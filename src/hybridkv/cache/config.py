@@ -188,8 +188,8 @@ class CacheConfig:
             namespace (tenant) may keep cached; a namespace over it evicts its own
             entries first. ``None``: no quota.
         host_interval: tokens; every ``host_interval`` tokens of a prefill a checkpoint is
-            captured for the write-through lower tiers only (label ``host``: saved there, never
-            published on the device), so the host holds denser checkpoints than the device.
+            captured for the lower tiers only (label ``host``: written through to the host tier,
+            never published on the device), so the host holds denser checkpoints than the device.
             A multiple of ``block_size`` (host entries are page-aligned). ``None``: off.
 
     Raises:

@@ -152,6 +152,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
             warning and the engine runs without it (unless ``store_required``).
         host_bytes: host tier capacity in bytes (write-back of evicted device entries); 0: none.
         host_write_through: the host tier also saves page-aligned entries as they are computed.
+            Without it, a ``config.host_interval`` still writes checkpoints through (the host-only
+            captures and the device's own), KV pages only on eviction.
         host_groups: the groups the host tier holds (``("kda",)``: checkpoints only).
         prefetch: start store loads for waiting requests in the background.
         store_required: raise instead of running without a store unreachable at startup.
@@ -165,7 +167,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     Raises:
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
             store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
-            ``config.host_interval`` without host write-through, or a malformed store URL (named).
+            ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
+            URL (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
     """
     if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
@@ -187,9 +190,11 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     host = store = None
     if host_bytes:
         from hybridkv.tiers.connector import host_tier_for
+        groups = tuple(host_groups)
+        through = groups if host_write_through else tuple(g for g in groups if g == "kda" and config.host_interval)
         host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
-                             write_through=host_write_through, eviction=config.eviction,
-                             quota=config.tenant_quota, payload=payload, groups=tuple(host_groups))
+                             write_through=bool(through), eviction=config.eviction, quota=config.tenant_quota,
+                             payload=payload, groups=groups, through_groups=through or None)
     if model is not None:
         store = _open_store_tier(store_url, backend, namespace, config, required=store_required)
     tiers = [t for t in (host, store) if t is not None]

@@ -77,16 +77,16 @@ class Engine:
             ``None``: nobody listens.
 
     Raises:
-        ValueError: ``config.host_interval`` is set but no tier is write-through (its captures
-            would go nowhere).
+        ValueError: ``config.host_interval`` is set but no tier writes checkpoints through (its
+            captures would go nowhere).
     """
 
     def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True,
                  listener: CacheListener | None = None) -> None:
         tiers = list(tiers)
-        if config.host_interval and not any(t.write_through for t in tiers):
-            raise ValueError(f"host_interval={config.host_interval} captures checkpoints for write-through "
-                             "lower tiers, and this engine has none (enable host write-through)")
+        if config.host_interval and not any(t.writes_through("kda") for t in tiers):
+            raise ValueError(f"host_interval={config.host_interval} captures checkpoints for lower tiers that "
+                             "write checkpoints through, and this engine has none (it needs a host tier)")
         self.config = config
         self.prefetch_enabled = prefetch
         self.backend = backend

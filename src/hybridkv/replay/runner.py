@@ -54,8 +54,8 @@ class ReplayOptions:
     """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted";
     ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation. ``host_bytes``:
     host tier capacity (bytes; 0: none; payload-free when simulating), ``host_groups`` the groups it
-    holds, ``host_interval`` (tokens) host-only checkpoint spacing (``CacheConfig.host_interval``,
-    needs ``host_write_through``)."""
+    holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
+    ``None``: :func:`default_host_interval`, 0: off)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -115,6 +115,25 @@ def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
     return "branch+tail+supersede"
 
 
+HOST_INTERVAL_BLOCKS = 4
+"""Default host-only checkpoint spacing, in pages (:func:`default_host_interval`)."""
+
+
+def default_host_interval(block_size: int, host_bytes: int, host_groups=("full", "kda"),
+                          lower_tiers_built: bool = True) -> int | None:
+    """``4 * block_size`` tokens when a host tier holding checkpoints is built, else ``None``.
+
+    With it the prefill writes a checkpoint every 4 pages through to the host (besides the
+    device policy's, and the device's evictions written back): about a quarter of what a
+    checkpoint at every block costs, so a host of 25% of the every-block bytes holds nearly
+    all of them for any trace, while the device keeps its sparse policy. Measured:
+    docs/memory.md (issue 12 item 1).
+    """
+    if not host_bytes or "kda" not in host_groups or not lower_tiers_built:
+        return None
+    return HOST_INTERVAL_BLOCKS * block_size
+
+
 def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy) -> int:
     """Slots so that nothing is evicted. Simulating (no tensors): the most the policy can create,
     per request two branch (the device's and a lower tier's), one tail and one per ``interval``
@@ -158,7 +177,10 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
-        store_alignment=opts.store_alignment, eviction=opts.eviction, host_interval=opts.host_interval)
+        store_alignment=opts.store_alignment, eviction=opts.eviction,
+        host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
+                                             not (opts.timed and opts.simulate))
+                       if opts.host_interval is None else opts.host_interval or None))
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):

@@ -114,6 +114,11 @@ class Tier(ABC):
         """Whether this tier keeps ``group`` entries at all (every group unless a subclass narrows it)."""
         return True
 
+    def writes_through(self, group: str) -> bool:
+        """Whether ``group`` entries are saved here as they are computed (write-through tiers: every
+        group they hold, unless a subclass narrows it)."""
+        return self.write_through and self.holds(group)
+
     # -- what subclasses implement ----------------------------------------
     @abstractmethod
     def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:

@@ -64,14 +64,16 @@ def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
                   write_through: bool = False, eviction: str = "lru", quota: float | None = None,
-                  payload: bool = True, groups: tuple[str, ...] = (FULL, KDA)) -> HostTier:
+                  payload: bool = True, groups: tuple[str, ...] = (FULL, KDA),
+                  through_groups: tuple[str, ...] | None = None) -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
     ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``);
-    ``payload=False``: byte accounting only (simulation); ``groups``: the groups it holds."""
+    ``payload=False``: byte accounting only (simulation); ``groups``: the groups it holds;
+    ``through_groups``: with ``write_through``, the groups written through (default all held)."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
                     entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
                     eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)),
-                    payload=payload, groups=groups)
+                    payload=payload, groups=groups, through_groups=through_groups)
 
 
 EWMA_WEIGHT = 0.3
@@ -496,8 +498,9 @@ class TierConnector:
                 continue
             a = tier.alignment
             mark = 0 if final else st.marks.get(tier.name, 0)
-            kv = list(range(mark + a, computed // a * a + 1, a)) if tier.holds(FULL) else []
-            aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed) if tier.holds(KDA) else []
+            kv = list(range(mark + a, computed // a * a + 1, a)) if tier.writes_through(FULL) else []
+            aligned = (sorted(b for b in checkpoints if b % a == 0 and b <= computed)
+                       if tier.writes_through(KDA) else [])
             present = tier.exists([(tier.chain_hash(hashes, b), FULL) for b in kv]
                                   + [(tier.chain_hash(hashes, b), KDA) for b in aligned])
             if present is None:

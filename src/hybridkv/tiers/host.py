@@ -68,6 +68,9 @@ class HostTier(Tier):
         payload: hold tensors (default); ``False``: byte accounting only (simulation; the
             ``tensors`` of a save are ignored and may be ``None``).
         groups: the groups held (default both, ``("full", "kda")``).
+        through_groups: with ``write_through``, the groups written through (default: every group
+            held); the others are only written back. ``("kda",)``: checkpoints as they are
+            computed, KV pages when the device evicts them.
 
     Raises:
         ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
@@ -78,12 +81,15 @@ class HostTier(Tier):
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
                  eviction: str = "lru", quota_bytes: int | None = None, payload: bool = True,
-                 groups: tuple[str, ...] = (FULL, KDA)) -> None:
+                 groups: tuple[str, ...] = (FULL, KDA), through_groups: tuple[str, ...] | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         groups = tuple(groups)
         if not groups or any(g not in (FULL, KDA) for g in groups):
             raise ValueError(f"host tier groups={groups!r} must be a non-empty subset of {(FULL, KDA)}")
         self.groups = groups
+        self.through_groups = groups if through_groups is None else tuple(through_groups)
+        if any(g not in groups for g in self.through_groups):
+            raise ValueError(f"host tier through_groups={self.through_groups!r} must be among groups={groups!r}")
         self.payload = bool(payload)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
@@ -101,6 +107,11 @@ class HostTier(Tier):
     def holds(self, group: str) -> bool:
         """Whether ``group`` is one of :attr:`groups`."""
         return group in self.groups
+
+    def writes_through(self, group: str) -> bool:
+        """Whether ``group`` entries are saved as they are computed (``write_through`` and in
+        :attr:`through_groups`)."""
+        return self.write_through and group in self.through_groups
 
     @property
     def used_bytes(self) -> int:
