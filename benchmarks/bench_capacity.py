@@ -11,7 +11,11 @@ checkpoint slots; each capacity ``f`` then gets ``ceil(f * peak)`` pages and slo
 ``max_num_seqs`` requests' worth of pages, so every request can run). Reported per run: the
 fraction of the every-unit oracle reused, and prefill seconds saved (reused tokens at the
 cost model's rate, :class:`hybridkv.engine.backend.SimulatedBackend`), with eviction counts.
-Simulate mode has no host tier (tensors), so the host column of the issue is not modelled.
+With ``--host-factor F`` (default 2, the issue's "host at 2x the device") each run also gets a
+host tier of ``F`` times the device capacity in bytes (``pages * page bytes + slots * slot bytes``):
+simulate mode's payload-free host tier (real keys, capacity, eviction order, demotion of device
+evictions and promotion of host hits; docs/memory.md), holding KV pages and checkpoints, with the
+same eviction order as the device. ``--host-factor 0``: device only. The baseline (100%) has no host.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from hybridkv.replay.runner import ReplayOptions, run_replay
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
 
 
-def sweep(fractions, limit: int | None, console: Console) -> list[dict]:
-    """One baseline replay, then ``lru`` and ``value`` at each fraction; a row per run."""
-    base_opts = ReplayOptions(limit=limit, simulate=True, progress=False)
+def sweep(fractions, limit: int | None, console: Console, host_factor: float = 2.0) -> list[dict]:
+    """One baseline replay, then ``lru`` and ``value`` at each fraction, with a host tier of
+    ``host_factor`` times the device bytes (0: none); a row per run."""
+    base_opts = ReplayOptions(limit=limit, simulate=True, progress=False, host_bytes=0)
     base = run_replay(base_opts, console)
     block = base.config["block_size"]
     rate = base.prefill_tokens_per_second
@@ -37,22 +42,26 @@ def sweep(fractions, limit: int | None, console: Console) -> list[dict]:
     slot_bytes = base.checkpoint_bytes_peak // _peak_units(base.checkpoint_bytes_peak, base, "ck")
     peak_pages = base.kv_bytes_peak // page_bytes
     peak_slots = base.checkpoint_bytes_peak // slot_bytes
-    rows = [dict(policy="none", fraction=1.0, pages=peak_pages, slots=peak_slots,
-                 oracle_fraction=base.oracle_fraction, reused_tokens=base.reused_tokens,
-                 saved_seconds=base.reused_tokens / rate, kv_evictions=0, checkpoint_evictions=0)]
+    rows = [{"policy": "none", "fraction": 1.0, "pages": peak_pages, "slots": peak_slots, "host_bytes": 0,
+             "oracle_fraction": base.oracle_fraction, "reused_tokens": base.reused_tokens,
+             "saved_seconds": base.reused_tokens / rate, "kv_evictions": 0, "checkpoint_evictions": 0,
+             "host_hit_tokens": 0, "host_evictions": 0}]
     min_pages = 4 * -(-max(1, base.prompt_tokens // max(1, base.requests)) // block)
     for f in fractions:
         pages = max(min_pages, math.ceil(f * peak_pages))
         slots = max(8, math.ceil(f * peak_slots))
+        host_bytes = int(host_factor * (pages * page_bytes + slots * slot_bytes))
         for eviction in ("lru", "value"):
             opts = ReplayOptions(limit=limit, simulate=True, progress=False, num_kv_pages=pages,
-                                 num_checkpoint_slots=slots, eviction=eviction)
+                                 num_checkpoint_slots=slots, eviction=eviction, host_bytes=host_bytes)
             r = run_replay(opts, console)
             ev = r.evictions["device"]
-            rows.append(dict(policy=eviction, fraction=f, pages=pages, slots=slots,
-                             oracle_fraction=r.oracle_fraction, reused_tokens=r.reused_tokens,
-                             saved_seconds=r.reused_tokens / rate, kv_evictions=ev["kv_pages"],
-                             checkpoint_evictions=ev["checkpoints"], rejected=r.rejected["requests"]))
+            rows.append({"policy": eviction, "fraction": f, "pages": pages, "slots": slots, "host_bytes": host_bytes,
+                         "oracle_fraction": r.oracle_fraction, "reused_tokens": r.reused_tokens,
+                         "saved_seconds": r.reused_tokens / rate, "kv_evictions": ev["kv_pages"],
+                         "checkpoint_evictions": ev["checkpoints"], "rejected": r.rejected["requests"],
+                         "host_hit_tokens": r.tiers["host"]["hit_tokens"],
+                         "host_evictions": r.evictions["host"]["entries"]})
             console.print(rows[-1])
     return rows
 
@@ -69,12 +78,15 @@ def _peak_units(peak_bytes: int, base, kind: str) -> int:
 
 def table(rows: list[dict]) -> str:
     """Markdown table of the sweep."""
-    out = ["| device capacity | pages / slots | eviction | oracle fraction | prefill s saved | "
-           "KV evictions | checkpoint evictions |", "|---|---|---|---|---|---|---|"]
+    out = [("| device capacity | pages / slots | host GiB | eviction | oracle fraction | prefill s saved | "
+            "host hit tokens | KV evictions | checkpoint evictions | host evictions |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {100 * r['fraction']:g}% | {r['pages']:,} / {r['slots']:,} | {r['policy']} | "
-                   f"{100 * r['oracle_fraction']:.2f}% | {r['saved_seconds']:,.0f} | {r['kv_evictions']:,} | "
-                   f"{r['checkpoint_evictions']:,} |")
+        out.append(f"| {100 * r['fraction']:g}% | {r['pages']:,} / {r['slots']:,} | "
+                   f"{r.get('host_bytes', 0) / 2**30:.2f} | {r['policy']} | "
+                   f"{100 * r['oracle_fraction']:.2f}% | {r['saved_seconds']:,.0f} | "
+                   f"{r.get('host_hit_tokens', 0):,} | {r['kv_evictions']:,} | "
+                   f"{r['checkpoint_evictions']:,} | {r.get('host_evictions', 0):,} |")
     return "\n".join(out)
 
 
@@ -88,7 +100,7 @@ def plot(rows: list[dict], path: str) -> None:
         pts = [(100 * r["fraction"], 100 * r["oracle_fraction"]) for r in rows if r["policy"] == policy]
         ax.plot(*zip(*pts), marker="o", label=policy)
     ax.set_xscale("log")
-    ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak")
+    ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak (host: 2x device)")
     ax.set_ylabel("% of every-unit oracle reused")
     ax.set_title("bundled trace, simulate")
     ax.grid(True, alpha=0.3)
@@ -103,9 +115,13 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--png", help="write the plot here")
+    p.add_argument("--host-factor", type=float, default=2.0,
+                   help="host tier bytes as a multiple of the device capacity's bytes (default 2; 0: none)")
     args = p.parse_args()
+    if args.host_factor < 0:
+        p.error(f"--host-factor {args.host_factor} must be 0 or more")
     console = Console(stderr=True)
-    rows = sweep(args.fractions, args.limit, console)
+    rows = sweep(args.fractions, args.limit, console, args.host_factor)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

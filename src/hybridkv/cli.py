@@ -72,9 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--store-alignment", type=positive_int, default=None,
                    help="tokens; only these boundaries become store entries (default: --block-size)")
     r.add_argument("--host-mib", type=non_negative_int, default=256,
-                   help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256)")
+                   help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256; "
+                        "--simulate: byte accounting only)")
     r.add_argument("--host-write-through", action="store_true",
                    help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
+    r.add_argument("--host-groups", choices=("all", "kda"), default="all",
+                   help="what the host tier holds: all (KV pages and checkpoints, default) or kda (checkpoints "
+                        "only: for runs whose device KV is not short)")
+    r.add_argument("--host-interval", type=non_negative_int, default=None,
+                   help="tokens: also capture a checkpoint every N tokens of each prefill for the host tier only "
+                        "(written through; not kept on the device); a multiple of --block-size; 0 = off; default "
+                        "4 x --block-size with a host tier (docs/memory.md)")
     r.add_argument("--instances", type=positive_int, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin")
     r.add_argument("--timed", action="store_true",
@@ -138,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "replay" and args.host_write_through and args.host_mib == 0:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
+    if args.command == "replay" and args.host_interval and args.host_mib == 0:
+        parser.error(f"--host-interval {args.host_interval} needs a host tier: --host-mib is 0")
     if args.command == "replay" and not args.timed:
         for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
                             ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
@@ -249,6 +259,8 @@ def _replay(args, console: Console) -> int:
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
+        host_groups=("full", "kda") if args.host_groups == "all" else ("kda",),
+        host_interval=args.host_interval,
         eviction=args.eviction, timed=args.timed, time_scale=args.time_scale, router=args.router,
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock)

@@ -19,13 +19,13 @@ def test_reuse_histogram_buckets_every_length_once_with_every_bucket_present():
 def test_simulated_replay_reports_evictions_and_the_histogram_under_both_orders():
     for eviction in ("lru", "value"):
         rep = run_replay(ReplayOptions(limit=60, simulate=True, progress=False, num_checkpoint_slots=8,
-                                       eviction=eviction)).to_dict()
+                                       eviction=eviction, host_bytes=0)).to_dict()
         assert rep["config"]["eviction"] == eviction
         assert sum(rep["reused_histogram"].values()) == rep["requests"]
         dev = rep["evictions"]["device"]
         slot_bytes = rep["checkpoint_bytes_peak"] // 8          # evictions happened, so all 8 slots were full
         assert dev["checkpoints"] > 0 and dev["checkpoint_bytes"] == dev["checkpoints"] * slot_bytes
-        assert rep["evictions"]["host"] == {"entries": 0, "bytes": 0}     # simulate has no host tier
+        assert rep["evictions"]["host"] == {"entries": 0, "bytes": 0}     # host_bytes=0: no host tier
 
 
 def test_replay_cli_refuses_an_unknown_eviction_order(capsys):

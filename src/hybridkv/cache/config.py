@@ -187,6 +187,10 @@ class CacheConfig:
         tenant_quota: fraction in ``(0, 1]`` of each device pool's bytes that one
             namespace (tenant) may keep cached; a namespace over it evicts its own
             entries first. ``None``: no quota.
+        host_interval: tokens; every ``host_interval`` tokens of a prefill a checkpoint is
+            captured for the lower tiers only (label ``host``: written through to the host tier,
+            never published on the device), so the host holds denser checkpoints than the device.
+            A multiple of ``block_size`` (host entries are page-aligned). ``None``: off.
 
     Raises:
         ConfigError: from :meth:`validate` (called by ``__post_init__``).
@@ -203,6 +207,7 @@ class CacheConfig:
     store_alignment: int | None = None
     eviction: str = "lru"
     tenant_quota: float | None = None
+    host_interval: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mechanism", Mechanism.parse(self.mechanism))
@@ -233,6 +238,9 @@ class CacheConfig:
         q = self.tenant_quota
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")
+        h = self.host_interval
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0 or h % b):
+            raise ConfigError(f"host_interval={h!r} must be a positive multiple of block_size={b} or None")
         if not isinstance(self.mechanism, Mechanism):
             raise ConfigError(f"mechanism={self.mechanism!r} must be a Mechanism")
         p = self.policy

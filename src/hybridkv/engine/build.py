@@ -68,7 +68,7 @@ class EngineHandle:
             :class:`~hybridkv.engine.backend.SimulatedBackend` (cost model).
         model: the :class:`~hybridkv.model.model.HybridModel`; ``None`` when simulating.
         namespace: 32-byte namespace digest of every cache entry (:class:`CacheIdentity`).
-        host_tier: the host tier, or ``None`` (``host_bytes == 0`` or simulating).
+        host_tier: the host tier, or ``None`` (``host_bytes == 0``); payload-free when simulating.
         store_tier: the store tier, or ``None`` (no store, or unreachable at startup).
     """
 
@@ -136,8 +136,8 @@ def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheCon
 
 
 def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, model_name: str, store_url: str = "none",
-                 host_bytes: int = 0,
-                 host_write_through: bool = False, prefetch: bool = True, store_required: bool = False,
+                 host_bytes: int = 0, host_write_through: bool = False, host_groups: tuple[str, ...] = ("full", "kda"),
+                 prefetch: bool = True, store_required: bool = False,
                  listener: CacheListener | None = None,
                  step_cost: Callable[[list[StepItem]], float] | None = None) -> EngineHandle:
     """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
@@ -145,7 +145,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     Args:
         model: a :class:`~hybridkv.model.model.HybridModel` (real compute through
             :class:`TorchBackend`), or a :class:`~hybridkv.model.config.HybridConfig`
-            (simulation through :class:`SimulatedBackend`: no tensors, no lower tiers).
+            (simulation through :class:`SimulatedBackend`: no tensors; a host tier is
+            payload-free, byte accounting only; no store).
         config: validated cache / scheduler config (tokens).
         model_name: preset name or model directory; with the weight digest (``"simulated"``
             when simulating) it forms the namespace, so engines of the same weights share
@@ -155,6 +156,9 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
             warning and the engine runs without it (unless ``store_required``).
         host_bytes: host tier capacity in bytes (write-back of evicted device entries); 0: none.
         host_write_through: the host tier also saves page-aligned entries as they are computed.
+            Without it, a ``config.host_interval`` still writes checkpoints through (the host-only
+            captures and the device's own), KV pages only on eviction.
+        host_groups: the groups the host tier holds (``("kda",)``: checkpoints only).
         prefetch: start store loads for waiting requests in the background.
         store_required: raise instead of running without a store unreachable at startup.
         listener: hears every publication and eviction (:class:`~hybridkv.engine.engine.CacheListener`).
@@ -166,8 +170,9 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
 
     Raises:
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
-            lower tier asked for in simulation, ``step_cost`` with a real model, or a
-            malformed store URL (named).
+            store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
+            ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
+            URL (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
     """
     if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
@@ -175,24 +180,25 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     if host_write_through and not host_bytes:
         raise ValueError("host_write_through=True needs a host tier: host_bytes is 0")
     if isinstance(model, HybridConfig):
-        if host_bytes or store_url not in ("none", ""):
-            raise ValueError(f"simulation has no tensors for lower tiers: host_bytes={host_bytes}, "
-                             f"store_url={store_url!r}; use 0 and 'none'")
+        if store_url not in ("none", ""):
+            raise ValueError(f"simulation has no tensors for a store: store_url={store_url!r}; use 'none'")
         full, kda = FullAttentionSpec.for_model(model, config.block_size), KDASpec.for_model(model)
         backend = SimulatedBackend(full, kda, vocab_size=model.vocab_size, step_cost=step_cost)
-        digest, model = "simulated", None
+        digest, model, payload = "simulated", None, False
     elif step_cost is not None:
         raise ValueError("step_cost prices simulated steps; a real model is timed by the clock")
     else:
         backend = TorchBackend(model, config.num_kv_pages, config.block_size)
-        digest = model.weight_digest()
+        digest, payload = model.weight_digest(), True
     namespace = CacheIdentity(model_repo=str(model_name), weight_digest=digest).digest()
     host = store = None
     if host_bytes:
         from hybridkv.tiers.connector import host_tier_for
+        groups = tuple(host_groups)
+        through = groups if host_write_through else tuple(g for g in groups if g == "kda" and config.host_interval)
         host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
-                             write_through=host_write_through, eviction=config.eviction,
-                             quota=config.tenant_quota)
+                             write_through=bool(through), eviction=config.eviction, quota=config.tenant_quota,
+                             payload=payload, groups=groups, through_groups=through or None)
     if model is not None:
         store = _open_store_tier(store_url, backend, namespace, config, required=store_required)
     tiers = [t for t in (host, store) if t is not None]

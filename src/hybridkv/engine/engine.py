@@ -20,7 +20,7 @@ from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
 from hybridkv.engine.request import Request, Status
-from hybridkv.engine.scheduler import plan_captures, schedule
+from hybridkv.engine.scheduler import HOST, plan_captures, schedule
 from hybridkv.tiers.connector import ComputeRate, TierConnector, TimingSink
 
 
@@ -76,6 +76,10 @@ class Engine:
         listener: told of every publication and eviction (:class:`CacheListener`);
             ``None``: nobody listens.
 
+    Raises:
+        ValueError: ``config.host_interval`` is set but no tier writes checkpoints through (its
+            captures would go nowhere).
+
     Attributes:
         compute_rate: the measured compute seconds per token (every step noted; shared with the
             connector, which weighs loads against it).
@@ -87,6 +91,9 @@ class Engine:
     def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True,
                  listener: CacheListener | None = None) -> None:
         tiers = list(tiers)
+        if config.host_interval and not any(t.writes_through("kda") for t in tiers):
+            raise ValueError(f"host_interval={config.host_interval} captures checkpoints for lower tiers that "
+                             "write checkpoints through, and this engine has none (it needs a host tier)")
         self.config = config
         self.prefetch_enabled = prefetch
         self.backend = backend
@@ -300,7 +307,8 @@ class Engine:
                 r.computed = c.end
                 made = {b: mechanism.checkpoint(b, c.end, out.end_state, out.checkpoints) for b in c.capture}
                 published = self.cache.publish(r.alloc, r.match.hashes, c.end,
-                                               {b: (ckpt, r.capture[b]) for b, ckpt in made.items()})
+                                               {b: (ckpt, r.capture[b]) for b, ckpt in made.items()
+                                                if r.capture[b] != HOST})       # host-only captures: tiers
                 for _, label in published.created:
                     self.stats.checkpoints_created[label] += 1
                 self.stats.checkpoints_skipped += len(published.skipped)

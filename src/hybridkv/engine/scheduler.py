@@ -12,6 +12,10 @@ from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.coordinator import MatchResult
 from hybridkv.engine.request import Request, Status
 
+HOST = "host"
+"""Label of a capture for the lower tiers only (``CacheConfig.host_interval``): never published
+on the device."""
+
 
 @dataclass(slots=True)
 class Chunk:
@@ -34,7 +38,8 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
     aligned, then two. When
     two policies claim one boundary, the first of branch, tail, interval, hint
     is credited. ``remote_branch`` is a lower tier's missing branching
-    boundary; it counts as a branch boundary.
+    boundary; it counts as a branch boundary. ``config.host_interval`` boundaries no policy
+    claimed are labelled :data:`HOST`: captured for the write-through lower tiers only.
     """
     g, p = config.prefix_match_unit, config.policy
     lo, hi = match.hit, prompt_len
@@ -58,6 +63,9 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
     if p.hint:
         for b in hints:
             claim(b, "hint")
+    if config.host_interval:
+        for b in range(config.host_interval, hi + 1, config.host_interval):
+            claim(b, HOST)
     return plan
 
 

@@ -39,7 +39,9 @@ class InstanceSpec:
         host_bytes: capacity of the host tier (write-back of evicted device
             entries), bytes; 0 disables it.
         host_write_through: the host tier also saves entries as they are computed.
-        simulate: cost model instead of the model.
+        host_groups: the groups the host tier holds (``("kda",)``: checkpoints only).
+        simulate: cost model instead of the model (the host tier is then payload-free:
+            byte accounting only; a store is not modelled).
     """
 
     instance_id: int
@@ -53,6 +55,7 @@ class InstanceSpec:
     store_url: str = "none"
     host_bytes: int = 0
     host_write_through: bool = False
+    host_groups: tuple[str, ...] = ("full", "kda")
     simulate: bool = False
 
 
@@ -132,12 +135,13 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     """
     if threads is not None:
         torch.set_num_threads(threads)
-    if spec.simulate:               # no tensors, so no lower tiers (the replay's host / store options are ignored)
-        built = build_engine(model_config(spec.model), spec.config, model_name=spec.model)
+    host = {"host_bytes": spec.host_bytes, "host_groups": spec.host_groups,
+            "host_write_through": spec.host_write_through and spec.host_bytes > 0}
+    if spec.simulate:               # no tensors: a payload-free host tier, no store (the store option is ignored)
+        built = build_engine(model_config(spec.model), spec.config, model_name=spec.model, **host)
     else:
         built = build_engine(load_model(spec.model, spec.seed), spec.config, model_name=spec.model,
-                             store_url=spec.store_url, host_bytes=spec.host_bytes,
-                             host_write_through=spec.host_write_through and spec.host_bytes > 0)
+                             store_url=spec.store_url, **host)
     engine = built.engine
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]

@@ -59,7 +59,10 @@ from hybridkv.tiers.base import MISS_REASONS
 @dataclass(frozen=True, slots=True)
 class ReplayOptions:
     """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted";
-    ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation."""
+    ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation. ``host_bytes``:
+    host tier capacity (bytes; 0: none; payload-free when simulating), ``host_groups`` the groups it
+    holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
+    ``None``: :func:`default_host_interval`, 0: off)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -84,6 +87,8 @@ class ReplayOptions:
     store_alignment: int | None = None
     host_bytes: int = 256 << 20
     host_write_through: bool = False
+    host_groups: tuple[str, ...] = ("full", "kda")
+    host_interval: int | None = None
     threads: int = 1
     eviction: str = "lru"
     timed: bool = False
@@ -117,6 +122,25 @@ def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
     if block_tokens % prefix_match_unit == 0:
         return f"branch+tail={block_tokens}+interval={14 * block_tokens}+supersede"
     return "branch+tail+supersede"
+
+
+HOST_INTERVAL_BLOCKS = 4
+"""Default host-only checkpoint spacing, in pages (:func:`default_host_interval`)."""
+
+
+def default_host_interval(block_size: int, host_bytes: int, host_groups=("full", "kda"),
+                          lower_tiers_built: bool = True) -> int | None:
+    """``4 * block_size`` tokens when a host tier holding checkpoints is built, else ``None``.
+
+    With it the prefill writes a checkpoint every 4 pages through to the host (besides the
+    device policy's, and the device's evictions written back): about a quarter of what a
+    checkpoint at every block costs, so a host of 25% of the every-block bytes holds nearly
+    all of them for any trace, while the device keeps its sparse policy. Measured:
+    docs/memory.md (issue 12 item 1).
+    """
+    if not host_bytes or "kda" not in host_groups or not lower_tiers_built:
+        return None
+    return HOST_INTERVAL_BLOCKS * block_size
 
 
 def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy) -> int:
@@ -162,7 +186,10 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
-        store_alignment=opts.store_alignment, eviction=opts.eviction)
+        store_alignment=opts.store_alignment, eviction=opts.eviction,
+        host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
+                                             not (opts.timed and opts.simulate))
+                       if opts.host_interval is None else opts.host_interval or None))
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):
@@ -180,7 +207,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                           prompts=prompts[k::n], indices=list(range(k, len(reqs), n)), output_lengths=out_lens[k::n],
                           verify={i for i in verify_ids if i % n == k}, store_url=store_url,
                           host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
-                          simulate=opts.simulate)
+                          host_groups=tuple(opts.host_groups), simulate=opts.simulate)
              for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
@@ -235,7 +262,7 @@ def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, co
     """Say once when most prompts are shorter than the lower tiers' entry size: host and store
     entries exist only at whole multiples of it, so those tiers would hold (almost) nothing."""
     tiers = [(name, size) for name, size, on in (
-        ("host tier", cfg.block_size, opts.host_bytes and not opts.simulate),
+        ("host tier", cfg.block_size, opts.host_bytes),
         ("store", cfg.store_boundary, (opts.store != "none" or opts.instances > 1) and not opts.simulate)) if on]
     for name, size in tiers:
         short = sum(len(p) <= size for p in prompts)
@@ -319,7 +346,8 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
     reused_bytes = stats["reused_tokens"] * kv_tok + stats["requests_with_hit"] * ck
     compute = max(r.compute_seconds for r in results)
     tiers = {name: {k: sum(r.tiers[name].get(k, 0) for r in results)
-                    for k in ("hit_tokens", "bytes_loaded", "bytes_saved", "loads_taken", "loads_declined")}
+                    for k in ("hit_tokens", "bytes_loaded", "bytes_saved", "loads_taken", "loads_declined",
+                              "bytes_peak")}
              for name in ("device", "host", "store")}
     page_bytes = kv_tok * cfg.block_size
     evictions = {"device": {"kv_pages": sum(r.evicted_pages for r in results),
@@ -356,6 +384,8 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
                 "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
+                "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
+                "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,
                 "evicted_pages": sum(r.evicted_pages for r in results),
                 "evicted_checkpoints": sum(r.evicted_checkpoints for r in results)},
         skipped_lines=load.skipped)

@@ -29,7 +29,8 @@ class TierStats:
     """Counters of one tier (tokens and bytes); ``evictions`` / ``bytes_evicted``: entries this
     tier dropped for capacity (a store tier's backend evicts silently: see its own counters);
     ``loads_taken`` / ``loads_declined``: installs from this tier attempted, and skipped because
-    recomputing was predicted faster."""
+    recomputing was predicted faster; ``bytes_peak``: most payload bytes held at once (a tier
+    that tracks its size: the host tier)."""
 
     hit_tokens: int = 0
     bytes_loaded: int = 0
@@ -38,15 +39,17 @@ class TierStats:
     bytes_evicted: int = 0
     loads_taken: int = 0
     loads_declined: int = 0
+    bytes_peak: int = 0
     misses: Counter = field(default_factory=lambda: Counter({r: 0 for r in MISS_REASONS}))
 
     def as_dict(self) -> dict:
         """``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted, loads_taken,
-        loads_declined}`` for the JSON report (``loads_*``: installs attempted from this tier, and
-        ones skipped because recomputing was predicted faster; see ``TierConnector``)."""
+        loads_declined, bytes_peak}`` for the JSON report (``loads_*``: installs attempted from this
+        tier, and ones skipped because recomputing was predicted faster; see ``TierConnector``)."""
         return {"hit_tokens": self.hit_tokens, "bytes_loaded": self.bytes_loaded, "bytes_saved": self.bytes_saved,
                 "evictions": self.evictions, "bytes_evicted": self.bytes_evicted,
-                "loads_taken": self.loads_taken, "loads_declined": self.loads_declined}
+                "loads_taken": self.loads_taken, "loads_declined": self.loads_declined,
+                "bytes_peak": self.bytes_peak}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,19 @@ class Tier(ABC):
             obs.entries_removed(self.name, entries)
         else:
             obs.entries_purged(self.name)
+
+    payload = True
+    """Entries carry their tensors. ``False`` (a host tier in simulate mode): entries are byte
+    accounting only, loads hand out components whose values are ``None``."""
+
+    def holds(self, group: str) -> bool:
+        """Whether this tier keeps ``group`` entries at all (every group unless a subclass narrows it)."""
+        return True
+
+    def writes_through(self, group: str) -> bool:
+        """Whether ``group`` entries are saved here as they are computed (write-through tiers: every
+        group they hold, unless a subclass narrows it)."""
+        return self.write_through and self.holds(group)
 
     # -- what subclasses implement ----------------------------------------
     @abstractmethod

@@ -64,12 +64,17 @@ def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment
 
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
-                  write_through: bool = False, eviction: str = "lru", quota: float | None = None) -> HostTier:
+                  write_through: bool = False, eviction: str = "lru", quota: float | None = None,
+                  payload: bool = True, groups: tuple[str, ...] = (FULL, KDA),
+                  through_groups: tuple[str, ...] | None = None) -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
-    ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``)."""
+    ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``);
+    ``payload=False``: byte accounting only (simulation); ``groups``: the groups it holds;
+    ``through_groups``: with ``write_through``, the groups written through (default all held)."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
                     entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
-                    eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)))
+                    eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)),
+                    payload=payload, groups=groups, through_groups=through_groups)
 
 
 EWMA_WEIGHT = 0.3
@@ -422,7 +427,10 @@ class TierConnector:
         return boundary, dict(zip(wanted, loaded)), need
 
     def _note_load(self, tier: Tier, seconds: float, entries: int) -> None:
-        """A load (and install, at admission) of ``entries`` entries from ``tier`` took ``seconds``."""
+        """A load (and install, at admission) of ``entries`` entries from ``tier`` took ``seconds``.
+        A payload-free tier moves no bytes, so its loads are not timed (and always taken)."""
+        if not tier.payload:
+            return
         with self._prefetch_lock:                   # prefetch jobs report from the tiers' threads
             self.load_seconds_per_entry[tier.name] = _ewma(self.load_seconds_per_entry.get(tier.name),
                                                            seconds / max(1, entries))
@@ -533,7 +541,7 @@ class TierConnector:
                     return False
             kda = got[-1]
             return kda is not None and self.cache.install_checkpoint(
-                hashes, checkpoint_from_components(kda, boundary), boundary)
+                hashes, checkpoint_from_components(kda, boundary) if tier.payload else None, boundary)
         finally:
             self._timed("transfer", moved[0], tier.name)
             self._timed("install", time.perf_counter() - t0 - moved[0], tier.name)
@@ -563,6 +571,7 @@ class TierConnector:
         hashes, final, first = st.hashes, computed >= st.prompt_len, st.uploads == 0
         st.uploads += 1
         checkpoints = dict(checkpoints)
+        made = set(checkpoints)
         if first and st.start and st.start not in checkpoints:
             checkpoints[st.start] = None                  # read from the device if a tier lacks it
         for tier in self.tiers:
@@ -570,17 +579,25 @@ class TierConnector:
                 continue
             a = tier.alignment
             mark = 0 if final else st.marks.get(tier.name, 0)
-            kv = list(range(mark + a, computed // a * a + 1, a))
-            aligned = sorted(b for b in checkpoints if b % a == 0 and b <= computed)
+            kv = list(range(mark + a, computed // a * a + 1, a)) if tier.writes_through(FULL) else []
+            aligned = (sorted(b for b in checkpoints if b % a == 0 and b <= computed)
+                       if tier.writes_through(KDA) else [])
             present = tier.exists([(tier.chain_hash(hashes, b), FULL) for b in kv]
                                   + [(tier.chain_hash(hashes, b), KDA) for b in aligned])
             if present is None:
                 continue
-            entries = [tier.entry(hashes, b, FULL, {"latents": self.backend.read_kv(alloc.block_table, b - a, b)})
+            entries = [tier.entry(hashes, b, FULL, {"latents": self.backend.read_kv(alloc.block_table, b - a, b)}
+                                  if tier.payload else None)
                        for b, ok in zip(kv, present) if not ok]
             for b, ok in zip(aligned, present[len(kv):]):
-                ckpt = checkpoints[b] if not ok else None
-                if not ok and ckpt is None:
+                if ok:
+                    continue
+                if not tier.payload:             # bytes only: the checkpoint must exist (made now, or published)
+                    if b in made or self._published_at(alloc, b):
+                        entries.append(tier.entry(hashes, b, KDA, None))
+                    continue
+                ckpt = checkpoints[b]
+                if ckpt is None:
                     ckpt = self.cache.checkpoint_at(alloc, b)
                 if ckpt is not None:
                     entries.append(tier.entry(hashes, b, KDA, checkpoint_components(ckpt)))
@@ -591,6 +608,14 @@ class TierConnector:
                     break
                 st.marks[tier.name] = b
 
+    def _published_at(self, alloc: Allocation, boundary: int) -> bool:
+        """Whether a checkpoint is published at ``boundary`` on the request's own path (tokens)."""
+        g = self.cache.config.prefix_match_unit
+        if boundary <= 0 or boundary % g or len(alloc.nodes) < boundary // g:
+            return False
+        node = alloc.nodes[boundary // g - 1]
+        return node.parent is not None and node.checkpoint is not None
+
     def write_back(self, evicted: list[EvictedEntry]) -> None:
         """Save evicted device state into the write-back tiers (page-aligned entries only), batched;
         entries a tier already holds are skipped before their tensors are read. The coordinator's
@@ -598,7 +623,8 @@ class TierConnector:
         for tier in self._back:
             a = tier.alignment
             wanted = [(e, grp) for e in evicted if e.end % a == 0
-                      for grp, held in ((FULL, e.page is not None), (KDA, e.checkpoint is not None)) if held]
+                      for grp, held in ((FULL, e.page is not None), (KDA, e.checkpoint is not None))
+                      if held and tier.holds(grp)]
             if not wanted:
                 continue
             held = tier.exists([(e.key, grp) for e, grp in wanted]) or [False] * len(wanted)
@@ -606,7 +632,9 @@ class TierConnector:
             for (e, grp), ok in zip(wanted, held):
                 if ok:
                     continue
-                if grp == FULL:
+                if not tier.payload:
+                    tensors = None                      # bytes only (simulation)
+                elif grp == FULL:
                     tensors = {"latents": self.backend.page_latents(e.page)}
                 else:
                     tensors = checkpoint_components(self.cache.read_checkpoint(e.checkpoint, e.end))

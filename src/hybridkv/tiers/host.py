@@ -17,6 +17,13 @@ hit on the entry saves: a checkpoint's boundary, a KV segment's ``alignment``)
 are dropped to make room (an entry larger than the whole capacity is refused).
 Entries are never referenced across calls (a load hands out the tensors, which
 the device install copies), so every held entry is evictable.
+
+Payload-free (``payload=False``, what ``replay --simulate`` builds: simulation has no
+tensors): the same keys, capacity, eviction order, demotion and promotion, with each
+entry's bytes taken from this model's entry shapes and no tensors held; a load hands out
+``{component: None}``. ``groups`` narrows what the tier holds (e.g. checkpoints only,
+``("kda",)``, when device KV is not short): saves of another group are refused and
+lookups find none, so a hit needs the device's own KV.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.cache.groups import KDA
+from hybridkv.cache.groups import FULL, KDA
 from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier
 from hybridkv.tiers.layout import DTYPES
@@ -58,16 +65,32 @@ class HostTier(Tier):
         eviction: ``lru`` or ``value``.
         quota_bytes: payload bytes one request namespace (``owner`` of a save) may hold;
             a save over it evicts that owner's own entries first. ``None``: no quota.
+        payload: hold tensors (default); ``False``: byte accounting only (simulation; the
+            ``tensors`` of a save are ignored and may be ``None``).
+        groups: the groups held (default both, ``("full", "kda")``).
+        through_groups: with ``write_through``, the groups written through (default: every group
+            held); the others are only written back. ``("kda",)``: checkpoints as they are
+            computed, KV pages when the device evicts them.
 
     Raises:
         ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
-            does not fit ``unit``, or ``eviction`` is unknown.
+            does not fit ``unit``, ``eviction`` is unknown, or ``groups`` is empty or
+            names an unknown group.
     """
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
-                 eviction: str = "lru", quota_bytes: int | None = None) -> None:
+                 eviction: str = "lru", quota_bytes: int | None = None, payload: bool = True,
+                 groups: tuple[str, ...] = (FULL, KDA), through_groups: tuple[str, ...] | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
+        groups = tuple(groups)
+        if not groups or any(g not in (FULL, KDA) for g in groups):
+            raise ValueError(f"host tier groups={groups!r} must be a non-empty subset of {(FULL, KDA)}")
+        self.groups = groups
+        self.through_groups = groups if through_groups is None else tuple(through_groups)
+        if any(g not in groups for g in self.through_groups):
+            raise ValueError(f"host tier through_groups={self.through_groups!r} must be among groups={groups!r}")
+        self.payload = bool(payload)
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ValueError(f"host tier capacity_bytes={capacity_bytes!r} must be a positive integer")
         self.capacity_bytes = capacity_bytes
@@ -80,6 +103,15 @@ class HostTier(Tier):
         self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in comps.items()}
                           for grp, comps in shapes.items()}
         self._bytes = 0
+
+    def holds(self, group: str) -> bool:
+        """Whether ``group`` is one of :attr:`groups`."""
+        return group in self.groups
+
+    def writes_through(self, group: str) -> bool:
+        """Whether ``group`` entries are saved as they are computed (``write_through`` and in
+        :attr:`through_groups`)."""
+        return self.write_through and group in self.through_groups
 
     @property
     def used_bytes(self) -> int:
@@ -108,7 +140,7 @@ class HostTier(Tier):
                 self._order.hit(key)
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
-                out.append(dict(e.tensors))
+                out.append(dict(e.tensors) if self.payload else dict.fromkeys(self.shapes[grp]))
         return out
 
     def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
@@ -116,10 +148,11 @@ class HostTier(Tier):
         request namespace ``owner``, into host memory (stamped with the wall time, for purges).
 
         An entry already held is left as it is (idempotent). Components must
-        match this model's shapes.
+        match this model's shapes (payload-free: not read; the entry's bytes are the shapes').
 
         Returns:
-            Per entry, whether it is held now (``False``: larger than the capacity or the quota).
+            Per entry, whether it is held now (``False``: larger than the capacity or the quota,
+            or a group this tier does not hold).
 
         Raises:
             ValueError: a component's name, dtype or shape differs from ``shapes``.
@@ -132,8 +165,14 @@ class HostTier(Tier):
                     self._order.hit(key)
                     out.append(True)
                     continue
-                self._check(group, tensors)
-                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                if group not in self.groups:
+                    out.append(False)
+                    continue
+                if self.payload:
+                    self._check(group, tensors)
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                else:
+                    nbytes = self.entry_nbytes(group)
                 if nbytes > self.capacity_bytes:
                     out.append(False)
                     continue
@@ -146,11 +185,12 @@ class HostTier(Tier):
                         self._evict(self._order.pop(owner))          # over its quota: its own go first
                 while self._bytes + nbytes > self.capacity_bytes:
                     self._evict(self._order.pop())
-                self._entries[key] = e = self._copy(tensors, nbytes)
+                self._entries[key] = e = self._copy(tensors, nbytes) if self.payload else _HostEntry({}, nbytes)
                 e.owner, e.created = owner, time.time()
                 self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary, owner)
                 self._order.add(key)
                 self._bytes += nbytes
+                self.stats.bytes_peak = max(self.stats.bytes_peak, self._bytes)
                 self.stats.bytes_saved += nbytes
                 out.append(True)
         return out

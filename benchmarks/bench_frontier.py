@@ -1,0 +1,141 @@
+"""Checkpoint frontier across device and host (issue 12 item 1), simulate mode.
+
+Run by hand (not part of the test suite)::
+
+    python benchmarks/bench_frontier.py --json frontier.json                    # whole bundled trace
+    python benchmarks/bench_frontier.py --limit 2000 --variants wb dense        # a shorter check
+    python benchmarks/bench_frontier.py --trace other.jsonl --device 0.05 --host 0.25
+
+First one replay with a checkpoint at every block boundary (``interval=B``, B = 512 tokens)
+and pools large enough that nothing is evicted gives the baseline: its peak resident
+checkpoint bytes ``P``. Each cell then gives the device ``ceil(d * P / slot bytes)``
+checkpoint slots and the host tier ``floor(h * P)`` bytes of checkpoints (the host holds
+checkpoints only, ``host_groups=("kda",)``: the device KV pool is sized so nothing is evicted,
+as in the every-block run, so the frontier is about checkpoint bytes alone). Reported per cell:
+the fraction of the every-unit oracle reused, the device's and the host's peak checkpoint
+bytes as fractions of ``P`` (measured, never above the budget), demotions (device checkpoint
+evictions written back), promotions (host installs) and host evictions.
+
+Variants (``VARIANTS``; the device policy is the replay default unless named):
+
+* ``default``: the replay default with a host tier: device evictions are demoted to the host
+  (write-back), a host hit is promoted (installed into the device, evicting another, which is
+  demoted), and checkpoints are written through to the host as they are computed: the device
+  policy's and, for the host only (never published on the device), one every 4 blocks
+  (``host_interval=4B``, :func:`hybridkv.replay.runner.default_host_interval`).
+* ``wb``: write-back only (``host_interval=0``): the host gets what the device evicts.
+* ``wt``: ``wb`` plus write-through of every page-aligned checkpoint the device policy creates.
+* ``dense``: ``default`` with ``host_interval=B``: a checkpoint at every block on the host.
+* ``dense2``: ``default`` with ``host_interval=2B``.
+* ``value``: ``default`` with ``value`` eviction in the device pool and the host tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+from rich.console import Console
+
+from hybridkv.replay.runner import ReplayOptions, run_replay
+
+DEVICE = (0.02, 0.05, 0.10)
+HOST = (0.0, 0.10, 0.25)
+VARIANTS = {
+    "default": {},
+    "wb": {"host_interval": 0},
+    "wt": {"host_write_through": True, "host_interval": 0},
+    "dense": {"host_interval": 1},
+    "dense2": {"host_interval": 2},
+    "value": {"eviction": "value"},
+}
+"""Variant name -> replay options (``host_interval`` in blocks)."""
+
+
+def baseline(trace: str | None, limit: int | None, block: int, console: Console) -> dict:
+    """The every-block run: ``interval=block``, nothing evicted, no host tier."""
+    r = run_replay(ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, host_bytes=0,
+                                 policy=f"interval={block}", block_tokens=block), console)
+    return {"oracle_fraction": r.oracle_fraction, "checkpoint_bytes_peak": r.checkpoint_bytes_peak,
+            "oracle_reused_tokens": r.oracle_reused_tokens, "requests": r.requests}
+
+
+def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes: int, variant: str,
+         device: float, host: float, policy: str | None, console: Console) -> dict:
+    """One replay of ``variant`` with ``device`` and ``host`` fractions of ``peak`` checkpoint bytes."""
+    v = dict(VARIANTS[variant])
+    if "host_interval" in v:
+        v["host_interval"] *= block
+    host_bytes = int(host * peak)
+    if not host_bytes:            # no host tier: the write-through options have nowhere to go
+        v = {k: x for k, x in v.items() if k == "eviction"}
+    slots = max(8, math.ceil(device * peak / slot_bytes))
+    t0 = time.perf_counter()
+    r = run_replay(ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, block_tokens=block,
+                                 policy=policy, num_checkpoint_slots=slots, host_bytes=host_bytes,
+                                 host_groups=("kda",), **v), console)
+    h = r.tiers["host"]
+    return {"variant": variant if host_bytes else "device only", "eviction": v.get("eviction", "lru"),
+            "policy": r.config["policy"], "device": device, "host": host, "slots": slots, "host_bytes": host_bytes,
+            "oracle_fraction": r.oracle_fraction, "reused_tokens": r.reused_tokens,
+            "device_peak": r.checkpoint_bytes_peak / peak, "host_peak": h["bytes_peak"] / peak,
+            "demotions": r.evictions["device"]["checkpoints"], "promotions": h["loads_taken"],
+            "host_hit_tokens": h["hit_tokens"], "host_evictions": r.evictions["host"]["entries"],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of the frontier."""
+    out = [("| variant | device budget | host budget | oracle fraction | device peak | host peak | "
+            "demotions | promotions | host evictions |"),
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['variant']} ({r['eviction']}) | {100 * r['device']:g}% | {100 * r['host']:g}% | "
+                   f"{100 * r['oracle_fraction']:.2f}% | {100 * r['device_peak']:.2f}% | "
+                   f"{100 * r['host_peak']:.2f}% | {r['demotions']:,} | {r['promotions']:,} | "
+                   f"{r['host_evictions']:,} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default=None, help="Mooncake-format trace (default: the bundled one)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
+    p.add_argument("--block", type=int, default=512, help="tokens per trace hash id (default 512)")
+    p.add_argument("--device", type=float, nargs="+", default=list(DEVICE), help="device budgets, fractions of P")
+    p.add_argument("--host", type=float, nargs="+", default=list(HOST), help="host budgets, fractions of P")
+    p.add_argument("--variants", nargs="+", default=["default", "wb", "dense"], choices=list(VARIANTS))
+    p.add_argument("--policy", default=None, help="device checkpoint policy (default: the replay default)")
+    p.add_argument("--peak", type=int, default=None,
+                   help="P in bytes from an earlier baseline of the same trace and limit (skips the baseline run)")
+    p.add_argument("--json", help="write baseline and rows here")
+    args = p.parse_args()
+    console = Console(stderr=True)
+    from hybridkv.cache.groups import KDASpec
+    from hybridkv.engine.build import model_config
+    slot_bytes = KDASpec.for_model(model_config("small")).page_size_bytes
+    base = ({"checkpoint_bytes_peak": args.peak} if args.peak
+            else baseline(args.trace, args.limit, args.block, console))
+    console.print(base)
+    peak = base["checkpoint_bytes_peak"]
+    rows, seen = [], set()
+    for variant in args.variants:
+        for d in args.device:
+            for h in args.host:
+                key = ("device only", d) if h == 0 and VARIANTS[variant].get("eviction", "lru") == "lru" else None
+                if key is not None and key in seen:
+                    continue                  # no host: every lru variant is the same run
+                seen.add(key)
+                rows.append(cell(args.trace, args.limit, args.block, peak, slot_bytes, variant, d, h,
+                                 args.policy, console))
+                console.print(rows[-1])
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump({"baseline": base, "slot_bytes": slot_bytes, "rows": rows}, f, indent=2)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
