@@ -45,7 +45,14 @@ from hybridkv.replay.instance import (
 from hybridkv.replay.oracle import oracle_from_trace
 from hybridkv.replay.report import TIMED_KEYS, ReplayReport, VerifyReport, ratio, reuse_histogram
 from hybridkv.replay.timed import TimedSetup, run_timed
-from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
+from hybridkv.replay.trace import (
+    TraceUnits,
+    load_trace,
+    placeholder_prompts,
+    request_token_array,
+    scaled_input_length,
+    scaled_output_length,
+)
 from hybridkv.tiers.base import MISS_REASONS
 
 
@@ -144,7 +151,11 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
     policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
-    prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
+    units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
+    if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised
+        prompts = placeholder_prompts([scaled_input_length(r, opts.block_tokens) for r in reqs])
+    else:
+        prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
     out_lens = [_output_length(opts, r) for r in reqs]
     pages_needed = sum(-(-(len(p) + o) // opts.block_size) for p, o in zip(prompts, out_lens))
     cfg = CacheConfig(
@@ -171,7 +182,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                           prompts=prompts[k::n], indices=list(range(k, len(reqs), n)), output_lengths=out_lens[k::n],
                           verify={i for i in verify_ids if i % n == k}, store_url=store_url,
                           host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
-                          simulate=opts.simulate)
+                          simulate=opts.simulate, trace=reqs[k::n] if units is not None else [], units=units)
              for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
@@ -180,7 +191,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         try:
             if opts.timed:
                 timed = run_timed(_timed_setup(opts, store_url), cfg, reqs, prompts, out_lens, verify_ids,
-                                  lambda k: bar.advance(task, k))
+                                  lambda k: bar.advance(task, k), units)
                 results = timed.results
             elif n == 1:
                 results = [run_instance(specs[0], lambda k: bar.advance(task, k), threads=opts.threads)]

@@ -178,11 +178,20 @@ class LRUOrder(EvictionOrder):
 
     def add(self, item: Hashable) -> None:
         """Make ``item`` the most recent member."""
-        self.discard(item)
-        self._q[item] = None
+        q = self._q
+        if item in q:
+            q.move_to_end(item)
+        else:
+            q[item] = None
         owner = self._info(item).owner
         if owner is not None:
-            self._by_owner.setdefault(owner, OrderedDict())[item] = None
+            oq = self._by_owner.get(owner)
+            if oq is None:
+                oq = self._by_owner[owner] = OrderedDict()
+            if item in oq:
+                oq.move_to_end(item)
+            else:
+                oq[item] = None
 
     def discard(self, item: Hashable) -> None:
         """Drop ``item`` from the order (absent: no-op)."""
