@@ -136,11 +136,21 @@ class PrefixIndex:
         """
         if out is None:
             out = []
-        append = out.append
-        for key, page in zip(keys, pages):
-            node = parent.children.get(key)
+        append, add_node, by_page, unit = out.append, self.pages.add_node, self.by_page, self.unit
+        for key, page in zip(keys, pages):           # the body of _insert, inlined: the simulator's hot loop
+            children = parent.children
+            node = children.get(key)
             if node is None:
-                node = self._insert(parent, key, page, owner if owner is not None else parent.owner, now)
+                own = owner if owner is not None else parent.owner
+                end = parent.end + unit
+                add_node(page, end, own)              # raises before the tree changes
+                node = children[key] = BlockNode(key, parent, end, page, None, {}, own, now)
+                nodes = by_page.get(page)
+                if nodes is None:
+                    by_page[page] = {node}
+                else:
+                    nodes.add(node)
+                self.num_nodes += 1
             append(node)
             parent = node
         return out
