@@ -125,10 +125,6 @@ class Allocation:
     owner: bytes | None = None
 
 
-def _not_token_sized(payload: bytes) -> bool:
-    return len(payload) % 8 != 0
-
-
 class HybridCacheCoordinator:
     """Index + page pool + checkpoint pool + group agreement.
 
@@ -199,9 +195,6 @@ class HybridCacheCoordinator:
         Raises:
             ValueError: a payload whose length is a multiple of 8 (naming its index and length).
         """
-        if not all(map(_not_token_sized, payloads)):
-            i, p = next((i, p) for i, p in enumerate(payloads) if not _not_token_sized(p))
-            raise ValueError(f"unit payload {i} is {len(p)} bytes, a multiple of 8 (reserved for token ids)")
         ns = namespace or self.namespace
         bound = self._bound.get(ns)
         if bound is None:

@@ -105,7 +105,8 @@ class EvictionOrder(ABC):
             raise ValueError(f"eviction item nbytes={nbytes} must be positive")
         if cost < 0:
             raise ValueError(f"eviction item cost={cost} must be >= 0")
-        self.forget(item)
+        if item in self.info:              # a member always has a description (``_info``)
+            self.forget(item)
         self.info[item] = ItemInfo(nbytes, float(cost), depth, owner)
         if owner is not None:
             self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + nbytes
