@@ -67,12 +67,16 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     ap.add_argument("--cases", default="timed32,untimed", help=f"comma-separated, of {sorted(CASES)}")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/simspeed.json"))
+    ap.add_argument("--commit", default=None,
+                    help="commit of the code measured (default: this checkout's HEAD; set it when PYTHONPATH "
+                         "points at another tree)")
     args = ap.parse_args()
     names = [c for c in args.cases.split(",") if c]
     for c in names:
         if c not in CASES:
             ap.error(f"unknown case {c!r}; choose from {sorted(CASES)}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
+                                           text=True).stdout.strip()
     runs = []
     for c in names:
         r = run_case(c, args.limit)
