@@ -12,6 +12,7 @@ all in this process on virtual clocks (:mod:`hybridkv.replay.timed`).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import shutil
 import signal
@@ -20,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from multiprocessing.managers import SyncManager
 from dataclasses import dataclass, replace
 
@@ -184,8 +186,9 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                           host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
                           simulate=opts.simulate, trace=reqs[k::n] if units is not None else [], units=units)
              for k in range(n)]
-    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not opts.progress, transient=False) as bar:
+    with _fewer_collections(opts.simulate), \
+            Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                     console=console, disable=not opts.progress, transient=False) as bar:
         task = bar.add_task("requests", total=len(reqs))
         timed = None
         try:
@@ -206,6 +209,28 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
     return report
+
+
+SIMULATE_GC_THRESHOLD = (100_000, 50, 1000)
+"""``gc.set_threshold`` while a simulated replay runs in this process (Python's default is
+``(700, 10, 10)``): the simulated cache allocates millions of long-lived index nodes, and the
+default thresholds spend about a quarter of a whole-trace timed run's CPU seconds in
+collections that find nothing (docs/routing.md, "Simulator speed"). Index nodes break their
+own cycles when removed, so memory does not wait on the collector."""
+
+
+@contextmanager
+def _fewer_collections(on: bool):
+    """:data:`SIMULATE_GC_THRESHOLD` inside the block when ``on``; the previous thresholds after."""
+    if not on:
+        yield
+        return
+    old = gc.get_threshold()
+    gc.set_threshold(*SIMULATE_GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def _output_length(opts: ReplayOptions, r) -> int:
