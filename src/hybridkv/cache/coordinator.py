@@ -21,7 +21,11 @@ from typing import Callable
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FULL, GROUPS, KDA, joint_hit, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
-from hybridkv.cache.namespace import bind_namespace, chained_block_hashes
+from hybridkv.cache.namespace import (
+    bind_namespace,
+    chain_payloads,
+    chained_block_hashes,
+)
 from hybridkv.cache.pools import CheckpointPool, PagePool
 from hybridkv.model.state import KDACheckpoint
 
@@ -178,15 +182,45 @@ class HybridCacheCoordinator:
             bound = self._bound[ns] = bind_namespace(ns, self.binding)
         return chained_block_hashes(bound, token_ids, self.config.prefix_match_unit)
 
-    def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True) -> MatchResult:
+    def chain_units(self, payloads: list[bytes], namespace: bytes | None = None) -> list[bytes]:
+        """Chained hashes ``h_i = SHA256(h_{i-1} || namespace || payloads[i])`` (the rule of
+        :meth:`hash_prompt`) over caller-made unit payloads instead of token bytes.
+
+        For prompts whose tokens are a known function of a shorter description (a trace's
+        synthetic blocks: :func:`hybridkv.replay.trace.unit_payloads`): each payload must fix
+        its unit's token ids exactly, so equal payload chains mean equal prefixes. Payload
+        lengths are never a multiple of 8, so no payload equals a unit's token bytes
+        (``int64``, 8 bytes a token).
+
+        Raises:
+            ValueError: a payload whose length is a multiple of 8 (naming its index and length).
+        """
+        ns = namespace or self.namespace
+        bound = self._bound.get(ns)
+        if bound is None:
+            bound = self._bound[ns] = bind_namespace(ns, self.binding)
+        return chain_payloads(bound, payloads)
+
+    def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True,
+               hashes: list[bytes] | None = None) -> MatchResult:
         """Joint hit for a prompt of ``T = len(token_ids)`` tokens.
 
         At most ``T - 1`` tokens are reused, rounded down to a unit boundary,
         so the last prompt position is always computed. ``touch=False`` leaves
-        the LRU order as it is (a peek, e.g. for a prefetch).
+        the LRU order as it is (a peek, e.g. for a prefetch). ``hashes``: the prompt's
+        chained unit hashes when the caller has them already (from :meth:`hash_prompt` or
+        :meth:`chain_units` with the same ``namespace``, one per whole unit of the prompt);
+        ``None``: hashed here.
+
+        Raises:
+            ValueError: ``hashes`` is not one hash per whole unit of the prompt (naming both counts).
         """
         g = self.config.prefix_match_unit
-        hashes = self.hash_prompt(token_ids, namespace)
+        if hashes is None:
+            hashes = self.hash_prompt(token_ids, namespace)
+        elif len(hashes) != len(token_ids) // g:
+            raise ValueError(f"{len(hashes)} unit hashes given for a prompt of {len(token_ids)} tokens "
+                             f"({len(token_ids) // g} whole units of {g})")
         limit = reuse_cap(len(token_ids), g)
         path = self.index.walk(hashes[: limit // g])
         joint = joint_hit(path, limit, GROUPS)
@@ -387,12 +421,13 @@ class HybridCacheCoordinator:
         nodes = alloc.nodes
         if nodes and nodes[-1].parent is None:       # evicted since: rebuild from the root
             nodes.clear()
+        k = len(nodes)
+        if k >= n:
+            return
         parent = nodes[-1] if nodes else self.index.root
-        for i in range(len(nodes), n):
-            node, _ = self.index.get_or_insert(parent, hashes[i], alloc.block_table[(i * g) // b],
-                                               alloc.owner, self.clock())
-            nodes.append(node)
-            parent = node
+        table, per_page = alloc.block_table, b // g     # b is a multiple of g (CacheConfig)
+        self.index.extend(parent, hashes[k:n], [table[i // per_page] for i in range(k, n)], alloc.owner,
+                          self.clock(), out=nodes)
 
     def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
                             boundary: int, label: str = "") -> bool:
@@ -462,10 +497,9 @@ class HybridCacheCoordinator:
             if pages is not None:
                 held += pages                               # freed again below unless indexed
                 write_pages(pages)
-                parent = path[-1] if path else self.index.root
-                for i in range(start // g, end // g):
-                    parent, _ = self.index.get_or_insert(parent, hashes[i], pages[(i * g - start) // b],
-                                                         now=self.clock())
+                per_page = b // g
+                self.index.extend(path[-1] if path else self.index.root, hashes[start // g: end // g],
+                                  [pages[i // per_page] for i in range(end // g - start // g)], now=self.clock())
         finally:
             for p in held:
                 self.pages.unref(p)

@@ -98,14 +98,62 @@ class PrefixIndex:
         node = parent.children.get(key)
         if node is not None:
             return node, False
-        owner = owner if owner is not None else parent.owner
+        return self._insert(parent, key, page, owner if owner is not None else parent.owner, now), True
+
+    def _insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None, now: float) -> BlockNode:
+        """A new child of ``parent`` (``key`` absent there) at ``page``; the pool is told first."""
         end = parent.end + self.unit
         self.pages.add_node(page, end, owner)     # raises before the tree changes
-        node = BlockNode(key=key, parent=parent, end=end, page=page, owner=owner, created=now)
+        node = BlockNode(key, parent, end, page, None, {}, owner, now)
         parent.children[key] = node
-        self.by_page.setdefault(page, set()).add(node)
+        nodes = self.by_page.get(page)
+        if nodes is None:
+            self.by_page[page] = {node}
+        else:
+            nodes.add(node)
         self.num_nodes += 1
-        return node, True
+        return node
+
+    def extend(self, parent: BlockNode, keys: list[bytes], pages: list[int], owner: bytes | None = None,
+               now: float = 0.0, out: list[BlockNode] | None = None) -> list[BlockNode]:
+        """:meth:`get_or_insert` down a chain: ``keys[i]`` (at ``pages[i]``) under the node of
+        ``keys[i - 1]``, the first under ``parent``; the same as calling it once per key.
+
+        Args:
+            parent: node the chain hangs under.
+            keys: chained unit hashes, parent to child.
+            pages: page of each key's unit (``len(pages) >= len(keys)``).
+            owner: as :meth:`get_or_insert` (``None``: each new node inherits its parent's).
+            now: ``created`` of new nodes, seconds.
+            out: list the nodes are appended to (a new one when ``None``).
+
+        Returns:
+            ``out`` with the node of each key appended, in order.
+
+        Raises:
+            RuntimeError: a new node's page is free; the nodes of the keys before it stay
+                inserted (and appended to ``out``).
+        """
+        if out is None:
+            out = []
+        append, add_node, by_page, unit = out.append, self.pages.add_node, self.by_page, self.unit
+        for key, page in zip(keys, pages):           # the body of _insert, inlined: the simulator's hot loop
+            children = parent.children
+            node = children.get(key)
+            if node is None:
+                own = owner if owner is not None else parent.owner
+                end = parent.end + unit
+                add_node(page, end, own)              # raises before the tree changes
+                node = children[key] = BlockNode(key, parent, end, page, None, {}, own, now)
+                nodes = by_page.get(page)
+                if nodes is None:
+                    by_page[page] = {node}
+                else:
+                    nodes.add(node)
+                self.num_nodes += 1
+            append(node)
+            parent = node
+        return out
 
     def attach_checkpoint(self, node: BlockNode, slot: int) -> None:
         """Publish ``slot`` (already written) as ``C(P_node.end)``."""

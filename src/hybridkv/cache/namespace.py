@@ -110,3 +110,23 @@ def chained_block_hashes(namespace: bytes, token_ids, unit: int, max_units: int 
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def chain_payloads(namespace: bytes, payloads: list[bytes]) -> list[bytes]:
+    """Chained hashes ``h_i = SHA256(h_{i-1} || namespace || payloads[i])`` (32-byte digests,
+    ``h_{-1}`` the same root as :func:`chained_block_hashes`): that function's chain over
+    unit payloads given by the caller instead of token bytes.
+
+    Raises:
+        ValueError: a payload whose length is a multiple of 8 (naming its index and length):
+            those lengths are a unit's token bytes (``int64``), so no payload can pose as tokens.
+    """
+    out: list[bytes] = []
+    prev = b"hybridkv.root"
+    sha = hashlib.sha256
+    for p in payloads:
+        if not len(p) & 7:
+            raise ValueError(f"unit payload {len(out)} is {len(p)} bytes, a multiple of 8 (reserved for token ids)")
+        prev = sha(prev + namespace + p).digest()
+        out.append(prev)
+    return out

@@ -127,8 +127,9 @@ class Engine:
             ValueError: naming the request and the value: already submitted,
                 empty or non-integer prompt, a token id outside the vocabulary,
                 ``max_output_tokens`` not an integer >= 1, a namespace that is
-                not bytes, or a hint that is not a positive multiple of
-                ``prefix_match_unit``. Nothing is queued then.
+                not bytes, a hint that is not a positive multiple of
+                ``prefix_match_unit``, or ``hashes`` that are not one per whole unit
+                of the prompt. Nothing is queued then.
         """
         rid = req.request_id
         if req.status != Status.WAITING or req.alloc is not None or req in self.waiting:
@@ -154,6 +155,9 @@ class Engine:
             if not isinstance(h, (int, np.integer)) or isinstance(h, bool) or h <= 0 or h % g:
                 raise ValueError(f"request {rid}: hint {h!r} is not a positive multiple of {g}")
         req.hints = tuple(int(h) for h in req.hints)
+        if req.hashes is not None and len(req.hashes) != prompt.shape[0] // g:
+            raise ValueError(f"request {rid}: {len(req.hashes)} unit hashes given for a prompt of "
+                             f"{prompt.shape[0]} tokens ({prompt.shape[0] // g} whole units of {g})")
         self.waiting.append(req)
         return req
 
@@ -224,8 +228,10 @@ class Engine:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             t = req.prompt_len
+            if req.hashes is None:
+                req.hashes = self.cache.hash_prompt(req.prompt, req.namespace)
             t0 = time.perf_counter()
-            match = self.cache.lookup(req.prompt, req.namespace)
+            match = self.cache.lookup(req.prompt, req.namespace, hashes=req.hashes)
             if self.timings is not None:
                 self.timings.observe("lookup", time.perf_counter() - t0, "device")
             if self.running and not self.cache.could_fit(match, t + req.max_output_tokens - 1):

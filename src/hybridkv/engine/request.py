@@ -46,6 +46,10 @@ class Request:
             means the engine's.
         sampler: picks each generated token from the last position's logits
             (``float32[vocab]`` -> token id); ``None``: greedy (the backend's argmax).
+        hashes: chained unit hashes of the prompt (32-byte digests, one per whole
+            ``prefix_match_unit``), from the engine cache's ``hash_prompt`` or ``chain_units``
+            under the request's namespace; ``None``: the engine hashes the prompt at its first
+            lookup and keeps them here (so a request is hashed once however often it is looked up).
     """
 
     request_id: str
@@ -64,6 +68,7 @@ class Request:
     namespace: bytes | None = None
     admission_failures: int = 0
     sampler: Callable[[torch.Tensor], int] | None = None
+    hashes: list[bytes] | None = field(default=None, repr=False)
 
     @property
     def prompt_len(self) -> int:

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 
 from hybridkv.cache.coordinator import EvictedEntry
-from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
+from hybridkv.cache.groups import FULL, KDA, JointHit
 
 
 class EventKind(enum.Enum):
@@ -154,5 +154,8 @@ class InstanceView:
         :func:`~hybridkv.cache.groups.joint_hit` over the boundaries the events reported."""
         g, ck = self.unit, self.checkpoints
         run = self.kv_run(hashes, limit) // g
-        bounds = [EntryPresence((i + 1) * g, True, hashes[i] in ck) for i in range(run)]
-        return joint_hit(bounds, limit)
+        # joint_hit over boundaries that all hold KV (the run) and lie within ``limit``: the full
+        # group's hit is the run, the KDA group's the deepest checkpoint on it, and they agree
+        # at the latter; computed directly (this runs for every instance on every arrival).
+        deepest = next((i + 1 for i in range(run - 1, -1, -1) if hashes[i] in ck), 0)
+        return JointHit(deepest * g, {FULL: run * g, KDA: deepest * g})

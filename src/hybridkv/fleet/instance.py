@@ -221,7 +221,7 @@ class FleetInstance:
         got = self.store.view.match(fr.hashes, reuse_cap(r.prompt_len, cache.config.prefix_match_unit)).hit
         if not got:
             return 0.0
-        local = cache.lookup(r.prompt, r.namespace, touch=False)
+        local = cache.lookup(r.prompt, r.namespace, touch=False, hashes=fr.hashes)
         if got <= local.hit:
             return 0.0
         start = load_start(local.kv_hit, got, cache.config.block_size)

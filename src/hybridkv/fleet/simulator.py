@@ -81,7 +81,9 @@ class Fleet:
         """Route one request at its arrival and queue it on the chosen instance."""
         self.deliver(fr.arrival)
         r = fr.request
-        hashes = fr.hashes = self._hash(r.prompt, r.namespace)
+        if r.hashes is None:                     # hashed once: the router, the store and the engine share them
+            r.hashes = self._hash(r.prompt, r.namespace)
+        hashes = fr.hashes = r.hashes
         rr = RouteRequest(hashes=hashes, prompt_tokens=r.prompt_len, limit=reuse_cap(r.prompt_len, self.unit),
                           output_tokens=fr.output_tokens)
         j = self.router.route(rr, self.state)

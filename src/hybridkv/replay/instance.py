@@ -17,6 +17,7 @@ from hybridkv.cache.config import CacheConfig
 from hybridkv.engine.build import EngineHandle, build_engine, load_model, model_config
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
+from hybridkv.replay.trace import TraceRequest, TraceUnits
 
 
 TURN_FAILED = -1
@@ -42,6 +43,9 @@ class InstanceSpec:
         host_groups: the groups the host tier holds (``("kda",)``: checkpoints only).
         simulate: cost model instead of the model (the host tier is then payload-free:
             byte accounting only; a store is not modelled).
+        trace: with ``units``, the trace request of each prompt (same order as ``prompts``).
+        units: key the cache by :class:`~hybridkv.replay.trace.TraceUnits` payloads of ``trace``
+            instead of hashing ``prompts`` (simulation, where the prompts are placeholders).
     """
 
     instance_id: int
@@ -57,6 +61,8 @@ class InstanceSpec:
     host_write_through: bool = False
     host_groups: tuple[str, ...] = ("full", "kda")
     simulate: bool = False
+    trace: list[TraceRequest] = field(default_factory=list)
+    units: TraceUnits | None = None
 
 
 @dataclass(slots=True)
@@ -145,6 +151,12 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     engine = built.engine
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
+    if spec.units is not None:
+        if len(spec.trace) != len(requests):
+            raise ValueError(f"instance {spec.instance_id}: {len(spec.trace)} trace requests for "
+                             f"{len(requests)} prompts")
+        for r, t in zip(requests, spec.trace):
+            r.hashes = engine.cache.chain_units(spec.units.payloads(t))
     t0 = time.perf_counter()
     interrupted = False
     try:

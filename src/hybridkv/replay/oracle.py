@@ -145,6 +145,9 @@ def oracle_from_trace(
             keys: Sequence[object] = ids[:n_whole]
         elif aligned:
             keys = [ids[j * step : (j + 1) * step] for j in range(n_whole)]
+        elif block_tokens % block_size == 0:      # each cache block inside one trace block: its id is the key
+            per = block_tokens // block_size
+            keys = [ids[j // per] for j in range(n_whole)]
         else:
             keys = [
                 ids[(j * block_size) // block_tokens : ((j + 1) * block_size - 1) // block_tokens + 1]

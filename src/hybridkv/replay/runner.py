@@ -12,6 +12,7 @@ all in this process on virtual clocks (:mod:`hybridkv.replay.timed`).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import shutil
 import signal
@@ -20,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing.managers import SyncManager
 
@@ -52,7 +54,14 @@ from hybridkv.replay.report import (
     reuse_histogram,
 )
 from hybridkv.replay.timed import TimedSetup, run_timed
-from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
+from hybridkv.replay.trace import (
+    TraceUnits,
+    load_trace,
+    placeholder_prompts,
+    request_token_array,
+    scaled_input_length,
+    scaled_output_length,
+)
 from hybridkv.tiers.base import MISS_REASONS
 
 
@@ -177,7 +186,11 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
     policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
-    prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
+    units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
+    if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised
+        prompts = placeholder_prompts([scaled_input_length(r, opts.block_tokens) for r in reqs])
+    else:
+        prompts = [request_token_array(r, opts.block_tokens, mcfg.vocab_size, seed=opts.seed) for r in reqs]
     out_lens = [_output_length(opts, r) for r in reqs]
     pages_needed = sum(-(-(len(p) + o) // opts.block_size) for p, o in zip(prompts, out_lens))
     cfg = CacheConfig(
@@ -207,16 +220,18 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                           prompts=prompts[k::n], indices=list(range(k, len(reqs), n)), output_lengths=out_lens[k::n],
                           verify={i for i in verify_ids if i % n == k}, store_url=store_url,
                           host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
-                          host_groups=tuple(opts.host_groups), simulate=opts.simulate)
+                          host_groups=tuple(opts.host_groups), simulate=opts.simulate,
+                          trace=reqs[k::n] if units is not None else [], units=units)
              for k in range(n)]
-    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not opts.progress, transient=False) as bar:
+    with _fewer_collections(opts.simulate), \
+            Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                     console=console, disable=not opts.progress, transient=False) as bar:
         task = bar.add_task("requests", total=len(reqs))
         timed = None
         try:
             if opts.timed:
                 timed = run_timed(_timed_setup(opts, store_url), cfg, reqs, prompts, out_lens, verify_ids,
-                                  lambda k: bar.advance(task, k))
+                                  lambda k: bar.advance(task, k), units)
                 results = timed.results
             elif n == 1:
                 results = [run_instance(specs[0], lambda k: bar.advance(task, k), threads=opts.threads)]
@@ -237,6 +252,28 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                             "cost_model": timed.timing["cost_model"], "requests": len(reqs),
                             "step_clock": None if opts.simulate else opts.step_clock})
     return report
+
+
+SIMULATE_GC_THRESHOLD = (100_000, 50, 1000)
+"""``gc.set_threshold`` while a simulated replay runs in this process (Python's default is
+``(700, 10, 10)``): the simulated cache allocates millions of long-lived index nodes, and the
+default thresholds spend about a quarter of a whole-trace timed run's CPU seconds in
+collections that find nothing (docs/routing.md, "Simulator speed"). Index nodes break their
+own cycles when removed, so memory does not wait on the collector."""
+
+
+@contextmanager
+def _fewer_collections(on: bool):
+    """:data:`SIMULATE_GC_THRESHOLD` inside the block when ``on``; the previous thresholds after."""
+    if not on:
+        yield
+        return
+    old = gc.get_threshold()
+    gc.set_threshold(*SIMULATE_GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def _output_length(opts: ReplayOptions, r) -> int:

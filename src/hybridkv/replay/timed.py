@@ -38,7 +38,7 @@ from hybridkv.fleet.store import (
     StoreView,
 )
 from hybridkv.replay.instance import InstanceResult, collect_result
-from hybridkv.replay.trace import TraceRequest
+from hybridkv.replay.trace import TraceRequest, TraceUnits
 
 DEFAULT_SIMULATED_COST_MODEL = "h200-kimi-linear-48b"
 """Cost model of ``--simulate --timed`` unless ``--cost-model`` names another."""
@@ -122,7 +122,7 @@ def _builder(setup: TimedSetup, cfg: CacheConfig):
 
 
 def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], prompts, output_lengths: list[int],
-              verify: set[int], progress=None) -> TimedRun:
+              verify: set[int], progress=None, units: TraceUnits | None = None) -> TimedRun:
     """Route and serve the requests on the clock.
 
     Args:
@@ -134,6 +134,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
             only when simulating; the instance models the rest).
         verify: trace indices whose logits are checked against a cache-free run (real model).
         progress: ``progress(n)`` as requests end.
+        units: key the caches by these unit payloads of ``reqs`` instead of hashing ``prompts``
+            (simulation with placeholder prompts; :class:`~hybridkv.replay.trace.TraceUnits`).
 
     Raises:
         ValueError: unknown router name, ``time_scale`` not positive.
@@ -158,6 +160,10 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     frs = [FleetRequest(r.index, Request(f"r{r.index}", p, 1 if setup.simulate else o, record_logits=r.index in verify),
                         arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
            for r, p, o in zip(reqs, prompts, output_lengths)]
+    if units is not None:                              # every instance binds the same namespace
+        chain = instances[0].handle.engine.cache.chain_units
+        for fr, r in zip(frs, reqs):
+            fr.request.hashes = chain(units.payloads(r))
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
     threads = torch.get_num_threads()

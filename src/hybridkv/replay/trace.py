@@ -261,3 +261,91 @@ def request_token_array(
     parts = [_block_array(h, block_tokens, vocab_size, seed) for h in req.hash_ids]
     parts[-1] = parts[-1][:last]
     return np.concatenate(parts)
+
+
+# --- unit payloads: the synthetic prompt's units without its tokens ---------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceUnits:
+    """Describes each ``unit``-token unit of a synthetic prompt by the ids that make its tokens.
+
+    A unit's token ids are a function of the hash ids of the trace blocks it overlaps,
+    its offset in the first of them, and the synthesis parameters (``block_tokens``,
+    ``vocab_size``, ``seed``): the scaled blocks are ``block_tokens`` long except a
+    partial last one, which holds the first tokens of its id's block, so a whole unit
+    never depends on where the prompt ends. :meth:`payloads` encodes exactly that, so
+    two units have equal payload chains iff :func:`request_token_array` gives them
+    equal token prefixes (barring two different ids whose PCG64 streams agree on a whole
+    unit, the same caveat as :func:`hybridkv.replay.oracle.oracle_from_trace`). Chained
+    by :meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.chain_units`, they key
+    a simulated cache exactly as hashing the synthetic tokens would, without making them.
+
+    Attributes:
+        block_tokens: synthetic tokens per hash id (>= 1).
+        unit: ``prefix_match_unit`` in tokens (>= 1).
+        vocab_size: vocabulary of the synthetic ids (>= 1).
+        seed: token seed (as :func:`request_token_array`).
+        trace_block_tokens: tokens per hash id in the trace file.
+
+    Raises:
+        ValueError: a size below 1 (naming it).
+    """
+
+    block_tokens: int
+    unit: int
+    vocab_size: int
+    seed: int = 0
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        _check_synth_args(self.block_tokens, self.vocab_size)
+        if self.unit < 1:
+            raise ValueError(f"unit must be >= 1, got {self.unit}")
+
+    def payloads(self, req: TraceRequest) -> list[bytes]:
+        """One payload per whole unit of ``req``'s scaled prompt
+        (``scaled_input_length // unit`` of them), ``33 + 8 m`` bytes each (``m`` ids):
+        ``b"T"``, ``seed``, ``block_tokens``, ``vocab_size``, the unit's offset in its first
+        block and the ids it overlaps, as 8-byte little-endian integers.
+
+        Raises:
+            ValueError: a hash id of 2**64 or more (naming it and the request).
+        """
+        bt, g = self.block_tokens, self.unit
+        n = scaled_input_length(req, bt, trace_block_tokens=self.trace_block_tokens) // g
+        head = b"T" + b"".join(v.to_bytes(8, "little", signed=True)
+                                for v in (self.seed, self.block_tokens, self.vocab_size))
+        try:
+            ids = [h.to_bytes(8, "little") for h in req.hash_ids]
+        except OverflowError:
+            bad = next(h for h in req.hash_ids if h >= 1 << 64)
+            raise ValueError(f"trace request {req.index}: hash id {bad} does not fit 64 bits") from None
+        if bt % g == 0:                                # every unit inside one block
+            per = bt // g
+            offsets = [head + (k * g).to_bytes(8, "little") for k in range(per)]
+            return [offsets[i % per] + ids[i // per] for i in range(n)]
+        out = []
+        for i in range(n):
+            s = i * g
+            first, last = s // bt, (s + g - 1) // bt
+            out.append(head + (s - first * bt).to_bytes(8, "little") + b"".join(ids[first:last + 1]))
+        return out
+
+
+def placeholder_prompts(lengths: list[int]) -> list[np.ndarray]:
+    """Read-only ``int64`` zero prompts of ``lengths`` tokens (views of one buffer): the
+    prompts of a simulated replay whose requests carry unit hashes from :class:`TraceUnits`
+    (lengths matter there, token ids do not).
+
+    Raises:
+        ValueError: a length below 1 (naming it).
+    """
+    if not lengths:
+        return []
+    bad = min(lengths)
+    if bad < 1:
+        raise ValueError(f"prompt length must be >= 1, got {bad}")
+    buf = np.zeros(max(lengths), dtype=np.int64)
+    buf.flags.writeable = False
+    return [buf[:n] for n in lengths]

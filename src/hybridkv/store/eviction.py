@@ -105,7 +105,8 @@ class EvictionOrder(ABC):
             raise ValueError(f"eviction item nbytes={nbytes} must be positive")
         if cost < 0:
             raise ValueError(f"eviction item cost={cost} must be >= 0")
-        self.forget(item)
+        if item in self.info:              # a member always has a description (``_info``)
+            self.forget(item)
         self.info[item] = ItemInfo(nbytes, float(cost), depth, owner)
         if owner is not None:
             self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + nbytes
@@ -178,11 +179,20 @@ class LRUOrder(EvictionOrder):
 
     def add(self, item: Hashable) -> None:
         """Make ``item`` the most recent member."""
-        self.discard(item)
-        self._q[item] = None
+        q = self._q
+        if item in q:
+            q.move_to_end(item)
+        else:
+            q[item] = None
         owner = self._info(item).owner
         if owner is not None:
-            self._by_owner.setdefault(owner, OrderedDict())[item] = None
+            oq = self._by_owner.get(owner)
+            if oq is None:
+                oq = self._by_owner[owner] = OrderedDict()
+            if item in oq:
+                oq.move_to_end(item)
+            else:
+                oq[item] = None
 
     def discard(self, item: Hashable) -> None:
         """Drop ``item`` from the order (absent: no-op)."""
