@@ -383,7 +383,7 @@ class TierConnector:
         cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         if not remote or cap == 0:
             return False
-        match = self.cache.lookup(prompt, namespace, touch=False)
+        match = self.cache.lookup(prompt, namespace, touch=False, hashes=getattr(key, "hashes", None))
         if match.hit >= cap:
             return False
         jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
@@ -492,7 +492,9 @@ class TierConnector:
                 if from_prefetch is None:
                     self._note_load(tier, time.perf_counter() - t0, entries)
                 before = match.hit
-                match = self.cache.lookup(prompt, namespace)   # installing may have evicted pages of the hit
+                # installing may have evicted pages of the hit; the same unit hashes (a simulated
+                # replay keys its cache by trace payloads, not by the placeholder prompt's tokens)
+                match = self.cache.lookup(prompt, namespace, hashes=match.hashes)
                 if installed:
                     if match.hit > before:
                         spans.setdefault(tier.name, []).append((before, match.hit))
