@@ -57,12 +57,14 @@ which is how a tenant over its quota evicts its own entries first.
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "value")
+HALF_LIFE_TURNOVERS = 1.0       # value order: an unused item's weight halves per turnover (docs/memory.md)
 
 
 @dataclass(slots=True)
@@ -82,6 +84,9 @@ class ItemInfo:
     depth: int = 0
     owner: Hashable | None = None
     hits: int = 0
+    weight: float = 1.0
+    last: float = 0.0
+    counted: float = -1.0
 
 
 class EvictionOrder(ABC):
@@ -92,6 +97,7 @@ class EvictionOrder(ABC):
     def __init__(self) -> None:
         self.info: dict[Hashable, ItemInfo] = {}          # owner: this order (describe/forget)
         self.owner_bytes: dict[Hashable, int] = {}        # invariant: sum of info.nbytes per owner
+        self.total_bytes = 0                               # invariant: sum of info.nbytes
 
     # -- descriptions ----------------------------------------------------
     def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
@@ -107,6 +113,7 @@ class EvictionOrder(ABC):
             raise ValueError(f"eviction item cost={cost} must be >= 0")
         self.forget(item)
         self.info[item] = ItemInfo(nbytes, float(cost), depth, owner)
+        self.total_bytes += nbytes
         if owner is not None:
             self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + nbytes
 
@@ -114,6 +121,8 @@ class EvictionOrder(ABC):
         """The item's content is gone: drop it from the order and its description."""
         self.discard(item)
         info = self.info.pop(item, None)
+        if info is not None:
+            self.total_bytes -= info.nbytes
         if info is not None and info.owner is not None:
             left = self.owner_bytes[info.owner] - info.nbytes
             if left:
@@ -125,6 +134,7 @@ class EvictionOrder(ABC):
         info = self.info.get(item)
         if info is None:
             info = self.info[item] = ItemInfo()
+            self.total_bytes += info.nbytes
         return info
 
     # -- membership ------------------------------------------------------
@@ -216,31 +226,63 @@ class LRUOrder(EvictionOrder):
 
 
 class ValueOrder(EvictionOrder):
-    """Lowest GreedyDual-Size-Frequency priority ``H = L + f·C/M`` first (see module docstring).
+    """Lowest value density ``(C / M) · w`` first, ``w`` a hit weight that halves every
+    ``half_life`` turnovers without a use (see module docstring).
 
-    Heaps with lazy deletion: each change pushes a fresh ``(H, -depth, seq, item)``
-    record; stale records (superseded ``seq``) are skipped when met and the heaps
-    are rebuilt once they hold over four times the members.
+    Time is counted in *turnovers*: each eviction advances :attr:`clock` by the victim's
+    bytes over the bytes the order describes (members and held items: at capacity, the
+    tier's capacity), so one turnover is the eviction of one tier's worth of bytes. Ranking
+    by ``(C / M) · w · 2^(-(clock - last) / half_life)`` is the same at every later time as
+    ranking by the fixed key ``log2(C · w / M) + last / half_life`` (the decay factor is
+    common to all items), so the members sit in heaps with O(log n) updates: each change
+    pushes a fresh ``(key, -depth, seq, item)`` record; stale records (superseded ``seq``)
+    are skipped when met and the heaps are rebuilt once they hold over four times the
+    members.
+
+    Args:
+        half_life: turnovers after which an unused item's weight halves (> 0).
+
+    Raises:
+        ValueError: ``half_life`` is not positive.
     """
 
     name = "value"
 
-    def __init__(self) -> None:
+    def __init__(self, half_life: float = HALF_LIFE_TURNOVERS) -> None:
+        if not half_life > 0:
+            raise ValueError(f"value eviction half_life={half_life} must be positive (turnovers)")
         super().__init__()
-        self.clock = 0.0                                   # L: priority of the last victim
+        self.half_life = float(half_life)
+        self.clock = 0.0                                   # turnovers elapsed (evicted bytes / described bytes)
         self._live: dict[Hashable, tuple] = {}             # member -> its current heap record
         self._heap: list[tuple] = []
         self._owner_heaps: dict[Hashable, list[tuple]] = {}
         self._seq = 0
 
-    def priority(self, item: Hashable) -> float:
-        """``L + f · C / M`` of ``item`` now (``f = hits + 1``)."""
+    def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
+                 owner: Hashable | None = None) -> None:
+        """Set what ``item`` holds; its weight starts at 1 (the use that cached it), now."""
+        super().describe(item, nbytes, cost, depth, owner)
+        self.info[item].last = self.clock
+
+    def weight(self, item: Hashable) -> float:
+        """``w`` of ``item`` now: its weight at its last use, halved per ``half_life`` turnovers since."""
         info = self._info(item)
-        return self.clock + (info.hits + 1) * info.cost / info.nbytes
+        return info.weight * 2.0 ** (-(self.clock - info.last) / self.half_life)
+
+    def priority(self, item: Hashable) -> float:
+        """The fixed heap key ``log2(C · w / M) + last / half_life`` (``-inf`` for ``C = 0``)."""
+        info = self._info(item)
+        density = info.cost * info.weight / info.nbytes
+        return (math.log2(density) if density > 0 else -math.inf) + info.last / self.half_life
 
     def add(self, item: Hashable) -> None:
-        """Insert or re-score ``item`` at the current clock."""
+        """Insert ``item`` (or re-score it), its last use now: time a request held it is use, not idleness."""
         info = self._info(item)
+        info.last = self.clock
+        self._push(item, info)
+
+    def _push(self, item: Hashable, info: ItemInfo) -> None:
         self._seq += 1
         rec = (self.priority(item), -info.depth, self._seq, item)
         self._live[item] = rec
@@ -255,13 +297,19 @@ class ValueOrder(EvictionOrder):
         self._live.pop(item, None)
 
     def hit(self, item: Hashable) -> None:
-        """Count a use; a member is re-scored."""
-        self._info(item).hits += 1
+        """Count a use: ``w := w · 2^(-(clock - last) / half_life) + 1``, last use now; a member is re-scored."""
+        info = self._info(item)
+        info.hits += 1
+        if info.counted == self.clock:
+            return
+        info.counted = self.clock
+        info.weight = self.weight(item) + 1.0
+        info.last = self.clock
         if item in self._live:
-            self.add(item)
+            self._push(item, info)
 
     def victim(self, owner: Hashable | None = None) -> Hashable | None:
-        """Member with the lowest priority (of ``owner``)."""
+        """Member with the lowest value density now (of ``owner``)."""
         heap = self._heap if owner is None else self._owner_heaps.get(owner)
         while heap:
             rec = heap[0]
@@ -271,10 +319,10 @@ class ValueOrder(EvictionOrder):
         return None
 
     def evicted(self, item: Hashable) -> None:
-        """Advance ``L`` to the victim's priority (never backwards)."""
-        rec = self._live.get(item)
-        if rec is not None:
-            self.clock = max(self.clock, rec[0])
+        """Advance the clock by the victim's share of the described bytes (a fraction of a turnover)."""
+        info = self.info.get(item)
+        if info is not None and self.total_bytes > 0:
+            self.clock += info.nbytes / self.total_bytes
 
     def _rebuild(self) -> None:
         self._heap = list(self._live.values())
