@@ -130,7 +130,7 @@ def test_bad_eviction_settings_are_refused_naming_the_value():
 def test_value_forgets_stale_reuse_and_keeps_a_conversations_newest_turn():
     """Prompts reused often long ago must not outlive a conversation's newest turn: four 512-token
     prompts are reused ten times each, then six pool turnovers of one-off prompts pass; a 1024-token
-    turn is served, then two more one-offs, and the next turn (the same prompt plus 64 tokens)
+    turn is served, then three more one-offs, and the next turn (the same prompt plus 64 tokens)
     must hit the whole turn. The stale prompts' counts have decayed, so they go first."""
     cache = make_cache("value", pages=40, slots=64)
     stale = [tokens(500 + i, 512) for i in range(4)]
@@ -142,21 +142,21 @@ def test_value_forgets_stale_reuse_and_keeps_a_conversations_newest_turn():
         serve(cache, tokens(next(seed), 1024), [960])
     turn = tokens(7, 1024)
     serve(cache, turn, [1024])                            # its tail: where the next turn continues
-    for _ in range(2):
+    for _ in range(3):                                    # 24 pages: the turn must outlive 16 stale ones
         serve(cache, tokens(next(seed), 1024), [960])
     assert serve(cache, np.concatenate([turn, tokens(8, 64)]), [1024]) == 1024
     assert all(cache.lookup(np.concatenate([s, [1]]), touch=False).kv_hit == 0 for s in stale)
 
 
-def test_value_weight_halves_per_turnover_and_correlated_lookups_count_once():
+def test_value_weight_halves_per_turnover_and_repeated_lookups_count_once():
     """The order's clock counts turnovers (evicted bytes over the bytes it describes); an unused
-    item's weight halves per ``half_life`` turnovers; uses at one clock reading count once."""
+    item's weight halves per ``half_life`` turnovers; a repeated lookup refreshes without counting."""
     order = ValueOrder(half_life=1.0)
     for i in range(4):
         order.describe(i, nbytes=100, cost=10)
         order.add(i)
     order.hit(0)
-    order.hit(0)                                          # same clock reading: one use
+    order.hit(0, count=False)                             # the same request looking up again: no new use
     assert order.weight(0) == pytest.approx(2.0, rel=FLOAT_TOL)
     assert order.pop() == 1                               # equal value: the earliest first; 0 is worth 2
     order.forget(1)
@@ -167,7 +167,7 @@ def test_value_weight_halves_per_turnover_and_correlated_lookups_count_once():
     assert order.clock == pytest.approx(clock, rel=FLOAT_TOL)
     assert order.weight(0) == pytest.approx(2.0 * 2 ** -clock, rel=FLOAT_TOL)
     assert order.weight(3) == pytest.approx(2 ** -clock, rel=FLOAT_TOL)
-    order.hit(0)                                          # a new clock reading: counts
+    order.hit(0)                                          # a use: decayed weight plus one
     assert order.weight(0) == pytest.approx(2.0 * 2 ** -clock + 1, rel=FLOAT_TOL)
     assert order.victim() == 3
 
