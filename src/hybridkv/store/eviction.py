@@ -33,7 +33,8 @@ USENIX Symposium on Internet Technologies and Systems, 1997)::
   ranks high; one used often long ago forgets it. (Counts that never decay —
   GreedyDual-Size-Frequency, Cherkasova, HP Labs TR-98-69, 1998, this order's
   previous form — kept stale shared pages over a conversation's newest turn and
-  lost to ``lru`` at 20% capacity, docs/memory.md.) A newly cached entry — a
+  lost to ``lru`` at 20% capacity. The decayed form wins there on each half of
+  the bundled trace but still loses on the whole trace: docs/memory.md.) A newly cached entry — a
   conversation's newest turn, which its next turn continues — starts at
   ``w = 1`` now: it outranks every entry whose decayed weight fell below one,
   e.g. any entry used once more than a turnover ago.
