@@ -175,3 +175,21 @@ def test_value_weight_halves_per_turnover_and_repeated_lookups_count_once():
 def test_value_half_life_must_be_positive():
     with pytest.raises(ValueError, match="half_life=0"):
         ValueOrder(half_life=0)
+
+
+def test_a_waiting_requests_repeated_lookups_count_as_one_use():
+    """The engine looks a waiting request's prompt up again every step; until an acquire, those
+    repeats refresh the matched entries without adding uses. After an acquire, the same prompt
+    looked up again is another request's use."""
+    cache = make_cache("value", pages=40, slots=8)
+    prompt = tokens(4, 512)
+    serve(cache, prompt, [448])
+    again = np.concatenate([prompt, tokens(5, 64)])
+    page = cache.lookup(again, touch=False).path[0].page
+    for _ in range(3):
+        match = cache.lookup(again)                       # one request waiting three steps
+    assert cache.pages.order.info[page].hits == 1
+    alloc = cache.acquire(match, len(again) + 8)
+    cache.release(alloc)
+    cache.lookup(again)                                   # the next request with the same prompt
+    assert cache.pages.order.info[page].hits == 2
