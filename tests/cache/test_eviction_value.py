@@ -10,12 +10,14 @@ import pytest
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy, ConfigError
 from hybridkv.cache.coordinator import HybridCacheCoordinator
 from hybridkv.cache.pools import CheckpointPool
+from hybridkv.store.eviction import ValueOrder
 
 NS = b"n" * 32
 UNIT, BLOCK = 64, 128
 PAGE_BYTES, SLOT_BYTES = 4096, 1000
 SHARED = 256                  # tokens of the prefix most requests share (2 pages)
 ONE_OFF = 2048                # tokens of each long one-off prompt (16 pages)
+FLOAT_TOL = 1e-9              # relative tolerance of the order's float clock and weights
 
 
 def make_cache(eviction: str, pages: int = 40, slots: int = 4, quota: float | None = None) -> HybridCacheCoordinator:
@@ -123,3 +125,71 @@ def test_bad_eviction_settings_are_refused_naming_the_value():
         CacheConfig(eviction="mru")
     with pytest.raises(ConfigError, match="tenant_quota=1.5"):
         CacheConfig(tenant_quota=1.5)
+
+
+def test_value_forgets_stale_reuse_and_keeps_a_conversations_newest_turn():
+    """Prompts reused often long ago must not outlive a conversation's newest turn: four 512-token
+    prompts are reused ten times each, then six pool turnovers of one-off prompts pass; a 1024-token
+    turn is served, then three more one-offs, and the next turn (the same prompt plus 64 tokens)
+    must hit the whole turn. The stale prompts' counts have decayed, so they go first."""
+    cache = make_cache("value", pages=40, slots=64)
+    stale = [tokens(500 + i, 512) for i in range(4)]
+    for _ in range(10):
+        for s in stale:
+            serve(cache, np.concatenate([s, tokens(9, 8)]), [512])
+    seed = iter(range(1000, 10_000))
+    for _ in range(30):                                   # 30 x 8 pages: six turnovers of the 40-page pool
+        serve(cache, tokens(next(seed), 1024), [960])
+    turn = tokens(7, 1024)
+    serve(cache, turn, [1024])                            # its tail: where the next turn continues
+    for _ in range(3):                                    # 24 pages: the turn must outlive 16 stale ones
+        serve(cache, tokens(next(seed), 1024), [960])
+    assert serve(cache, np.concatenate([turn, tokens(8, 64)]), [1024]) == 1024
+    assert all(cache.lookup(np.concatenate([s, [1]]), touch=False).kv_hit == 0 for s in stale)
+
+
+def test_value_weight_halves_per_turnover_and_repeated_lookups_count_once():
+    """The order's clock counts turnovers (evicted bytes over the bytes it describes); an unused
+    item's weight halves per ``half_life`` turnovers; a repeated lookup refreshes without counting."""
+    order = ValueOrder(half_life=1.0)
+    for i in range(4):
+        order.describe(i, nbytes=100, cost=10)
+        order.add(i)
+    order.hit(0)
+    order.hit(0, count=False)                             # the same request looking up again: no new use
+    assert order.weight(0) == pytest.approx(2.0, rel=FLOAT_TOL)
+    assert order.pop() == 1                               # equal value: the earliest first; 0 is worth 2
+    order.forget(1)
+    assert order.clock == pytest.approx(0.25, rel=FLOAT_TOL)            # 100 of 400 bytes
+    assert order.pop() == 2
+    order.forget(2)
+    clock = 0.25 + 1 / 3                                                # then 100 of 300 bytes
+    assert order.clock == pytest.approx(clock, rel=FLOAT_TOL)
+    assert order.weight(0) == pytest.approx(2.0 * 2 ** -clock, rel=FLOAT_TOL)
+    assert order.weight(3) == pytest.approx(2 ** -clock, rel=FLOAT_TOL)
+    order.hit(0)                                          # a use: decayed weight plus one
+    assert order.weight(0) == pytest.approx(2.0 * 2 ** -clock + 1, rel=FLOAT_TOL)
+    assert order.victim() == 3
+
+
+def test_value_half_life_must_be_positive():
+    with pytest.raises(ValueError, match="half_life=0"):
+        ValueOrder(half_life=0)
+
+
+def test_a_waiting_requests_repeated_lookups_count_as_one_use():
+    """The engine looks a waiting request's prompt up again every step; until an acquire, those
+    repeats refresh the matched entries without adding uses. After an acquire, the same prompt
+    looked up again is another request's use."""
+    cache = make_cache("value", pages=40, slots=8)
+    prompt = tokens(4, 512)
+    serve(cache, prompt, [448])
+    again = np.concatenate([prompt, tokens(5, 64)])
+    page = cache.lookup(again, touch=False).path[0].page
+    for _ in range(3):
+        match = cache.lookup(again)                       # one request waiting three steps
+    assert cache.pages.order.info[page].hits == 1
+    alloc = cache.acquire(match, len(again) + 8)
+    cache.release(alloc)
+    cache.lookup(again)                                   # the next request with the same prompt
+    assert cache.pages.order.info[page].hits == 2

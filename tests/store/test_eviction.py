@@ -1,9 +1,10 @@
-"""Eviction orders (lru, value): held items are never victims, value ranks by hits per byte with
-GreedyDual aging, owners are counted, and the lazy heap agrees with a brute-force minimum; the disk
+"""Eviction orders (lru, value): held items are never victims, value ranks by decayed uses times
+cost per byte, owners are counted, and the lazy heap agrees with a brute-force minimum; the disk
 store's capacity follows the order it was given."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -33,19 +34,33 @@ def test_lru_evicts_least_recently_added_or_hit_first():
     assert list(order) == [1, 2, 0] and order.pop() == 1
 
 
-def test_value_keeps_the_reused_item_and_ages_through_its_clock():
-    order = ValueOrder()
+def test_value_keeps_the_reused_item_until_its_uses_decay():
+    """Three equal items; 0 is used four more times (w = 5). Each eviction advances the clock by
+    the victim's share of the described bytes; 0's weight halves per turnover, so after enough
+    turnovers a fresh item outranks it."""
+    order = ValueOrder(half_life=1.0)
     for i in range(3):
         order.describe(i, nbytes=100, cost=50)
         order.add(i)
     for _ in range(4):
-        order.hit(0)                            # 0: H = 5 * 50/100
-    assert order.priority(0) == pytest.approx(2.5) and order.priority(1) == pytest.approx(0.5)
-    assert order.pop() == 1 and order.clock == pytest.approx(0.5)      # L rises to the victim's H
-    order.describe(3, nbytes=100, cost=50)
-    order.add(3)                                                         # new: L + 0.5 = 1.0
-    assert order.priority(3) == pytest.approx(1.0)
-    assert order.pop() == 2 and order.pop() == 3 and order.pop() == 0
+        order.hit(0)                            # distinct uses at one clock reading: w = 1 + 4
+    assert order.weight(0) == pytest.approx(5.0) and order.weight(1) == pytest.approx(1.0)
+    assert order.priority(0) == pytest.approx(math.log2(5 * 50 / 100))
+    assert order.pop() == 1 and order.clock == pytest.approx(1 / 3)      # 100 of 300 described bytes
+    order.forget(1)
+    clock, victims = 1 / 3, []
+    for k in range(3, 20):                      # a fresh item per eviction: 0's weight decays meanwhile
+        order.describe(k, nbytes=100, cost=50)
+        order.add(k)
+        w0 = order.weight(0)
+        victims.append(order.pop())
+        clock += 100 / 300                      # three items described at each eviction
+        assert order.clock == pytest.approx(clock)
+        order.forget(victims[-1])
+        if victims[-1] == 0:
+            break
+    assert victims[-1] == 0 and 0 not in victims[:-1]
+    assert w0 < 1 and len(victims) > 3 * math.log2(5) - 1   # gone once below a single use: ~log2(5) turnovers
 
 
 def test_value_breaks_ties_deepest_first_and_weighs_cost_per_byte():

@@ -168,6 +168,7 @@ class HybridCacheCoordinator:
         self._on_evict = on_evict
         self.binding = binding
         self._bound: dict[bytes, bytes] = {}   # namespace -> bound namespace
+        self._last_lookup: tuple | None = None  # (namespace, length, last unit hash) of the last touching lookup
 
     # -- lookup ----------------------------------------------------------
     def hash_prompt(self, token_ids, namespace: bytes | None = None) -> list[bytes]:
@@ -207,7 +208,10 @@ class HybridCacheCoordinator:
 
         At most ``T - 1`` tokens are reused, rounded down to a unit boundary,
         so the last prompt position is always computed. ``touch=False`` leaves
-        the LRU order as it is (a peek, e.g. for a prefetch). ``hashes``: the prompt's
+        the LRU order as it is (a peek, e.g. for a prefetch). A lookup repeating the last
+        touching one (same namespace and prompt) with no :meth:`acquire` between is the same
+        request waiting for admission: it refreshes the matched entries without counting
+        another use (:meth:`hybridkv.store.eviction.EvictionOrder.hit`). ``hashes``: the prompt's
         chained unit hashes when the caller has them already (from :meth:`hash_prompt` or
         :meth:`chain_units` with the same ``namespace``, one per whole unit of the prompt);
         ``None``: hashed here.
@@ -225,11 +229,13 @@ class HybridCacheCoordinator:
         path = self.index.walk(hashes[: limit // g])
         joint = joint_hit(path, limit, GROUPS)
         hit, kv_hit = joint.hit, joint.kv_hit
-        if touch:
+        if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
+            key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
+            count, self._last_lookup = key != self._last_lookup, key
             for page in dict.fromkeys(n.page for n in reversed(path)):   # deepest first: root end most recent
-                self.pages.touch(page)
+                self.pages.touch(page, count)
             if hit:
-                self.checkpoints.touch(path[hit // g - 1].checkpoint)
+                self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=joint.per_group[KDA],
                            branching_boundary=joint.branching_boundary,
                            per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g],
@@ -277,6 +283,7 @@ class HybridCacheCoordinator:
             (every reference taken here is released again).
         """
         b, g = self.config.block_size, self.config.prefix_match_unit
+        self._last_lookup = None                            # admitted: the next lookup is another request's
         hit = match.hit
         path = match.path[: hit // g]
         held = list(dict.fromkeys(n.page for n in path))    # every page on the hit path, before any eviction

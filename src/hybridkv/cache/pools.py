@@ -48,11 +48,12 @@ class _RefcountedCache:
         given: a tenant over its quota), or ``None``."""
         return self.order.victim(owner)
 
-    def touch(self, i: int) -> None:
+    def touch(self, i: int, count: bool = True) -> None:
         """A lookup used item ``i``: under ``lru`` a cached, unreferenced item becomes most
-        recently used; under ``value`` its hit count grows."""
+        recently used; under ``value`` its weight grows by one use (``count``) or, for a
+        repeated lookup of a waiting request, is refreshed (:meth:`EvictionOrder.hit`)."""
         if self._cached(i) or self.refcount[i]:
-            self.order.hit(i)
+            self.order.hit(i, count)
 
     def _freed(self, i: int) -> None:
         self.order.forget(i)

@@ -18,35 +18,56 @@ are dropped by :meth:`~EvictionOrder.forget` when the item's content goes.
 ``lru`` (:class:`LRUOrder`): least recently added or hit first.
 
 ``value`` (:class:`ValueOrder`): the seed's value density
-``V = p · C_saved / (M · T_residence)`` kept as a GreedyDual-Size-Frequency
-priority (Cherkasova, "Improving WWW proxies performance with
-Greedy-Dual-Size-Frequency caching policy", HP Labs TR-98-69, 1998)::
+``V = p · C_saved / (M · T_residence)``, estimated as a cost-per-byte weighted,
+exponentially decayed use count (the combined recency-frequency value of LRFU:
+Lee et al., "LRFU: a spectrum of policies that subsumes the least recently used
+and least frequently used policies", IEEE Trans. Computers 50(12), 2001, with
+``F(x) = 2^(-x / h)``; the ``C / M`` weight is GreedyDual-Size's, Cao & Irani,
+USENIX Symposium on Internet Technologies and Systems, 1997)::
 
-    H(item) = L + f · C / M
+    V(item, now) = C / M · w(now),   w(now) = sum over its uses u of 2^(-(now - t_u) / h)
 
-* ``p`` — probability of another hit — is estimated proportional to
-  ``f = hits + 1``: the lookups that matched the item since it was cached
-  (:meth:`EvictionOrder.hit`; a request waiting for admission looks its prompt
-  up again every engine step, so an entry a queued request is about to use
-  counts once per step it waits), plus one for the use that cached it (an entry
-  nobody reused yet counts once). Counting only admitted uses instead measured
-  worse on the bundled trace (docs/memory.md).
+* ``p / T_residence`` — the chance of another hit per unit of time held — is
+  estimated by ``w``: every use adds 1 and the sum halves every ``h`` turnovers
+  without one (``h = HALF_LIFE_TURNOVERS = 1``). An entry used often lately
+  ranks high; one used often long ago forgets it. (Counts that never decay —
+  GreedyDual-Size-Frequency, Cherkasova, HP Labs TR-98-69, 1998, this order's
+  previous form — kept stale shared pages over a conversation's newest turn and
+  lost to ``lru`` at 20% capacity. The decayed form wins there on each half of
+  the bundled trace but still loses on the whole trace: docs/memory.md.) A newly cached entry — a
+  conversation's newest turn, which its next turn continues — starts at
+  ``w = 1`` now: it outranks every entry whose decayed weight fell below one,
+  e.g. any entry used once more than a turnover ago.
+  Uses: the one that cached it; each lookup that matched it
+  (:meth:`EvictionOrder.hit`: a lookup touches every page of its matched path
+  and the checkpoint of its joint hit). A request waiting for admission looks
+  its prompt up again every engine step; those repeats are one use
+  (``count=False``: refreshed, not counted — the coordinator recognises them),
+  so a queued request is not credited once per step it waits.
+  The time a request holds an item is use, not idleness: when it becomes
+  evictable again (:meth:`~EvictionOrder.add`) its last use is now.
+* Time is counted in *turnovers*: each eviction advances the clock by the
+  victim's bytes over the bytes the order describes (at capacity: the tier's
+  capacity), so ``h`` means the same in a 1% and a 20% pool, the host tier and
+  the disk store, with no constant tuned to a pool size, and is deterministic
+  (no seconds). ``h = 1``: uses are forgotten at the rate the tier replaces its
+  content. Measured alternatives (``h`` = 0.5, 2) are in docs/memory.md.
 * ``C`` — prefill saved by a hit — is the ``cost`` the holder gives, in
   tokens: a checkpoint's boundary depth (a hit on ``C(P_t)`` skips ``t``
   tokens of prefill); a KV page's own tokens (``block_size``); a disk object
-  1 (a byte store cannot see depths, so it ranks by hits per byte).
+  1 (a byte store cannot see depths, so it ranks by decayed hits per byte).
 * ``M`` — bytes the item holds (``nbytes``).
-* ``T_residence`` — time held without a hit — enters through the clock ``L``,
-  not by division: ``L`` is the priority of the last victim, so ``L`` only
-  grows, and an item's priority is fixed at its last use. An item that stays
-  unused falls behind every item used since, exactly as dividing its value by
-  the time it has been held would rank it, but with O(log n) updates and no
-  rescoring (time is counted in evictions, not seconds: deterministic and
-  independent of machine speed).
 
-Ties (equal ``H``) evict the deeper item first (``depth``), so under equal
-value a descendant goes before the ancestor it depends on. Lookups touch the
-whole matched path, so an ancestor's ``f`` is never below its descendants'.
+Ranking by ``V(now)`` is the same at every later time as ranking by the fixed key
+``log2(C · w_last / M) + t_last / h`` (the decay factor is common to all items),
+so the members sit in a heap with O(log n) updates and no rescoring.
+
+Ties (equal key) evict the deeper item first (``depth``), so under equal value
+a descendant goes before the ancestor it depends on. Lookups touch the whole
+matched path and a request releases its pages together, so an ancestor page's
+weight is not below its descendants' unless it was cached before them and not
+used since; evicting a page removes the index subtree below it (prefix-closed
+KV) in any case.
 
 Owners. Every item may name an ``owner`` (a tenant's namespace); the order
 counts each owner's bytes (members and held items alike) and
@@ -57,12 +78,14 @@ which is how a tenant over its quota evicts its own entries first.
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "value")
+HALF_LIFE_TURNOVERS = 1.0       # value order: an unused item's weight halves per turnover (docs/memory.md)
 
 
 @dataclass(slots=True)
@@ -74,7 +97,9 @@ class ItemInfo:
         cost: prefill saved by a hit (C), in tokens (or 1 where unknown).
         depth: tie-break; deeper items go first at equal value (tokens).
         owner: owner key for quotas (``None``: unowned).
-        hits: uses since cached (``p`` is estimated from ``hits + 1``).
+        hits: lookups that counted as uses since cached.
+        weight: the value order's decayed use count ``w`` at ``last`` (1 when cached).
+        last: the value order's clock (turnovers) at the item's last use.
     """
 
     nbytes: int = 1
@@ -82,6 +107,8 @@ class ItemInfo:
     depth: int = 0
     owner: Hashable | None = None
     hits: int = 0
+    weight: float = 1.0
+    last: float = 0.0
 
 
 class EvictionOrder(ABC):
@@ -92,6 +119,7 @@ class EvictionOrder(ABC):
     def __init__(self) -> None:
         self.info: dict[Hashable, ItemInfo] = {}          # owner: this order (describe/forget)
         self.owner_bytes: dict[Hashable, int] = {}        # invariant: sum of info.nbytes per owner
+        self.total_bytes = 0                               # invariant: sum of info.nbytes
 
     # -- descriptions ----------------------------------------------------
     def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
@@ -108,6 +136,7 @@ class EvictionOrder(ABC):
         if item in self.info:              # a member always has a description (``_info``)
             self.forget(item)
         self.info[item] = ItemInfo(nbytes, float(cost), depth, owner)
+        self.total_bytes += nbytes
         if owner is not None:
             self.owner_bytes[owner] = self.owner_bytes.get(owner, 0) + nbytes
 
@@ -115,6 +144,8 @@ class EvictionOrder(ABC):
         """The item's content is gone: drop it from the order and its description."""
         self.discard(item)
         info = self.info.pop(item, None)
+        if info is not None:
+            self.total_bytes -= info.nbytes
         if info is not None and info.owner is not None:
             left = self.owner_bytes[info.owner] - info.nbytes
             if left:
@@ -126,6 +157,7 @@ class EvictionOrder(ABC):
         info = self.info.get(item)
         if info is None:
             info = self.info[item] = ItemInfo()
+            self.total_bytes += info.nbytes
         return info
 
     # -- membership ------------------------------------------------------
@@ -138,8 +170,9 @@ class EvictionOrder(ABC):
         """``item`` is no longer evictable (referenced, freed); absent items are ignored."""
 
     @abstractmethod
-    def hit(self, item: Hashable) -> None:
-        """A lookup used ``item`` (member or held)."""
+    def hit(self, item: Hashable, count: bool = True) -> None:
+        """A lookup used ``item`` (member or held); ``count=False``: the same use again (a
+        request waiting for admission looking up again), a refresh that adds no use."""
 
     @abstractmethod
     def victim(self, owner: Hashable | None = None) -> Hashable | None:
@@ -204,9 +237,9 @@ class LRUOrder(EvictionOrder):
                 if not q:
                     del self._by_owner[info.owner]
 
-    def hit(self, item: Hashable) -> None:
+    def hit(self, item: Hashable, count: bool = True) -> None:
         """Move a member to the most recent end (held items: no-op)."""
-        self._info(item).hits += 1
+        self._info(item).hits += count
         if item in self._q:
             self.add(item)
 
@@ -226,31 +259,63 @@ class LRUOrder(EvictionOrder):
 
 
 class ValueOrder(EvictionOrder):
-    """Lowest GreedyDual-Size-Frequency priority ``H = L + f·C/M`` first (see module docstring).
+    """Lowest value density ``(C / M) · w`` first, ``w`` a hit weight that halves every
+    ``half_life`` turnovers without a use (see module docstring).
 
-    Heaps with lazy deletion: each change pushes a fresh ``(H, -depth, seq, item)``
-    record; stale records (superseded ``seq``) are skipped when met and the heaps
-    are rebuilt once they hold over four times the members.
+    Time is counted in *turnovers*: each eviction advances :attr:`clock` by the victim's
+    bytes over the bytes the order describes (members and held items: at capacity, the
+    tier's capacity), so one turnover is the eviction of one tier's worth of bytes. Ranking
+    by ``(C / M) · w · 2^(-(clock - last) / half_life)`` is the same at every later time as
+    ranking by the fixed key ``log2(C · w / M) + last / half_life`` (the decay factor is
+    common to all items), so the members sit in heaps with O(log n) updates: each change
+    pushes a fresh ``(key, -depth, seq, item)`` record; stale records (superseded ``seq``)
+    are skipped when met and the heaps are rebuilt once they hold over four times the
+    members.
+
+    Args:
+        half_life: turnovers after which an unused item's weight halves (> 0).
+
+    Raises:
+        ValueError: ``half_life`` is not positive.
     """
 
     name = "value"
 
-    def __init__(self) -> None:
+    def __init__(self, half_life: float = HALF_LIFE_TURNOVERS) -> None:
+        if not half_life > 0:
+            raise ValueError(f"value eviction half_life={half_life} must be positive (turnovers)")
         super().__init__()
-        self.clock = 0.0                                   # L: priority of the last victim
+        self.half_life = float(half_life)
+        self.clock = 0.0                                   # turnovers elapsed (evicted bytes / described bytes)
         self._live: dict[Hashable, tuple] = {}             # member -> its current heap record
         self._heap: list[tuple] = []
         self._owner_heaps: dict[Hashable, list[tuple]] = {}
         self._seq = 0
 
-    def priority(self, item: Hashable) -> float:
-        """``L + f · C / M`` of ``item`` now (``f = hits + 1``)."""
+    def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
+                 owner: Hashable | None = None) -> None:
+        """Set what ``item`` holds; its weight starts at 1 (the use that cached it), now."""
+        super().describe(item, nbytes, cost, depth, owner)
+        self.info[item].last = self.clock
+
+    def weight(self, item: Hashable) -> float:
+        """``w`` of ``item`` now: its weight at its last use, halved per ``half_life`` turnovers since."""
         info = self._info(item)
-        return self.clock + (info.hits + 1) * info.cost / info.nbytes
+        return info.weight * 2.0 ** (-(self.clock - info.last) / self.half_life)
+
+    def priority(self, item: Hashable) -> float:
+        """The fixed heap key ``log2(C · w / M) + last / half_life`` (``-inf`` for ``C = 0``)."""
+        info = self._info(item)
+        density = info.cost * info.weight / info.nbytes
+        return (math.log2(density) if density > 0 else -math.inf) + info.last / self.half_life
 
     def add(self, item: Hashable) -> None:
-        """Insert or re-score ``item`` at the current clock."""
+        """Insert ``item`` (or re-score it), its last use now: time a request held it is use, not idleness."""
         info = self._info(item)
+        info.last = self.clock
+        self._push(item, info)
+
+    def _push(self, item: Hashable, info: ItemInfo) -> None:
         self._seq += 1
         rec = (self.priority(item), -info.depth, self._seq, item)
         self._live[item] = rec
@@ -264,14 +329,19 @@ class ValueOrder(EvictionOrder):
         """Drop ``item`` (its heap records become stale)."""
         self._live.pop(item, None)
 
-    def hit(self, item: Hashable) -> None:
-        """Count a use; a member is re-scored."""
-        self._info(item).hits += 1
+    def hit(self, item: Hashable, count: bool = True) -> None:
+        """A use (``count``): ``w := w · 2^(-(clock - last) / half_life) + 1``; a repeated use
+        (``not count``): ``w`` kept. Either way its last use is now; a member is re-scored."""
+        info = self._info(item)
+        if count:
+            info.hits += 1
+            info.weight = self.weight(item) + 1.0
+        info.last = self.clock
         if item in self._live:
-            self.add(item)
+            self._push(item, info)
 
     def victim(self, owner: Hashable | None = None) -> Hashable | None:
-        """Member with the lowest priority (of ``owner``)."""
+        """Member with the lowest value density now (of ``owner``)."""
         heap = self._heap if owner is None else self._owner_heaps.get(owner)
         while heap:
             rec = heap[0]
@@ -281,10 +351,10 @@ class ValueOrder(EvictionOrder):
         return None
 
     def evicted(self, item: Hashable) -> None:
-        """Advance ``L`` to the victim's priority (never backwards)."""
-        rec = self._live.get(item)
-        if rec is not None:
-            self.clock = max(self.clock, rec[0])
+        """Advance the clock by the victim's share of the described bytes (a fraction of a turnover)."""
+        info = self.info.get(item)
+        if info is not None and self.total_bytes > 0:
+            self.clock += info.nbytes / self.total_bytes
 
     def _rebuild(self) -> None:
         self._heap = list(self._live.values())
