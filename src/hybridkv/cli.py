@@ -22,6 +22,7 @@ from hybridkv.replay.args import (
     non_negative_int,
     positive_float,
     positive_int,
+    restart_spec,
 )
 
 
@@ -94,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "--instances > 1; 0: none) and of the router's estimate (default 1.1, Mooncake measured)")
     r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
                    help="--timed: microseconds per store object, likewise (default 194, Mooncake measured)")
+    r.add_argument("--store-gib", type=non_negative_float, default=None,
+                   help="--timed --simulate: capacity of the simulated shared store in GiB, least recently "
+                        "used evicted first (default 1024; 0: unlimited)")
+    r.add_argument("--restart", dest="restarts", type=restart_spec, action="append", default=[],
+                   metavar="INSTANCE@SECONDS",
+                   help="--timed: restart instance INSTANCE (0-based) with an empty cache at the first moment "
+                        "it is idle at or after SECONDS on the fleet's clock; repeatable")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     _register_cache_cli(sub)
@@ -128,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
     if args.command == "replay" and not args.timed:
         for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
-                            ("--time-scale", None if args.time_scale == 1.0 else args.time_scale)):
+                            ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
+                            ("--store-gib", args.store_gib), ("--restart", args.restarts or None)):
             if value is not None:
                 parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
     console = Console(stderr=True)
@@ -235,7 +244,8 @@ def _replay(args, console: Console) -> int:
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
         eviction=args.eviction, timed=args.timed, time_scale=args.time_scale, router=args.router,
-        cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6)
+        cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
+        store_gib=args.store_gib, restarts=tuple(args.restarts))
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:

@@ -35,7 +35,7 @@ from rich.progress import (
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
-from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
+from hybridkv.fleet.store import DEFAULT_STORE_GIB, MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.instance import (
     TURN_FAILED,
     InstanceResult,
@@ -52,7 +52,9 @@ from hybridkv.tiers.base import MISS_REASONS
 @dataclass(frozen=True, slots=True)
 class ReplayOptions:
     """Options of one replay (lengths in tokens). ``None`` pool sizes mean "sized so nothing is evicted";
-    ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation."""
+    ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation; ``store_gib=None``
+    means :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
+    ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -85,6 +87,8 @@ class ReplayOptions:
     cost_model: str | None = None
     store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
+    store_gib: float | None = None
+    restarts: tuple[tuple[int, float], ...] = ()
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -211,7 +215,9 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
     return TimedSetup(model=opts.model, seed=opts.seed, simulate=opts.simulate, instances=opts.instances,
                       router=router, time_scale=opts.time_scale, cost_model=opts.cost_model,
                       store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
-                      store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s)
+                      store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s,
+                      store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
+                      restarts=opts.restarts)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

@@ -29,6 +29,7 @@ from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
 from hybridkv.fleet.routers import RouterConfig, make_router
 from hybridkv.fleet.simulator import Fleet, timing_summary
 from hybridkv.fleet.store import (
+    DEFAULT_STORE_GIB,
     MOONCAKE_GET_LATENCY_S,
     MOONCAKE_LOAD_BYTES_PER_S,
     StoreCost,
@@ -59,6 +60,10 @@ class TimedSetup:
         store_gbps: store load bandwidth (GB/s) of the simulated store and of the router's
             estimate; 0: no shared store in simulation.
         store_latency_s: seconds per store object, likewise.
+        store_gib: capacity of the simulated store in GiB (least recently used evicted); 0: unlimited.
+        restarts: ``(instance, seconds)``: restart that instance (empty cache, new epoch) at the
+            first moment it is idle at or after that time on the fleet's clock
+            (:meth:`~hybridkv.fleet.simulator.Fleet.schedule_restart`).
     """
 
     model: str
@@ -73,6 +78,8 @@ class TimedSetup:
     host_write_through: bool = False
     store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
+    store_gib: float = DEFAULT_STORE_GIB
+    restarts: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -123,7 +130,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
         progress: ``progress(n)`` as requests end.
 
     Raises:
-        ValueError: unknown router name, ``time_scale`` not positive.
+        ValueError: unknown router name, ``time_scale`` not positive, ``store_gib`` negative, a
+            restart of an instance the fleet does not have (named).
         CostModelError: unknown cost model or a bad cost-model file.
     """
     if not setup.time_scale > 0:
@@ -132,17 +140,25 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     estimate = cost_model(name) if name else CPU_ESTIMATE
     store_cost = _store_cost(setup, cfg)
     router = make_router(RouterConfig(name=setup.router, unit=cfg.prefix_match_unit, block_size=cfg.block_size,
-                                      cost=estimate, store=store_cost))
-    view = StoreView(cfg.prefix_match_unit, cfg.store_boundary) if store_cost is not None else None
+                                      cost=estimate, store=store_cost, max_num_seqs=cfg.max_num_seqs))
+    if setup.store_gib < 0:
+        raise ValueError(f"store_gib={setup.store_gib!r} must be 0 (unlimited) or more")
+    view = None
+    if store_cost is not None:
+        capacity = int(setup.store_gib * 2**30) if setup.simulate and setup.store_gib > 0 else None
+        view = StoreView(cfg.prefix_match_unit, cfg.store_boundary, capacity, store_cost.kv_bytes_per_token,
+                         store_cost.checkpoint_bytes)
     sim_store = SimulatedStore(view, store_cost) if view is not None and setup.simulate else None
     build = _builder(setup, cfg)
     instances = [FleetInstance(k, build, estimate if setup.simulate else None, cfg.max_num_seqs, sim_store)
                  for k in range(setup.instances)]
-    frs = [FleetRequest(r.index, Request(f"r{r.index}", p, 1 if setup.simulate else o, record_logits=r.index in verify),
+    frs = [FleetRequest(r.index, Request(f"r{r.index}", p, o, record_logits=r.index in verify),
                         arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
            for r, p, o in zip(reqs, prompts, output_lengths)]
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
+    for j, at in setup.restarts:
+        fleet.schedule_restart(j, at)
     try:
         fleet.run(frs, progress)
     finally:
@@ -159,5 +175,9 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
         results.append(res)
     timing = timing_summary(frs, instances)
-    timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name)
+    timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name,
+                  restarts=fleet.restarts_done)
+    if sim_store is not None:
+        timing["store"].update(capacity_bytes=view.capacity_bytes, bytes_peak=view.bytes_peak,
+                               evicted_bytes=view.evicted_bytes)
     return TimedRun(results, timing)
