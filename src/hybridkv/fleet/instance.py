@@ -142,10 +142,14 @@ class FleetInstance:
         return bool(self.queue or self.in_engine or self.decoding)
 
     def enqueue(self, fr: FleetRequest, now: float, predicted_s: float) -> None:
-        """Accept a routed request at time ``now`` (an idle instance's clock jumps to it)."""
+        """Accept a routed request at time ``now`` (an idle instance's clock jumps to it); a
+        simulated instance sets the engine request's ``max_output_tokens`` to ``fr.output_tokens``
+        (pages for the whole output are reserved at admission, as the real engine does)."""
         if not self.has_work:
             self.clock = max(self.clock, now)
         fr.instance, fr.predicted_s = self.index, predicted_s
+        if self.cost is not None:                     # the engine reserves pages for the whole output
+            fr.request.max_output_tokens = max(fr.output_tokens, 1)
         self.queue.append(fr)
         ld = self.load
         ld.outstanding_tokens += fr.request.prompt_len

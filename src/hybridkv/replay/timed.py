@@ -174,6 +174,9 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
                                   "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0}
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
         results.append(res)
+        # engines replaced by restarts: their counters (requests, tokens, reuse) count too; the
+        # requests themselves were reported with the current engine above (each once)
+        results.extend(collect_result(old, [], [], 0.0) for old in inst.retired)
     timing = timing_summary(frs, instances)
     timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name,
                   restarts=fleet.restarts_done)
