@@ -3,8 +3,9 @@
 For 8 and 32 instances and the trace's own arrival rate, 2x and 4x it (time scale 1, 0.5,
 0.25), each router's TTFT p50 / p99, load skew (max / mean busy seconds), fraction of the
 oracle reused and bytes loaded from the simulated shared store. Writes
-``OUT.json`` (every run's figures), ``OUT.md`` (a markdown table) and ``OUT.png`` (TTFT CDF
-per router, one panel per fleet size and rate).
+``OUT.json`` (every run's figures, rewritten as each run ends), ``OUT_table.md`` (a markdown
+table; not ``OUT.md``, which with ``--out docs/routing`` is the routing document itself) and
+``OUT.png`` (TTFT CDF per router, one panel per fleet size and rate).
 
 Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_routers.py [--out docs/routing] [--jobs 2]
 """
@@ -90,7 +91,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/routing", help="prefix of the .json, .md and .png written")
+    ap.add_argument("--out", default="docs/routing", help="prefix of the .json, _table.md and .png written")
     ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each takes one core)")
     ap.add_argument("--cost-model", default=None, help="as replay --cost-model (default: the H200 model)")
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help="routers, comma-separated")
     ap.add_argument("--store-gib", type=float, default=None,
                     help="simulated store capacity in GiB (default: the replay's, 0: unlimited)")
-    ap.add_argument("--replot", action="store_true", help="only rewrite OUT.md and OUT.png from OUT.json")
+    ap.add_argument("--replot", action="store_true", help="only rewrite OUT_table.md and OUT.png from OUT.json")
     args = ap.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
     rates = tuple(int(r) for r in args.rates.split(","))
@@ -119,7 +120,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "ttft_cdf"}), flush=True)
                 out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")   # as runs end
-    out.with_suffix(".md").write_text(table(rows))
+    out.with_name(out.name + "_table.md").write_text(table(rows))
     plot(rows, out.with_suffix(".png"))
     print(table(rows))
 
