@@ -66,7 +66,7 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """TTFT CDF per router, one panel per (instances, rate)."""
+    """TTFT CDF per router, one panel per (instances, rate); rows without ``ttft_cdf`` are left out."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -76,7 +76,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for i, n in enumerate(sizes):
         for k, rate in enumerate(rates):
             ax = axes[i][k]
-            for r in (r for r in rows if r["instances"] == n and r["rate"] == rate):
+            for r in (r for r in rows if r["instances"] == n and r["rate"] == rate and r.get("ttft_cdf")):
                 ps, xs = zip(*r["ttft_cdf"])
                 ax.plot([max(x, 1e-3) for x in xs], [p / 100 for p in ps], label=r["router"])
             ax.set_xscale("log")
