@@ -78,7 +78,8 @@ def plot(rows: list[dict], path: Path) -> None:
             ax = axes[i][k]
             for r in (r for r in rows if r["instances"] == n and r["rate"] == rate and r.get("ttft_cdf")):
                 ps, xs = zip(*r["ttft_cdf"])
-                ax.plot([max(x, 1e-3) for x in xs], [p / 100 for p in ps], label=r["router"])
+                ax.plot([max(x, 1e-3) for x in xs], [p / 100 for p in ps], label=r["router"],
+                        color=f"C{ROUTER_NAMES.index(r['router'])}")     # one colour per router in every panel
             ax.set_xscale("log")
             ax.set_title(f"{n} instances, {rate}x trace rate", fontsize=9)
             ax.set_xlabel("TTFT (s)")
