@@ -3,8 +3,9 @@
 For 8 and 32 instances and the trace's own arrival rate, 2x and 4x it (time scale 1, 0.5,
 0.25), each router's TTFT p50 / p99, load skew (max / mean busy seconds), fraction of the
 oracle reused and bytes loaded from the simulated shared store. Writes
-``OUT.json`` (every run's figures), ``OUT.md`` (a markdown table) and ``OUT.png`` (TTFT CDF
-per router, one panel per fleet size and rate).
+``OUT.json`` (every run's figures, rewritten as each run ends), ``OUT_table.md`` (a markdown
+table; not ``OUT.md``, which with ``--out docs/routing`` is the routing document itself) and
+``OUT.png`` (TTFT CDF per router, one panel per fleet size and rate).
 
 Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_routers.py [--out docs/routing] [--jobs 2]
 """
@@ -26,18 +27,21 @@ SIZES = (8, 32)
 RATES = (1, 2, 4)
 
 
-def run_one(job: tuple[int, int, str, int | None, str | None]) -> dict:
-    """One timed simulation: ``(instances, rate multiplier, router, limit, cost model)`` -> figures."""
-    n, rate, router, limit, cost = job
+def run_one(job: tuple[int, int, str, int | None, str | None, float | None]) -> dict:
+    """One timed simulation: ``(instances, rate multiplier, router, limit, cost model, store GiB)``
+    -> figures (store GiB ``None``: the replay's default capacity)."""
+    n, rate, router, limit, cost, store_gib = job
     t0 = time.perf_counter()
     rep = run_replay(ReplayOptions(limit=limit, model="kimi-linear-48b-a3b", simulate=True, timed=True,
                                    instances=n, router=router, time_scale=1.0 / rate, cost_model=cost,
-                                   progress=False), Console(quiet=True))
+                                   store_gib=store_gib, progress=False), Console(quiet=True))
     wall = time.perf_counter() - t0
     return {"instances": n, "rate": rate, "router": router, "requests": rep.requests,
             "ttft": rep.ttft_seconds, "ttft_cdf": rep.ttft_cdf_seconds, "queue": rep.queue_seconds,
             "load_skew": rep.load_skew, "oracle_fraction": rep.oracle_fraction,
             "store_bytes": rep.tiers["store"]["bytes_loaded"] if rep.tiers else 0,
+            "store_capacity_bytes": rep.store.get("capacity_bytes"), "store_peak_bytes": rep.store.get("bytes_peak"),
+            "store_evicted_bytes": rep.store.get("evicted_bytes"),
             "cost_model": rep.cost_model, "wall_seconds": round(wall, 2),
             "requests_per_second": round(rep.requests / wall, 1)}
 
@@ -46,8 +50,8 @@ def table(rows: list[dict]) -> str:
     """Markdown table; the best TTFT p50 / p99 of each (instances, rate) in bold."""
     lines = [("| instances | rate | router | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | load skew | "
               "oracle fraction | store GB loaded | sim wall (s) |"), "|---|---|---|---|---|---|---|---|---|---|"]
-    for n in SIZES:
-        for rate in RATES:
+    for n in sorted({r["instances"] for r in rows}):
+        for rate in sorted({r["rate"] for r in rows}):
             group = [r for r in rows if r["instances"] == n and r["rate"] == rate]
             if not group:
                 continue
@@ -62,18 +66,20 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """TTFT CDF per router, one panel per (instances, rate)."""
+    """TTFT CDF per router, one panel per (instances, rate); rows without ``ttft_cdf`` are left out."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(SIZES), len(RATES), figsize=(4.2 * len(RATES), 3.4 * len(SIZES)), squeeze=False)
-    for i, n in enumerate(SIZES):
-        for k, rate in enumerate(RATES):
+    sizes, rates = sorted({r["instances"] for r in rows}), sorted({r["rate"] for r in rows})
+    fig, axes = plt.subplots(len(sizes), len(rates), figsize=(4.2 * len(rates), 3.4 * len(sizes)), squeeze=False)
+    for i, n in enumerate(sizes):
+        for k, rate in enumerate(rates):
             ax = axes[i][k]
-            for r in (r for r in rows if r["instances"] == n and r["rate"] == rate):
+            for r in (r for r in rows if r["instances"] == n and r["rate"] == rate and r.get("ttft_cdf")):
                 ps, xs = zip(*r["ttft_cdf"])
-                ax.plot([max(x, 1e-3) for x in xs], [p / 100 for p in ps], label=r["router"])
+                ax.plot([max(x, 1e-3) for x in xs], [p / 100 for p in ps], label=r["router"],
+                        color=f"C{ROUTER_NAMES.index(r['router'])}")     # one colour per router in every panel
             ax.set_xscale("log")
             ax.set_title(f"{n} instances, {rate}x trace rate", fontsize=9)
             ax.set_xlabel("TTFT (s)")
@@ -86,23 +92,36 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/routing", help="prefix of the .json, .md and .png written")
+    ap.add_argument("--out", default="docs/routing", help="prefix of the .json, _table.md and .png written")
     ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each takes one core)")
     ap.add_argument("--cost-model", default=None, help="as replay --cost-model (default: the H200 model)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="instance counts, comma-separated")
+    ap.add_argument("--rates", default=",".join(map(str, RATES)), help="rate multipliers, comma-separated")
+    ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help="routers, comma-separated")
+    ap.add_argument("--store-gib", type=float, default=None,
+                    help="simulated store capacity in GiB (default: the replay's, 0: unlimited)")
+    ap.add_argument("--replot", action="store_true", help="only rewrite OUT_table.md and OUT.png from OUT.json")
     args = ap.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    jobs = [(n, rate, router, args.limit, args.cost_model) for n in sizes for rate in RATES for router in ROUTER_NAMES]
-    rows = []
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for row in pool.map(run_one, jobs):
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "ttft_cdf"}), flush=True)
+    rates = tuple(int(r) for r in args.rates.split(","))
+    unknown = set(args.routers.split(",")) - set(ROUTER_NAMES)
+    if unknown:
+        ap.error(f"unknown router(s) {', '.join(sorted(unknown))}; choose from {', '.join(ROUTER_NAMES)}")
+    jobs = [(n, rate, router, args.limit, args.cost_model, args.store_gib)
+            for n in sizes for rate in rates for router in args.routers.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table(rows))
+    if args.replot:                                    # table and plot from an earlier run's JSON
+        rows = json.loads(out.with_suffix(".json").read_text())
+    else:
+        rows = []
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            for row in pool.map(run_one, jobs):
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "ttft_cdf"}), flush=True)
+                out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")   # as runs end
+    out.with_name(out.name + "_table.md").write_text(table(rows))
     plot(rows, out.with_suffix(".png"))
     print(table(rows))
 

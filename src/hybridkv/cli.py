@@ -22,6 +22,7 @@ from hybridkv.replay.args import (
     non_negative_int,
     positive_float,
     positive_int,
+    restart_spec,
 )
 
 
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--step-log", default=None,
                    help="--timed: write every instance's steps (start, seconds, prefill chunks, decoders; "
                         "shapes and times only) to this JSON file, for `hybridkv calibrate --from-steps`")
+    r.add_argument("--store-gib", type=non_negative_float, default=None,
+                   help="--timed --simulate: capacity of the simulated shared store in GiB, least recently "
+                        "used evicted first (default 1024; 0: unlimited)")
+    r.add_argument("--restart", dest="restarts", type=restart_spec, action="append", default=[],
+                   metavar="INSTANCE@SECONDS",
+                   help="--timed: restart instance INSTANCE (0-based) with an empty cache at the first moment "
+                        "it is idle at or after SECONDS on the fleet's clock; repeatable")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     _register_cache_cli(sub)
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
                             ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
                             ("--step-log", args.step_log),
-                            ("--step-clock", None if args.step_clock == "wall" else args.step_clock)):
+                            ("--step-clock", None if args.step_clock == "wall" else args.step_clock),
+                            ("--store-gib", args.store_gib), ("--restart", args.restarts or None)):
             if value is not None:
                 parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
     console = Console(stderr=True)
@@ -263,7 +272,8 @@ def _replay(args, console: Console) -> int:
         host_interval=args.host_interval,
         eviction=args.eviction, timed=args.timed, time_scale=args.time_scale, router=args.router,
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
-        step_log=args.step_log, step_clock=args.step_clock)
+        step_log=args.step_log, step_clock=args.step_clock,
+        store_gib=args.store_gib, restarts=tuple(args.restarts))
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:

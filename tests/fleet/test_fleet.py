@@ -194,3 +194,72 @@ def test_the_store_view_matches_whole_entries_and_outlives_restarts():
     assert v.match(hashes, 640).hit == 512
     with pytest.raises(ValueError, match="100"):
         StoreView(UNIT, 100)
+
+
+def test_a_store_with_a_capacity_evicts_the_least_recently_used():
+    unit_bytes, ckpt_bytes = UNIT * 100, 1000
+    a = [bytes([1, i]) * 16 for i in range(4)]                    # two prompts of 4 units, entries of 128
+    b = [bytes([2, i]) * 16 for i in range(4)]
+    v = StoreView(UNIT, 128, capacity_bytes=8 * unit_bytes + 3 * ckpt_bytes, kv_bytes_per_token=100,
+                  checkpoint_bytes=ckpt_bytes)
+    for seq, hs in enumerate((a, b)):
+        v.apply(CacheEvent(0, 0, 2 * seq, EventKind.BLOCKS_STORED, tuple(hs)))
+        v.apply(CacheEvent(0, 0, 2 * seq + 1, EventKind.CHECKPOINTS_STORED, (hs[3],)))
+    assert v.match(a, 256).hit == 256 and v.match(b, 256).hit == 256 and v.evicted_bytes == 0
+    v.touch(a, 256)                                               # a load read a: b is now the oldest
+    c = [bytes([3, i]) * 16 for i in range(2)]
+    v.apply(CacheEvent(0, 0, 4, EventKind.BLOCKS_STORED, tuple(c)))
+    v.apply(CacheEvent(0, 0, 5, EventKind.CHECKPOINTS_STORED, (c[1],)))
+    assert v.match(a, 256).hit == 256 and v.match(c, 128).hit == 128
+    assert v.match(b, 256).hit == 0                               # b's first units went first
+    assert v.bytes_held <= v.capacity_bytes and v.bytes_peak <= v.capacity_bytes
+    assert v.evicted_bytes == 2 * unit_bytes + 0 * ckpt_bytes
+    assert v.checkpoints <= v.kv
+    with pytest.raises(ValueError, match="capacity_bytes=0"):
+        StoreView(UNIT, 128, capacity_bytes=0, kv_bytes_per_token=100, checkpoint_bytes=1)
+    with pytest.raises(ValueError, match="kv_bytes_per_token=0"):
+        StoreView(UNIT, 128, capacity_bytes=10)
+
+
+def test_decoding_requests_hold_their_pages_until_their_last_token():
+    cfg = config()
+    cost = StepCostModel(name="flat", overhead_s=0.001, linear_s_per_token=1e-5, attention_s_per_pair=0.0)
+    inst = FleetInstance(0, builder(cfg), cost, cfg.max_num_seqs)
+    pool = inst.handle.engine.cache.pages
+    fr = FleetRequest(0, Request("r0", np.arange(300) % 97, 200), arrival=0.0, output_tokens=200)
+    inst.enqueue(fr, 0.0, 0.0)
+    inst.step()
+    assert fr.first_token is not None and inst.decoding == [fr]
+    held = pool.num_pages - pool.num_free - pool.num_evictable
+    assert held == -(-(300 + 200 - 1) // cfg.block_size)          # prompt + output - 1 tokens, as admitted
+    while inst.has_work:
+        inst.step()
+    assert fr.finished is not None and pool.num_pages - pool.num_free - pool.num_evictable == 0
+    assert not inst.handle.engine.detached and fr.request.status.value == "finished"
+
+
+def test_a_restart_from_the_command_line(tmp_path):
+    rep = _timed(tmp_path, "--simulate", "--limit", "120", "--instances", "2", "--restart", "1@20",
+                 "--restart", "0@1e9", "--store-gib", "0.5", "--time-scale", "4")
+    _sane(rep, 2)
+    assert [r["instance"] for r in rep["restarts"]] == [1]       # 0@1e9: after the last arrival, never done
+    assert rep["restarts"][0]["requested"] == 20.0 <= rep["restarts"][0]["at"] < 168.0   # the 120th arrives at 168 s
+    assert rep["store"]["capacity_bytes"] == 2**29 and rep["store"]["bytes_peak"] <= 2**29
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--timed", "--restart", "3"], "'3' is not INSTANCE@SECONDS"),
+    (["--timed", "--restart", "x@1"], "instance 'x'"),
+    (["--timed", "--restart", "1@-2"], "seconds '-2'"),
+    (["--restart", "1@2"], "--restart"),
+])
+def test_bad_restarts_are_named(args, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", "--limit", "5", "--no-progress", *args])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_restart_of_a_missing_instance_is_named(tmp_path, capsys):
+    rc = main(["replay", "--simulate", "--timed", "--limit", "5", "--no-progress", "--instances", "2",
+               "--restart", "5@1"])
+    assert rc == 2 and "restart of instance 5" in capsys.readouterr().err

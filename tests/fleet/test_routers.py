@@ -133,3 +133,28 @@ def test_the_hot_spot_guard_skips_an_overloaded_instance():
 def test_an_unknown_router_is_named():
     with pytest.raises(ValueError, match="'fastest'"):
         make_router(RouterConfig(name="fastest", unit=UNIT, block_size=512, cost=h200_kimi_linear_48b()))
+
+
+def test_under_load_a_hit_is_worth_the_queue_it_shortens():
+    """Instance 0 holds the prompt's KV and checkpoint but has the longer queue. With nothing
+    waiting the hybrid router sends the request where its own TTFT is shortest (1); with
+    requests waiting everywhere the prefill it adds delays every one of them, so the hit wins (0)."""
+    hashes = chain(*"abcdefghijklmnopqrstuvwxyz0123456789")
+    hot = view(kv=hashes, checkpoints=[hashes[-1]])
+    cost = h200_kimi_linear_48b()
+    req = request(hashes)
+    saved = cost.prefill_seconds(0, req.prompt_tokens) - cost.prefill_seconds(len(hashes) * UNIT, req.prompt_tokens)
+    gap = 3 * saved                                            # instance 0's extra queue: three savings
+
+    def state(waiting: int) -> FleetState:
+        return FleetState(views=[hot, view()], loads=[
+            InstanceLoad(outstanding_tokens=9000, queued_seconds=1.0 + gap, waiting=waiting),
+            InstanceLoad(outstanding_tokens=1000, queued_seconds=1.0, waiting=waiting)])
+
+    router, seed = HybridRouter(cost), HybridRouter(cost, options=HybridOptions(weigh_waiting=False))
+    assert router.route(req, state(0)) == 1 and seed.route(req, state(0)) == 1
+    assert router.route(req, state(8)) == 0                  # (1 + 8) savings outweigh a gap of 3
+    assert seed.route(req, state(8)) == 1                    # the seed's score ignores who waits
+    s0, _ = router.score(req, state(8), 0, 0)
+    s1, _ = router.score(req, state(8), 1, 0)
+    assert s0 - s1 == pytest.approx(9 * saved - gap, rel=1e-9)

@@ -110,6 +110,7 @@ class Engine:
         self.connector = TierConnector(self.cache, backend, tiers, compute=self.compute_rate) if tiers else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.detached: list[Request] = []     # decoding outside the schedule, pages held (:meth:`detach`)
         self.stats = EngineStats(checkpoints_created={n: 0 for n in config.policy.names()})
 
     def set_timings(self, sink: TimingSink | None) -> None:
@@ -186,6 +187,33 @@ class Engine:
                              f"status is {req.status.value}")
         self._finish(req)
 
+    def detach(self, req: Request) -> None:
+        """Take a decoding request out of the schedule while it keeps its pages: the caller
+        models the rest of its decode (the fleet simulator) and ends it with
+        :meth:`finish_detached`. Admission still counts its pages as ones that will be freed.
+
+        Raises:
+            ValueError: the request is not decoding (naming its status).
+        """
+        if req.status != Status.DECODE:
+            raise ValueError(f"request {req.request_id}: only a decoding request can be detached, "
+                             f"status is {req.status.value}")
+        self.running.remove(req)
+        self.detached.append(req)
+
+    def finish_detached(self, req: Request) -> None:
+        """End a request :meth:`detach` took out: its pages are released, it counts as finished.
+
+        Raises:
+            ValueError: the request was not detached (naming it).
+        """
+        if req not in self.detached:
+            raise ValueError(f"request {req.request_id} is not detached")
+        self.detached.remove(req)
+        self.cache.release(req.alloc)
+        self._forget(req)
+        req.status = Status.FINISHED
+
     @property
     def has_work(self) -> bool:
         """Requests are waiting or running."""
@@ -234,7 +262,8 @@ class Engine:
             match = self.cache.lookup(req.prompt, req.namespace, hashes=req.hashes)
             if self.timings is not None:
                 self.timings.observe("lookup", time.perf_counter() - t0, "device")
-            if self.running and not self.cache.could_fit(match, t + req.max_output_tokens - 1):
+            busy = self.running or self.detached     # requests that will free pages
+            if busy and not self.cache.could_fit(match, t + req.max_output_tokens - 1):
                 req.admission_failures += 1
                 return                        # wait for pages; loading now would be evicted before it ran
             remote_branch, fetched = None, None
@@ -243,7 +272,7 @@ class Engine:
                 match, remote_branch = fetched.match, fetched.missing_branching_boundary
             need = t + req.max_output_tokens - 1
             alloc = self.cache.acquire(match, need)
-            if alloc is None and not self.running:      # nothing will free pages: reuse less before refusing
+            if alloc is None and not busy:              # nothing will free pages: reuse less before refusing
                 for shorter in self.cache.shorter_hits(match):
                     alloc = self.cache.acquire(shorter, need)
                     if alloc is not None:
@@ -251,7 +280,7 @@ class Engine:
                         break
             if alloc is None:
                 req.admission_failures += 1
-                if self.running:
+                if busy:
                     return                    # wait for running requests to free pages
                 self.waiting.popleft()
                 self._forget(req)

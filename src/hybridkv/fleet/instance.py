@@ -6,9 +6,11 @@ price of the simulated engine's step (:class:`~hybridkv.fleet.costmodel.StepCost
 With a cost model the engine runs each request to its first token (prefill, the real
 cache code deciding every hit) and the instance models the rest of the decode as one
 token per step for each decoding sequence; decoding sequences take part in the price
-of every step and count against ``max_num_seqs``. Their KV pages are released when
-the engine finishes the prefill (they are not reusable by other prompts anyway), so
-decode does not press on the page pool: a stated simplification.
+of every step and count against ``max_num_seqs``. As in the real engine, a request's
+pages for ``prompt + output - 1`` tokens are reserved at admission and held until its
+last token (the engine's :meth:`~hybridkv.engine.engine.Engine.detach` hands the decode
+to the instance with the pages); generated tokens are never published (the real engine
+caches prompt units only), so decode presses on the page pool without adding reuse.
 
 With a simulated shared store (:class:`SimulatedStore`), a request whose joint hit in
 the store is deeper than the instance's own is loaded before it enters the engine: the
@@ -59,7 +61,8 @@ class FleetRequest:
         finished: end of the step that produced its last token (or rejected it).
         rejected: the engine refused it.
         predicted_s: prefill seconds the fleet predicted for it when routed.
-        decode_left: tokens still to generate in the modelled decode.
+        decode_left: tokens still to generate after the first (counted in the instance's
+            :attr:`~hybridkv.fleet.routers.InstanceLoad.decode_tokens` until generated).
         hashes: chained unit hashes of the prompt (set when routed).
     """
 
@@ -167,13 +170,20 @@ class FleetInstance:
         return bool(self.queue or self.in_engine or self.decoding)
 
     def enqueue(self, fr: FleetRequest, now: float, predicted_s: float) -> None:
-        """Accept a routed request at time ``now`` (an idle instance's clock jumps to it)."""
+        """Accept a routed request at time ``now`` (an idle instance's clock jumps to it); a
+        simulated instance sets the engine request's ``max_output_tokens`` to ``fr.output_tokens``
+        (pages for the whole output are reserved at admission, as the real engine does)."""
         if not self.has_work:
             self.clock = max(self.clock, now)
         fr.instance, fr.predicted_s = self.index, predicted_s
+        if self.cost is not None:                     # the engine reserves pages for the whole output
+            fr.request.max_output_tokens = max(fr.output_tokens, 1)
         self.queue.append(fr)
         ld = self.load
         ld.outstanding_tokens += fr.request.prompt_len
+        ld.waiting += 1
+        fr.decode_left = max(fr.output_tokens - 1, 0)
+        ld.decode_tokens += fr.decode_left
         ld.queued_seconds += predicted_s
         ld.in_flight += 1
         ld.in_flight_tokens += fr.request.prompt_len + fr.output_tokens
@@ -235,6 +245,7 @@ class FleetInstance:
             return 0.0
         g = cache.config.prefix_match_unit
         self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[got // g - 1]], [])
+        self.store.view.touch(fr.hashes, got)
         st = self.stats
         st.store_hit_tokens += got - local.hit
         st.store_bytes_loaded += self.store.cost.load_bytes(start, got)
@@ -318,11 +329,13 @@ class FleetInstance:
 
     def _advance_decoders(self, k: int, end: float) -> list[FleetRequest]:
         done, still = [], []
+        self.load.decode_tokens -= k * len(self.decoding)
         for fr in self.decoding:
             fr.decode_left -= k
             (still if fr.decode_left > 0 else done).append(fr)
         self.decoding = still
         for fr in done:
+            self.handle.engine.finish_detached(fr.request)
             self._finish(fr, end)
         return done
 
@@ -344,11 +357,12 @@ class FleetInstance:
                 continue
             if fr.first_token is None and r.output:
                 self._first_token(fr, end)
-            if not r.done:
-                still.append(fr)
-            elif self.cost is not None and fr.output_tokens > 1:
-                fr.decode_left = fr.output_tokens - 1
+            if self.cost is not None and r.status is Status.DECODE:
+                self.handle.engine.detach(r)          # the decode is modelled; its pages stay held
+                fr.decode_left = fr.output_tokens - len(r.output)
                 self.decoding.append(fr)
+            elif not r.done:
+                still.append(fr)
             else:
                 self._finish(fr, end)
                 done.append(fr)
@@ -359,10 +373,13 @@ class FleetInstance:
         if not fr.rejected:
             fr.first_token = end
         self.load.outstanding_tokens -= fr.request.prompt_len
+        self.load.waiting -= 1
         self.load.queued_seconds = max(0.0, self.load.queued_seconds - fr.predicted_s)
 
     def _finish(self, fr: FleetRequest, end: float) -> None:
         fr.finished = end
+        self.load.decode_tokens -= fr.decode_left          # tokens it will not generate after all (or 0)
+        fr.decode_left = 0
         self.load.in_flight -= 1
         self.load.in_flight_tokens -= fr.request.prompt_len + fr.output_tokens
 

@@ -16,8 +16,10 @@ whole prompt decides, never its first message.
 * ``kv-overlap``: Dynamo's KV-router cost over KV blocks only:
   ``w * prefill_blocks + active_blocks`` (blocks to prefill here, given the KV overlap,
   plus blocks of work already queued; blocks held by requests in flight).
-* ``hybrid``: ``score = T_saved - T_queue - T_transfer - T_cold`` in seconds (DESIGN §7)
-  over the *joint* hit (KV contiguous plus a checkpoint at or below it).
+* ``hybrid``: lowest ``T_queue + (1 + waiting) * (T_prefill + T_transfer + T_cold)`` in seconds,
+  the seed's ``score = T_saved - T_queue - T_transfer - T_cold`` (DESIGN §7) with the work also
+  charged to the requests that will wait behind it; hits are *joint* hits (KV contiguous plus a
+  checkpoint at or below it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class InstanceLoad:
         in_flight: requests routed here and not finished.
         in_flight_tokens: prompt + output tokens of those (KV they hold or will hold).
         routed: requests ever routed here (the last tie-break, so idle instances share misses).
+        waiting: requests routed here without a first token yet (queued or in prefill).
+        decode_tokens: tokens still to generate after their first by requests routed here.
     """
 
     outstanding_tokens: int = 0
@@ -49,6 +53,8 @@ class InstanceLoad:
     in_flight: int = 0
     in_flight_tokens: int = 0
     routed: int = 0
+    waiting: int = 0
+    decode_tokens: int = 0
 
     def key(self) -> tuple[int, int, int]:
         """Lighter first: outstanding prompt tokens, then requests in flight, then requests routed."""
@@ -193,66 +199,114 @@ class HybridOptions:
     """Guards against hot-spotting.
 
     Attributes:
-        hot_relative, hot_absolute_s: an instance whose queued seconds exceed
+        hot_relative, hot_absolute_s: an instance whose predicted wait exceeds
             ``hot_relative * mean + hot_absolute_s`` is not a candidate (unless none is below it).
         tie_relative: scores within this fraction of the request's full prefill seconds of
             the best count as equal, and the least loaded of them wins: a small hit (a shared
             system prompt every instance soon holds) must not pull all traffic to the few
             instances that hold it first while the rest stand idle.
+        weigh_waiting: price the work a placement adds once for the request and once for each
+            request that will wait behind it (``(1 + waiting_j)`` times, below); ``False``: the
+            request's own predicted TTFT alone (the seed's score, kept for comparison).
+        count_decode: ``T_queue`` includes the wait for a sequence slot held by decoding
+            requests (:meth:`HybridRouter.queue_seconds`); ``False``: queued prefill seconds
+            alone (the seed's, kept for comparison).
     """
 
     hot_relative: float = 2.0
     hot_absolute_s: float = 2.0
     tie_relative: float = 0.1
+    weigh_waiting: bool = True
+    count_decode: bool = True
 
 
 class HybridRouter(Router):
-    """``score_j = T_saved,j - T_queue,j - T_transfer,j - T_cold,j`` (seconds), highest wins.
+    """Lowest marginal cost wins: ``cost_j = T_queue,j + (1 + n_j) * W_j`` (seconds), with
+    ``W_j = T_prefill,j + T_transfer,j + T_cold,j`` the work the request adds to instance ``j``.
 
-    * ``T_saved``: prefill seconds of ``[0, T)`` minus those of ``[h_j, T)``, ``h_j`` the
-      joint hit on instance ``j`` (its view) or in the store, whichever is deeper
-      (a KV run without a checkpoint at or below it saves nothing).
-    * ``T_queue``: the instance's queued prefill seconds (:attr:`InstanceLoad.queued_seconds`).
+    * ``T_prefill,j``: prefill seconds of ``[h_j, T)``, ``h_j`` the joint hit on instance ``j``
+      (its view) or in the store, whichever is deeper (a KV run without a checkpoint at or
+      below it saves nothing). ``T_saved,j = T_prefill(0) - T_prefill,j``.
+    * ``T_queue``: the instance's queued prefill seconds (:attr:`InstanceLoad.queued_seconds`)
+      plus, when all ``max_num_seqs`` sequence slots are taken, the wait for one
+      (:meth:`queue_seconds`): with several hundred output tokens per request a slot is held
+      for seconds of decode, ten times a typical prefill on the H200 model.
     * ``T_transfer``: store bytes of the KV the instance lacks up to ``h_store`` and the
       checkpoint there, over the store bandwidth, when the store's hit is deeper;
       ``T_cold``: the per-object latency of that load (the instance must fetch before it
       computes). Both 0 for a local hit or a miss (:class:`~hybridkv.fleet.store.StoreCost`).
-    * Ties (scores within ``tie_relative`` of the full prefill; misses everywhere) go to the
+    * ``n_j``: requests waiting on ``j`` for their first token (:attr:`InstanceLoad.waiting`).
+      ``T_queue + W`` is the request's own predicted TTFT; every second of ``W`` also delays
+      whatever is queued behind it on ``j`` when it runs. In a steady state as many requests
+      join behind it while it waits as are waiting ahead of it now (arrivals match
+      departures, Little's law), so ``n_j`` estimates that number and the cost is the
+      total delay the placement causes. An idle fleet (``n_j = 0``) reduces to the seed's
+      ``score_j = T_saved,j - T_queue,j - T_transfer,j - T_cold,j`` (DESIGN §7; ``score_j =
+      T_prefill(0) - cost_j``); under overload the saving is multiplied by the queue it
+      shortens, so reuse (less total work) wins over spreading the present queue.
+    * Ties (costs within ``tie_relative`` of the full prefill; misses everywhere) go to the
       least loaded.
 
     Args:
         cost: prices prefill (:meth:`StepCostModel.prefill_seconds`).
         store: store transfer cost, or ``None`` (no shared store).
-        options: hot-spot guard.
+        options: hot-spot guard, tie band, ``weigh_waiting``, ``count_decode``.
+        max_num_seqs: sequence slots of each instance (prefill and decode together).
+
+    Raises:
+        ValueError: ``max_num_seqs`` below 1.
     """
 
     name = "hybrid"
 
     def __init__(self, cost: StepCostModel, store: StoreCost | None = None,
-                 options: HybridOptions = HybridOptions()) -> None:
+                 options: HybridOptions = HybridOptions(), max_num_seqs: int = 1) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs!r} must be at least 1")
         self.cost = cost
         self.store = store
         self.options = options
+        self.max_num_seqs = max_num_seqs
+
+    def queue_seconds(self, ld: InstanceLoad) -> float:
+        """Predicted seconds before a request sent to an instance with load ``ld`` starts.
+
+        Queued prefill seconds, plus, when the ``S = max_num_seqs`` slots are full
+        (``m = in_flight >= S``), a fluid estimate of the wait for one:
+        ``decode_tokens * t_token * (m - S + 1) / m``. ``decode_tokens * t_token`` drains
+        every decode routed there at a full batch (``t_token``: the cost model's decode step
+        of ``S`` sequences at the instance's mean context, over ``S``); a slot frees once
+        ``m - S + 1`` of the ``m`` requests ahead are done, taken as that share of the work.
+        """
+        q = ld.queued_seconds
+        s, m = self.max_num_seqs, ld.in_flight
+        if not self.options.count_decode or m < s or ld.decode_tokens <= 0:
+            return q
+        context = ld.in_flight_tokens // m
+        t_token = self.cost.step_seconds([], s, s * context) / s
+        return q + ld.decode_tokens * t_token * (m - s + 1) / m
 
     def predicted_prefill(self, req: RouteRequest, hit: int) -> float:
         """Seconds to prefill ``[hit, T)`` of ``req``."""
         return self.cost.prefill_seconds(hit, req.prompt_tokens)
 
     def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int) -> tuple[float, int]:
-        """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``."""
+        """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``; the score is
+        ``T_prefill(0) - cost_j`` (higher is better; the seed's score when nothing waits)."""
         m = fleet.views[j].match(req.hashes, req.limit)
         hit, transfer, cold = m.hit, 0.0, 0.0
         if self.store is not None and store_hit > m.hit:
             start = load_start(m.kv_hit, store_hit, self.store.alignment)
             hit = store_hit
             transfer, cold = self.store.transfer_seconds(start, hit), self.store.latency_seconds(start, hit)
-        full = self.predicted_prefill(req, 0)
-        saved = full - self.predicted_prefill(req, hit)
-        return saved - fleet.loads[j].queued_seconds - transfer - cold, hit
+        ld = fleet.loads[j]
+        work = self.predicted_prefill(req, hit) + transfer + cold
+        weight = 1 + ld.waiting if self.options.weigh_waiting else 1
+        return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
 
     def candidates(self, fleet: FleetState) -> list[int]:
-        """Instances not hot: queued seconds within the guard."""
-        q = [ld.queued_seconds for ld in fleet.loads]
+        """Instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
+        q = [self.queue_seconds(ld) for ld in fleet.loads]
         bound = self.options.hot_relative * sum(q) / len(q) + self.options.hot_absolute_s
         cool = [j for j, s in enumerate(q) if s <= bound]
         return cool or list(range(len(q)))
@@ -279,6 +333,7 @@ class RouterConfig:
         cost: the step cost model (prices prefill for ``hybrid``).
         store: store transfer cost or ``None``.
         prefix: ``prefix`` thresholds.  hybrid: ``hybrid`` guard.
+        max_num_seqs: sequence slots of each instance (``hybrid``'s wait for a slot).
     """
 
     name: str
@@ -288,6 +343,7 @@ class RouterConfig:
     store: StoreCost | None = None
     prefix: PrefixOptions = PrefixOptions()
     hybrid: HybridOptions = HybridOptions()
+    max_num_seqs: int = 1
 
 
 def make_router(cfg: RouterConfig) -> Router:
@@ -305,5 +361,5 @@ def make_router(cfg: RouterConfig) -> Router:
     if cfg.name == "kv-overlap":
         return KVOverlapRouter(cfg.block_size)
     if cfg.name == "hybrid":
-        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid)
+        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs)
     raise ValueError(f"unknown router {cfg.name!r}; choose one of {', '.join(ROUTER_NAMES)}")

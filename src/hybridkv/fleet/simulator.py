@@ -68,6 +68,8 @@ class Fleet:
         self._events = _EventQueue()
         self._hash = instances[0].handle.engine.cache.hash_prompt
         self._busy: list[tuple[float, int]] = []
+        self._restarts: list[tuple[float, int]] = []      # (not before, instance), not yet done
+        self.restarts_done: list[dict] = []
 
     def deliver(self, now: float) -> None:
         """Apply every event due by ``now`` (seconds) to the router's views."""
@@ -126,6 +128,8 @@ class Fleet:
                 if ended and progress is not None:
                     progress(ended)
             else:
+                if self._restarts:
+                    self._restart_due(nxt)
                 self.route(requests[i])
                 i += 1
         self.deliver(math.inf)
@@ -136,6 +140,36 @@ class Fleet:
         inst = self.instances[j]
         inst.restart()
         self._events.push(inst.clock, inst.publisher.drain())
+
+
+    def schedule_restart(self, j: int, at: float) -> None:
+        """Restart instance ``j`` at the first moment it is idle at or after ``at`` (seconds on
+        the fleet's clock), checked as requests arrive: a graceful restart that lets the requests
+        it holds finish. One that never finds it idle before the last arrival does not happen;
+        :attr:`restarts_done` lists those that did (``{instance, requested, at}``).
+
+        Raises:
+            ValueError: ``j`` not an instance of the fleet, or ``at`` negative or not finite.
+        """
+        if not 0 <= j < len(self.instances):
+            raise ValueError(f"restart of instance {j}: the fleet has instances 0..{len(self.instances) - 1}")
+        if not (at >= 0 and math.isfinite(at)):
+            raise ValueError(f"restart of instance {j} at {at!r} s: the time must be finite and >= 0")
+        self._restarts.append((at, j))
+        self._restarts.sort()
+
+    def _restart_due(self, now: float) -> None:
+        """Do the scheduled restarts due by ``now`` whose instance is idle."""
+        still = []
+        for at, j in self._restarts:
+            inst = self.instances[j]
+            if at > now or inst.has_work:
+                still.append((at, j))
+                continue
+            inst.clock = max(inst.clock, at)
+            self.restart(j)
+            self.restarts_done.append({"instance": j, "requested": at, "at": round(inst.clock, 6)})
+        self._restarts = still
 
 
 def latency_summary(values: list[float]) -> dict[str, float | None]:

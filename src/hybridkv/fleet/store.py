@@ -3,8 +3,9 @@ instance's events) and what loading from it costs.
 
 The store holds what instances write through to it: KV in segments of ``alignment``
 tokens and checkpoints at those boundaries (the store tier's entry layout,
-``CacheConfig.store_boundary``). It is modelled without eviction and it outlives
-instance restarts, so removals and epochs do not touch it. Loading ``[start, end)``
+``CacheConfig.store_boundary``). It outlives instance restarts, so removals and epochs
+do not touch it. With a capacity it evicts least recently used entries (stored or
+loaded) until what it holds fits; without one it keeps everything. Loading ``[start, end)``
 costs one object round trip per KV segment plus one for the checkpoint, each with its
 manifest (two objects an entry), and the bytes over the store's bandwidth. The
 defaults are this project's Mooncake measurements (docs/benchmarks.md, docs/mooncake.md):
@@ -14,6 +15,7 @@ defaults are this project's Mooncake measurements (docs/benchmarks.md, docs/moon
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
@@ -23,6 +25,9 @@ MOONCAKE_LOAD_BYTES_PER_S = 1.1e9
 """Measured Mooncake load bandwidth at Kimi-48B entry sizes (docs/benchmarks.md), bytes/s."""
 MOONCAKE_GET_LATENCY_S = 194e-6
 """Measured Mooncake ``get_into`` time of a small object (docs/benchmarks.md), seconds."""
+DEFAULT_STORE_GIB = 1024.0
+"""Capacity of the simulated shared store unless ``--store-gib`` says otherwise, GiB: an
+assumption (a Mooncake pool of 8 hosts lending 128 GiB of DRAM each), not a measurement."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,26 +75,99 @@ class StoreView(InstanceView):
     """Entries of the shared store, from every instance's stored events; a hit only at
     ``alignment`` boundaries.
 
+    With ``capacity_bytes`` the store holds at most that many bytes: each unit's KV
+    (``unit * kv_bytes_per_token``) and each checkpoint (``checkpoint_bytes``) is charged
+    when stored, and the least recently used is evicted first (a unit takes its checkpoint
+    with it; a load touches what it read, :meth:`touch`). A checkpoint is charged wherever
+    an instance published one: the events do not say whether it sits on an entry boundary
+    (the store tier writes only those), so the limit is reached somewhat early. A unit
+    whose ancestor was evicted stays until it ages out, unreachable (lookups stop at the
+    first missing unit), as in a key-value store without a tree.
+
     Args:
         unit: ``prefix_match_unit`` in tokens.
         alignment: tokens per store entry (a multiple of ``unit``).
+        capacity_bytes: the most bytes held; ``None``: unlimited.
+        kv_bytes_per_token: KV bytes of one token over all MLA layers (needed with a capacity).
+        checkpoint_bytes: bytes of one KDA checkpoint (likewise). With both sizes the view
+            counts ``bytes_held``, ``bytes_peak`` and ``evicted_bytes`` even without a capacity.
 
     Raises:
-        ValueError: ``alignment`` not a positive multiple of ``unit``.
+        ValueError: ``alignment`` not a positive multiple of ``unit``; a capacity not positive,
+            or given without positive entry sizes.
     """
 
-    def __init__(self, unit: int, alignment: int) -> None:
+    def __init__(self, unit: int, alignment: int, capacity_bytes: int | None = None,
+                 kv_bytes_per_token: int = 0, checkpoint_bytes: int = 0) -> None:
         if alignment <= 0 or alignment % unit:
             raise ValueError(f"store alignment {alignment} is not a positive multiple of the unit {unit}")
+        if capacity_bytes is not None:
+            if capacity_bytes <= 0:
+                raise ValueError(f"store capacity_bytes={capacity_bytes!r} must be positive (None: unlimited)")
+            if kv_bytes_per_token <= 0 or checkpoint_bytes <= 0:
+                raise ValueError(f"a store capacity needs positive entry sizes: kv_bytes_per_token="
+                                 f"{kv_bytes_per_token!r}, checkpoint_bytes={checkpoint_bytes!r}")
         super().__init__(unit)
         self.alignment = alignment
+        self.capacity_bytes = capacity_bytes
+        self._unit_bytes = unit * kv_bytes_per_token
+        self._ckpt_bytes = checkpoint_bytes
+        self._track = kv_bytes_per_token > 0 and checkpoint_bytes > 0          # bytes counted (and evicted)
+        self._lru: OrderedDict[tuple[bool, bytes], int] = OrderedDict()   # (is checkpoint, key) -> bytes
+        self.bytes_held = 0
+        self.bytes_peak = 0
+        self.evicted_bytes = 0
+
+    def _charge(self, key: tuple[bool, bytes], size: int) -> None:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return
+        self._lru[key] = size
+        self.bytes_held += size
+
+    def _evict_to_fit(self) -> None:
+        while self.bytes_held > self.capacity_bytes and self._lru:
+            (is_ckpt, key), size = self._lru.popitem(last=False)
+            self.bytes_held -= size
+            self.evicted_bytes += size
+            self.checkpoints.discard(key)
+            if not is_ckpt:
+                self.kv.discard(key)
+                ck = (True, key)
+                if ck in self._lru:
+                    self.bytes_held -= self._lru.pop(ck)
+                    self.evicted_bytes += self._ckpt_bytes
 
     def apply(self, event: CacheEvent) -> None:
-        """Add what was stored; removals, clears and epochs do not reach the store."""
+        """Add what was stored (evicting the least recently used beyond the capacity);
+        removals, clears and epochs do not reach the store."""
         if event.kind is EventKind.BLOCKS_STORED:
             self.kv.update(event.keys)
+            if self._track:
+                for k in event.keys:
+                    self._charge((False, k), self._unit_bytes)
         elif event.kind is EventKind.CHECKPOINTS_STORED:
-            self.checkpoints.update(k for k in event.keys if k in self.kv)
+            new = [k for k in event.keys if k in self.kv]
+            self.checkpoints.update(new)
+            if self._track:
+                for k in new:
+                    self._charge((True, k), self._ckpt_bytes)
+        else:
+            return
+        if self.capacity_bytes is not None:
+            self._evict_to_fit()
+        self.bytes_peak = max(self.bytes_peak, self.bytes_held)
+
+    def touch(self, hashes: list[bytes], end: int) -> None:
+        """A load read the KV of ``[0, end)`` and the checkpoint at ``end``: most recently used."""
+        if not self._track:
+            return
+        lru = self._lru
+        for k in hashes[: end // self.unit]:
+            if (False, k) in lru:
+                lru.move_to_end((False, k))
+        if end and (True, hashes[end // self.unit - 1]) in lru:
+            lru.move_to_end((True, hashes[end // self.unit - 1]))
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit over whole store entries (boundaries at multiples of ``alignment``)."""

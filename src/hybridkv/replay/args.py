@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -58,3 +59,21 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def restart_spec(text: str) -> tuple[int, float]:
+    """``INSTANCE@SECONDS`` (``--restart``): a 0-based instance index and a time on the fleet's
+    clock in seconds (after ``--time-scale``), e.g. ``3@120.5``."""
+    index, sep, seconds = text.partition("@")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not INSTANCE@SECONDS (e.g. 3@120.5)")
+    try:
+        j = int(index)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"instance {index!r} in {text!r} is not an integer") from None
+    if j < 0:
+        raise argparse.ArgumentTypeError(f"instance {j} in {text!r} must be 0 or more")
+    t = _float(seconds)
+    if not (t >= 0 and math.isfinite(t)):
+        raise argparse.ArgumentTypeError(f"seconds {seconds!r} in {text!r} must be a finite number >= 0")
+    return j, t

@@ -35,7 +35,7 @@ REPORT_KEYS = (
 """Required top-level keys of the report JSON, in order."""
 
 TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew",
-              "makespan_seconds", "router", "time_scale", "cost_model", "store")
+              "makespan_seconds", "router", "time_scale", "cost_model", "store", "restarts")
 """Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
@@ -139,7 +139,11 @@ class ReplayReport:
         the cost model's name (what prices simulated steps and the router's estimates).
     store: timed only: ``{hit_tokens, bytes_loaded, seconds, declined}``: what the fleet
         loaded from a simulated shared store, and loads it declined because recomputing was
-        predicted faster (zeros for real engines: their store tier reports in ``tiers``).
+        predicted faster (zeros for real engines: their store tier reports in ``tiers``); with a
+        simulated store also ``capacity_bytes`` (``None``: unlimited), ``bytes_peak`` (most held)
+        and ``evicted_bytes``.
+    restarts: timed only: ``{instance, requested, at}`` of each ``--restart`` done (seconds on the
+        fleet's clock: asked for, and when the instance was idle and restarted).
     """
 
     requests: int
@@ -179,6 +183,7 @@ class ReplayReport:
     time_scale: float | None = None
     cost_model: str | None = None
     store: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""

@@ -38,7 +38,7 @@ from rich.progress import (
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
 from hybridkv.fleet.steplog import write_step_log
-from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
+from hybridkv.fleet.store import DEFAULT_STORE_GIB, MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.instance import (
     TURN_FAILED,
     InstanceResult,
@@ -71,7 +71,9 @@ class ReplayOptions:
     ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation. ``host_bytes``:
     host tier capacity (bytes; 0: none; payload-free when simulating), ``host_groups`` the groups it
     holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
-    ``None``: :func:`default_host_interval`, 0: off)."""
+    ``None``: :func:`default_host_interval`, 0: off); ``store_gib=None`` means
+    :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
+    ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -108,6 +110,8 @@ class ReplayOptions:
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
     step_log: str | None = None
     step_clock: str = "wall"
+    store_gib: float | None = None
+    restarts: tuple[tuple[int, float], ...] = ()
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -292,7 +296,9 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
                       store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
                       store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s,
                       record_steps=opts.step_log is not None, threads=opts.threads,
-                      step_clock=opts.step_clock)
+                      step_clock=opts.step_clock,
+                      store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
+                      restarts=opts.restarts)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

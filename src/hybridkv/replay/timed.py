@@ -32,6 +32,7 @@ from hybridkv.fleet.routers import RouterConfig, make_router
 from hybridkv.fleet.simulator import Fleet, timing_summary
 from hybridkv.fleet.steplog import StepRecord
 from hybridkv.fleet.store import (
+    DEFAULT_STORE_GIB,
     MOONCAKE_GET_LATENCY_S,
     MOONCAKE_LOAD_BYTES_PER_S,
     StoreCost,
@@ -67,6 +68,10 @@ class TimedSetup:
             (:class:`~hybridkv.fleet.instance.FleetInstance`).
         threads: torch threads of the real model during the run (``--threads``; calibration
             times the model with the same number).
+        store_gib: capacity of the simulated store in GiB (least recently used evicted); 0: unlimited.
+        restarts: ``(instance, seconds)``: restart that instance (empty cache, new epoch) at the
+            first moment it is idle at or after that time on the fleet's clock
+            (:meth:`~hybridkv.fleet.simulator.Fleet.schedule_restart`).
     """
 
     model: str
@@ -84,6 +89,8 @@ class TimedSetup:
     record_steps: bool = False
     threads: int = 1
     step_clock: str = "wall"
+    store_gib: float = DEFAULT_STORE_GIB
+    restarts: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -138,7 +145,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
             (simulation with placeholder prompts; :class:`~hybridkv.replay.trace.TraceUnits`).
 
     Raises:
-        ValueError: unknown router name, ``time_scale`` not positive.
+        ValueError: unknown router name, ``time_scale`` not positive, ``store_gib`` negative, a
+            restart of an instance the fleet does not have (named).
         CostModelError: unknown cost model or a bad cost-model file.
     """
     if not setup.time_scale > 0:
@@ -147,8 +155,14 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     estimate = cost_model(name) if name else CPU_ESTIMATE
     store_cost = _store_cost(setup, cfg)
     router = make_router(RouterConfig(name=setup.router, unit=cfg.prefix_match_unit, block_size=cfg.block_size,
-                                      cost=estimate, store=store_cost))
-    view = StoreView(cfg.prefix_match_unit, cfg.store_boundary) if store_cost is not None else None
+                                      cost=estimate, store=store_cost, max_num_seqs=cfg.max_num_seqs))
+    if setup.store_gib < 0:
+        raise ValueError(f"store_gib={setup.store_gib!r} must be 0 (unlimited) or more")
+    view = None
+    if store_cost is not None:
+        capacity = int(setup.store_gib * 2**30) if setup.simulate and setup.store_gib > 0 else None
+        view = StoreView(cfg.prefix_match_unit, cfg.store_boundary, capacity, store_cost.kv_bytes_per_token,
+                         store_cost.checkpoint_bytes)
     sim_store = SimulatedStore(view, store_cost) if view is not None and setup.simulate else None
     build = _builder(setup, cfg)
     instances = [FleetInstance(k, build, estimate if setup.simulate else None, cfg.max_num_seqs, sim_store,
@@ -157,7 +171,7 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     if setup.record_steps:
         for inst in instances:
             inst.record_steps()
-    frs = [FleetRequest(r.index, Request(f"r{r.index}", p, 1 if setup.simulate else o, record_logits=r.index in verify),
+    frs = [FleetRequest(r.index, Request(f"r{r.index}", p, o, record_logits=r.index in verify),
                         arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
            for r, p, o in zip(reqs, prompts, output_lengths)]
     if units is not None:                              # every instance binds the same namespace
@@ -169,6 +183,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     threads = torch.get_num_threads()
     if not setup.simulate:
         torch.set_num_threads(setup.threads)
+    for j, at in setup.restarts:
+        fleet.schedule_restart(j, at)
     try:
         fleet.run(frs, progress)
     finally:
@@ -187,9 +203,16 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
             res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,
                                   "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0}
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
+    # engines replaced by restarts: their counters (requests, tokens, reuse) count too; the
+    # requests themselves were reported with the current engine above (each once)
+    results.extend(collect_result(old, [], [], 0.0) for inst in instances for old in inst.retired)
     timing = timing_summary(frs, instances)
-    timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name)
+    timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name,
+                  restarts=fleet.restarts_done)
     if not setup.simulate:
         timing["step_clock"] = setup.step_clock
+    if sim_store is not None:
+        timing["store"].update(capacity_bytes=view.capacity_bytes, bytes_peak=view.bytes_peak,
+                               evicted_bytes=view.evicted_bytes)
     steps = sorted((r for inst in instances for r in inst.step_log or ()), key=lambda r: (r.start, r.instance))
     return TimedRun(results, timing, steps)
