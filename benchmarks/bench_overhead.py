@@ -186,8 +186,8 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
     g = 64
     block_size = -(-block // g) * g
     pages = sum(-(-(len(p) + o) // block_size) for p, o in zip(prompts, outs)) + 4
-    common = dict(block_size=block_size, prefix_match_unit=g, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_kv_pages=pages, num_checkpoint_slots=max(16, 4 * len(prompts)), max_num_seqs=args.max_num_seqs)
+    common = {"block_size": block_size, "prefix_match_unit": g, "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "num_kv_pages": pages, "num_checkpoint_slots": max(16, 4 * len(prompts)), "max_num_seqs": args.max_num_seqs}
     policy = args.policy or default_policy(block, g)
     cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(policy), **common)
     base_cfg = CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
@@ -250,7 +250,8 @@ def simulate_trace() -> dict:
         t = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         process_s = time.perf_counter() - t
-        rep = json.load(open(path))
+        with open(path) as f:
+            rep = json.load(f)
     return {"command": "hybridkv replay --simulate --no-progress --json PATH", "requests": rep["requests"],
             "prompt_tokens": rep["prompt_tokens"], "wall_seconds": rep["wall_seconds"],
             "requests_per_s": rep["requests"] / rep["wall_seconds"],
@@ -259,7 +260,7 @@ def simulate_trace() -> dict:
 
 
 def _print(res: dict) -> None:
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)
     print(f"\n== {res['workload']}: {res['requests']} requests, {res['prompt_tokens']} prompt tokens, "
           f"{res['reused_tokens']} reused ({res['requests_with_hit']} requests with a hit), "
           f"{res['matched_units']} matched / {res['hashed_units']} hashed 64-token units; policy {res['policy']}, "

@@ -56,8 +56,8 @@ def main() -> None:
     every = rows[0]["checkpoint_bytes_peak"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["| policy | oracle fraction | checkpoint bytes (GiB) | vs every block | checkpoints | "
-             "branch recompute tokens |", "|---|---|---|---|---|---|"]
+    lines = [("| policy | oracle fraction | checkpoint bytes (GiB) | vs every block | checkpoints | "
+             "branch recompute tokens |"), "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{r['policy']}` | {r['oracle_fraction']:.4f} | {r['checkpoint_bytes_peak'] / 2**30:.2f} | "
                      f"{r['checkpoint_bytes_peak'] / every:.3f} | {sum(r['checkpoints_created'].values()):,} | "

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     if args.store == "mooncake":
         port, metrics_port = procs.find_free_ports(2)
         service.start_store(port, metrics_port, 2 << 30, work)
-        stop = lambda: service.stop_store(work)  # noqa: E731
+        stop = lambda: service.stop_store(work)
         store = MooncakeStore(f"127.0.0.1:{port}")
     else:
         from hybridkv.store.disk import DiskStore

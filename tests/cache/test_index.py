@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 from hypothesis import settings
@@ -17,7 +17,7 @@ NS = CacheIdentity(tenant="index-tests").digest()
 UNIT = 4
 
 
-@lru_cache(maxsize=None)
+@cache
 def H(*symbols: int) -> tuple[bytes, ...]:
     """Chained unit hashes of a prefix given as one symbol (token id) per unit."""
     return tuple(chained_block_hashes(NS, list(symbols), 1))
@@ -275,7 +275,7 @@ def test_evicting_a_page_a_request_holds_keeps_it_in_use_until_released():
 
 def test_evict_page_releases_the_checkpoints_of_removed_nodes():
     index = make_index()
-    p1, p2 = publish_path(index, H(1, 2))
+    _p1, p2 = publish_path(index, H(1, 2))
     n1, n2 = index.walk(list(H(1, 2)))
     s1, s2 = index.checkpoints.take_free(), index.checkpoints.take_free()
     index.attach_checkpoint(n1, s1)

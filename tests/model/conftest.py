@@ -9,15 +9,15 @@ import torch
 
 from hybridkv.model.model import HybridModel
 
-TINY_HF = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
-    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_experts=8,
-    num_experts_per_token=2, num_shared_experts=1, num_expert_group=2, topk_group=1,
-    linear_attn_config={"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 2,
+TINY_HF = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "num_experts": 8,
+    "num_experts_per_token": 2, "num_shared_experts": 1, "num_expert_group": 2, "topk_group": 1,
+    "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 2,
                         "head_dim": 32, "short_conv_kernel_size": 4},
-    first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)
+    "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
 
 
 def make_reference(seed: int = 0):

@@ -19,10 +19,10 @@ from hybridkv.replay.soak_rounds import RequestSpec, RoundConfig, build_prompt
 
 #: The shrunk sequence of ``hybridkv soak --seed 5 --first-round 100 --rounds 1`` (tiers left out:
 #: the difference is the same without them).
-CONFIG = dict(policy="branch+tail+hint", mechanism="split", block_size=256, prefix_match_unit=128,
-              max_num_batched_tokens=512, max_num_seqs=3, num_kv_pages=4, num_checkpoint_slots=1,
-              host_bytes=0, host_write_through=False, store=None, store_capacity=1 << 20,
-              store_alignment=None, instances=1, prefetch=False, faults=0.0)
+CONFIG = {"policy": "branch+tail+hint", "mechanism": "split", "block_size": 256, "prefix_match_unit": 128,
+              "max_num_batched_tokens": 512, "max_num_seqs": 3, "num_kv_pages": 4, "num_checkpoint_slots": 1,
+              "host_bytes": 0, "host_write_through": False, "store": None, "store_capacity": 1 << 20,
+              "store_alignment": None, "instances": 1, "prefetch": False, "faults": 0.0}
 SPECS = [
     RequestSpec(rid=12, instance=0, kind="session", segments=[["r", 247188356, 169], ["r", 1658827770, 236]],
                 max_tokens=4, hints=[256], arrive=12),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.serve.protocol import parse_generation, make_sampler
+from hybridkv.serve.protocol import make_sampler, parse_generation
 
 
 def _sampler(**fields):

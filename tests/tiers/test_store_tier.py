@@ -87,7 +87,7 @@ def test_s10_object_integrity(tiny_model, store, fault, reason):
     a, tier_a = instance(tiny_model, store, policy="tail=1024")
     run_one(a, np.concatenate([P, tokens(38, 300, v)]))
     hashes = a.cache.hash_prompt(P)
-    key = lambda comp: tier_a._key(hashes, 1024, "kda", comp)  # noqa: E731
+    key = lambda comp: tier_a._key(hashes, 1024, "kda", comp)
     if fault == "drop_conv":
         store.remove([key("conv.k")])
     elif fault == "drop_manifest":

@@ -22,11 +22,11 @@ try:
 except MooncakeNotInstalled as exc:
     pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
 
-import test_connector  # noqa: E402
-import test_purge  # noqa: E402
-import test_store_tier  # noqa: E402
+import test_connector
+import test_purge
+import test_store_tier
 
-from hybridkv.store.mooncake import loopback, procs, service  # noqa: E402
+from hybridkv.store.mooncake import loopback, procs, service
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ class Mechanism(enum.Enum):
     SPLIT = "split"
 
     @classmethod
-    def parse(cls, value: "Mechanism | str") -> "Mechanism":
+    def parse(cls, value: Mechanism | str) -> Mechanism:
         """A :class:`Mechanism` from itself or its name.
 
         Raises:
@@ -98,7 +98,7 @@ class CheckpointPolicy:
                 raise ConfigError(f"policy {name}={v!r} must be a positive integer or None")
 
     @classmethod
-    def parse(cls, text: str) -> "CheckpointPolicy":
+    def parse(cls, text: str) -> CheckpointPolicy:
         """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch+supersede"``, ``"hint"``, ``"none"``.
 
         Terms are joined by ``+`` or ``,``. ``tail=N`` sets the tail alignment
@@ -107,7 +107,7 @@ class CheckpointPolicy:
         Raises:
             ConfigError: unknown term or a non-positive / non-integer number.
         """
-        kw: dict = dict(branch=False, tail=False, tail_alignment=None, interval=None, hint=False, supersede=False)
+        kw: dict = {"branch": False, "tail": False, "tail_alignment": None, "interval": None, "hint": False, "supersede": False}
         terms = [t.strip() for t in text.replace(",", "+").split("+") if t.strip()]
         if not terms:
             raise ConfigError(f"policy {text!r} is empty; use e.g. 'branch+tail'")

@@ -15,8 +15,8 @@ callback given at construction and read device state through
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FULL, GROUPS, KDA, joint_hit, reuse_cap

@@ -31,7 +31,7 @@ class BlockNode:
     """
 
     key: bytes
-    parent: "BlockNode | None"
+    parent: BlockNode | None
     end: int
     page: int | None
     checkpoint: int | None = None

@@ -65,9 +65,7 @@ class PurgeSelector:
             return False
         if self.owners is not None and owner not in self.owners:
             return False
-        if self.created_before is not None and (created is None or created >= self.created_before):
-            return False
-        return True
+        return not (self.created_before is not None and (created is None or created >= self.created_before))
 
 
 @dataclass(slots=True)

@@ -161,7 +161,7 @@ class SimulatedBackend:
 
     def read_kv(self, block_table, start, end):
         """No tensors in simulation."""
-        return None
+        return
 
     def write_pages(self, pages, latents) -> None:
         """No tensors in simulation."""

@@ -9,10 +9,11 @@ values. Layer indices here are **0-based**; ``config.json`` lists them 1-based i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 _FP32_BYTES = 4
 
@@ -178,7 +179,7 @@ class HybridConfig:
 
     # ---- construction --------------------------------------------------------------
     @classmethod
-    def from_hf(cls, source: Any) -> "HybridConfig":
+    def from_hf(cls, source: Any) -> HybridConfig:
         """Build from a ``transformers.KimiLinearConfig``, a ``config.json`` dict,
         a path to ``config.json`` or a directory holding one.
 
@@ -197,7 +198,7 @@ class HybridConfig:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc})") from None
             if not isinstance(data, Mapping):
-                raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+                raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")  # noqa: TRY004 - callers catch ValueError for any bad file
             try:
                 return cls._from_dict(dict(data))
             except ValueError as exc:
@@ -218,7 +219,7 @@ class HybridConfig:
         raise TypeError(f"cannot build HybridConfig from {type(source).__name__}")
 
     @classmethod
-    def _from_dict(cls, d: dict[str, Any]) -> "HybridConfig":
+    def _from_dict(cls, d: dict[str, Any]) -> HybridConfig:
         def get(key: str, *aliases: str, default: Any = KeyError) -> Any:
             for k in (key, *aliases):
                 if k in d and d[k] is not None:
@@ -304,7 +305,7 @@ class HybridConfig:
         )
 
     @classmethod
-    def preset(cls, name: str) -> "HybridConfig":
+    def preset(cls, name: str) -> HybridConfig:
         """Load a bundled preset: one of :data:`PRESETS`.
 
         Raises:

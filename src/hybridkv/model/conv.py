@@ -7,7 +7,7 @@ first), exactly as :class:`~hybridkv.model.state.KDACheckpoint` holds it.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

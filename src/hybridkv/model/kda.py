@@ -24,7 +24,8 @@ chunk arithmetic as the unsplit one.
 
 from __future__ import annotations
 
-from typing import Iterable
+import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -111,7 +112,7 @@ def chunk_segments(T: int, boundaries: Iterable[int] = (), align_offset: int = 0
     cuts = set(range(first, T, chunk_size)) | {0, T}
     cuts |= {int(b) for b in boundaries}
     cuts = sorted(c for c in cuts if 0 <= c <= T)
-    return list(zip(cuts[:-1], cuts[1:]))
+    return list(itertools.pairwise(cuts))
 
 
 def _intra_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor):

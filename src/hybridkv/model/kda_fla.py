@@ -57,9 +57,9 @@ def chunk_with_states(q, k, v, g, beta, initial_state, boundaries):
     outs, states, start = [], {}, 0
     for end in sorted(set(boundaries) | {T}):
         sl = slice(start, end)
-        args = dict(q=q[:, sl].contiguous(), k=k[:, sl].contiguous(), v=v[:, sl].contiguous(),
-                    g=g[:, sl].float().contiguous(), beta=beta[:, sl].contiguous(), scale=1.0,
-                    initial_state=S.clone(), output_final_state=True, use_qk_l2norm_in_kernel=False)
+        args = {"q": q[:, sl].contiguous(), "k": k[:, sl].contiguous(), "v": v[:, sl].contiguous(),
+                    "g": g[:, sl].float().contiguous(), "beta": beta[:, sl].contiguous(), "scale": 1.0,
+                    "initial_state": S.clone(), "output_final_state": True, "use_qk_l2norm_in_kernel": False}
         fn = ops.fused_recurrent_kda if end - start == 1 else ops.chunk_kda
         o, S = fn(**args)[:2]
         S = S.float()
@@ -81,7 +81,7 @@ def recurrent(q, k, v, g, beta, initial_state):
     squeeze = q.dim() == 3
     q, k, v, g = (_b(x, 3).contiguous() for x in (q, k, v, g))
     beta = _b(beta, 2).contiguous()
-    B, T, H, K = q.shape
+    B, _T, H, K = q.shape
     S = (torch.zeros(B, H, K, v.shape[-1], dtype=torch.float32, device=q.device)
          if initial_state is None else _b(initial_state, 3).float().clone())
     o, S = ops.fused_recurrent_kda(q=q, k=k, v=v, g=g.float(), beta=beta, scale=1.0, initial_state=S,

@@ -86,7 +86,7 @@ class PagedKVPool:
                              f"(block_size={self.block_size})")
         used = pt[:need]
         if need and (int(used.min()) < 0 or int(used.max()) >= self.num_pages):
-            bad = [int(p) for p in used if not 0 <= int(p) < self.num_pages][0]
+            bad = next(int(p) for p in used if not 0 <= int(p) < self.num_pages)
             raise ValueError(f"page_table names page {bad} outside [0, {self.num_pages})")
         pos = torch.arange(start, end)
         return (used[pos // self.block_size] * self.block_size + pos % self.block_size).to(

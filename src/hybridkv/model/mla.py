@@ -7,6 +7,7 @@ resumed computation sees exactly the bytes a one-shot computation saw.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,7 @@ class MLAttention(nn.Module):
         cuts = sorted({start, start + n} | set(range(-(-start // _Q_ALIGN) * _Q_ALIGN, start + n, _Q_ALIGN)))
         tri = torch.full((_Q_ALIGN, _Q_ALIGN), float("-inf"), dtype=torch.float32, device=q.device).triu_(1)
         outs = []
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             scores = torch.matmul(qh[:, a - start:b - start], key[:, :b].transpose(1, 2)).float()
             scores.mul_(self.scaling)
             scores[:, :, a:b] += tri[:b - a, :b - a]

@@ -83,7 +83,7 @@ class HybridModel(nn.Module):
 
     # ---- construction / persistence -----------------------------------------------
     @torch.no_grad()
-    def init_random(self, seed: int = 0) -> "HybridModel":
+    def init_random(self, seed: int = 0) -> HybridModel:
         """Deterministic random weights from ``seed`` (independent of the global RNG).
 
         Linear weights ~ N(0, 1/fan_in); embeddings ~ N(0, 1); norms 1; conv taps
@@ -114,13 +114,13 @@ class HybridModel(nn.Module):
 
     @classmethod
     def from_preset(cls, name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> "HybridModel":
+                    device: str | torch.device = "cpu") -> HybridModel:
         """Bundled preset (``tiny``, ``small``, ...) with deterministic random weights."""
         return cls(HybridConfig.preset(name), dtype, device).init_random(seed)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "HybridModel":
+                        device: str | torch.device = "cpu") -> HybridModel:
         """Load ``config.json`` and safetensors weights (single or sharded) from ``directory``.
 
         Raises:

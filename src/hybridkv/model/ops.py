@@ -42,7 +42,7 @@ def kda_log_decay(f: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor) -
     Returns:
         ``[N, H, K]`` float32, ``<= 0``. Softplus is ``x`` for ``x > 20``.
     """
-    N, H, K = f.shape
+    _N, H, K = f.shape
     x = f.float() + dt_bias.float().view(1, H, K)
     sp = torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
     return -torch.exp(A_log.float().reshape(1, H, 1)) * sp

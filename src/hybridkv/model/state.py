@@ -8,8 +8,8 @@ and a :class:`ForwardResult` is what comes back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ class KDACheckpoint:
     conv: torch.Tensor
     boundary: int
 
-    def clone(self) -> "KDACheckpoint":
+    def clone(self) -> KDACheckpoint:
         """Deep copy (new storage) of both components."""
         return KDACheckpoint(self.recurrent.clone(), self.conv.clone(), self.boundary)
 

@@ -19,7 +19,6 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.replay.trace import TraceRequest, TraceUnits
 
-
 TURN_FAILED = -1
 """Shared ``turn`` value: an instance failed; the others raise."""
 

@@ -6,6 +6,7 @@ optional keys (``mode``, ``config``, ``skipped_lines``) may follow them.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -52,7 +53,7 @@ def reuse_histogram(reused_lengths) -> dict[str, int]:
     Every bucket is present (zero counts included), in increasing order.
     """
     edges = REUSE_BUCKET_EDGES
-    labels = ["0"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
+    labels = ["0"] + [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(edges)] + [f"{edges[-1]}+"]
     out = dict.fromkeys(labels, 0)
     for n in reused_lengths:
         k = 0

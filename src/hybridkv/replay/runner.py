@@ -38,7 +38,11 @@ from rich.progress import (
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
 from hybridkv.fleet.steplog import write_step_log
-from hybridkv.fleet.store import DEFAULT_STORE_GIB, MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
+from hybridkv.fleet.store import (
+    DEFAULT_STORE_GIB,
+    MOONCAKE_GET_LATENCY_S,
+    MOONCAKE_LOAD_BYTES_PER_S,
+)
 from hybridkv.replay.instance import (
     TURN_FAILED,
     InstanceResult,
@@ -345,7 +349,7 @@ def _run_processes(specs: list[InstanceSpec], progress, threads: int) -> list[In
                     turn.value = TURN_FAILED          # a worker died before it could say so
                 try:
                     progress(queue.get(timeout=0.2))
-                except Exception:  # noqa: BLE001 - queue.Empty from a manager proxy
+                except Exception:  # noqa: BLE001, S110 - queue.Empty from a manager proxy
                     pass
             results = [f.result() for f in futures]
             if ctrl_c.is_set():

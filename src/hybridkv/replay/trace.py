@@ -147,7 +147,7 @@ def load_trace(
     requests: list[TraceRequest] = []
     reasons: Counter[str] = Counter()
     try:
-        handle = open(file_path, "rb")
+        handle = open(file_path, "rb")  # noqa: SIM115 - closed by the `with` below; opened apart for its error
     except OSError as exc:
         raise TraceError(f"{file_path}: cannot open trace file: {exc.strerror or exc}") from None
     with handle:

@@ -101,7 +101,7 @@ def check_loopback(url: str) -> str:
     if parsed.scheme != "http" or parsed.hostname not in LOOPBACK:
         raise ValueError(f"--url {url!r}: bench-serve only talks to http://127.0.0.1 / localhost / [::1]")
     try:
-        parsed.port
+        _ = parsed.port                     # raises on a port out of range
     except ValueError as exc:
         raise ValueError(f"--url {url!r}: {exc}") from None
     return url.rstrip("/")

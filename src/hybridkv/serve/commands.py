@@ -11,7 +11,13 @@ import json
 import logging
 import sys
 
-from hybridkv.replay.args import non_negative_float, non_negative_int, port_number, positive_float, positive_int
+from hybridkv.replay.args import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 
 def register_cli(sub) -> None:

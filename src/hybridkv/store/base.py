@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 Buffer = bytes | bytearray | memoryview
 

@@ -181,7 +181,7 @@ def master_answers(address: str, timeout_s: float = 2.0) -> bool:
             sock.settimeout(timeout_s)
             sock.recv(1)                  # b"" (closed) or any byte: it answers
             return True
-    except socket.timeout:
+    except TimeoutError:
         return False
     except OSError:                       # reset or refused: something answered (or nothing listens)
         return True
