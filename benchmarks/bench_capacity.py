@@ -14,8 +14,10 @@ cost model's rate, :class:`hybridkv.engine.backend.SimulatedBackend`), with evic
 With ``--host-factor F`` (default 2, the issue's "host at 2x the device") each run also gets a
 host tier of ``F`` times the device capacity in bytes (``pages * page bytes + slots * slot bytes``):
 simulate mode's payload-free host tier (real keys, capacity, eviction order, demotion of device
-evictions and promotion of host hits; docs/memory.md), holding KV pages and checkpoints, with the
-same eviction order as the device. ``--host-factor 0``: device only. The baseline (100%) has no host.
+evictions and promotion of host hits; docs/memory.md), holding KV pages and checkpoints. Orders:
+``lru`` (device and host), ``value`` (device pools by value, host LRU: the default
+``host_eviction``) and, with a host, ``value+host-value`` (both by value).
+``--host-factor 0``: device only. The baseline (100%) has no host.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from rich.console import Console
 from hybridkv.replay.runner import ReplayOptions, run_replay
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
+ORDERS = ("lru", "value", "value+host-value")
+ORDER_SETTINGS = {"lru": ("lru", "lru"), "value": ("value", "lru"), "value+host-value": ("value", "value")}
+"""Row name -> (``eviction`` of the device pools, ``host_eviction``)."""
 
 
 def sweep(fractions, limit: int | None, console: Console, host_factor: float = 2.0) -> list[dict]:
@@ -51,9 +56,12 @@ def sweep(fractions, limit: int | None, console: Console, host_factor: float = 2
         pages = max(min_pages, math.ceil(f * peak_pages))
         slots = max(8, math.ceil(f * peak_slots))
         host_bytes = int(host_factor * (pages * page_bytes + slots * slot_bytes))
-        for eviction in ("lru", "value"):
+        orders = ORDERS if host_bytes else ORDERS[:2]
+        for eviction in orders:
+            device, host = ORDER_SETTINGS[eviction]
             opts = ReplayOptions(limit=limit, simulate=True, progress=False, num_kv_pages=pages,
-                                 num_checkpoint_slots=slots, eviction=eviction, host_bytes=host_bytes)
+                                 num_checkpoint_slots=slots, eviction=device, host_eviction=host,
+                                 host_bytes=host_bytes)
             r = run_replay(opts, console)
             ev = r.evictions["device"]
             rows.append({"policy": eviction, "fraction": f, "pages": pages, "slots": slots, "host_bytes": host_bytes,
@@ -96,9 +104,10 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy in ("lru", "value"):
+    for policy in ORDERS:
         pts = [(100 * r["fraction"], 100 * r["oracle_fraction"]) for r in rows if r["policy"] == policy]
-        ax.plot(*zip(*pts), marker="o", label=policy)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=policy)
     ax.set_xscale("log")
     ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak (host: 2x device)")
     ax.set_ylabel("% of every-unit oracle reused")

@@ -184,6 +184,11 @@ class CacheConfig:
         eviction: ``lru`` (least recently used first) or ``value`` (lowest
             ``p·C_saved/(M·T_residence)`` first; :mod:`hybridkv.store.eviction`)
             in the device page and checkpoint pools.
+        host_eviction: the same choice for a host tier that :func:`~hybridkv.engine.build.build_engine`
+            builds. Default ``lru`` whatever ``eviction`` is: the host holds the device's victims
+            (demoted on eviction), already ranked lowest by the device, and on the whole bundled
+            trace with a host at 2x the device's bytes ``value`` on the host lost 2.3-7.3 points
+            of the oracle to ``lru`` at 1-10% device capacity (docs/memory.md).
         tenant_quota: fraction in ``(0, 1]`` of each device pool's bytes that one
             namespace (tenant) may keep cached; a namespace over it evicts its own
             entries first. ``None``: no quota.
@@ -206,6 +211,7 @@ class CacheConfig:
     max_num_seqs: int = 8
     store_alignment: int | None = None
     eviction: str = "lru"
+    host_eviction: str = "lru"
     tenant_quota: float | None = None
     host_interval: int | None = None
 
@@ -233,8 +239,9 @@ class CacheConfig:
         if a is not None and (not isinstance(a, int) or a <= 0 or a % b):
             raise ConfigError(f"store_alignment={a!r} must be a positive multiple of block_size={b} "
                               f"(and so of prefix_match_unit={g})")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction={self.eviction!r} must be one of {list(EVICTION_POLICIES)}")
+        for name in ("eviction", "host_eviction"):
+            if getattr(self, name) not in EVICTION_POLICIES:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {list(EVICTION_POLICIES)}")
         q = self.tenant_quota
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")

@@ -106,6 +106,7 @@ class ReplayOptions:
     host_interval: int | None = None
     threads: int = 1
     eviction: str = "lru"
+    host_eviction: str = "lru"
     timed: bool = False
     time_scale: float = 1.0
     router: str | None = None
@@ -207,7 +208,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
-        store_alignment=opts.store_alignment, eviction=opts.eviction,
+        store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
@@ -431,6 +432,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
                 "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
+                "host_eviction": cfg.host_eviction,
                 "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
                 "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,
                 "evicted_pages": sum(r.evicted_pages for r in results),
