@@ -125,6 +125,20 @@ def test_bad_eviction_settings_are_refused_naming_the_value():
         CacheConfig(eviction="mru")
     with pytest.raises(ConfigError, match="tenant_quota=1.5"):
         CacheConfig(tenant_quota=1.5)
+    with pytest.raises(ConfigError, match="host_eviction='lfu'"):
+        CacheConfig(host_eviction="lfu")
+
+
+@pytest.mark.parametrize("host_eviction", ["lru", "value"])
+def test_the_host_tier_orders_by_host_eviction_not_by_the_device_pools_order(host_eviction):
+    from hybridkv.engine.build import build_engine, model_config
+    cfg = CacheConfig(block_size=64, prefix_match_unit=64, eviction="value", host_eviction=host_eviction)
+    handle = build_engine(model_config("tiny"), cfg, model_name="tiny", host_bytes=1 << 20)
+    try:
+        assert handle.engine.cache.pages.order.name == "value"
+        assert handle.host_tier._order.name == host_eviction
+    finally:
+        handle.close()
 
 
 def test_value_forgets_stale_reuse_and_keeps_a_conversations_newest_turn():
