@@ -135,17 +135,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(cost.to_json() + "\n")
-    except OSError as exc:
-        print(f"error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+    if not _write(cost, args.out):
         return 2
     for r in rows:
         print(f"{r['kind']:8s} {r['shape']!s:14s} measured {r['seconds'] * 1e3:9.2f} ms  "
               f"fitted {r['fitted'] * 1e3:9.2f} ms")
     print(f"wrote {args.out}: {cost.source}")
     return 0
+
+
+def _write(cost, out: str) -> bool:
+    """Write ``cost`` (a step cost model) as JSON to ``out``; ``False`` after saying why it could not."""
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(cost.to_json() + "\n")
+    except OSError as exc:
+        print(f"error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _from_steps(args: argparse.Namespace) -> int:
@@ -161,11 +168,7 @@ def _from_steps(args: argparse.Namespace) -> int:
     except (StepLogError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(cost.to_json() + "\n")
-    except OSError as exc:
-        print(f"error: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+    if not _write(cost, args.out):
         return 2
     c = compare_steps(records, cost)
     print(f"{c['steps']} steps: measured {c['measured_s']:.2f} s, fitted {c['predicted_s']:.2f} s, "
