@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+NAMESPACE_BYTES = 32
+"""Bytes of a namespace digest (``CacheIdentity.digest()``): what ``cache purge --namespace`` takes."""
+
+
 def _register_cache_cli(sub) -> None:
     c = sub.add_parser("cache", help="maintain a cache store").add_subparsers(dest="cache_command", required=True)
     p = c.add_parser("purge", help="remove entries from a store by tenant, namespace, model version or age",
@@ -224,9 +228,13 @@ def _cache_purge(args, console: Console) -> int:
     owners = set()
     for text in args.namespace:
         try:
-            owners.add(bytes.fromhex(text))
+            digest = bytes.fromhex(text)
         except ValueError:
             return fail(f"--namespace {text!r} is not a hex digest")
+        if len(digest) != NAMESPACE_BYTES:       # a truncated digest selects nothing: refuse, not "removed 0"
+            return fail(f"--namespace {text!r} is {len(digest)} bytes; a namespace digest is "
+                        f"{NAMESPACE_BYTES} bytes ({2 * NAMESPACE_BYTES} hex digits)")
+        owners.add(digest)
     owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest, tenant=t).digest()
                for t in args.tenant}
     models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
