@@ -18,6 +18,7 @@ import sys
 from rich.console import Console
 
 from hybridkv.replay.args import (
+    finite_positive_float,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -205,7 +206,7 @@ def _register_cache_cli(sub) -> None:
                    help="tenant whose entries to purge: namespace CacheIdentity(model_repo=--model, "
                         "weight_digest=--weight-digest, tenant=T); repeatable")
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
-    p.add_argument("--older-than", type=positive_float, help="seconds: entries created longer ago than this")
+    p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
 
 
 def _cache_purge(args, console: Console) -> int:

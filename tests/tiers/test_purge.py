@@ -162,3 +162,12 @@ def test_cli_purge_refuses_a_namespace_that_is_not_a_whole_digest(tmp_path, caps
     err = capsys.readouterr().err
     assert repr(digest) in err and "32 bytes" in err
 
+
+@pytest.mark.parametrize("seconds", ["inf", "1e400"])
+def test_cli_purge_refuses_an_infinite_age(tmp_path, capsys, seconds):
+    # --older-than inf puts the cutoff at -inf: nothing can be older, yet the purge would report success.
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", "--older-than", seconds])
+    assert exc.value.code == 2 and "inf" in capsys.readouterr().err
