@@ -39,3 +39,9 @@ def test_a_bad_identifier_is_named_without_echoing_a_huge_value(field, value, na
         parse_generation({"max_tokens": 1, "adapter": "a", field: value}, None, 16, 16)
     msg = str(exc.value)
     assert named in msg and len(msg) < 300            # the offending value named, a huge one not echoed
+
+
+def test_the_x_tenant_header_has_the_tenant_fields_length_limit():
+    assert parse_generation({"max_tokens": 1}, "t" * 256, 16, 16).tenant == "t" * 256
+    with pytest.raises(APIError, match="X-Tenant header has 257 characters"):
+        parse_generation({"max_tokens": 1}, "t" * 257, 16, 16)

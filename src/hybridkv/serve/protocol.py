@@ -96,6 +96,9 @@ def _identifier(body: dict, name: str, header: str | None, default: str) -> str:
                             f"{MAX_ID_LEN} characters", name)
     if value is not None and len(value) > MAX_ID_LEN:
         raise APIError(400, f"{name} has {len(value)} characters; at most {MAX_ID_LEN} are allowed", name)
+    if header is not None and len(header) > MAX_ID_LEN:
+        raise APIError(400, f"the X-Tenant header has {len(header)} characters; at most {MAX_ID_LEN} are "
+                            "allowed", name)
     if header is not None and value is not None and header != value:
         raise APIError(400, f"{name} field and the X-Tenant header disagree", name)
     return value if value is not None else header if header is not None else default
