@@ -90,3 +90,41 @@ def test_flush_cache_drops_device_entries_and_spares_a_running_request(worker):
         assert last["choices"][0]["token_ids"] == reference
     state = wait_idle(worker)
     assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
+
+
+def test_flush_cache_keeps_events_the_engine_published_after_the_purge():
+    # The engine keeps stepping once the purge is done; what it stores before the event loop resumes
+    # belongs to the new epoch. Resetting the feed on the loop afterwards dropped those events, so
+    # routers never learned of entries the worker holds.
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from hybridkv.serve import compat
+    from hybridkv.serve.cache_events import EventFeed
+
+    feed = EventFeed()
+    key = bytes(32)
+
+    class Worker:
+        alive = True
+
+        def call(self, fn):
+            fut: Future = Future()
+            result = fn(None)                               # the purge, between two engine steps
+            feed.stored([key], [], [])                      # the next step caches a unit
+            fut.set_result(result)
+            return fut
+
+    server = SimpleNamespace(worker=Worker(), events=feed, metrics=SimpleNamespace(flushes=SimpleNamespace(inc=lambda: None)),
+                             _check_alive=lambda: None)
+    real = compat.flush_device
+    compat.flush_device = lambda handle: {"device_nodes": 0, "device_checkpoints": 0, "held_pages": 0}
+    try:
+        before = feed.epoch
+        asyncio.run(compat.CompatRoutes(server).flush_cache())
+    finally:
+        compat.flush_device = real
+    page = feed.page(None, -1)
+    assert page["epoch"] != before
+    assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])
