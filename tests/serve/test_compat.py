@@ -128,3 +128,40 @@ def test_flush_cache_keeps_events_the_engine_published_after_the_purge():
     page = feed.page(None, -1)
     assert page["epoch"] != before
     assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])
+
+
+def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatch):
+    # As for /flush_cache: held jobs enter and the engine steps as soon as the purge is done, before
+    # the event loop resumes; the feed must start its new epoch before them, not after.
+    import asyncio
+    from types import SimpleNamespace
+
+    from hybridkv.serve import worker as worker_mod
+    from hybridkv.serve.app import Server
+    from hybridkv.serve.cache_events import EventFeed
+    from hybridkv.serve.purge import PurgeCounts
+
+    feed = EventFeed()
+    key = bytes(32)
+    monkeypatch.setattr(worker_mod, "purge", lambda *a: PurgeCounts())
+    w = worker_mod.EngineWorker(SimpleNamespace(), 4, on_purge=feed.reset)      # thread not started: driven here
+
+    async def body():
+        return b'{"all": true}'
+
+    server = SimpleNamespace(worker=w, events=feed, _check_alive=lambda: None)
+
+    async def scenario():
+        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(body=body)))
+        for _ in range(5):
+            await asyncio.sleep(0)                      # the request waits on the engine thread now
+        w._drain_inbox(block=False)                     # the engine thread: the purge...
+        w._run_purges()
+        feed.stored([key], [], [])                      # ...then its next step caches a unit
+        return await task
+
+    before = feed.epoch
+    asyncio.run(scenario())
+    page = feed.page(None, -1)
+    assert page["epoch"] != before
+    assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])
