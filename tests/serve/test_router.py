@@ -385,3 +385,20 @@ def test_the_shared_store_view_follows_entries_at_aligned_boundaries():
     assert not view.kv and not view.checkpoints and view.events_applied == 6
     with pytest.raises(ValueError, match="alignment 96"):
         SharedStoreView(64, 96)
+
+
+def test_a_split_batchs_error_names_the_prompt_by_its_index_in_the_clients_batch(workers):
+    # Each part of a split batch is a one-prompt request, so a worker names its prompt "prompt 0".
+    router = _router([w.url for w in workers], "round-robin")
+    try:
+        _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
+        for prompt, index in (([prompt_ids(44, 70), prompt_ids(45, 70), [5, 10 ** 9]], 2),
+                              ([[5, 10 ** 9], prompt_ids(44, 70)], 0)):
+            bad = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                             json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert bad.status_code == 400
+            msg = bad.json()["error"]["message"]
+            assert msg.startswith(f"prompt {index}: token id 1000000000"), msg
+        _wait(lambda s: all(w["in_flight"] == 0 and w["outstanding_tokens"] == 0 for w in s["workers"]), router)
+    finally:
+        router.close()
