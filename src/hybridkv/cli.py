@@ -18,6 +18,7 @@ import sys
 from rich.console import Console
 
 from hybridkv.replay.args import (
+    finite_positive_float,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -188,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+NAMESPACE_BYTES = 32
+"""Bytes of a namespace digest (``CacheIdentity.digest()``): what ``cache purge --namespace`` takes."""
+
+
 def _register_cache_cli(sub) -> None:
     c = sub.add_parser("cache", help="maintain a cache store").add_subparsers(dest="cache_command", required=True)
     p = c.add_parser("purge", help="remove entries from a store by tenant, namespace, model version or age",
@@ -201,7 +206,7 @@ def _register_cache_cli(sub) -> None:
                    help="tenant whose entries to purge: namespace CacheIdentity(model_repo=--model, "
                         "weight_digest=--weight-digest, tenant=T); repeatable")
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
-    p.add_argument("--older-than", type=positive_float, help="seconds: entries created longer ago than this")
+    p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
 
 
 def _cache_purge(args, console: Console) -> int:
@@ -224,9 +229,13 @@ def _cache_purge(args, console: Console) -> int:
     owners = set()
     for text in args.namespace:
         try:
-            owners.add(bytes.fromhex(text))
+            digest = bytes.fromhex(text)
         except ValueError:
             return fail(f"--namespace {text!r} is not a hex digest")
+        if len(digest) != NAMESPACE_BYTES:       # a truncated digest selects nothing: refuse, not "removed 0"
+            return fail(f"--namespace {text!r} is {len(digest)} bytes; a namespace digest is "
+                        f"{NAMESPACE_BYTES} bytes ({2 * NAMESPACE_BYTES} hex digits)")
+        owners.add(digest)
     owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest, tenant=t).digest()
                for t in args.tenant}
     models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \

@@ -90,3 +90,78 @@ def test_flush_cache_drops_device_entries_and_spares_a_running_request(worker):
         assert last["choices"][0]["token_ids"] == reference
     state = wait_idle(worker)
     assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
+
+
+def test_flush_cache_keeps_events_the_engine_published_after_the_purge():
+    # The engine keeps stepping once the purge is done; what it stores before the event loop resumes
+    # belongs to the new epoch. Resetting the feed on the loop afterwards dropped those events, so
+    # routers never learned of entries the worker holds.
+    import asyncio
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from hybridkv.serve import compat
+    from hybridkv.serve.cache_events import EventFeed
+
+    feed = EventFeed()
+    key = bytes(32)
+
+    class Worker:
+        alive = True
+
+        def call(self, fn):
+            fut: Future = Future()
+            result = fn(None)                               # the purge, between two engine steps
+            feed.stored([key], [], [])                      # the next step caches a unit
+            fut.set_result(result)
+            return fut
+
+    server = SimpleNamespace(worker=Worker(), events=feed, metrics=SimpleNamespace(flushes=SimpleNamespace(inc=lambda: None)),
+                             _check_alive=lambda: None)
+    real = compat.flush_device
+    compat.flush_device = lambda handle: {"device_nodes": 0, "device_checkpoints": 0, "held_pages": 0}
+    try:
+        before = feed.epoch
+        asyncio.run(compat.CompatRoutes(server).flush_cache())
+    finally:
+        compat.flush_device = real
+    page = feed.page(None, -1)
+    assert page["epoch"] != before
+    assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])
+
+
+def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatch):
+    # As for /flush_cache: held jobs enter and the engine steps as soon as the purge is done, before
+    # the event loop resumes; the feed must start its new epoch before them, not after.
+    import asyncio
+    from types import SimpleNamespace
+
+    from hybridkv.serve import worker as worker_mod
+    from hybridkv.serve.app import Server
+    from hybridkv.serve.cache_events import EventFeed
+    from hybridkv.serve.purge import PurgeCounts
+
+    feed = EventFeed()
+    key = bytes(32)
+    monkeypatch.setattr(worker_mod, "purge", lambda *a: PurgeCounts())
+    w = worker_mod.EngineWorker(SimpleNamespace(), 4, on_purge=feed.reset)      # thread not started: driven here
+
+    async def body():
+        return b'{"all": true}'
+
+    server = SimpleNamespace(worker=w, events=feed, _check_alive=lambda: None)
+
+    async def scenario():
+        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(body=body)))
+        for _ in range(5):
+            await asyncio.sleep(0)                      # the request waits on the engine thread now
+        w._drain_inbox(block=False)                     # the engine thread: the purge...
+        w._run_purges()
+        feed.stored([key], [], [])                      # ...then its next step caches a unit
+        return await task
+
+    before = feed.epoch
+    asyncio.run(scenario())
+    page = feed.page(None, -1)
+    assert page["epoch"] != before
+    assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])

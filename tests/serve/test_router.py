@@ -385,3 +385,52 @@ def test_the_shared_store_view_follows_entries_at_aligned_boundaries():
     assert not view.kv and not view.checkpoints and view.events_applied == 6
     with pytest.raises(ValueError, match="alignment 96"):
         SharedStoreView(64, 96)
+
+
+def test_a_split_batchs_error_names_the_prompt_by_its_index_in_the_clients_batch(workers):
+    # Each part of a split batch is a one-prompt request, so a worker names its prompt "prompt 0".
+    router = _router([w.url for w in workers], "round-robin")
+    try:
+        _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
+        for prompt, index in (([prompt_ids(44, 70), prompt_ids(45, 70), [5, 10 ** 9]], 2),
+                              ([[5, 10 ** 9], prompt_ids(44, 70)], 0)):
+            bad = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                             json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert bad.status_code == 400
+            msg = bad.json()["error"]["message"]
+            assert msg.startswith(f"prompt {index}: token id 1000000000"), msg
+        _wait(lambda s: all(w["in_flight"] == 0 and w["outstanding_tokens"] == 0 for w in s["workers"]), router)
+    finally:
+        router.close()
+
+
+def test_a_long_poll_of_events_gets_a_read_timeout_longer_than_its_wait():
+    # The router's control client reads for 5 s at most; a --follow-wait of 5 s or more made every
+    # long poll of an idle worker time out, and the worker was taken out of rotation for it.
+    import asyncio
+
+    from hybridkv.serve.fleet_view import Workers
+
+    seen: list[dict] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append({"wait": request.url.params.get("wait"), "read": request.extensions["timeout"]["read"]})
+        return httpx.Response(200, json={"epoch": 7, "gap": False, "events": [], "next": 0, "more": False})
+
+    async def pull():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), timeout=httpx.Timeout(5.0)) as client:
+            workers = Workers(["http://w0"], client)
+            await workers._pull(workers.states[0], 20.0)
+            await workers._pull(workers.states[0])
+
+    asyncio.run(pull())
+    assert float(seen[0]["wait"]) == pytest.approx(20.0) and seen[0]["read"] > 20.0
+    assert seen[1]["wait"] is None and seen[1]["read"] == pytest.approx(5.0)
+
+
+def test_the_router_refuses_a_follow_wait_beyond_the_workers_longest_long_poll(capsys):
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["router", "--worker", "http://127.0.0.1:1", "--follow-wait", "31"])
+    assert exc.value.code == 2 and "--follow-wait 31.0" in capsys.readouterr().err

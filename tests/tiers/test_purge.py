@@ -151,3 +151,23 @@ def test_cli_purges_a_disk_store_by_namespace_then_by_model_version(tiny_model, 
     assert main(["cache", "purge", "--store", url, "--namespace", "zz"]) == 2       # bad input: named, nothing done
     assert "'zz'" in capsys.readouterr().err
     assert main(["cache", "purge", "--store", url]) == 2                            # no criterion
+
+
+@pytest.mark.parametrize("digest", ["", "ab", "00" * 31, "00" * 33])
+def test_cli_purge_refuses_a_namespace_that_is_not_a_whole_digest(tmp_path, capsys, digest):
+    # A truncated or empty digest selects nothing: the purge must not report success (removed 0).
+    from hybridkv.cli import main
+
+    assert main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", "--namespace", digest]) == 2
+    err = capsys.readouterr().err
+    assert repr(digest) in err and "32 bytes" in err
+
+
+@pytest.mark.parametrize("seconds", ["inf", "1e400"])
+def test_cli_purge_refuses_an_infinite_age(tmp_path, capsys, seconds):
+    # --older-than inf puts the cutoff at -inf: nothing can be older, yet the purge would report success.
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", "--older-than", seconds])
+    assert exc.value.code == 2 and "inf" in capsys.readouterr().err

@@ -39,6 +39,14 @@ def positive_float(text: str) -> float:
     return x
 
 
+def finite_positive_float(text: str) -> float:
+    """A finite number > 0 (``inf`` would make a cutoff that selects nothing)."""
+    x = positive_float(text)
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"{text!r} ({x}) must be finite")
+    return x
+
+
 def non_negative_float(text: str) -> float:
     """A number >= 0."""
     x = _float(text)

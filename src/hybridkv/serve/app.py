@@ -208,9 +208,7 @@ class Server:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
         self._check_alive()
         counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
-        if self.events is not None:
-            self.events.reset()               # purges are not evictions: routers rebuild from a new epoch
-        return asdict(counts)
+        return asdict(counts)                 # the engine thread started the feed's new epoch (on_purge)
 
     async def cache_info(self) -> dict:
         """``GET /v1/cache/info``: what a router needs to hash prompts as this server does (the

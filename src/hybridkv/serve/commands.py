@@ -103,7 +103,7 @@ def _register_router(sub) -> None:
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
-    r.add_argument("--follow-wait", type=non_negative_float, default=2.0,
+    r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
                    help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "
                         "polls only")
     r.add_argument("--store-gbps", type=non_negative_float, default=1.1,
@@ -112,6 +112,18 @@ def _register_router(sub) -> None:
     r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
                    help="hybrid: microseconds per store object (default 194, Mooncake measured)")
     r.set_defaults(func=_router)
+
+
+def _follow_wait(text: str) -> float:
+    """``--follow-wait``: seconds in [0, MAX_WAIT_S] (a worker refuses a longer long poll)."""
+    import argparse
+
+    from hybridkv.serve.cache_events import MAX_WAIT_S
+
+    x = non_negative_float(text)
+    if x > MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(f"--follow-wait {x} exceeds a worker's longest long poll, {MAX_WAIT_S} s")
+    return x
 
 
 def router_service(args):

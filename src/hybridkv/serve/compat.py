@@ -99,10 +99,16 @@ class CompatRoutes:
         """``POST /flush_cache``: drop this worker's device entries (see the module docstring)."""
         s = self.server
         s._check_alive()
-        counts = await asyncio.wrap_future(s.worker.call(flush_device))
+        events = s.events
+
+        def flush(handle: EngineHandle) -> dict[str, int]:
+            counts = flush_device(handle)
+            if events is not None:        # a flush is not a stream of evictions: routers rebuild.
+                events.reset()            # On the engine thread, before its next step stores anything:
+            return counts                 # reset later (on the loop), it would drop the new epoch's events
+
+        counts = await asyncio.wrap_future(s.worker.call(flush))
         s.metrics.flushes.inc()
-        if s.events is not None:
-            s.events.reset()              # a flush is not a stream of evictions: routers rebuild
         return {"success": True, **counts}
 
 

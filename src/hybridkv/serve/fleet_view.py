@@ -309,9 +309,12 @@ class Workers:
         async with w.pull_lock:
             for page_no in range(MAX_PAGES_PER_POLL):
                 params = {"epoch": w.epoch if w.epoch is not None else -1, "after": w.after}
+                timeout = self.client.timeout
                 if wait_s > 0 and page_no == 0:
-                    params["wait"] = wait_s
-                r = await self.client.get(f"{w.url}/v1/cache/events", params=params)
+                    params["wait"] = wait_s       # the worker may hold the answer that long: read longer
+                    timeout = httpx.Timeout(timeout.read + wait_s if timeout.read is not None else None,
+                                            connect=timeout.connect)
+                r = await self.client.get(f"{w.url}/v1/cache/events", params=params, timeout=timeout)
                 r.raise_for_status()
                 page = r.json()
                 if not w.healthy or w.failures != outs:   # taken out while the answer was on its way

@@ -107,7 +107,8 @@ def build_server(opts: ServeOptions) -> Server:
         codec = load_codec(opts.model, handle.backend.vocab_size)
         metrics = ServeMetrics()
         worker = EngineWorker(handle, opts.max_waiting, on_step=metrics.step.observe,
-                              on_admit=lambda s: metrics.queue_wait.observe(s.queue_seconds))
+                              on_admit=lambda s: metrics.queue_wait.observe(s.queue_seconds),
+                              on_purge=events.reset)     # purges are not evictions: routers rebuild
         worker.start()
     except BaseException:
         handle.close()

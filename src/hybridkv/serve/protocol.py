@@ -89,8 +89,16 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
 
 def _identifier(body: dict, name: str, header: str | None, default: str) -> str:
     value = body.get(name)
-    if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_LEN):
-        raise APIError(400, f"{name} must be a string of at most {MAX_ID_LEN} characters", name)
+    if value is not None and not isinstance(value, str):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."     # a huge value is not echoed whole
+        raise APIError(400, f"{name}={shown} ({type(value).__name__}) must be a string of at most "
+                            f"{MAX_ID_LEN} characters", name)
+    if value is not None and len(value) > MAX_ID_LEN:
+        raise APIError(400, f"{name} has {len(value)} characters; at most {MAX_ID_LEN} are allowed", name)
+    if header is not None and len(header) > MAX_ID_LEN:
+        raise APIError(400, f"the X-Tenant header has {len(header)} characters; at most {MAX_ID_LEN} are "
+                            "allowed", name)
     if header is not None and value is not None and header != value:
         raise APIError(400, f"{name} field and the X-Tenant header disagree", name)
     return value if value is not None else header if header is not None else default

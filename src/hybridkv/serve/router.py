@@ -276,11 +276,11 @@ class RouterService:
         ok = [x for x in sent if not isinstance(x, JSONResponse)]
         failed = next((x for x in sent if isinstance(x, JSONResponse)), None)
         if failed is None:
-            bad = next(((u, t) for u, t in ok if u.status_code != 200), None)
+            bad = next(((i, x[0]) for i, x in enumerate(sent) if x[0].status_code != 200), None)
             if bad is not None:
-                content = await bad[0].aread()
-                failed = Response(content, status_code=bad[0].status_code,
-                                  media_type=bad[0].headers.get("content-type"))
+                i, upstream = bad
+                failed = Response(_renumbered(await upstream.aread(), i), status_code=upstream.status_code,
+                                  media_type=upstream.headers.get("content-type"))
         if failed is not None:
             await _release(ok)
             return failed
@@ -350,6 +350,20 @@ async def _relay(upstream: httpx.Response, ticket: _Ticket):
     finally:
         ticket.done()
         await upstream.aclose()
+
+
+def _renumbered(content: bytes, index: int) -> bytes:
+    """A split batch part's error body with its ``prompt 0`` (the part's only prompt) named as
+    prompt ``index`` of the client's batch; any other body unchanged."""
+    try:
+        body = json.loads(content)
+        message = body["error"]["message"]
+    except (ValueError, TypeError, KeyError):
+        return content
+    if index == 0 or not isinstance(message, str) or not message.startswith("prompt 0"):
+        return content
+    body["error"]["message"] = f"prompt {index}" + message[len("prompt 0"):]
+    return json.dumps(body).encode()
 
 
 class _MergedResponse(StreamingResponse):

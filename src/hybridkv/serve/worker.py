@@ -89,16 +89,20 @@ class EngineWorker:
             beyond it :meth:`submit` returns ``False`` (the server answers 503).
         on_step: called on the engine thread after every step with its duration (seconds).
         on_admit: called on the engine thread with :class:`JobStats` when a job is admitted.
+        on_purge: called on the engine thread after each round of invalidations, before held jobs
+            enter (a server starts its event feed's new epoch there).
     """
 
     def __init__(self, handle: EngineHandle, max_waiting: int = 64,
                  on_step: Callable[[float], None] | None = None,
-                 on_admit: Callable[[JobStats], None] | None = None) -> None:
+                 on_admit: Callable[[JobStats], None] | None = None,
+                 on_purge: Callable[[], None] | None = None) -> None:
         self.handle = handle
         self.max_waiting = max_waiting
         self.ledger = NamespaceLedger()
         self._on_step = on_step
         self._on_admit = on_admit
+        self._on_purge = on_purge
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting = 0                     # jobs submitted, not yet admitted (guarded by _lock)
@@ -329,6 +333,8 @@ class EngineWorker:
                 fut.set_result(counts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
+        if purges and self._on_purge is not None:
+            self._on_purge()                  # before any held job enters or the engine steps again
         held, self._held = self._held, []
         for job in held:
             self._enter(job)
