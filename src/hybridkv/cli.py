@@ -18,6 +18,7 @@ import sys
 from rich.console import Console
 
 from hybridkv.replay.args import (
+    add_store_cost_arguments,
     finite_positive_float,
     non_negative_float,
     non_negative_int,
@@ -102,11 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
                         "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
-    r.add_argument("--store-gbps", type=non_negative_float, default=1.1,
-                   help="--timed: store load bandwidth in GB/s of the simulated store (--simulate with "
-                        "--instances > 1; 0: none) and of the router's estimate (default 1.1, Mooncake measured)")
-    r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
-                   help="--timed: microseconds per store object, likewise (default 194, Mooncake measured)")
+    add_store_cost_arguments(r, "--timed: store load bandwidth in GB/s of the simulated store (--simulate with "
+                                "--instances > 1; 0: none) and of the router's estimate",
+                             "--timed: microseconds per store object, likewise")
     r.add_argument("--step-clock", choices=("wall", "cpu"), default="wall",
                    help="--timed, real model: time each engine step by wall clock (default; includes other "
                         "processes on a shared machine) or by this process's CPU seconds (what the step would "

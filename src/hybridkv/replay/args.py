@@ -85,3 +85,16 @@ def restart_spec(text: str) -> tuple[int, float]:
     if not (t >= 0 and math.isfinite(t)):
         raise argparse.ArgumentTypeError(f"seconds {seconds!r} in {text!r} must be a finite number >= 0")
     return j, t
+
+
+def add_store_cost_arguments(parser: argparse.ArgumentParser, gbps_help: str, latency_help: str) -> None:
+    """``--store-gbps`` (GB/s) and ``--store-latency-us`` (microseconds per object) with the
+    Mooncake figures measured in docs/benchmarks.md as defaults
+    (:data:`~hybridkv.fleet.store.MOONCAKE_LOAD_BYTES_PER_S`, ``MOONCAKE_GET_LATENCY_S``);
+    ``*_help`` says what each prices in the command at hand (the default is appended)."""
+    from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
+    gbps, us = MOONCAKE_LOAD_BYTES_PER_S / 1e9, MOONCAKE_GET_LATENCY_S * 1e6
+    parser.add_argument("--store-gbps", type=non_negative_float, default=gbps,
+                        help=f"{gbps_help} (default {gbps:g}, Mooncake measured)")
+    parser.add_argument("--store-latency-us", type=non_negative_float, default=us,
+                        help=f"{latency_help} (default {us:g}, Mooncake measured)")

@@ -11,7 +11,9 @@ import json
 import logging
 import sys
 
+from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
+    add_store_cost_arguments,
     non_negative_float,
     non_negative_int,
     port_number,
@@ -106,11 +108,8 @@ def _register_router(sub) -> None:
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
                    help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "
                         "polls only")
-    r.add_argument("--store-gbps", type=non_negative_float, default=1.1,
-                   help="hybrid: load bandwidth in GB/s of the store the workers share (default 1.1, Mooncake "
-                        "measured); 0: ignore the store")
-    r.add_argument("--store-latency-us", type=non_negative_float, default=194.0,
-                   help="hybrid: microseconds per store object (default 194, Mooncake measured)")
+    add_store_cost_arguments(r, "hybrid: load bandwidth in GB/s of the store the workers share; 0: ignore the store",
+                             "hybrid: microseconds per store object")
     r.set_defaults(func=_router)
 
 
@@ -142,8 +141,8 @@ def router_service(args):
     codec = load_codec(args.model, model_config(args.model).vocab_size)
     settings = RouterSettings(args.policy, cost, poll_interval_s=args.poll_interval, health_every=args.health_every,
                               follow_wait_s=getattr(args, "follow_wait", 2.0),
-                              store_bytes_per_s=getattr(args, "store_gbps", 1.1) * 1e9,
-                              store_latency_s=getattr(args, "store_latency_us", 194.0) * 1e-6)
+                              store_bytes_per_s=getattr(args, "store_gbps", MOONCAKE_LOAD_BYTES_PER_S / 1e9) * 1e9,
+                              store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6)
     return RouterService(args.worker, codec, settings)
 
 
