@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--host-write-through needs a host tier: --host-mib is 0")
     if args.command == "replay" and args.host_interval and args.host_mib == 0:
         parser.error(f"--host-interval {args.host_interval} needs a host tier: --host-mib is 0")
+    if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
+        parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
     if args.command == "replay" and not args.timed:
         for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
                             ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),

@@ -117,3 +117,12 @@ def test_replay_cli_host_interval_needs_a_host_tier(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["replay", "--simulate", "--host-mib", "0", "--host-interval", "512"])
     assert exc.value.code == 2 and "--host-interval 512 needs a host tier" in capsys.readouterr().err
+
+
+def test_replay_cli_host_groups_needs_a_host_tier(capsys):
+    """``--host-groups kda`` without a host tier was silently ignored; now it is refused, named."""
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", "--host-mib", "0", "--host-groups", "kda"])
+    assert exc.value.code == 2 and "--host-groups kda needs a host tier" in capsys.readouterr().err
