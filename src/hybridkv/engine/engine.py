@@ -249,7 +249,7 @@ class Engine:
         if self.connector is None or not self.prefetch_enabled:
             return
         for req in itertools.islice(self.waiting, self.config.max_num_seqs):
-            self.connector.prefetch(req, req.prompt, req.namespace)
+            self.connector.prefetch(req, req.prompt, req.namespace, hashes=req.hashes)
 
     def admit(self) -> None:
         """Admit waiting requests in order while sequences and pages allow (lookup + acquire)."""

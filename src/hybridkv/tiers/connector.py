@@ -361,7 +361,8 @@ class TierConnector:
         return dict(st.marks) if st is not None else {}
 
     # -- prefetch ---------------------------------------------------------
-    def prefetch(self, key: Hashable, prompt, namespace: bytes | None = None) -> bool:
+    def prefetch(self, key: Hashable, prompt, namespace: bytes | None = None,
+                 hashes: list[bytes] | None = None) -> bool:
         """Start loading what write-through tiers hold beyond the device hit, in the background.
 
         Called for requests near the head of the waiting queue, before their
@@ -371,6 +372,13 @@ class TierConnector:
         device's current KV hit, then one batched load of the best checkpoint's
         missing KV segments and the checkpoint itself. Nothing is installed
         here; :meth:`fetch` uses the verified results at admission.
+
+        Args:
+            key: the request's identity for this connector (its state until release).
+            prompt: token ids, ``(T,)``.
+            namespace: the request's namespace digest, or ``None`` (the engine's).
+            hashes: the prompt's unit hashes under ``namespace`` if already computed
+                (``Request.hashes``), so the lookup does not hash the prompt again.
 
         Returns:
             Whether loads were started now.
@@ -383,7 +391,7 @@ class TierConnector:
         cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         if not remote or cap == 0:
             return False
-        match = self.cache.lookup(prompt, namespace, touch=False, hashes=getattr(key, "hashes", None))
+        match = self.cache.lookup(prompt, namespace, touch=False, hashes=hashes)
         if match.hit >= cap:
             return False
         jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
