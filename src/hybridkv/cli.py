@@ -17,9 +17,11 @@ import sys
 
 from rich.console import Console
 
+from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.replay.args import (
     add_store_cost_arguments,
     finite_positive_float,
+    fraction,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host-eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the host tier (it holds the device's victims); default lru, "
                         "which measured better than value there (docs/memory.md)")
+    r.add_argument("--host-probation", type=fraction, default=HOST_PROBATION,
+                   help="share of the host tier that speculative host-only checkpoints (--host-interval) may "
+                        "hold while entries the device evicted need the room (2Q's A1in; default "
+                        f"{HOST_PROBATION}; docs/memory.md)")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -283,7 +289,8 @@ def _replay(args, console: Console) -> int:
         host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
         host_groups=("full", "kda") if args.host_groups == "all" else ("kda",),
         host_interval=args.host_interval,
-        eviction=args.eviction, host_eviction=args.host_eviction, timed=args.timed, time_scale=args.time_scale, router=args.router,
+        eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,
+        timed=args.timed, time_scale=args.time_scale, router=args.router,
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts))

@@ -126,3 +126,21 @@ def test_replay_cli_host_groups_needs_a_host_tier(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["replay", "--simulate", "--host-mib", "0", "--host-groups", "kda"])
     assert exc.value.code == 2 and "--host-groups kda needs a host tier" in capsys.readouterr().err
+
+
+def test_host_only_checkpoints_of_one_off_prompts_do_not_push_out_a_demoted_tail(tmp_path):
+    """Two long one-off prompts write 14 host-only checkpoints (every block) through to a host tier
+    of 6; request 0's tail at 3 blocks, demoted from the 2-slot device, must survive for request 3.
+    On probation (default share) the flood evicts its own oldest; with speculative entries ranked
+    above the rest (share 1) the tail is pushed out."""
+    trace = _trace(tmp_path, [[1, 2, 3], list(range(10, 18)), list(range(20, 28)), [1, 2, 3, 4]])
+    ck = KDASpec.for_model(model_config("small")).page_size_bytes
+    kw = {"num_checkpoint_slots": 2, "host_bytes": 6 * ck, "host_groups": (KDA,), "host_interval": B}
+    kept = _replay(trace, **kw)
+    flooded = _replay(trace, **kw, host_probation=1.0)
+    assert kept["config"]["host_probation"] == 0.25 and flooded["config"]["host_probation"] == 1.0
+    assert kept["reused_tokens"] == 3 * B and kept["tiers"]["host"]["hit_tokens"] == 3 * B
+    assert flooded["reused_tokens"] == 0
+    assert kept["tiers"]["host"]["bytes_peak"] <= 6 * ck and flooded["tiers"]["host"]["bytes_peak"] <= 6 * ck
+    with pytest.raises(ConfigError, match=r"host_probation=1.5"):
+        CacheConfig(host_probation=1.5)

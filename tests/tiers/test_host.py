@@ -98,3 +98,49 @@ def test_host_quota_holds_under_a_tenant_flood(eviction):
     assert t.stats.evictions == 7 - 2 and t.stats.bytes_evicted == 5 * KV_BYTES
     with pytest.raises(ValueError, match="quota_bytes=0"):
         HostTier(KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, quota_bytes=0)
+
+
+LONG = [bytes([i]) * 32 for i in range(1, 41)]          # 40 units: 20 aligned boundaries
+
+
+def _chain(t, b):
+    return t.chain_hash(LONG, b)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_speculative_flood_cannot_push_out_demoted_entries(eviction):
+    """Host-only checkpoints (speculative) fill at most their probation share while demoted
+    entries need the room; a flood of them evicts its own oldest, never the demoted ones."""
+    t = HostTier(8 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, eviction=eviction, probation_share=0.25)
+    demoted = [i * ALIGN for i in range(1, 6)]                       # 5 main entries (5/8 of the tier)
+    for b in demoted:
+        assert t.save_entries([t.entry(LONG, b, "full", kv(b))]) == [True]
+    flood = [i * ALIGN for i in range(6, 17)]                        # 11 speculative entries
+    for b in flood:
+        assert t.save_entries([t.entry(LONG, b, "full", kv(b))], speculative={_chain(t, b)}) == [True]
+        assert t._probation_bytes <= 3 * KV_BYTES                     # free room + its share, never more
+    assert held(t, LONG, demoted, "full") == [True] * 5
+    assert held(t, LONG, flood, "full") == [False] * 8 + [True] * 3   # FIFO: the newest stay
+    assert t.used_bytes == 8 * KV_BYTES
+
+
+def test_probation_fills_free_room_and_a_hit_promotes():
+    t = HostTier(4 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, probation_share=0.25)
+    spec = [ALIGN, 2 * ALIGN, 3 * ALIGN, 4 * ALIGN]
+    assert t.save_entries([t.entry(LONG, b, "full", kv(b)) for b in spec],
+                          speculative={_chain(t, b) for b in spec}) == [True] * 4   # room: all held
+    t.load_many(LONG, [(ALIGN, "full")])                           # used: now a main entry
+    assert t.save_entries([t.entry(LONG, 5 * ALIGN, "full", kv(5))]) == [True]   # a main save
+    assert held(t, LONG, spec, "full") == [True, False, True, True]  # the oldest unused one went
+    # probation is over its share (3 of 4 entries): speculative saves evict probation, FIFO
+    assert t.save_entries([t.entry(LONG, 6 * ALIGN, "full", kv(6))], speculative={_chain(t, 6 * ALIGN)}) == [True]
+    assert held(t, LONG, [ALIGN, 3 * ALIGN, 5 * ALIGN, 6 * ALIGN], "full") == [True, False, True, True]
+    # saved again as a main entry (e.g. written back on a device eviction): off probation
+    assert t.save_entries([t.entry(LONG, 4 * ALIGN, "full", kv(4))]) == [True]
+    assert t._probation_bytes == KV_BYTES                             # only the newest speculative one left
+
+
+def test_probation_share_bad_values_are_named():
+    for bad in (-0.1, 1.5, "x", True):
+        with pytest.raises(ValueError, match="probation_share"):
+            HostTier(KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, probation_share=bad)

@@ -65,6 +65,12 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and value."""
 
 
+HOST_PROBATION = 0.25
+"""Default share of a host tier's bytes for speculative (host-only, not yet used) checkpoints
+while other entries need the room: the A1in size recommended for 2Q (T. Johnson and D. Shasha,
+VLDB 1994)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointPolicy:
     """Which boundaries get a KDA checkpoint (DESIGN §3). Policies combine.
@@ -189,6 +195,10 @@ class CacheConfig:
             (demoted on eviction), already ranked lowest by the device, and on the whole bundled
             trace with a host at 2x the device's bytes ``value`` on the host lost 2.3-7.3 points
             of the oracle to ``lru`` at 1-10% device capacity (docs/memory.md).
+        host_probation: fraction in ``[0, 1]`` of a host tier's bytes that speculative host-only
+            checkpoints (``host_interval``) may hold while entries the device evicted or holds need
+            the room (:class:`~hybridkv.tiers.host.HostTier`'s probation; 2Q's A1in share, default
+            :data:`HOST_PROBATION`).
         tenant_quota: fraction in ``(0, 1]`` of each device pool's bytes that one
             namespace (tenant) may keep cached; a namespace over it evicts its own
             entries first. ``None``: no quota.
@@ -212,6 +222,7 @@ class CacheConfig:
     store_alignment: int | None = None
     eviction: str = "lru"
     host_eviction: str = "lru"
+    host_probation: float = HOST_PROBATION
     tenant_quota: float | None = None
     host_interval: int | None = None
 
@@ -242,6 +253,9 @@ class CacheConfig:
         for name in ("eviction", "host_eviction"):
             if getattr(self, name) not in EVICTION_POLICIES:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {list(EVICTION_POLICIES)}")
+        hp = self.host_probation
+        if isinstance(hp, bool) or not isinstance(hp, (int, float)) or not 0 <= hp <= 1:
+            raise ConfigError(f"host_probation={hp!r} must be a fraction in [0, 1]")
         q = self.tenant_quota
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")

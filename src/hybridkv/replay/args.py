@@ -55,6 +55,14 @@ def non_negative_float(text: str) -> float:
     return x
 
 
+def fraction(text: str) -> float:
+    """A number in [0, 1] (a share of a capacity)."""
+    x = _float(text)
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1]")
+    return x
+
+
 def _float(text: str) -> float:
     try:
         return float(text)

@@ -35,7 +35,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
 from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import (
@@ -107,6 +107,7 @@ class ReplayOptions:
     threads: int = 1
     eviction: str = "lru"
     host_eviction: str = "lru"
+    host_probation: float = HOST_PROBATION
     timed: bool = False
     time_scale: float = 1.0
     router: str | None = None
@@ -209,6 +210,7 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
+        host_probation=opts.host_probation,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
@@ -432,7 +434,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
                 "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
-                "host_eviction": cfg.host_eviction,
+                "host_eviction": cfg.host_eviction, "host_probation": cfg.host_probation,
                 "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
                 "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,
                 "evicted_pages": sum(r.evicted_pages for r in results),

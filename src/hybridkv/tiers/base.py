@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -161,9 +162,12 @@ class Tier(ABC):
         """Per ``(boundary, group)``: component name -> tensor, or ``None`` (a counted miss)."""
 
     @abstractmethod
-    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None,
+                     speculative: Collection[bytes] = ()) -> list[bool]:
         """Commit entries (see :data:`Entry`) cached under the request namespace ``owner``;
-        per entry, whether it is visible now."""
+        per entry, whether it is visible now. ``speculative``: chained hashes of entries no
+        device holds and no request has used yet (host-only checkpoints), which a tier may
+        give up first (the host tier's probation); a tier may ignore it."""
 
     @abstractmethod
     def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:

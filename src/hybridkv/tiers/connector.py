@@ -40,6 +40,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.cache.coordinator import (
     Allocation,
     EvictedEntry,
@@ -66,15 +67,18 @@ def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
                   write_through: bool = False, eviction: str = "lru", quota: float | None = None,
                   payload: bool = True, groups: tuple[str, ...] = (FULL, KDA),
-                  through_groups: tuple[str, ...] | None = None) -> HostTier:
+                  through_groups: tuple[str, ...] | None = None,
+                  probation_share: float = HOST_PROBATION) -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
     ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``);
     ``payload=False``: byte accounting only (simulation); ``groups``: the groups it holds;
-    ``through_groups``: with ``write_through``, the groups written through (default all held)."""
+    ``through_groups``: with ``write_through``, the groups written through (default all held);
+    ``probation_share``: see :class:`HostTier`."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
                     entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
                     eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)),
-                    payload=payload, groups=groups, through_groups=through_groups)
+                    payload=payload, groups=groups, through_groups=through_groups,
+                    probation_share=probation_share)
 
 
 EWMA_WEIGHT = 0.3
@@ -611,7 +615,8 @@ class TierConnector:
                     ckpt = self.cache.checkpoint_at(alloc, b)
                 if ckpt is not None:
                     entries.append(tier.entry(hashes, b, KDA, checkpoint_components(ckpt)))
-            visible = iter(tier.save_entries(entries, owner=alloc.owner))      # two batched puts per step
+            speculative = {tier.chain_hash(hashes, b) for b in aligned if not self._published_at(alloc, b)}
+            visible = iter(tier.save_entries(entries, owner=alloc.owner, speculative=speculative))  # two batched puts
             landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
             for b in kv:                                    # the mark moves over contiguous visible entries
                 if not landed[b]:

@@ -18,6 +18,17 @@ are dropped to make room (an entry larger than the whole capacity is refused).
 Entries are never referenced across calls (a load hands out the tensors, which
 the device install copies), so every held entry is evictable.
 
+Speculative entries. Checkpoints written through for the host alone (``host_interval``:
+no device holds them, no request has used them yet) are saved on *probation*: a FIFO
+that may hold at most ``probation_share`` of the capacity while the main order (entries
+the device evicted or holds, and probation entries that were hit) has a use for the
+room. Over that share, the oldest probation entry is the victim; under it, the main
+order's. A hit moves a probation entry into the main order. This is the A1in / Am split
+of 2Q (T. Johnson and D. Shasha, "2Q: A Low Overhead High Performance Buffer Management
+Replacement Algorithm", VLDB 1994, whose recommended A1in share is 25%): a flood of
+speculative checkpoints cannot push out the demoted entries that requests come back for,
+and still fills whatever room the main order leaves.
+
 Payload-free (``payload=False``, what ``replay --simulate`` builds: simulation has no
 tensors): the same keys, capacity, eviction order, demotion and promotion, with each
 entry's bytes taken from this model's entry shapes and no tensors held; a load hands out
@@ -29,10 +40,12 @@ lookups find none, so a hit needs the device's own KV.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
+from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.cache.groups import FULL, KDA
 from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier
@@ -71,17 +84,23 @@ class HostTier(Tier):
         through_groups: with ``write_through``, the groups written through (default: every group
             held); the others are only written back. ``("kda",)``: checkpoints as they are
             computed, KV pages when the device evicts them.
+        probation_share: fraction in ``[0, 1]`` of ``capacity_bytes`` that speculative entries
+            (``save_entries(..., speculative=...)``) may hold before they, not the main order,
+            give up room (default :data:`~hybridkv.cache.config.HOST_PROBATION`; ``0``: the
+            main order's entries always win; ``1``: speculative entries win until they alone
+            fill the tier).
 
     Raises:
         ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
-            does not fit ``unit``, ``eviction`` is unknown, or ``groups`` is empty or
-            names an unknown group.
+            does not fit ``unit``, ``eviction`` is unknown, ``groups`` is empty or
+            names an unknown group, or ``probation_share`` is outside ``[0, 1]``.
     """
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
                  eviction: str = "lru", quota_bytes: int | None = None, payload: bool = True,
-                 groups: tuple[str, ...] = (FULL, KDA), through_groups: tuple[str, ...] | None = None) -> None:
+                 groups: tuple[str, ...] = (FULL, KDA), through_groups: tuple[str, ...] | None = None,
+                 probation_share: float = HOST_PROBATION) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
         groups = tuple(groups)
         if not groups or any(g not in (FULL, KDA) for g in groups):
@@ -99,10 +118,16 @@ class HostTier(Tier):
         self.quota_bytes = quota_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._entries: dict[tuple[bytes, str], _HostEntry] = {}
-        self._order = make_order(eviction)        # members: exactly the keys of _entries
+        self._order = make_order(eviction)        # members: the keys of _entries not on probation
         self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in comps.items()}
                           for grp, comps in shapes.items()}
         self._bytes = 0
+        share = probation_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"host tier probation_share={probation_share!r} must be a fraction in [0, 1]")
+        self.probation_share = float(share)
+        self._probation: dict[tuple[bytes, str], int] = {}     # speculative keys, oldest first -> bytes
+        self._probation_bytes = 0
 
     def holds(self, group: str) -> bool:
         """Whether ``group`` is one of :attr:`groups`."""
@@ -138,17 +163,21 @@ class HostTier(Tier):
                     out.append(None)
                     continue
                 self._order.hit(key)
+                self._confirm(key)                      # used: out of probation
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
                 out.append(dict(e.tensors) if self.payload else dict.fromkeys(self.shapes[grp]))
         return out
 
-    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None,
+                     speculative: Collection[bytes] = ()) -> list[bool]:
         """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry, cached under the
         request namespace ``owner``, into host memory (stamped with the wall time, for purges).
 
-        An entry already held is left as it is (idempotent). Components must
-        match this model's shapes (payload-free: not read; the entry's bytes are the shapes').
+        An entry already held is left as it is (idempotent; saved again without being
+        speculative, it leaves probation). Components must match this model's shapes
+        (payload-free: not read; the entry's bytes are the shapes'). Entries whose chained
+        hash is in ``speculative`` are saved on probation (module docstring).
 
         Returns:
             Per entry, whether it is held now (``False``: larger than the capacity or the quota,
@@ -163,6 +192,8 @@ class HostTier(Tier):
                 key = (chain_hash, group)
                 if key in self._entries:
                     self._order.hit(key)
+                    if chain_hash not in speculative:
+                        self._confirm(key)
                     out.append(True)
                     continue
                 if group not in self.groups:
@@ -182,13 +213,18 @@ class HostTier(Tier):
                         out.append(False)
                         continue
                     while self._order.owner_bytes.get(owner, 0) + nbytes > quota:
-                        self._evict(self._order.pop(owner))          # over its quota: its own go first
+                        self._evict(self._owner_victim(owner))      # over its quota: its own go first
+                on_probation = chain_hash in speculative
                 while self._bytes + nbytes > self.capacity_bytes:
-                    self._evict(self._order.pop())
+                    self._evict(self._victim(nbytes if on_probation else 0))
                 self._entries[key] = e = self._copy(tensors, nbytes) if self.payload else _HostEntry({}, nbytes)
                 e.owner, e.created = owner, time.time()
                 self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary, owner)
-                self._order.add(key)
+                if on_probation:                        # described (quota bytes) but not in the main order
+                    self._probation[key] = nbytes
+                    self._probation_bytes += nbytes
+                else:
+                    self._order.add(key)
                 self._bytes += nbytes
                 self.stats.bytes_peak = max(self.stats.bytes_peak, self._bytes)
                 self.stats.bytes_saved += nbytes
@@ -211,6 +247,30 @@ class HostTier(Tier):
                 self._drop(k)
         return len(doomed)
 
+    def _victim(self, incoming: int) -> tuple[bytes, str]:
+        """The next entry to evict for a save of ``incoming`` probation bytes (0: a main entry):
+        the oldest probation entry while probation would hold more than its share or the main
+        order is empty, else the main order's next victim (removed from the order)."""
+        if self._probation and (self._probation_bytes + incoming > self.probation_share * self.capacity_bytes
+                                or not len(self._order)):
+            return next(iter(self._probation))
+        return self._order.pop()
+
+    def _owner_victim(self, owner: bytes) -> tuple[bytes, str] | None:
+        """The next entry of ``owner`` to evict for its quota: its oldest probation entry, else
+        the main order's next of its own (removed from the order), else ``None``."""
+        for key in self._probation:
+            if self._entries[key].owner == owner:
+                return key
+        return self._order.pop(owner)
+
+    def _confirm(self, key: tuple[bytes, str]) -> None:
+        """Take ``key`` off probation into the main order (used, or saved again as a main entry)."""
+        nbytes = self._probation.pop(key, None)
+        if nbytes is not None:
+            self._probation_bytes -= nbytes
+            self._order.add(key)
+
     def _evict(self, key: tuple[bytes, str]) -> None:
         self.stats.bytes_evicted += self._drop(key).nbytes
         self.stats.evictions += 1
@@ -218,6 +278,9 @@ class HostTier(Tier):
     def _drop(self, key: tuple[bytes, str]) -> _HostEntry:
         """Remove a held entry (its async copy is waited first); returns it."""
         e = self._entries.pop(key)
+        nbytes = self._probation.pop(key, None)
+        if nbytes is not None:
+            self._probation_bytes -= nbytes
         self._order.forget(key)
         e.wait()                                   # its async copy must finish before the memory goes
         self._bytes -= e.nbytes

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -213,7 +214,8 @@ class StoreTier(Tier):
         self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return parts
 
-    def save_entries(self, entries: list[Entry], owner: bytes | None = None) -> list[bool]:
+    def save_entries(self, entries: list[Entry], owner: bytes | None = None,
+                     speculative: Collection[bytes] = ()) -> list[bool]:
         """Commit several entries with two batched puts: every component, then the manifests
         of the entries whose components all landed.
 
