@@ -5,6 +5,7 @@ Run by hand (not part of the test suite)::
 
     python benchmarks/bench_capacity.py                          # 1, 2, 5, 10, 20 %; whole trace
     python benchmarks/bench_capacity.py --fractions 0.05 --limit 3000 --json out.json --png out.png
+    python benchmarks/bench_capacity.py --trace benchmarks/traces/synthetic_trace.jsonl --host-factor 0
 
 First one replay with pools large enough that nothing is evicted gives the peak KV pages and
 checkpoint slots; each capacity ``f`` then gets ``ceil(f * peak)`` pages and slots (at least
@@ -36,10 +37,12 @@ ORDER_SETTINGS = {"lru": ("lru", "lru"), "value": ("value", "lru"), "value+host-
 """Row name -> (``eviction`` of the device pools, ``host_eviction``)."""
 
 
-def sweep(fractions, limit: int | None, console: Console, host_factor: float = 2.0) -> list[dict]:
+def sweep(fractions, limit: int | None, console: Console, host_factor: float = 2.0,
+          trace: str | None = None) -> list[dict]:
     """One baseline replay, then ``lru`` and ``value`` at each fraction, with a host tier of
-    ``host_factor`` times the device bytes (0: none); a row per run."""
-    base_opts = ReplayOptions(limit=limit, simulate=True, progress=False, host_bytes=0)
+    ``host_factor`` times the device bytes (0: none); a row per run. ``trace``: a trace file
+    in the bundled trace's format (``None``: the bundled trace)."""
+    base_opts = ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, host_bytes=0)
     base = run_replay(base_opts, console)
     block = base.config["block_size"]
     rate = base.prefill_tokens_per_second
@@ -59,7 +62,7 @@ def sweep(fractions, limit: int | None, console: Console, host_factor: float = 2
         orders = ORDERS if host_bytes else ORDERS[:2]
         for eviction in orders:
             device, host = ORDER_SETTINGS[eviction]
-            opts = ReplayOptions(limit=limit, simulate=True, progress=False, num_kv_pages=pages,
+            opts = ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, num_kv_pages=pages,
                                  num_checkpoint_slots=slots, eviction=device, host_eviction=host,
                                  host_bytes=host_bytes)
             r = run_replay(opts, console)
@@ -98,7 +101,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str = "bundled trace, simulate") -> None:
     """Oracle fraction vs device capacity, one line per eviction order (PNG)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -111,7 +114,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak (host: 2x device)")
     ax.set_ylabel("% of every-unit oracle reused")
-    ax.set_title("bundled trace, simulate")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -121,6 +124,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    p.add_argument("--trace", help="trace file (default: the bundled trace), e.g. benchmarks/traces/synthetic_trace.jsonl")
     p.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--png", help="write the plot here")
@@ -130,13 +134,13 @@ def main() -> None:
     if args.host_factor < 0:
         p.error(f"--host-factor {args.host_factor} must be 0 or more")
     console = Console(stderr=True)
-    rows = sweep(args.fractions, args.limit, console, args.host_factor)
+    rows = sweep(args.fractions, args.limit, console, args.host_factor, args.trace)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     if args.png:
-        plot(rows, args.png)
+        plot(rows, args.png, f"{args.trace.rsplit('/', 1)[-1]}, simulate" if args.trace else "bundled trace, simulate")
 
 
 if __name__ == "__main__":
