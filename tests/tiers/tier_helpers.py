@@ -50,6 +50,9 @@ class PrefixedStore:
     def put(self, items):
         return self.inner.put([(self.prefix + k, v) for k, v in items])
 
+    def put_owned(self, items, owner):
+        return self.inner.put_owned([(self.prefix + k, v) for k, v in items], owner)
+
     def get(self, keys):
         return self.inner.get([self.prefix + k for k in keys])
 

@@ -120,7 +120,7 @@ def _open_store_tier(store_url: str, backend, namespace: bytes, config: CacheCon
     from hybridkv.store.url import open_store
     from hybridkv.tiers.connector import tier_for
     try:
-        store = open_store(store_url)
+        store = open_store(store_url, quota=config.tenant_quota)  # disk: per-owner share of its capacity
     except StoreUnavailable as exc:
         if required:
             raise StoreUnavailable(f"store {store_url} unreachable at startup: {exc}") from exc

@@ -61,6 +61,12 @@ class ObjectStore(ABC):
             already present), ``False`` if the backend refused it (no space).
         """
 
+    def put_owned(self, items: Sequence[tuple[str, Buffer]], owner: bytes | str | None) -> list[bool]:
+        """:meth:`put` on behalf of ``owner`` (a request-namespace digest). Backends with
+        per-owner quotas (:class:`~hybridkv.store.disk.DiskStore`) record it; the default
+        ignores it."""
+        return self.put(items)
+
     @abstractmethod
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Objects for ``keys`` (``None`` where absent). A key may repeat; each slot is filled."""

@@ -21,6 +21,18 @@ over the payload). The eviction order (:mod:`hybridkv.store.eviction`) is in mem
 every hit, so a restart rebuilds it by a scan) or ``value`` (hits per byte with
 GreedyDual aging: a byte store cannot see what an object saves, so ``C = 1``;
 hit counts start again after a restart, in mtime order).
+Quotas. With ``quota=F`` (a fraction in (0, 1], like ``CacheConfig.tenant_quota``) no owner
+keeps more than ``F × capacity_bytes``. Objects put through :meth:`DiskStore.put_owned`
+record their owner (a request-namespace digest: tenant identity, not content) in their
+file header, so the owner bytes are rebuilt by the startup scan. A put by an owner over its
+quota evicts that owner's own objects first (whole entries, see below), never another
+owner's. An *entry* is the set of owned objects whose keys share everything up to the
+last ``/`` (the cache ABI's ``.../<group>/r<rank>/<component>``); evicting any object of
+an entry (for a quota or for capacity) removes the entry, its ``manifest`` object first,
+so a reader sees a missing manifest, never a manifest whose components are gone for
+good. A reader that already opened a file keeps reading it (POSIX unlink semantics), and
+the cache ABI's checksums turn any component removed between its manifest read and its
+own read into a miss, never wrong bytes.
 Accounting is per process: objects another process publishes are adopted when
 this process first sees them; eviction of an already-removed file is harmless.
 
@@ -43,6 +55,7 @@ from hybridkv.store.disk_files import (
     NO_SPACE,
     BadObject,
     check_fanout_dir,
+    check_owner,
     create_layout,
     drop_file,
     fsync_dir,
@@ -51,6 +64,7 @@ from hybridkv.store.disk_files import (
     object_path,
     read_header,
     read_key,
+    read_key_owner,
     read_payload,
     scan_layout,
     tmp_path,
@@ -84,10 +98,13 @@ class DiskStore(ObjectStore):
         fsync: fsync each object and its directory before a put returns
             (durable across power loss; slower). Default ``False``.
         eviction: ``lru`` or ``value`` (which object goes first for capacity).
+        quota: fraction in (0, 1] of ``capacity_bytes`` one owner may hold (``None``:
+            no quota); needs a ``capacity_bytes``. Owners come from :meth:`put_owned`.
 
     Raises:
         ValueError: ``path`` exists and is not a directory (or a fan-out name is a
-            file), ``capacity_bytes`` is negative, or ``eviction`` is unknown.
+            file), ``capacity_bytes`` is negative, ``eviction`` is unknown, or
+            ``quota`` is not a number in (0, 1] or is given without a capacity.
         StoreUnavailable: the directory cannot be created or written (permissions).
 
     Counters (read-only for callers): ``evictions`` objects evicted for capacity;
@@ -98,9 +115,21 @@ class DiskStore(ObjectStore):
     scheme = "disk"
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None, fsync: bool = False,
-                 eviction: str = "lru") -> None:
+                 eviction: str = "lru", quota: float | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"disk store capacity_bytes must be >= 0 or None, got {capacity_bytes}")
+        if quota is not None:
+            if isinstance(quota, bool) or not isinstance(quota, (int, float)) or not 0.0 < quota <= 1.0:
+                raise ValueError(f"disk store quota={quota!r} must be a fraction in (0, 1]")
+            if capacity_bytes is None:
+                raise ValueError(f"disk store quota={quota!r} needs a capacity (it is a fraction of it)")
+        self.quota = quota
+        #: Bytes one owner may hold (``None``: no quota).
+        self.quota_bytes = None if quota is None else int(quota * capacity_bytes)
+        self.quota_evictions = 0
+        # Entries of owned objects (under _lock): digest -> entry prefix, prefix -> {digest: is manifest}.
+        self._entry_of: dict[str, str] = {}
+        self._entries: dict[str, dict[str, bool]] = {}
         self._order = make_order(eviction)       # members: every accounted object (digest)
         self.root = os.path.abspath(os.fspath(path))
         self.capacity_bytes = capacity_bytes
@@ -118,7 +147,12 @@ class DiskStore(ObjectStore):
         self._tmp_suffix = tmp_suffix()
         create_layout(self.root)
         for _, digest, size in scan_layout(self.root):  # oldest first; deletes stale temp files
-            self._account(digest, size)
+            key, owner = None, None
+            if self.quota_bytes is not None:  # owners live in the headers: read them back
+                found = read_key_owner(self._path(digest))
+                if found is not None:
+                    key, owner = found
+            self._account(digest, size, key, owner)
         with self._lock:
             self._make_room(0)
 
@@ -147,6 +181,28 @@ class DiskStore(ObjectStore):
             StoreUnavailable: the directory vanished or is not writable.
         """
         return [self._put_one(key, data) for key, data in items]
+
+    @_os_errors_unavailable
+    def put_owned(self, items: Sequence[tuple[str, Buffer]], owner: bytes | str | None) -> list[bool]:
+        """:meth:`put` recording ``owner`` (a request-namespace digest, bytes or hex) in each
+        new object's header; under a quota, a put over the owner's quota first evicts the
+        owner's own entries, and an object larger than the quota is refused (``False``).
+
+        Raises:
+            ValueError: ``owner`` is not a digest (bytes, or ASCII letters/digits).
+            StoreUnavailable: the directory vanished or is not writable.
+        """
+        if isinstance(owner, (bytes, bytearray)):
+            owner = bytes(owner).hex()
+        check_owner(owner)
+        return [self._put_one(key, data, owner) for key, data in items]
+
+    def owner_bytes(self, owner: bytes | str) -> int:
+        """File bytes accounted to ``owner`` (bytes digest or hex) in this process's view."""
+        if isinstance(owner, (bytes, bytearray)):
+            owner = bytes(owner).hex()
+        with self._lock:
+            return self._order.owner_bytes.get(owner, 0)
 
     @_os_errors_unavailable
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -220,6 +276,11 @@ class DiskStore(ObjectStore):
             assert set(self._order) == set(self._lru), "eviction order out of sync"
             if self.capacity_bytes is not None:
                 assert self._bytes <= self.capacity_bytes, (self._bytes, self.capacity_bytes)
+            if self.quota_bytes is not None:
+                for owner, held in self._order.owner_bytes.items():
+                    assert held <= self.quota_bytes, (owner, held, self.quota_bytes)
+            assert set(self._entry_of) <= set(self._lru)
+            assert sum(len(e) for e in self._entries.values()) == len(self._entry_of)
 
     def __repr__(self) -> str:
         return f"DiskStore({self.root!r}, capacity_bytes={self.capacity_bytes}, used={self._bytes})"
@@ -244,23 +305,52 @@ class DiskStore(ObjectStore):
         self._order.forget(digest)
         if size is not None:
             self._bytes -= size
+        prefix = self._entry_of.pop(digest, None)
+        if prefix is not None:
+            members = self._entries[prefix]
+            del members[digest]
+            if not members:
+                del self._entries[prefix]
 
-    def _account(self, digest: str, size: int) -> None:
+    def _account(self, digest: str, size: int, key: str | None = None, owner: str | None = None) -> None:
         self._lru[digest] = size
         self._bytes += size
-        self._order.describe(digest, size)
+        self._order.describe(digest, size, owner=owner)
         self._order.add(digest)
+        if owner is not None and key is not None:
+            prefix, _, name = key.rpartition("/")
+            self._entry_of[digest] = prefix
+            self._entries.setdefault(prefix, {})[digest] = name == "manifest"
 
-    def _make_room(self, size: int) -> None:
-        """Evict objects (first victims of the eviction order) until ``size`` more bytes fit.
-        Caller holds the lock."""
+    def _evict(self, digest: str) -> None:
+        """Evict the object ``digest`` and, if it is part of an owned entry, the whole entry,
+        its manifest first. Caller holds the lock."""
+        prefix = self._entry_of.get(digest)
+        members = [digest] if prefix is None else sorted(self._entries[prefix], key=lambda d: not self._entries[prefix][d])
+        for d in members:
+            self._forget(d)
+            self._unlink(self._path(d))
+            self.evictions += 1
+
+    def _make_room(self, size: int, owner: str | None = None) -> None:
+        """Evict until ``size`` more bytes fit: first ``owner``'s own victims while it is over its
+        quota, then the first victims of the eviction order for capacity. Caller holds the lock."""
+        if self.quota_bytes is not None and owner is not None:
+            while self._order.owner_bytes.get(owner, 0) + size > self.quota_bytes:
+                victim = self._order.victim(owner)
+                if victim is None:
+                    break
+                self._order.evicted(victim)
+                self._evict(victim)
+                self.quota_evictions += 1
         if self.capacity_bytes is None:
             return
         while self._lru and self._bytes + size > self.capacity_bytes:
-            digest = self._order.pop()
-            self._forget(digest)
-            self._unlink(self._path(digest))
-            self.evictions += 1
+            victim = self._order.victim()
+            if victim is None:
+                break
+            self._order.evicted(victim)
+            self._evict(victim)
 
     def _unlink(self, path: str) -> None:
         try:
@@ -280,7 +370,12 @@ class DiskStore(ObjectStore):
                         return  # replaced or evicted meanwhile; the next look adopts it
                 except FileNotFoundError:
                     return
-                self._account(digest, st.st_size)
+                key = owner = None
+                if self.quota_bytes is not None:  # another process's object: its owner is in the header
+                    found = read_key_owner(path)
+                    if found is not None:
+                        key, owner = found
+                self._account(digest, st.st_size, key, owner)
             elif not touch:
                 return
             else:
@@ -368,25 +463,27 @@ class DiskStore(ObjectStore):
 
     # ----------------------------------------------------------------- writes
 
-    def _put_one(self, key: str, data: Buffer) -> bool:
+    def _put_one(self, key: str, data: Buffer, owner: str | None = None) -> bool:
         key_bytes = key.encode("utf-8")
         payload = memoryview(data)
-        size = object_file_size(key, payload.nbytes)
+        size = object_file_size(key, payload.nbytes, owner)
         if self.capacity_bytes is not None and size > self.capacity_bytes:
+            return False
+        if self.quota_bytes is not None and owner is not None and size > self.quota_bytes:
             return False
         state = self._probe(key_bytes)
         if state != "absent":
             return state == "ok"
         digest = object_digest(key_bytes)
         path = self._path(digest)
-        tmp = self._write_tmp(path, key_bytes, payload)
+        tmp = self._write_tmp(path, key_bytes, payload, owner)
         if tmp is None:
             return False
         try:
             with self._lock:
                 if digest in self._lru and os.path.exists(path):
                     return True  # another thread published it meanwhile
-                self._make_room(size)
+                self._make_room(size, owner)
                 try:
                     os.link(tmp, path)
                 except FileExistsError:
@@ -398,7 +495,7 @@ class DiskStore(ObjectStore):
                         return False
                     raise
                 self._forget(digest)
-                self._account(digest, size)
+                self._account(digest, size, key, owner)
             if self.fsync:
                 fsync_dir(os.path.dirname(path))
         finally:
@@ -408,11 +505,11 @@ class DiskStore(ObjectStore):
                 pass
         return True
 
-    def _write_tmp(self, path: str, key_bytes: bytes, payload: memoryview) -> str | None:
+    def _write_tmp(self, path: str, key_bytes: bytes, payload: memoryview, owner: str | None = None) -> str | None:
         """Write a complete object file next to ``path``; its name, or ``None`` if the disk is full."""
         tmp = tmp_path(os.path.dirname(path), self._tmp_suffix)
         try:
-            write_object_file(tmp, key_bytes, payload, self.fsync)
+            write_object_file(tmp, key_bytes, payload, self.fsync, owner)
             with self._lock:
                 stamp = self._next_stamp()
             os.utime(tmp, ns=(stamp, stamp))

@@ -8,6 +8,13 @@ fan-out subdirectories are created when the store opens. An object file is::
 
     b"HKVOBJ1\\0" | key length (u32 LE) | key (UTF-8) | payload length (u64 LE) | payload
 
+or, for an object put with an owner (:meth:`DiskStore.put_owned`, quotas)::
+
+    b"HKVOBJ2\\0" | key length (u32 LE) | key | owner length (u16 LE) | owner (ASCII) | payload length (u64 LE) | payload
+
+The owner is the request-namespace digest (hex) the object was cached under: a digest
+of the tenant's identity, never of content. Readers accept both forms.
+
 Temp files. A put first writes ``ROOT/<h[:2]>/.tmp.<token>.<pid>@<host>``. One is
 stale (deleted by the startup scan) when older than :data:`STALE_TMP_S`, not
 named in this form, or written by a process of this host that no longer runs.
@@ -28,6 +35,10 @@ from typing import BinaryIO
 from hybridkv.store.base import Buffer, StoreUnavailable
 
 MAGIC = b"HKVOBJ1\0"
+MAGIC_OWNED = b"HKVOBJ2\0"
+_OLEN = struct.Struct("<H")  # owner length
+#: Longest owner a file records (bytes of ASCII); a request namespace digest is 64 hex.
+OWNER_MAX = 256
 _HEAD = struct.Struct("<8sI")  # magic, key length
 _PLEN = struct.Struct("<Q")  # payload length
 TMP_PREFIX = ".tmp."
@@ -42,20 +53,40 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # ------------------------------------------------------------------ format
 
 
-def object_file_size(key: str, payload_bytes: int) -> int:
+def check_owner(owner: str | None) -> bytes:
+    """The header bytes of ``owner`` (``b""`` for none).
+
+    Raises:
+        ValueError: ``owner`` is not ASCII letters/digits or longer than :data:`OWNER_MAX`.
+    """
+    if owner is None:
+        return b""
+    if not isinstance(owner, str) or not owner.isascii() or not owner.isalnum() or len(owner) > OWNER_MAX:
+        raise ValueError(f"disk store owner {owner!r} must be 1..{OWNER_MAX} ASCII letters/digits (a hex digest)")
+    return owner.encode("ascii")
+
+
+def _owner_part(owner_bytes: bytes) -> bytes:
+    return _OLEN.pack(len(owner_bytes)) + owner_bytes if owner_bytes else b""
+
+
+def object_file_size(key: str, payload_bytes: int, owner: str | None = None) -> int:
     """Bytes one object occupies on disk (header + payload) for capacity accounting."""
-    return _HEAD.size + len(key.encode("utf-8")) + _PLEN.size + payload_bytes
+    return _HEAD.size + len(key.encode("utf-8")) + len(_owner_part(check_owner(owner))) + _PLEN.size + payload_bytes
 
 
-def encode_object(key: str, payload: Buffer) -> bytes:
+def encode_object(key: str, payload: Buffer, owner: str | None = None) -> bytes:
     """The full file image of one object (used by tests and tools; put streams it instead)."""
     kb = key.encode("utf-8")
+    ob = check_owner(owner)
     data = memoryview(payload)
-    return _HEAD.pack(MAGIC, len(kb)) + kb + _PLEN.pack(data.nbytes) + data.tobytes()
+    return (_HEAD.pack(MAGIC_OWNED if ob else MAGIC, len(kb)) + kb + _owner_part(ob)
+            + _PLEN.pack(data.nbytes) + data.tobytes())
 
 
-def read_key(path: str) -> str | None:
-    """The key an object file names in its header, or ``None`` (gone, foreign or truncated).
+def read_key_owner(path: str) -> tuple[str, str | None] | None:
+    """``(key, owner or None)`` an object file names in its header, or ``None`` (gone, foreign
+    or truncated).
 
     Raises:
         OSError: the file exists but cannot be read.
@@ -66,15 +97,37 @@ def read_key(path: str) -> str | None:
             if len(head) < _HEAD.size:
                 return None
             magic, klen = _HEAD.unpack(head)
+            if magic not in (MAGIC, MAGIC_OWNED):
+                return None
             kb = f.read(klen)
+            owner = None
+            if magic == MAGIC_OWNED:
+                ol = f.read(_OLEN.size)
+                if len(ol) < _OLEN.size:
+                    return None
+                (olen,) = _OLEN.unpack(ol)
+                ob = f.read(olen)
+                if len(ob) != olen or not ob.isascii():
+                    return None
+                owner = ob.decode("ascii")
     except FileNotFoundError:
         return None
-    if magic != MAGIC or len(kb) != klen:
+    if len(kb) != klen:
         return None
     try:
-        return kb.decode("utf-8")
+        return kb.decode("utf-8"), owner
     except UnicodeDecodeError:
         return None
+
+
+def read_key(path: str) -> str | None:
+    """The key an object file names in its header, or ``None`` (gone, foreign or truncated).
+
+    Raises:
+        OSError: the file exists but cannot be read.
+    """
+    found = read_key_owner(path)
+    return None if found is None else found[0]
 
 
 class BadObject(Exception):
@@ -106,15 +159,23 @@ def read_header(f: BinaryIO, key_bytes: bytes) -> int:
     if len(head) < _HEAD.size:
         raise BadObject(f"truncated header ({size} bytes)")
     magic, klen = _HEAD.unpack(head)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_OWNED):
         raise BadObject("foreign file (bad magic)")
-    if _HEAD.size + klen + _PLEN.size > size:
+    olen_size = _OLEN.size if magic == MAGIC_OWNED else 0
+    if _HEAD.size + klen + olen_size + _PLEN.size > size:
         raise BadObject(f"truncated header (key length {klen}, file {size} bytes)")
     stored_key = f.read(klen)
     if stored_key != key_bytes:
         raise BadObject("key mismatch (hash collision or misplaced file)", collision=True)
+    owner_part = 0
+    if olen_size:
+        (olen,) = _OLEN.unpack(f.read(_OLEN.size))
+        owner_part = _OLEN.size + olen
+        if _HEAD.size + klen + owner_part + _PLEN.size > size:
+            raise BadObject(f"truncated header (owner length {olen}, file {size} bytes)")
+        f.seek(olen, os.SEEK_CUR)
     (plen,) = _PLEN.unpack(f.read(_PLEN.size))
-    expected = _HEAD.size + klen + _PLEN.size + plen
+    expected = _HEAD.size + klen + owner_part + _PLEN.size + plen
     if size < expected:
         raise BadObject(f"truncated payload ({size} of {expected} bytes)")
     if size > expected:
@@ -169,16 +230,20 @@ def read_payload(f: BinaryIO, key_bytes: bytes, into: memoryview | None) -> byte
     return data if into is None else got
 
 
-def write_object_file(path: str, key_bytes: bytes, payload: memoryview, fsync: bool) -> None:
-    """Create ``path`` (which must not exist) holding one complete object; ``fsync`` it if asked.
+def write_object_file(path: str, key_bytes: bytes, payload: memoryview, fsync: bool,
+                      owner: str | None = None) -> None:
+    """Create ``path`` (which must not exist) holding one complete object (``owner`` recorded in
+    its header when given); ``fsync`` it if asked.
 
     Raises:
         OSError: from create / write / fsync (``FileExistsError`` if ``path`` exists);
             a partly written file is left for the caller to remove.
     """
+    ob = check_owner(owner)
     with open(path, "xb") as f:
-        f.write(_HEAD.pack(MAGIC, len(key_bytes)))
+        f.write(_HEAD.pack(MAGIC_OWNED if ob else MAGIC, len(key_bytes)))
         f.write(key_bytes)
+        f.write(_owner_part(ob))
         f.write(_PLEN.pack(payload.nbytes))
         f.write(payload)
         if fsync:

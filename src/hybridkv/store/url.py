@@ -11,11 +11,14 @@ from hybridkv.store.memory import MemoryStore
 from hybridkv.store.mooncake.client import MooncakeStore
 
 
-def open_store(url: str) -> ObjectStore | None:
+def open_store(url: str, quota: float | None = None) -> ObjectStore | None:
     """Backend for a store URL.
 
     ``none`` -> ``None``; ``memory://`` -> :class:`~hybridkv.store.memory.MemoryStore`;
-    ``disk:///PATH[?capacity=BYTES][&eviction=lru|value]`` -> :class:`~hybridkv.store.disk.DiskStore`;
+    ``disk:///PATH[?capacity=BYTES][&eviction=lru|value][&quota=F]`` ->
+    :class:`~hybridkv.store.disk.DiskStore` (``quota``: fraction in (0, 1] of the capacity
+    one owner may hold; default the ``quota`` argument, e.g. ``CacheConfig.tenant_quota``,
+    applied only when the URL gives a capacity);
     ``mooncake://HOST:PORT`` -> :class:`~hybridkv.store.mooncake.client.MooncakeStore`.
 
     Raises:
@@ -39,10 +42,23 @@ def open_store(url: str) -> ObjectStore | None:
     if parsed.scheme == "disk":
         if parsed.netloc or not parsed.path:
             raise ValueError(f"store URL {url!r}: use disk:///absolute/dir (three slashes, no host)")
-        unknown = sorted(set(query) - {"capacity", "eviction"})
+        unknown = sorted(set(query) - {"capacity", "eviction", "quota"})
         if unknown:
-            raise ValueError(f"store URL {url!r}: unknown parameter {unknown[0]!r}; known: ['capacity', 'eviction']")
-        return DiskStore(parsed.path, capacity_bytes=capacity(), eviction=query.get("eviction", "lru"))
+            raise ValueError(f"store URL {url!r}: unknown parameter {unknown[0]!r}; "
+                             "known: ['capacity', 'eviction', 'quota']")
+        cap = capacity()
+        if "quota" in query:
+            try:
+                share = float(query["quota"])
+            except ValueError:
+                raise ValueError(f"store URL {url!r}: quota={query['quota']!r} is not a fraction in (0, 1]") from None
+            if not 0.0 < share <= 1.0:
+                raise ValueError(f"store URL {url!r}: quota={query['quota']!r} is not a fraction in (0, 1]")
+            if cap is None:
+                raise ValueError(f"store URL {url!r}: quota={query['quota']!r} needs capacity=BYTES")
+        else:
+            share = quota if cap is not None else None
+        return DiskStore(parsed.path, capacity_bytes=cap, eviction=query.get("eviction", "lru"), quota=share)
     if parsed.scheme == "mooncake":
         if not parsed.hostname or not parsed.port:
             raise ValueError(f"store URL {url!r} needs host:port, e.g. mooncake://127.0.0.1:50051")

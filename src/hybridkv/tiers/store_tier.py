@@ -10,6 +10,7 @@ fail fast for ``retry_seconds`` before the store is tried again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -238,7 +239,8 @@ class StoreTier(Tier):
                 self.count_miss("unreachable")
                 return [False] * len(entries)
         parts = [entry_components(self.namespace, h, group, tensors) for h, _, group, _, tensors in entries]
-        pending = self.submit(self._call, self.store.put, [(key, data) for cs in parts for _, key, data, _ in cs])
+        put = self.store.put if owner is None else functools.partial(self.store.put_owned, owner=owner)
+        pending = self.submit(self._call, put, [(key, data) for cs in parts for _, key, data, _ in cs])
         now = time.time()
         manifests = [entry_manifest(self.namespace, h, parent, group, boundary, self.alignment, cs,
                                     owner=owner, created=now)
@@ -250,7 +252,7 @@ class StoreTier(Tier):
         for cs in parts:
             done.append(all(ok[i:i + len(cs)]))
             i += len(cs)
-        ok = self._call(self.store.put, [m for m, d in zip(manifests, done) if d]) if any(done) else []
+        ok = self._call(put, [m for m, d in zip(manifests, done) if d]) if any(done) else []
         if ok is None:
             return [False] * len(entries)
         visible, j = [], 0
