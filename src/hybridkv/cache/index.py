@@ -74,12 +74,12 @@ class PrefixIndex:
     def walk(self, hashes: list[bytes]) -> list[BlockNode]:
         """Nodes matching ``hashes`` from the root, stopping at the first miss."""
         path: list[BlockNode] = []
-        node = self.root
+        append, node = path.append, self.root
         for key in hashes:
             node = node.children.get(key)
             if node is None:
                 break
-            path.append(node)
+            append(node)
         return path
 
     def get_or_insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None = None,

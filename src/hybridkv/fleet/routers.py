@@ -321,36 +321,32 @@ class HybridRouter(Router):
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         """The best :meth:`score` among :meth:`candidates`, ties (within ``tie_relative`` of
         ``T_prefill(0)``) to the least loaded. Computed as :meth:`score` is, with each
-        instance's wait computed once and the cost of an instance without a unit of the prompt
-        (no KV run: the usual case at many instances) computed once for all of them."""
+        instance's wait computed once and the prefill, transfer and latency seconds computed
+        once per distinct ``(kv_hit, hit)`` (instances mostly share a few: the same system
+        prompt, or nothing)."""
         store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
         q = [self.queue_seconds(ld) for ld in loads]
         p0 = self.predicted_prefill(req, 0)
         weigh = self.options.weigh_waiting
-        first = hashes[0] if hashes and limit >= self.unit_of(views) else None
-        cold_work = None
+        works: dict[tuple[int, int], float] = {}
         scored = {}
         for j in self._cool(q):
             view = views[j]
-            if type(view).match is InstanceView.match and (first is None or first not in view.kv):
-                if cold_work is None:
-                    cold_work = self._work(req, 0, 0, store_hit)[0]
-                work = cold_work
+            if type(view).match is InstanceView.match:
+                pair = view.hits(hashes, limit)
             else:
                 m = view.match(hashes, limit)
-                work = self._work(req, m.kv_hit, m.hit, store_hit)[0]
+                pair = (m.kv_hit, m.hit)
+            work = works.get(pair)
+            if work is None:
+                work = works[pair] = self._work(req, pair[0], pair[1], store_hit)[0]
             ld = loads[j]
             weight = 1 + ld.waiting if weigh else 1
             scored[j] = p0 - q[j] - weight * work
         tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
         return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
-
-    @staticmethod
-    def unit_of(views: list[InstanceView]) -> int:
-        """``prefix_match_unit`` of the views (tokens; all the same: one fleet)."""
-        return views[0].unit if views else 1
 
 
 ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
