@@ -11,6 +11,9 @@ fraction, reused tokens, evictions, TTFT percentiles). Cases:
   (the issue's target: the whole trace in <= 3 minutes, >= 2,000 requests/s);
 * ``untimed``: ``--simulate`` (one engine, no clock).
 
+Each run also records the replay's own CPU seconds (``time.process_time`` around
+``run_replay`` in the child: trace load to report, start-up and imports excluded).
+
 Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_simspeed.py [--limit N] [--cases timed32,untimed]
     [--out benchmarks/results/simspeed.json]
 """
@@ -35,6 +38,25 @@ KEPT = ("requests", "reused_tokens", "oracle_reused_tokens", "oracle_fraction", 
         "load_skew")
 
 
+# the child: ``hybridkv`` with run_replay timed in CPU seconds of the process (time.process_time:
+# trace load to report, like the report's wall_seconds), written to the file named first
+_CHILD = """
+import sys, time
+import hybridkv.replay.runner as runner
+from hybridkv.cli import main
+cpu_file, inner = sys.argv[1], runner.run_replay
+def timed(*a, **k):
+    t0 = time.process_time()
+    try:
+        return inner(*a, **k)
+    finally:
+        open(cpu_file, "w").write(repr(time.process_time() - t0))
+runner.run_replay = timed
+sys.argv = ["hybridkv"] + sys.argv[2:]
+main()
+"""
+
+
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -44,18 +66,21 @@ def run_case(name: str, limit: int | None) -> dict:
     """One replay in a child process; its speed and its unchanged-by-speed figures."""
     with tempfile.TemporaryDirectory(prefix="hybridkv-simspeed-") as tmp:
         out = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-c", "from hybridkv.cli import main; main()", "replay", *CASES[name],
+        cpu_file = Path(tmp) / "replay_cpu"
+        cmd = [sys.executable, "-c", _CHILD, str(cpu_file), "replay", *CASES[name],
                "--no-progress", "--json", str(out)] + (["--limit", str(limit)] if limit else [])
         load_before = os.getloadavg()
         cpu0, t0 = _children_cpu(), time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         process_wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
         rep = json.loads(out.read_text())
+        replay_cpu = float(cpu_file.read_text())
     n, wall = rep["requests"], rep["wall_seconds"]
     return {"case": name, "args": CASES[name], "limit": limit, "requests": n,
             "replay_wall_seconds": wall, "requests_per_second": round(n / wall, 1),
             "process_wall_seconds": round(process_wall, 2), "process_cpu_seconds": round(cpu, 2),
             "requests_per_cpu_second": round(n / cpu, 1),
+            "replay_cpu_seconds": round(replay_cpu, 2), "requests_per_replay_cpu_second": round(n / replay_cpu, 1),
             "largest_child_rss_bytes_so_far": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
             "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -81,7 +106,8 @@ def main() -> None:
     for c in names:
         r = run_case(c, args.limit)
         print(f"{c}: {r['requests']} requests, replay {r['replay_wall_seconds']:.1f} s "
-              f"({r['requests_per_second']:.0f}/s), CPU {r['process_cpu_seconds']:.1f} s "
+              f"({r['requests_per_second']:.0f}/s), replay CPU {r['replay_cpu_seconds']:.1f} s "
+              f"({r['requests_per_replay_cpu_second']:.0f}/CPU s), process CPU {r['process_cpu_seconds']:.1f} s "
               f"({r['requests_per_cpu_second']:.0f}/CPU s), load {r['load_average_before'][0]:.1f}", flush=True)
         runs.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import FULL, GROUPS, KDA, joint_hit, reuse_cap
+from hybridkv.cache.groups import FULL, KDA, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,
@@ -227,8 +227,12 @@ class HybridCacheCoordinator:
                              f"({len(token_ids) // g} whole units of {g})")
         limit = reuse_cap(len(token_ids), g)
         path = self.index.walk(hashes[: limit // g])
-        joint = joint_hit(path, limit, GROUPS)
-        hit, kv_hit = joint.hit, joint.kv_hit
+        # joint_hit(path, limit, GROUPS), computed directly: a walked path is consecutive units
+        # from token 0, each with its KV, all within ``limit``, so the full-attention group's
+        # hit is the whole path, the KDA group's its deepest checkpoint, and they agree there
+        kv_hit = len(path) * g
+        hit = next((n.end for n in reversed(path) if n.checkpoint is not None), 0)
+        per_group = {FULL: kv_hit, KDA: hit}
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
@@ -236,9 +240,9 @@ class HybridCacheCoordinator:
                 self.pages.touch(page, count)
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
-        return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=joint.per_group[KDA],
-                           branching_boundary=joint.branching_boundary,
-                           per_group=joint.per_group, hashes=hashes, path=path[: kv_hit // g],
+        return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
+                           branching_boundary=kv_hit if kv_hit > hit else None,
+                           per_group=per_group, hashes=hashes, path=path,
                            namespace=namespace or self.namespace)
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:

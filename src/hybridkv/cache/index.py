@@ -74,12 +74,12 @@ class PrefixIndex:
     def walk(self, hashes: list[bytes]) -> list[BlockNode]:
         """Nodes matching ``hashes`` from the root, stopping at the first miss."""
         path: list[BlockNode] = []
-        node = self.root
+        append, node = path.append, self.root
         for key in hashes:
             node = node.children.get(key)
             if node is None:
                 break
-            path.append(node)
+            append(node)
         return path
 
     def get_or_insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None = None,
@@ -136,23 +136,44 @@ class PrefixIndex:
         """
         if out is None:
             out = []
-        append, add_node, by_page, unit = out.append, self.pages.add_node, self.by_page, self.unit
-        for key, page in zip(keys, pages):           # the body of _insert, inlined: the simulator's hot loop
-            children = parent.children
-            node = children.get(key)
+        append = out.append
+        n = min(len(keys), len(pages))
+        i = 0
+        while i < n:                                 # existing nodes: walk down
+            node = parent.children.get(keys[i])
             if node is None:
-                own = owner if owner is not None else parent.owner
-                end = parent.end + unit
-                add_node(page, end, own)              # raises before the tree changes
-                node = children[key] = BlockNode(key, parent, end, page, None, {}, own, now)
-                nodes = by_page.get(page)
-                if nodes is None:
-                    by_page[page] = {node}
-                else:
-                    nodes.add(node)
-                self.num_nodes += 1
+                break
             append(node)
             parent = node
+            i += 1
+        if i == n:
+            return out
+        # every key from ``i`` on is new (its parent is new or has no child of that key), so the
+        # rest is pure insertion; a run of keys on one page tells the pool once (the simulator's
+        # hot loop: about 150 new nodes a request)
+        own = owner if owner is not None else parent.owner
+        add_nodes, by_page, unit = self.pages.add_nodes, self.by_page, self.unit
+        end = parent.end
+        while i < n:
+            page = pages[i]
+            j = i + 1
+            while j < n and pages[j] == page:
+                j += 1
+            add_nodes(page, end + unit, own, j - i)   # raises before the tree changes
+            run = []
+            for key in keys[i:j]:
+                end += unit
+                node = parent.children[key] = BlockNode(key, parent, end, page, None, {}, own, now)
+                run.append(node)
+                parent = node
+            out.extend(run)
+            nodes = by_page.get(page)
+            if nodes is None:
+                by_page[page] = set(run)
+            else:
+                nodes.update(run)
+            self.num_nodes += j - i
+            i = j
         return out
 
     def attach_checkpoint(self, node: BlockNode, slot: int) -> None:

@@ -130,6 +130,16 @@ class PagePool(_RefcountedCache):
             self.order.describe(page, self.page_bytes, self.block_size, end, owner)
         self.node_count[page] += 1
 
+    def add_nodes(self, page: int, end: int = 0, owner=None, count: int = 1) -> None:
+        """:meth:`add_node` ``count`` times for ``count`` nodes at ``page`` (``end``: the first's,
+        the shallowest), checked once; ``count`` must be >= 1."""
+        nc = self.node_count
+        if nc[page] == 0:
+            if self.refcount[page] == 0:
+                raise RuntimeError(f"page {page} is free; publish it while a request holds it")
+            self.order.describe(page, self.page_bytes, self.block_size, end, owner)
+        nc[page] += count
+
     def remove_node(self, page: int) -> None:
         """An index node pointing at ``page`` was removed."""
         if self.node_count[page] <= 0:

@@ -152,10 +152,21 @@ class InstanceView:
         """The joint hit this instance would give a prompt with unit hashes ``hashes``, under
         ``limit`` tokens (:func:`~hybridkv.cache.groups.reuse_cap`): the rule of
         :func:`~hybridkv.cache.groups.joint_hit` over the boundaries the events reported."""
-        g, ck = self.unit, self.checkpoints
-        run = self.kv_run(hashes, limit) // g
+        kv_hit, hit = self.hits(hashes, limit)
+        return JointHit(hit, {FULL: kv_hit, KDA: hit})
+
+    def hits(self, hashes: list[bytes], limit: int) -> tuple[int, int]:
+        """``(kv_hit, hit)`` of :meth:`match` (tokens), without building the :class:`JointHit`."""
+        g, kv, ck = self.unit, self.kv, self.checkpoints
         # joint_hit over boundaries that all hold KV (the run) and lie within ``limit``: the full
         # group's hit is the run, the KDA group's the deepest checkpoint on it, and they agree
         # at the latter; computed directly (this runs for every instance on every arrival).
-        deepest = next((i + 1 for i in range(run - 1, -1, -1) if hashes[i] in ck), 0)
-        return JointHit(deepest * g, {FULL: run * g, KDA: deepest * g})
+        run = 0
+        for key in hashes[: limit // g]:
+            if key not in kv:
+                break
+            run += 1
+        deepest = run
+        while deepest and hashes[deepest - 1] not in ck:
+            deepest -= 1
+        return run * g, deepest * g

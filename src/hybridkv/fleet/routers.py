@@ -294,29 +294,59 @@ class HybridRouter(Router):
         """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``; the score is
         ``T_prefill(0) - cost_j`` (higher is better; the seed's score when nothing waits)."""
         m = fleet.views[j].match(req.hashes, req.limit)
-        hit, transfer, cold = m.hit, 0.0, 0.0
-        if self.store is not None and store_hit > m.hit:
-            start = load_start(m.kv_hit, store_hit, self.store.alignment)
-            hit = store_hit
-            transfer, cold = self.store.transfer_seconds(start, hit), self.store.latency_seconds(start, hit)
+        work, hit = self._work(req, m.kv_hit, m.hit, store_hit)
         ld = fleet.loads[j]
-        work = self.predicted_prefill(req, hit) + transfer + cold
         weight = 1 + ld.waiting if self.options.weigh_waiting else 1
         return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
 
+    def _work(self, req: RouteRequest, kv_hit: int, hit: int, store_hit: int) -> tuple[float, int]:
+        """``(seconds of prefill, transfer and store latency, tokens reused)`` for an instance
+        whose own KV run is ``kv_hit`` and joint hit ``hit`` (tokens)."""
+        transfer, cold = 0.0, 0.0
+        if self.store is not None and store_hit > hit:
+            start = load_start(kv_hit, store_hit, self.store.alignment)
+            hit = store_hit
+            transfer, cold = self.store.transfer_seconds(start, hit), self.store.latency_seconds(start, hit)
+        return self.predicted_prefill(req, hit) + transfer + cold, hit
+
     def candidates(self, fleet: FleetState) -> list[int]:
         """Instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
-        q = [self.queue_seconds(ld) for ld in fleet.loads]
+        return self._cool([self.queue_seconds(ld) for ld in fleet.loads])
+
+    def _cool(self, q: list[float]) -> list[int]:
         bound = self.options.hot_relative * sum(q) / len(q) + self.options.hot_absolute_s
         cool = [j for j, s in enumerate(q) if s <= bound]
         return cool or list(range(len(q)))
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        """The best :meth:`score` among :meth:`candidates`, ties (within ``tie_relative`` of
+        ``T_prefill(0)``) to the least loaded. Computed as :meth:`score` is, with each
+        instance's wait computed once and the prefill, transfer and latency seconds computed
+        once per distinct ``(kv_hit, hit)`` (instances mostly share a few: the same system
+        prompt, or nothing)."""
         store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
-        scored = {j: self.score(req, fleet, j, store_hit)[0] for j in self.candidates(fleet)}
-        tie = self.options.tie_relative * self.predicted_prefill(req, 0) + 1e-9
+        loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
+        q = [self.queue_seconds(ld) for ld in loads]
+        p0 = self.predicted_prefill(req, 0)
+        weigh = self.options.weigh_waiting
+        works: dict[tuple[int, int], float] = {}
+        scored = {}
+        for j in self._cool(q):
+            view = views[j]
+            if type(view).match is InstanceView.match:
+                pair = view.hits(hashes, limit)
+            else:
+                m = view.match(hashes, limit)
+                pair = (m.kv_hit, m.hit)
+            work = works.get(pair)
+            if work is None:
+                work = works[pair] = self._work(req, pair[0], pair[1], store_hit)[0]
+            ld = loads[j]
+            weight = 1 + ld.waiting if weigh else 1
+            scored[j] = p0 - q[j] - weight * work
+        tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
-        return least_loaded(fleet.loads, [j for j, s in scored.items() if s >= top - tie])
+        return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
 
 
 ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")

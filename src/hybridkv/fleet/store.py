@@ -143,9 +143,16 @@ class StoreView(InstanceView):
         removals, clears and epochs do not reach the store."""
         if event.kind is EventKind.BLOCKS_STORED:
             self.kv.update(event.keys)
-            if self._track:
+            if self._track:                                # _charge, inlined (one call per unit)
+                lru, size, added = self._lru, self._unit_bytes, 0
                 for k in event.keys:
-                    self._charge((False, k), self._unit_bytes)
+                    key = (False, k)
+                    if key in lru:
+                        lru.move_to_end(key)
+                    else:
+                        lru[key] = size
+                        added += size
+                self.bytes_held += added
         elif event.kind is EventKind.CHECKPOINTS_STORED:
             new = [k for k in event.keys if k in self.kv]
             self.checkpoints.update(new)

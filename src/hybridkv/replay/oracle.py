@@ -15,6 +15,8 @@ Two entry points compute the same thing:
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -65,18 +67,20 @@ class _PrefixTrie:
 
     def match_then_insert(self, keys: Sequence[object], max_blocks: int) -> int:
         """Whole blocks of ``keys`` already present (at most ``max_blocks``); then insert all."""
-        node, matched, hit = 0, 0, True
+        node, matched = 0, 0
         edges = self._edges
+        get = edges.get
         for key in keys:
-            edge = (node, key)
-            child = edges.get(edge)
+            child = get((node, key))
             if child is None:
-                hit = False
-                child = len(edges) + 1
-                edges[edge] = child
-            elif hit:
-                matched += 1
+                break
+            matched += 1
             node = child
+        rest = len(keys) - matched
+        if rest:       # every key from the first miss on is new: its node gets the next id
+            first = len(edges) + 1
+            ids = range(first, first + rest)
+            edges.update(zip(zip(itertools.chain((node,), ids), keys[matched:]), ids))
         return min(matched, max_blocks)
 
 

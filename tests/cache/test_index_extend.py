@@ -1,0 +1,73 @@
+"""PrefixIndex.extend with several units per page (the simulator's publication path) builds
+what one get_or_insert per key builds: the tree, the pool's node counts, by_page and the
+eviction order's descriptions; a free page mid-chain raises with the keys before it inserted."""
+
+import hashlib
+
+import pytest
+
+from hybridkv.cache.index import PrefixIndex
+from hybridkv.cache.pools import CheckpointPool, PagePool
+
+UNIT = 8
+PER_PAGE = 4          # units per page, as block_size // prefix_match_unit
+
+
+def _keys(tag: bytes, n: int) -> list[bytes]:
+    return [hashlib.sha256(tag + bytes([i])).digest() for i in range(n)]
+
+
+def _state(index: PrefixIndex, pool: PagePool):
+    nodes, stack = [], [index.root]
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        nodes.append((n.end, n.key, n.page, n.owner, n.created, n.parent.key if n.parent else None))
+    by_page = {p: sorted(n.key for n in ns) for p, ns in index.by_page.items()}
+    described = {p: (pool.order.info[p].depth, pool.order.info[p].owner) for p in pool.order.info}
+    return sorted(nodes), list(pool.node_count), by_page, described, index.num_nodes
+
+
+def _build(batch: bool):
+    pool = PagePool(16)
+    index = PrefixIndex(UNIT, pool, CheckpointPool(2))
+    shared = _keys(b"s", 6)
+    chains = [shared + _keys(b"a", 7), shared[:5] + _keys(b"b", 9), shared + _keys(b"a", 10)]
+    for ks in chains:
+        table = [pool.pop_free() for _ in range(-(-len(ks) // PER_PAGE))]
+        pages = [table[i // PER_PAGE] for i in range(len(ks))]
+        if batch:
+            nodes = index.extend(index.root, ks, pages, owner=b"o", now=2.0)
+        else:
+            parent, nodes = index.root, []
+            for k, p in zip(ks, pages):
+                parent, _ = index.get_or_insert(parent, k, p, owner=b"o", now=2.0)
+                nodes.append(parent)
+        assert [n.key for n in nodes] == ks
+        assert [n.end for n in nodes] == [UNIT * (i + 1) for i in range(len(ks))]
+        for p in table:
+            pool.unref(p)
+    index.check_invariants()
+    pool.check_invariants()
+    return _state(index, pool)
+
+
+def test_extend_over_page_runs_equals_get_or_insert():
+    assert _build(batch=True) == _build(batch=False)
+
+
+def test_extend_raises_on_a_free_page_after_inserting_the_keys_before_it():
+    pool = PagePool(4)
+    index = PrefixIndex(UNIT, pool, CheckpointPool(2))
+    held = pool.pop_free()
+    free_page = 3                      # never taken: free
+    keys = _keys(b"x", 6)
+    out = []
+    with pytest.raises(RuntimeError, match="page 3 is free"):
+        index.extend(index.root, keys, [held] * 4 + [free_page] * 2, out=out)
+    assert [n.key for n in out] == keys[:4]
+    assert index.num_nodes == 4 and pool.node_count[held] == 4 and pool.node_count[free_page] == 0
+    assert index.walk(keys) == out
+    pool.unref(held)
+    index.check_invariants()
+    pool.check_invariants()
