@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="INSTANCE@SECONDS",
                    help="--timed: restart instance INSTANCE (0-based) with an empty cache at the first moment "
                         "it is idle at or after SECONDS on the fleet's clock; repeatable")
+    r.add_argument("--crash", dest="crashes", type=restart_spec, action="append", default=[],
+                   metavar="INSTANCE@SECONDS",
+                   help="--timed: crash instance INSTANCE at SECONDS on the fleet's clock: its cache and the "
+                        "requests it holds are lost, those requests are routed again (TTFT from their arrival), "
+                        "and it is back with an empty cache after --cold-start; repeatable")
+    r.add_argument("--cold-start", dest="cold_start_s", type=non_negative_float, default=None, metavar="SECONDS",
+                   help="--crash: seconds a crashed instance takes to be back (default 30, an assumption)")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true")
     _register_cache_cli(sub)
@@ -172,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
                             ("--step-log", args.step_log),
                             ("--step-clock", None if args.step_clock == "wall" else args.step_clock),
-                            ("--store-gib", args.store_gib), ("--restart", args.restarts or None)):
+                            ("--store-gib", args.store_gib), ("--restart", args.restarts or None),
+                            ("--crash", args.crashes or None), ("--cold-start", args.cold_start_s)):
             if value is not None:
                 parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
     console = Console(stderr=True)
@@ -273,6 +281,7 @@ def _replay(args, console: Console) -> int:
     from hybridkv.fleet.costmodel import CostModelError
     from hybridkv.replay.report import render_summary
     from hybridkv.replay.runner import ReplayOptions, run_replay
+    from hybridkv.replay.timed import DEFAULT_COLD_START_S
     from hybridkv.replay.trace import TraceError
 
     limit = args.limit if args.limit is not None else (None if args.simulate else 40)
@@ -293,7 +302,8 @@ def _replay(args, console: Console) -> int:
         timed=args.timed, time_scale=args.time_scale, router=args.router,
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock,
-        store_gib=args.store_gib, restarts=tuple(args.restarts))
+        store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),
+        cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s)
     if args.json_path:
         problem = _unwritable(args.json_path)
         if problem:

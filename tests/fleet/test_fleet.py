@@ -15,7 +15,7 @@ from hybridkv.engine.request import Request
 from hybridkv.fleet.costmodel import StepCostModel, h200_kimi_linear_48b
 from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher, InstanceView
 from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
-from hybridkv.fleet.routers import HybridRouter, RoundRobin
+from hybridkv.fleet.routers import HybridRouter, KVOverlapRouter, RoundRobin
 from hybridkv.fleet.simulator import Fleet, latency_summary
 from hybridkv.fleet.store import StoreCost, StoreView
 from hybridkv.model.config import HybridConfig
@@ -263,3 +263,63 @@ def test_a_restart_of_a_missing_instance_is_named(tmp_path, capsys):
     rc = main(["replay", "--simulate", "--timed", "--limit", "5", "--no-progress", "--instances", "2",
                "--restart", "5@1"])
     assert rc == 2 and "restart of instance 5" in capsys.readouterr().err
+
+
+def test_a_crash_requeues_what_it_held_and_its_lost_cache_attracts_nothing():
+    cfg, cost = config(), h200_kimi_linear_48b()
+    instances = [FleetInstance(k, builder(cfg), cost, cfg.max_num_seqs) for k in range(2)]
+    fleet = Fleet(instances, KVOverlapRouter(cfg.block_size), UNIT, cost)
+    rng = np.random.default_rng(3)
+    shared = np.arange(2000) % 997
+    ps = [np.concatenate([shared, rng.integers(0, 1000, 100)]) for _ in range(16)]
+    frs = fleet_requests(ps, 0.05, output_tokens=400)                 # arrivals 0 .. 0.75 s; decodes of seconds
+    fleet.schedule_crash(0, 0.3, cold_start_s=5.0)
+    fleet.run(frs)
+    (crash,) = fleet.crashes_done
+    assert crash["instance"] == 0 and crash["requested"] == 0.3 <= crash["at"] and crash["requeued"] > 0
+    assert crash["back_at"] == pytest.approx(crash["at"] + 5.0, abs=1e-6)
+    requeued = [fr for fr in frs if fr.requeues]
+    assert len(requeued) == crash["requeued"]
+    for fr in frs:                                                    # every request ends, none refused
+        assert fr.finished is not None and not fr.rejected and fr.first_token is not None
+        assert fr.arrival <= fr.ttft_end <= fr.finished
+    for fr in requeued + [fr for fr in frs if fr.arrival >= crash["at"]]:
+        assert fr.instance == 1                                       # nothing goes to an instance that is down
+    view = fleet.state.views[0]
+    assert view.epoch == 1 and view.stale_dropped == 0
+    old = instances[1].handle.engine.cache.hash_prompt(shared)
+    assert not view.kv.intersection(old)                              # the new epoch dropped the lost cache
+    # instance 1 is a little busier: only instance 0's lost cache could draw the next request there
+    late = fleet_requests([ps[0]], 0.0)
+    late[0].arrival = crash["back_at"] + 10.0
+    instances[1].load.outstanding_tokens = 10 * cfg.block_size        # 10 blocks, less than the 31 shared ones
+    fleet.run(late)
+    assert late[0].instance == 1 and late[0].request.reused > 0
+
+
+def test_a_crash_from_the_command_line(tmp_path):
+    rep = _timed(tmp_path, "--simulate", "--limit", "120", "--instances", "2", "--crash", "1@20",
+                 "--cold-start", "5", "--time-scale", "4", "--router", "kv-overlap")
+    (crash,) = rep["crashes"]
+    assert set(crash) == {"instance", "requested", "at", "back_at", "requeued"}
+    assert crash["instance"] == 1 and crash["back_at"] == pytest.approx(crash["at"] + 5.0, abs=1e-6)
+    assert rep["requeued"]["requests"] == rep["requeued"]["times"] == crash["requeued"]
+    assert rep["rejected"]["requests"] == 0 and rep["ttft_seconds"]["p50"] is not None
+    if crash["requeued"]:
+        assert rep["requeued"]["ttft_seconds"]["p50"] > 0
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--crash", "1@2"], "--crash"),
+    (["--timed", "--crash", "1@2", "--cold-start", "-1"], "-1.0 must be 0 or more"),
+])
+def test_bad_crashes_are_named(args, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", "--limit", "5", "--no-progress", *args])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_crash_of_a_missing_instance_is_named(capsys):
+    rc = main(["replay", "--simulate", "--timed", "--limit", "5", "--no-progress", "--instances", "2",
+               "--crash", "5@1"])
+    assert rc == 2 and "crash of instance 5" in capsys.readouterr().err

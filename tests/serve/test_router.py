@@ -434,3 +434,18 @@ def test_the_router_refuses_a_follow_wait_beyond_the_workers_longest_long_poll(c
     with pytest.raises(SystemExit) as exc:
         main(["router", "--worker", "http://127.0.0.1:1", "--follow-wait", "31"])
     assert exc.value.code == 2 and "--follow-wait 31.0" in capsys.readouterr().err
+
+
+def test_a_ticket_counts_waiting_and_decode_tokens_until_each_part_ends():
+    from hybridkv.serve.fleet_view import WorkerState
+    from hybridkv.serve.router import _Ticket
+    w = WorkerState("http://127.0.0.1:1")
+    a, b = _Ticket(w, 100, 17, 0.5), _Ticket(w, 50, 1, 0.25)
+    assert (w.load.waiting, w.load.decode_tokens, w.load.outstanding_tokens) == (2, 16, 150)
+    a.first_byte()
+    a.first_byte()                                   # once only
+    assert (w.load.waiting, w.load.decode_tokens, w.load.outstanding_tokens) == (1, 16, 50)
+    a.done()
+    b.done()                                         # done without a first byte returns both parts
+    b.done()
+    assert (w.load.waiting, w.load.decode_tokens, w.load.outstanding_tokens, w.load.in_flight) == (0, 0, 0, 0)

@@ -64,6 +64,9 @@ class FleetRequest:
         decode_left: tokens still to generate after the first (counted in the instance's
             :attr:`~hybridkv.fleet.routers.InstanceLoad.decode_tokens` until generated).
         hashes: chained unit hashes of the prompt (set when routed).
+        requeues: times a crash of its instance sent it back to the router (:meth:`requeue`).
+        earlier_first_token: the first token of an attempt lost in a crash (the user saw it, so
+            its TTFT counts from it); ``None``: no attempt that got one was lost.
     """
 
     index: int
@@ -78,6 +81,27 @@ class FleetRequest:
     predicted_s: float = 0.0
     decode_left: int = 0
     hashes: list[bytes] = field(default_factory=list, repr=False)
+    requeues: int = 0
+    earlier_first_token: float | None = None
+
+    def requeue(self) -> None:
+        """Start over after its instance crashed: a fresh engine request (same id, prompt, output
+        length, namespace and hashes), no admission, first token or finish of the lost attempt
+        (a first token already streamed is kept in :attr:`earlier_first_token`)."""
+        old = self.request
+        self.request = Request(old.request_id, old.prompt, old.max_output_tokens, old.hints, old.record_logits,
+                               namespace=old.namespace, sampler=old.sampler, hashes=old.hashes)
+        if self.earlier_first_token is None and self.first_token is not None:
+            self.earlier_first_token = self.first_token
+        self.instance = self.admitted = self.first_token = self.finished = None
+        self.decode_left = 0
+        self.requeues += 1
+
+    @property
+    def ttft_end(self) -> float | None:
+        """When the user saw the first token (:attr:`earlier_first_token` if a crash lost the
+        attempt that made it, else :attr:`first_token`)."""
+        return self.first_token if self.earlier_first_token is None else self.earlier_first_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +227,37 @@ class FleetInstance:
         self.publisher.restart()
         self.handle = self._build(self.publisher, self._price if self.cost is not None else None)
         self._wrap_backend()
+
+    def crash(self, now: float, cold_start_s: float) -> list[FleetRequest]:
+        """Lose the engine at ``now`` (seconds): its device (and host) cache and every request it
+        holds (queued, in the engine, decoding) are gone. A fresh engine in a new event epoch
+        (sequence numbers from 0, ``all_cleared`` buffered for :meth:`publisher`'s next drain)
+        is up ``cold_start_s`` later (the clock jumps there); the load is zeroed (``routed``
+        stays).
+
+        Returns:
+            The lost requests, :meth:`FleetRequest.requeue` d, oldest arrival first.
+
+        Raises:
+            ValueError: ``cold_start_s`` negative or not finite.
+        """
+        if not (cold_start_s >= 0 and math.isfinite(cold_start_s)):
+            raise ValueError(f"cold_start_s={cold_start_s!r} must be a finite number >= 0")
+        lost = sorted([*self.queue, *self.in_engine, *self.decoding], key=lambda fr: (fr.arrival, fr.index))
+        self.queue.clear()
+        self.in_engine, self.decoding, self._load_s = [], [], 0.0
+        self.retired.append(self.handle)
+        self.handle.close()
+        self.publisher.restart()
+        self.handle = self._build(self.publisher, self._price if self.cost is not None else None)
+        self._wrap_backend()
+        ld = self.load
+        ld.outstanding_tokens = ld.in_flight = ld.in_flight_tokens = ld.waiting = ld.decode_tokens = 0
+        ld.queued_seconds = 0.0
+        self.clock = max(self.clock, now) + cold_start_s
+        for fr in lost:
+            fr.requeue()
+        return lost
 
     # -- stepping --------------------------------------------------------
     def _decode_context(self) -> int:

@@ -80,11 +80,18 @@ class RouteRequest:
 
 @dataclass(slots=True)
 class FleetState:
-    """The router's inputs: per-instance views and loads, the store's view (or ``None``)."""
+    """The router's inputs: per-instance views and loads, the store's view (or ``None``), and
+    ``live``: indices of the instances that are up, ascending (default all; the fleet removes a
+    crashed instance until it is back, as service discovery would). Routers choose among ``live``."""
 
     views: list[InstanceView]
     loads: list[InstanceLoad]
     store: InstanceView | None = None
+    live: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.live is None:
+            self.live = list(range(len(self.loads)))
 
 
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:
@@ -112,7 +119,12 @@ class RoundRobin(Router):
         self._next = itertools.count()
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        return next(self._next) % len(fleet.loads)
+        n, live = len(fleet.loads), fleet.live
+        if len(live) == n:
+            return next(self._next) % n
+        while (j := next(self._next) % n) not in live:    # skip the instances that are down
+            pass
+        return j
 
 
 class LeastLoad(Router):
@@ -121,7 +133,7 @@ class LeastLoad(Router):
     name = "least-load"
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        return least_loaded(fleet.loads)
+        return least_loaded(fleet.loads, fleet.live)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,19 +162,19 @@ class PrefixRouter(Router):
         self.trees: list[InstanceView] = []
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        n, o = len(fleet.loads), self.options
+        n, o, live = len(fleet.loads), self.options, fleet.live
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
-        flight = [ld.in_flight for ld in fleet.loads]
+        flight = [fleet.loads[i].in_flight for i in live]
         if max(flight) - min(flight) > o.balance_abs_threshold and max(flight) > o.balance_rel_threshold * min(flight):
-            j = least_loaded(fleet.loads)
+            j = least_loaded(fleet.loads, live)
         else:
-            matched = [t.kv_run(req.hashes, len(req.hashes) * self.unit) for t in self.trees]
-            best = max(range(n), key=lambda i: (matched[i], -i))
+            matched = {i: self.trees[i].kv_run(req.hashes, len(req.hashes) * self.unit) for i in live}
+            best = max(live, key=lambda i: (matched[i], -i))
             if req.prompt_tokens and matched[best] / req.prompt_tokens >= o.cache_threshold:
                 j = best
             else:
-                j = min(range(n), key=lambda i: (len(self.trees[i].kv), i))
+                j = min(live, key=lambda i: (len(self.trees[i].kv), i))
         self.trees[j].kv.update(req.hashes)
         return j
 
@@ -191,7 +203,7 @@ class KVOverlapRouter(Router):
             active = (ld.in_flight_tokens + req.prompt_tokens + req.output_tokens) / b
             return self.overlap_weight * prefill + active, ld.key(), j
 
-        return min(range(len(fleet.loads)), key=cost)
+        return min(fleet.live, key=cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,13 +322,16 @@ class HybridRouter(Router):
         return self.predicted_prefill(req, hit) + transfer + cold, hit
 
     def candidates(self, fleet: FleetState) -> list[int]:
-        """Instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
-        return self._cool([self.queue_seconds(ld) for ld in fleet.loads])
+        """Live instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
+        live = fleet.live
+        return self._cool(live, [self.queue_seconds(fleet.loads[j]) for j in live])
 
-    def _cool(self, q: list[float]) -> list[int]:
+    def _cool(self, live: list[int], q: list[float]) -> list[int]:
+        """Of the instances ``live``, those whose waits ``q`` (seconds, one per live
+        instance) lie within the hot-spot guard; all of them when none does."""
         bound = self.options.hot_relative * sum(q) / len(q) + self.options.hot_absolute_s
-        cool = [j for j, s in enumerate(q) if s <= bound]
-        return cool or list(range(len(q)))
+        cool = [j for j, s in zip(live, q) if s <= bound]
+        return cool or list(live)
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         """The best :meth:`score` among :meth:`candidates`, ties (within ``tie_relative`` of
@@ -331,7 +346,8 @@ class HybridRouter(Router):
         weigh = self.options.weigh_waiting
         works: dict[tuple[int, int], float] = {}
         scored = {}
-        for j in self._cool(q):
+        live = fleet.live
+        for j in self._cool(live, [q[j] for j in live]):
             view = views[j]
             if type(view).match is InstanceView.match:
                 pair = view.hits(hashes, limit)

@@ -70,6 +70,9 @@ class Fleet:
         self._busy: list[tuple[float, int]] = []
         self._restarts: list[tuple[float, int]] = []      # (not before, instance), not yet done
         self.restarts_done: list[dict] = []
+        self._faults: list[tuple[float, int, int, float, float]] = []   # heap: (at, 0 back / 1 crash, instance,
+        #                                                                  cold-start s, time asked for)
+        self.crashes_done: list[dict] = []
 
     def deliver(self, now: float) -> None:
         """Apply every event due by ``now`` (seconds) to the router's views."""
@@ -79,22 +82,28 @@ class Fleet:
             if store is not None:
                 store.apply(ev)
 
-    def route(self, fr: FleetRequest) -> int:
-        """Route one request at its arrival and queue it on the chosen instance."""
-        self.deliver(fr.arrival)
+    def route(self, fr: FleetRequest, now: float | None = None) -> int:
+        """Route one request at ``now`` (default its arrival; later for one requeued after a
+        crash) and queue it on the chosen instance. With every instance down it goes to the
+        one back first."""
+        now = fr.arrival if now is None else now
+        self.deliver(now)
         r = fr.request
         if r.hashes is None:                     # hashed once: the router, the store and the engine share them
             r.hashes = self._hash(r.prompt, r.namespace)
         hashes = fr.hashes = r.hashes
         rr = RouteRequest(hashes=hashes, prompt_tokens=r.prompt_len, limit=reuse_cap(r.prompt_len, self.unit),
                           output_tokens=fr.output_tokens)
-        j = self.router.route(rr, self.state)
+        if self.state.live:
+            j = self.router.route(rr, self.state)
+        else:
+            j = min(range(len(self.instances)), key=lambda k: (self.instances[k].clock, k))
         if not 0 <= j < len(self.instances):
             raise RuntimeError(f"router {self.router.name} chose instance {j} of {len(self.instances)}")
         hit = self.state.views[j].match(hashes, rr.limit).hit
         inst = self.instances[j]
         idle = not inst.has_work
-        inst.enqueue(fr, fr.arrival, self.estimate.prefill_seconds(hit, r.prompt_len))
+        inst.enqueue(fr, now, self.estimate.prefill_seconds(hit, r.prompt_len))
         if idle:
             heapq.heappush(self._busy, (inst.clock, j))
         return j
@@ -123,10 +132,13 @@ class Fleet:
         i = 0
         while i < len(requests) or self._busy:
             nxt = requests[i].arrival if i < len(requests) else math.inf
-            if self._busy and self._busy[0][0] < nxt:
-                ended = self._step_next(nxt)
+            fault = self._faults[0][0] if self._faults else math.inf
+            if self._busy and self._busy[0][0] < min(nxt, fault):
+                ended = self._step_next(min(nxt, fault))
                 if ended and progress is not None:
                     progress(ended)
+            elif fault <= nxt and self._faults:
+                self._fault_due()
             else:
                 if self._restarts:
                     self._restart_due(nxt)
@@ -157,6 +169,55 @@ class Fleet:
             raise ValueError(f"restart of instance {j} at {at!r} s: the time must be finite and >= 0")
         self._restarts.append((at, j))
         self._restarts.sort()
+
+    def schedule_crash(self, j: int, at: float, cold_start_s: float) -> None:
+        """Crash instance ``j`` at ``at`` (seconds on the fleet's clock; a step under way then
+        completes first: instances are sampled at step granularity). It loses its cache and the
+        requests it holds; the router stops sending it traffic at once (as service discovery
+        would on a lost lease) and routes the lost requests again at the crash (their TTFT still
+        counts from their arrival). The instance is back ``cold_start_s`` later with an empty
+        cache in a new epoch whose sequence numbers start at 0 (``all_cleared`` reaches the
+        views then: what the router knew of its old cache stops attracting traffic). A crash
+        after the fleet has no work left does not happen; :attr:`crashes_done` lists those that
+        did (``{instance, requested, at, back_at, requeued}``).
+
+        Raises:
+            ValueError: ``j`` not an instance of the fleet; ``at`` or ``cold_start_s`` negative
+                or not finite.
+        """
+        if not 0 <= j < len(self.instances):
+            raise ValueError(f"crash of instance {j}: the fleet has instances 0..{len(self.instances) - 1}")
+        if not (at >= 0 and math.isfinite(at)):
+            raise ValueError(f"crash of instance {j} at {at!r} s: the time must be finite and >= 0")
+        if not (cold_start_s >= 0 and math.isfinite(cold_start_s)):
+            raise ValueError(f"cold start of {cold_start_s!r} s: must be finite and >= 0")
+        heapq.heappush(self._faults, (at, 1, j, cold_start_s, at))
+
+    def _fault_due(self) -> None:
+        """The earliest crash or return: every busy instance's clock has reached it."""
+        at, kind, j, cold_s, requested = heapq.heappop(self._faults)
+        inst = self.instances[j]
+        if kind == 0:                                         # back from a crash
+            self.state.live.append(j)
+            self.state.live.sort()
+            return
+        if inst.has_work and inst.clock > at:                 # its step under way ends first
+            heapq.heappush(self._faults, (inst.clock, 1, j, cold_s, requested))
+            return
+        if j not in self.state.live:                          # down already: nothing more to lose
+            return
+        if inst.has_work:
+            self._busy = [e for e in self._busy if e[1] != j]
+            heapq.heapify(self._busy)
+        now = max(at, inst.clock)
+        lost = inst.crash(now, cold_s)
+        self._events.push(inst.clock, inst.publisher.drain())    # the new epoch, heard when it is back
+        self.state.live.remove(j)
+        heapq.heappush(self._faults, (inst.clock, 0, j, 0.0, requested))
+        self.crashes_done.append({"instance": j, "requested": requested, "at": round(now, 6),
+                                  "back_at": round(inst.clock, 6), "requeued": len(lost)})
+        for fr in lost:
+            self.route(fr, now)
 
     def _restart_due(self, now: float) -> None:
         """Do the scheduled restarts due by ``now`` whose instance is idle."""
@@ -192,13 +253,16 @@ def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance])
     (each :func:`latency_summary` over served requests, from arrival), ``rejected`` (count),
     ``instances`` (per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``),
     ``store`` (``{hit_tokens, bytes_loaded, seconds, declined}`` of loads from a simulated store),
+    ``requeued`` (``{requests, times, ttft_seconds}``: requests a crash sent back to the router,
+    how often, and their TTFT from the original arrival),
     ``load_skew`` (max / mean busy seconds; ``None`` when nothing was busy) and
     ``makespan_seconds`` (last finish on the fleet's clock) and ``ttft_cdf_seconds``
     (``[percentile, seconds]`` at :data:`CDF_PERCENTILES`, for plots)."""
     served = [fr for fr in requests if not fr.rejected and fr.first_token is not None]
     busy = [i.stats.busy_seconds for i in instances]
     mean_busy = sum(busy) / len(busy)
-    ttft = [fr.first_token - fr.arrival for fr in served]
+    ttft = [fr.ttft_end - fr.arrival for fr in served]
+    requeued = [fr for fr in served if fr.requeues]
     cdf = np.percentile(ttft, CDF_PERCENTILES).tolist() if ttft else []
     return {
         "ttft_seconds": latency_summary(ttft),
@@ -206,6 +270,8 @@ def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance])
         "queue_seconds": latency_summary([fr.admitted - fr.arrival for fr in served]),
         "e2e_seconds": latency_summary([fr.finished - fr.arrival for fr in served]),
         "rejected": sum(fr.rejected for fr in requests),
+        "requeued": {"requests": sum(fr.requeues > 0 for fr in requests), "times": sum(fr.requeues for fr in requests),
+                     "ttft_seconds": latency_summary([fr.ttft_end - fr.arrival for fr in requeued])},
         "instances": [i.stats.as_dict() for i in instances],
         "store": {"hit_tokens": sum(i.stats.store_hit_tokens for i in instances),
                   "bytes_loaded": sum(i.stats.store_bytes_loaded for i in instances),

@@ -36,7 +36,8 @@ REPORT_KEYS = (
 """Required top-level keys of the report JSON, in order."""
 
 TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds", "instances", "load_skew",
-              "makespan_seconds", "router", "time_scale", "cost_model", "store", "restarts")
+              "makespan_seconds", "router", "time_scale", "cost_model", "store", "restarts",
+              "crashes", "requeued")
 """Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
@@ -145,6 +146,10 @@ class ReplayReport:
         and ``evicted_bytes``.
     restarts: timed only: ``{instance, requested, at}`` of each ``--restart`` done (seconds on the
         fleet's clock: asked for, and when the instance was idle and restarted).
+    crashes: timed only: ``{instance, requested, at, back_at, requeued}`` of each ``--crash`` done
+        (asked for, when it happened, when the instance was back, requests it lost).
+    requeued: timed only: ``{requests, times, ttft_seconds}``: requests a crash sent back to the
+        router, how many times in all, and their TTFT from the original arrival.
     """
 
     requests: int
@@ -185,6 +190,8 @@ class ReplayReport:
     cost_model: str | None = None
     store: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] | None = None
+    crashes: list[dict[str, Any]] | None = None
+    requeued: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""

@@ -57,7 +57,7 @@ from hybridkv.replay.report import (
     ratio,
     reuse_histogram,
 )
-from hybridkv.replay.timed import TimedSetup, run_timed
+from hybridkv.replay.timed import DEFAULT_COLD_START_S, TimedSetup, run_timed
 from hybridkv.replay.trace import (
     TraceUnits,
     load_trace,
@@ -77,7 +77,8 @@ class ReplayOptions:
     holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
     ``None``: :func:`default_host_interval`, 0: off); ``store_gib=None`` means
     :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
-    ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`)."""
+    ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`), and so
+    are ``crashes`` (each instance back after ``cold_start_s``)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -118,6 +119,8 @@ class ReplayOptions:
     step_clock: str = "wall"
     store_gib: float | None = None
     restarts: tuple[tuple[int, float], ...] = ()
+    crashes: tuple[tuple[int, float], ...] = ()
+    cold_start_s: float = DEFAULT_COLD_START_S
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -305,7 +308,7 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
                       record_steps=opts.step_log is not None, threads=opts.threads,
                       step_clock=opts.step_clock,
                       store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
-                      restarts=opts.restarts)
+                      restarts=opts.restarts, crashes=opts.crashes, cold_start_s=opts.cold_start_s)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

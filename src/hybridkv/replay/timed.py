@@ -44,6 +44,11 @@ from hybridkv.replay.trace import TraceRequest, TraceUnits
 DEFAULT_SIMULATED_COST_MODEL = "h200-kimi-linear-48b"
 """Cost model of ``--simulate --timed`` unless ``--cost-model`` names another."""
 
+DEFAULT_COLD_START_S = 30.0
+"""Seconds a crashed instance takes to serve again unless ``--cold-start`` says otherwise: an
+assumption, not a measurement (a fresh process loading the Kimi-Linear-48B weights, about 98 GB
+in bf16, from a local NVMe drive at a few GB/s, then warming up)."""
+
 CPU_ESTIMATE = StepCostModel(name="flat 4000 prefill tokens/s (uncalibrated CPU estimate)", overhead_s=0.0,
                              linear_s_per_token=1 / 4000, attention_s_per_pair=0.0,
                              source="SimulatedBackend's default rate for the small preset on 2 cores")
@@ -72,6 +77,9 @@ class TimedSetup:
         restarts: ``(instance, seconds)``: restart that instance (empty cache, new epoch) at the
             first moment it is idle at or after that time on the fleet's clock
             (:meth:`~hybridkv.fleet.simulator.Fleet.schedule_restart`).
+        crashes: ``(instance, seconds)``: crash that instance then (requests in flight lost and
+            routed again; :meth:`~hybridkv.fleet.simulator.Fleet.schedule_crash`).
+        cold_start_s: seconds a crashed instance takes to be back.
     """
 
     model: str
@@ -91,6 +99,8 @@ class TimedSetup:
     step_clock: str = "wall"
     store_gib: float = DEFAULT_STORE_GIB
     restarts: tuple[tuple[int, float], ...] = ()
+    crashes: tuple[tuple[int, float], ...] = ()
+    cold_start_s: float = DEFAULT_COLD_START_S
 
 
 @dataclass(slots=True)
@@ -146,7 +156,7 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
 
     Raises:
         ValueError: unknown router name, ``time_scale`` not positive, ``store_gib`` negative, a
-            restart of an instance the fleet does not have (named).
+            restart or crash of an instance the fleet does not have, a negative cold start (named).
         CostModelError: unknown cost model or a bad cost-model file.
     """
     if not setup.time_scale > 0:
@@ -185,6 +195,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
         torch.set_num_threads(setup.threads)
     for j, at in setup.restarts:
         fleet.schedule_restart(j, at)
+    for j, at in setup.crashes:
+        fleet.schedule_crash(j, at, setup.cold_start_s)
     try:
         fleet.run(frs, progress)
     finally:
@@ -208,7 +220,7 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     results.extend(collect_result(old, [], [], 0.0) for inst in instances for old in inst.retired)
     timing = timing_summary(frs, instances)
     timing.update(router=router.name, time_scale=setup.time_scale, cost_model=estimate.name,
-                  restarts=fleet.restarts_done)
+                  restarts=fleet.restarts_done, crashes=fleet.crashes_done)
     if not setup.simulate:
         timing["step_clock"] = setup.step_clock
     if sim_store is not None:

@@ -83,7 +83,10 @@ class RouterSettings:
 
 
 class _Ticket:
-    """One proxied request's share of a worker's load, returned exactly once per part."""
+    """One proxied request's share of a worker's load, returned exactly once per part: waiting
+    (``InstanceLoad.waiting``, ``outstanding_tokens``, ``queued_seconds``) until its first byte,
+    and its ``output - 1`` tokens after the first (``decode_tokens``) until it is done (the
+    router does not count streamed tokens, so a decode counts whole until it ends)."""
 
     def __init__(self, w: WorkerState, tokens: int, output: int, seconds: float) -> None:
         self.w, self.tokens, self.output, self.seconds = w, tokens, output, seconds
@@ -94,12 +97,15 @@ class _Ticket:
         ld.in_flight += 1
         ld.in_flight_tokens += tokens + output
         ld.routed += 1
+        ld.waiting += 1
+        ld.decode_tokens += max(output - 1, 0)
 
     def first_byte(self) -> None:
         if self.waiting:
             self.waiting = False
             self.w.load.outstanding_tokens -= self.tokens
             self.w.load.queued_seconds = max(0.0, self.w.load.queued_seconds - self.seconds)
+            self.w.load.waiting -= 1
 
     def done(self) -> None:
         if self.closed:
@@ -108,6 +114,7 @@ class _Ticket:
         self.first_byte()
         self.w.load.in_flight -= 1
         self.w.load.in_flight_tokens -= self.tokens + self.output
+        self.w.load.decode_tokens -= max(self.output - 1, 0)
 
 
 class RouterService:
