@@ -221,6 +221,39 @@ def test_a_store_with_a_capacity_evicts_the_least_recently_used():
         StoreView(UNIT, 128, capacity_bytes=10)
 
 
+def test_the_store_view_holds_and_charges_only_checkpoints_on_entry_boundaries():
+    unit_bytes, ckpt_bytes = UNIT * 100, 1000
+    hashes = [bytes([4, i]) * 16 for i in range(8)]                # 8 units of 64; entries of 256
+    v = StoreView(UNIT, 256, kv_bytes_per_token=100, checkpoint_bytes=ckpt_bytes)
+    pub = EventPublisher(0)
+    pub.stored(hashes, [hashes[1], hashes[3], hashes[6], hashes[7]], [], [128, 256, 448, 512])
+    for ev in pub.drain():
+        v.apply(ev)
+    assert v.bytes_held == 8 * unit_bytes + 2 * ckpt_bytes       # 128 and 448 are not entry boundaries
+    assert v.checkpoints == {hashes[3], hashes[7]}
+    assert v.match(hashes, 512).hit == 512
+    with pytest.raises(ValueError, match="2 checkpoint boundaries for 1 checkpoint keys"):
+        pub.stored(hashes, [hashes[3]], [], [256, 512])
+
+
+def test_engine_events_carry_each_checkpoint_boundary():
+    cfg = config(policy="branch+tail+interval=128")
+    inst = FleetInstance(0, builder(cfg), StepCostModel(name="flat", overhead_s=0.001,
+                         linear_s_per_token=1e-5, attention_s_per_pair=0.0), cfg.max_num_seqs)
+    fr = FleetRequest(0, Request("r0", np.arange(700) % 97, 4), arrival=0.0, output_tokens=4)
+    inst.enqueue(fr, 0.0, 0.0)
+    events = []
+    while inst.has_work:
+        inst.step()
+        events += [e for e in inst.publisher.drain() if e.kind is EventKind.CHECKPOINTS_STORED]
+    g, hashes = cfg.prefix_match_unit, fr.request.match.hashes
+    bounds = [b for e in events for b in e.boundaries]
+    assert all(len(e.boundaries) == len(e.keys) for e in events)
+    for e in events:                                               # each key is the chained hash ending at its boundary
+        assert list(e.keys) == [hashes[b // g - 1] for b in e.boundaries]
+    assert {128, 256, 384, 512, 640} <= set(bounds)                # interval=128 over a 700-token prompt
+
+
 def test_decoding_requests_hold_their_pages_until_their_last_token():
     cfg = config()
     cost = StepCostModel(name="flat", overhead_s=0.001, linear_s_per_token=1e-5, attention_s_per_pair=0.0)

@@ -53,9 +53,11 @@ class CacheListener(Protocol):
     logged. :mod:`hybridkv.fleet.events` turns these calls into router events.
     """
 
-    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes]) -> None:
+    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
+               checkpoint_boundaries: list[int] = ()) -> None:
         """Units whose KV is now cached, boundaries whose checkpoint was published, and
-        boundaries whose checkpoint was retired (``supersede``), in that order of effect."""
+        boundaries whose checkpoint was retired (``supersede``), in that order of effect;
+        ``checkpoint_boundaries`` gives each published checkpoint's boundary in tokens."""
 
     def evicted(self, entries: list[EvictedEntry]) -> None:
         """Entries about to be evicted (KV with its subtree, or a checkpoint alone)."""
@@ -239,9 +241,10 @@ class Engine:
     def _tell_stored(self, r: Request, start: int, end: int, published) -> None:
         """Tell the listener what one prefill chunk ``[start, end)`` of ``r`` published."""
         g, hashes = self.config.prefix_match_unit, r.match.hashes
+        created = [b for b, _ in published.created]
         self.listener.stored(hashes[start // g: min(len(hashes), end // g)],
-                             [hashes[b // g - 1] for b, _ in published.created],
-                             [hashes[b // g - 1] for b in published.retired])
+                             [hashes[b // g - 1] for b in created],
+                             [hashes[b // g - 1] for b in published.retired], created)
 
     def prefetch(self) -> None:
         """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests

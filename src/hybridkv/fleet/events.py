@@ -41,6 +41,10 @@ class CacheEvent:
         seq: 0-based sequence number within ``(instance, epoch)``.
         kind: what happened.
         keys: chained unit hashes concerned (empty for ``ALL_CLEARED``).
+        boundaries: for ``CHECKPOINTS_STORED``, the boundary of each key in tokens (the
+            checkpoint at key ``i`` is ``C(P_boundaries[i])``), so a consumer can tell which lie
+            on a store's entry boundaries; empty when the emitter does not say (then a
+            consumer must treat every checkpoint as possibly anywhere).
     """
 
     instance: int
@@ -48,6 +52,7 @@ class CacheEvent:
     seq: int
     kind: EventKind
     keys: tuple[bytes, ...] = field(repr=False)
+    boundaries: tuple[int, ...] = field(default=(), repr=False)
 
     def __repr__(self) -> str:
         return (f"CacheEvent(instance={self.instance}, epoch={self.epoch}, seq={self.seq}, "
@@ -69,15 +74,25 @@ class EventPublisher:
         self._seq = 0
         self._buffer: list[CacheEvent] = []
 
-    def _emit(self, kind: EventKind, keys) -> None:
+    def _emit(self, kind: EventKind, keys, boundaries=()) -> None:
         if keys or kind is EventKind.ALL_CLEARED:
-            self._buffer.append(CacheEvent(self.instance, self.epoch, self._seq, kind, tuple(keys)))
+            self._buffer.append(CacheEvent(self.instance, self.epoch, self._seq, kind, tuple(keys),
+                                           tuple(boundaries)))
             self._seq += 1
 
-    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes]) -> None:
-        """KV units cached, checkpoints published, tail checkpoints retired (one publish call)."""
+    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
+               checkpoint_boundaries: list[int] = ()) -> None:
+        """KV units cached, checkpoints published (at ``checkpoint_boundaries``, tokens, one per
+        key, when known), tail checkpoints retired (one publish call).
+
+        Raises:
+            ValueError: boundaries given that do not pair one-to-one with ``checkpoint_keys``.
+        """
+        if checkpoint_boundaries and len(checkpoint_boundaries) != len(checkpoint_keys):
+            raise ValueError(f"{len(checkpoint_boundaries)} checkpoint boundaries for "
+                             f"{len(checkpoint_keys)} checkpoint keys")
         self._emit(EventKind.BLOCKS_STORED, unit_keys)
-        self._emit(EventKind.CHECKPOINTS_STORED, checkpoint_keys)
+        self._emit(EventKind.CHECKPOINTS_STORED, checkpoint_keys, checkpoint_boundaries)
         self._emit(EventKind.CHECKPOINTS_REMOVED, retired_keys)
 
     def evicted(self, entries: list[EvictedEntry]) -> None:

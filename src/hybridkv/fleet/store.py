@@ -78,9 +78,10 @@ class StoreView(InstanceView):
     With ``capacity_bytes`` the store holds at most that many bytes: each unit's KV
     (``unit * kv_bytes_per_token``) and each checkpoint (``checkpoint_bytes``) is charged
     when stored, and the least recently used is evicted first (a unit takes its checkpoint
-    with it; a load touches what it read, :meth:`touch`). A checkpoint is charged wherever
-    an instance published one: the events do not say whether it sits on an entry boundary
-    (the store tier writes only those), so the limit is reached somewhat early. A unit
+    with it; a load touches what it read, :meth:`touch`). Only checkpoints on entry
+    boundaries (multiples of ``alignment``) are held and charged, as the store tier writes
+    only those; the events' ``boundaries`` say where each lies (an event without them, from
+    an emitter that does not say, is taken whole: held and charged wherever it lies). A unit
     whose ancestor was evicted stays until it ages out, unreachable (lookups stop at the
     first missing unit), as in a key-value store without a tree.
 
@@ -154,7 +155,11 @@ class StoreView(InstanceView):
                         added += size
                 self.bytes_held += added
         elif event.kind is EventKind.CHECKPOINTS_STORED:
-            new = [k for k in event.keys if k in self.kv]
+            if event.boundaries:                           # the store tier writes entry boundaries only
+                a, kv = self.alignment, self.kv
+                new = [k for k, b in zip(event.keys, event.boundaries) if b % a == 0 and k in kv]
+            else:
+                new = [k for k in event.keys if k in self.kv]
             self.checkpoints.update(new)
             if self._track:
                 for k in new:

@@ -119,10 +119,11 @@ class EventFeed:
                 self._append(STORE, ck_kind, ck)
 
     # -- the engine thread (CacheListener) ------------------------------------------
-    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes]) -> None:
+    def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
+               checkpoint_boundaries: list[int] = ()) -> None:
         """KV units cached, checkpoints published and retired (see ``EventPublisher.stored``)."""
         with self._lock:
-            self._publisher.stored(unit_keys, checkpoint_keys, retired_keys)
+            self._publisher.stored(unit_keys, checkpoint_keys, retired_keys, checkpoint_boundaries)
             self._take()
 
     def evicted(self, entries) -> None:
