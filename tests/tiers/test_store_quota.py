@@ -144,3 +144,25 @@ def test_an_owner_must_be_a_digest(tmp_path):
         store.put_owned([("k", b"x")], "a/b")
     assert store.put_owned([("k", b"x")], TENANT_A) == [True]
     assert store.owner_bytes(TENANT_A) > 0 and store.get(["k"]) == [b"x"]
+
+
+def test_a_misplaced_file_naming_another_tenants_entry_does_not_take_it_on_eviction(tmp_path):
+    """A file whose header names tenant B's entry key (owner A) but sits under another key's
+    name: the reopen scan must not group it into B's entry, or A's quota eviction of it would
+    delete B's objects. Before: B's manifest and component were evicted; after: they stay."""
+    from hybridkv.store.disk_files import encode_object, object_digest, object_path
+    owner_a, owner_b = "aa" * 32, "bb" * 32
+    store = DiskStore(tmp_path, capacity_bytes=100_000, quota=QUOTA)
+    b_keys = ["nsB/e1/g/r0/manifest", "nsB/e1/g/r0/c0"]
+    assert store.put_owned([(b_keys[0], b"m" * 100), (b_keys[1], b"c" * 1000)], owner=owner_b) == [True, True]
+    b_bytes = store.owner_bytes(owner_b)
+    misplaced = object_path(str(tmp_path), object_digest(b"some/other/key"))
+    with open(misplaced, "wb") as f:
+        f.write(encode_object("nsB/e1/g/r0/x", b"z" * 100, owner=owner_a))
+    reopened = DiskStore(tmp_path, capacity_bytes=100_000, quota=QUOTA)
+    assert reopened.owner_bytes(owner_b) == b_bytes
+    for i in range(60):  # tenant A floods well past its quota: its own (and unowned) files go
+        reopened.put_owned([(f"nsA/e{i}/g/r0/c0", b"a" * 1000)], owner=owner_a)
+    assert reopened.exists(b_keys) == [True, True]
+    assert reopened.owner_bytes(owner_b) == b_bytes
+    reopened.check_invariants()

@@ -147,12 +147,7 @@ class DiskStore(ObjectStore):
         self._tmp_suffix = tmp_suffix()
         create_layout(self.root)
         for _, digest, size in scan_layout(self.root):  # oldest first; deletes stale temp files
-            key, owner = None, None
-            if self.quota_bytes is not None:  # owners live in the headers: read them back
-                found = read_key_owner(self._path(digest))
-                if found is not None:
-                    key, owner = found
-            self._account(digest, size, key, owner)
+            self._account(digest, size, *self._header_owner(digest))
         with self._lock:
             self._make_room(0)
 
@@ -312,6 +307,18 @@ class DiskStore(ObjectStore):
             if not members:
                 del self._entries[prefix]
 
+    def _header_owner(self, digest: str) -> tuple[str | None, str | None]:
+        """``(key, owner)`` the file ``digest`` records, for quota accounting; ``(None, None)``
+        without a quota, for an unreadable header, or when the header's key is not the one the
+        file is named after (a misplaced or corrupt file must not join another key's entry,
+        whose eviction would then take a tenant's objects with it)."""
+        if self.quota_bytes is None:
+            return None, None
+        found = read_key_owner(self._path(digest))
+        if found is None or object_digest(found[0].encode("utf-8")) != digest:
+            return None, None
+        return found
+
     def _account(self, digest: str, size: int, key: str | None = None, owner: str | None = None) -> None:
         self._lru[digest] = size
         self._bytes += size
@@ -370,12 +377,7 @@ class DiskStore(ObjectStore):
                         return  # replaced or evicted meanwhile; the next look adopts it
                 except FileNotFoundError:
                     return
-                key = owner = None
-                if self.quota_bytes is not None:  # another process's object: its owner is in the header
-                    found = read_key_owner(path)
-                    if found is not None:
-                        key, owner = found
-                self._account(digest, st.st_size, key, owner)
+                self._account(digest, st.st_size, *self._header_owner(digest))
             elif not touch:
                 return
             else:
