@@ -344,3 +344,18 @@ def test_a_crash_asked_for_while_the_instance_is_down_does_not_crash_it_again_at
     assert crash["requested"] == 0.3
     assert sum(fr.requeues for fr in frs) == crash["requeued"] == sum(fr.requeues > 0 for fr in frs)
     assert all(fr.finished is not None and not fr.rejected for fr in frs)
+
+
+def test_requests_a_crash_requeued_are_counted_once(tmp_path):
+    """Both instances crash at 20 s; 4 requests they held are requeued and end elsewhere. Before:
+    the crashed engines' counters kept the lost attempts (requests 124 of a 120-request trace,
+    instances' requests summing to 124, prompt tokens counted twice); after: each request counts
+    once, where it ended, and the prompt tokens are the trace's (those of a run without crashes)."""
+    common = ("--simulate", "--limit", "120", "--instances", "2", "--cold-start", "5", "--time-scale", "4")
+    rep = _timed(tmp_path, *common, "--crash", "0@20", "--crash", "1@20")
+    plain = _timed(tmp_path, *common)
+    assert rep["requeued"]["requests"] > 0
+    assert rep["requests"] == plain["requests"] == 120
+    assert sum(i["requests"] for i in rep["instances"]) == rep["requests"] - rep["rejected"]["requests"]
+    assert rep["prompt_tokens"] == plain["prompt_tokens"]
+    assert rep["computed_prompt_tokens"] + rep["reused_tokens"] == rep["prompt_tokens"]
