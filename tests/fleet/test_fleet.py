@@ -312,6 +312,8 @@ def test_a_crash_from_the_command_line(tmp_path):
 @pytest.mark.parametrize("args, named", [
     (["--crash", "1@2"], "--crash"),
     (["--timed", "--crash", "1@2", "--cold-start", "-1"], "-1.0 must be 0 or more"),
+    (["--timed", "--crash", "1@"], "seconds '' in '1@' is not a number"),          # named the spec: before, "'' is not a number"
+    (["--timed", "--crash", "1@2@3"], "seconds '2@3' in '1@2@3' is not a number"),
 ])
 def test_bad_crashes_are_named(args, named, capsys):
     with pytest.raises(SystemExit) as exc:
