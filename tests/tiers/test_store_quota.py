@@ -166,3 +166,23 @@ def test_a_misplaced_file_naming_another_tenants_entry_does_not_take_it_on_evict
     assert reopened.exists(b_keys) == [True, True]
     assert reopened.owner_bytes(owner_b) == b_bytes
     reopened.check_invariants()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_an_entry_larger_than_the_quota_is_refused_not_published_without_its_components(tmp_path, eviction):
+    """Three 400-byte components and a manifest under a 1000-byte quota, each object smaller than
+    the quota. Before: the third component evicted the first two (its own entry) and the manifest
+    was then published naming components gone for good; after: the third component and the
+    manifest are refused, so no reader sees a manifest of the entry."""
+    owner = "aa" * 32
+    store = DiskStore(tmp_path, capacity_bytes=10_000, quota=0.1, eviction=eviction)
+    comps = [(f"ns/e1/g/r0/c{i}", b"x" * 400) for i in range(3)]
+    assert store.put_owned(comps, owner=owner) == [True, True, False]
+    assert store.put_owned([("ns/e1/g/r0/manifest", b"m" * 50)], owner=owner) == [False]
+    assert store.exists(["ns/e1/g/r0/manifest"]) == [False]
+    assert store.exists([k for k, _ in comps[:2]]) == [True, True]
+    store.check_invariants()
+    # the next entry of the owner evicts the refused entry's leftovers, whole
+    assert store.put_owned([("ns/e2/g/r0/c0", b"y" * 400), ("ns/e2/g/r0/manifest", b"m" * 50)], owner=owner) == [True, True]
+    assert store.exists([k for k, _ in comps[:2]]) == [False, False]
+    store.check_invariants()

@@ -339,25 +339,33 @@ class DiskStore(ObjectStore):
             self._unlink(self._path(d))
             self.evictions += 1
 
-    def _make_room(self, size: int, owner: str | None = None) -> None:
+    def _make_room(self, size: int, owner: str | None = None, entry: str | None = None) -> bool:
         """Evict until ``size`` more bytes fit: first ``owner``'s own victims while it is over its
-        quota, then the first victims of the eviction order for capacity. Caller holds the lock."""
+        quota, then the first victims of the eviction order for capacity. ``False`` (nothing more
+        evicted) when the next victim belongs to ``entry``, the owned entry being put: an entry
+        that does not fit whole is refused rather than published with its first objects evicted
+        (its manifest would then name components gone for good). Caller holds the lock."""
         if self.quota_bytes is not None and owner is not None:
             while self._order.owner_bytes.get(owner, 0) + size > self.quota_bytes:
                 victim = self._order.victim(owner)
                 if victim is None:
                     break
+                if entry is not None and self._entry_of.get(victim) == entry:
+                    return False
                 self._order.evicted(victim)
                 self._evict(victim)
                 self.quota_evictions += 1
         if self.capacity_bytes is None:
-            return
+            return True
         while self._lru and self._bytes + size > self.capacity_bytes:
             victim = self._order.victim()
             if victim is None:
                 break
+            if entry is not None and self._entry_of.get(victim) == entry:
+                return False
             self._order.evicted(victim)
             self._evict(victim)
+        return True
 
     def _unlink(self, path: str) -> None:
         try:
@@ -485,7 +493,8 @@ class DiskStore(ObjectStore):
             with self._lock:
                 if digest in self._lru and os.path.exists(path):
                     return True  # another thread published it meanwhile
-                self._make_room(size, owner)
+                if not self._make_room(size, owner, None if owner is None else key.rpartition("/")[0]):
+                    return False  # the rest of its own entry would have to go: refused
                 try:
                     os.link(tmp, path)
                 except FileExistsError:
