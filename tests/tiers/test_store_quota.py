@@ -186,3 +186,22 @@ def test_an_entry_larger_than_the_quota_is_refused_not_published_without_its_com
     assert store.put_owned([("ns/e2/g/r0/c0", b"y" * 400), ("ns/e2/g/r0/manifest", b"m" * 50)], owner=owner) == [True, True]
     assert store.exists([k for k, _ in comps[:2]]) == [False, False]
     store.check_invariants()
+
+
+def test_a_manifest_is_refused_once_its_entrys_components_were_evicted(tmp_path):
+    """Two entries' components in one put (as the store tier batches them), then their manifests,
+    under a quota that holds one entry. Before: the second entry's components evicted the first
+    entry, whose manifest was then published (True) naming components gone, and the second's
+    manifest was refused; after: the first manifest is refused, the second entry is complete."""
+    owner = "aa" * 32
+    store = DiskStore(tmp_path, capacity_bytes=10_000, quota=0.1)
+    comps = [(f"ns/e{e}/g/r0/c{i}", b"x" * 300) for e in (1, 2) for i in range(2)]
+    assert store.put_owned(comps, owner=owner) == [True] * 4
+    manifests = [(f"ns/e{e}/g/r0/manifest", b"m" * 20) for e in (1, 2)]
+    assert store.put_owned(manifests, owner=owner) == [False, True]
+    assert store.exists([k for k, _ in comps]) == [False, False, True, True]
+    store.check_invariants()
+    # the first entry put again (components, then manifest) is published
+    assert store.put_owned(comps[:2], owner=owner) == [True, True]
+    assert store.put_owned(manifests[:1], owner=owner) == [True]
+    assert store.exists([k for k, _ in comps[:2]] + [manifests[0][0]]) == [True, True, True]

@@ -76,6 +76,9 @@ from hybridkv.store.eviction import make_order
 
 log = logging.getLogger(__name__)
 
+#: Evicted owned entries remembered so that their manifests put later are refused.
+_EVICTED_KEEP = 65536
+
 
 def _os_errors_unavailable(method):
     """Any ``OSError`` a public method did not handle means the directory is unusable."""
@@ -130,6 +133,9 @@ class DiskStore(ObjectStore):
         # Entries of owned objects (under _lock): digest -> entry prefix, prefix -> {digest: is manifest}.
         self._entry_of: dict[str, str] = {}
         self._entries: dict[str, dict[str, bool]] = {}
+        # Owned entries evicted whole, newest last (under _lock; at most _EVICTED_KEEP): a manifest
+        # put for one of them is refused, its components being gone; a component put re-opens it.
+        self._evicted_entries: dict[str, None] = {}
         self._order = make_order(eviction)       # members: every accounted object (digest)
         self.root = os.path.abspath(os.fspath(path))
         self.capacity_bytes = capacity_bytes
@@ -326,6 +332,8 @@ class DiskStore(ObjectStore):
         self._order.add(digest)
         if owner is not None and key is not None:
             prefix, _, name = key.rpartition("/")
+            if name != "manifest":
+                self._evicted_entries.pop(prefix, None)
             self._entry_of[digest] = prefix
             self._entries.setdefault(prefix, {})[digest] = name == "manifest"
 
@@ -334,6 +342,11 @@ class DiskStore(ObjectStore):
         its manifest first. Caller holds the lock."""
         prefix = self._entry_of.get(digest)
         members = [digest] if prefix is None else sorted(self._entries[prefix], key=lambda d: not self._entries[prefix][d])
+        if prefix is not None:
+            self._evicted_entries.pop(prefix, None)
+            self._evicted_entries[prefix] = None
+            if len(self._evicted_entries) > _EVICTED_KEEP:
+                del self._evicted_entries[next(iter(self._evicted_entries))]
         for d in members:
             self._forget(d)
             self._unlink(self._path(d))
@@ -483,6 +496,9 @@ class DiskStore(ObjectStore):
             return False
         state = self._probe(key_bytes)
         if state != "absent":
+            if state == "ok" and owner is not None and not key.endswith("/manifest"):
+                with self._lock:  # present again (another writer): its entry is not gone
+                    self._evicted_entries.pop(key.rpartition("/")[0], None)
             return state == "ok"
         digest = object_digest(key_bytes)
         path = self._path(digest)
@@ -493,7 +509,10 @@ class DiskStore(ObjectStore):
             with self._lock:
                 if digest in self._lru and os.path.exists(path):
                     return True  # another thread published it meanwhile
-                if not self._make_room(size, owner, None if owner is None else key.rpartition("/")[0]):
+                entry = None if owner is None else key.rpartition("/")[0]
+                if entry is not None and key.endswith("/manifest") and entry in self._evicted_entries:
+                    return False  # its components were evicted since they were put: refused
+                if not self._make_room(size, owner, entry):
                     return False  # the rest of its own entry would have to go: refused
                 try:
                     os.link(tmp, path)
