@@ -205,3 +205,25 @@ def test_a_manifest_is_refused_once_its_entrys_components_were_evicted(tmp_path)
     assert store.put_owned(comps[:2], owner=owner) == [True, True]
     assert store.put_owned(manifests[:1], owner=owner) == [True]
     assert store.exists([k for k, _ in comps[:2]] + [manifests[0][0]]) == [True, True, True]
+
+
+def test_two_writers_of_one_tenant_do_not_cost_another_tenant_its_entries(tmp_path):
+    """Two store objects (per-process accounting, as two engine processes) each fill tenant A's
+    quota, so A holds twice its quota on disk and the directory is over capacity at the next open.
+    Before: that open trimmed for capacity in LRU order and evicted all of tenant B's (older)
+    entries, leaving A at twice its quota; after: A's own objects go first, B keeps every entry."""
+    owner_a, owner_b = "aa" * 32, "bb" * 32
+    cap = 200_000
+    b_store = DiskStore(tmp_path, capacity_bytes=cap, quota=QUOTA)
+    b_keys = [f"nsB/e{i}/g/r0/{c}" for i in range(50) for c in ("c0", "manifest")]
+    for i in range(50):
+        b_store.put_owned([(f"nsB/e{i}/g/r0/c0", b"b" * 900), (f"nsB/e{i}/g/r0/manifest", b"m" * 50)], owner=owner_b)
+    writers = [DiskStore(tmp_path, capacity_bytes=cap, quota=QUOTA) for _ in range(2)]
+    for w, tag in zip(writers, ("nsA", "nsA2")):
+        for i in range(150):
+            w.put_owned([(f"{tag}/e{i}/g/r0/c0", b"a" * 900), (f"{tag}/e{i}/g/r0/manifest", b"m" * 50)], owner=owner_a)
+        assert w.owner_bytes(owner_a) <= QUOTA * cap
+    reopened = DiskStore(tmp_path, capacity_bytes=cap, quota=QUOTA)
+    assert reopened.exists(b_keys) == [True] * len(b_keys)
+    assert reopened.owner_bytes(owner_a) <= QUOTA * cap
+    reopened.check_invariants()

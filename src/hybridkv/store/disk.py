@@ -155,6 +155,7 @@ class DiskStore(ObjectStore):
         for _, digest, size in scan_layout(self.root):  # oldest first; deletes stale temp files
             self._account(digest, size, *self._header_owner(digest))
         with self._lock:
+            self._trim_quotas()  # other processes' puts may have left an owner over its quota
             self._make_room(0)
 
     # ----------------------------------------------------------------- public
@@ -371,14 +372,35 @@ class DiskStore(ObjectStore):
         if self.capacity_bytes is None:
             return True
         while self._lru and self._bytes + size > self.capacity_bytes:
-            victim = self._order.victim()
+            over = self._over_quota_victim()  # an owner over its quota pays for room first
+            victim = self._order.victim() if over is None else over
             if victim is None:
                 break
             if entry is not None and self._entry_of.get(victim) == entry:
                 return False
             self._order.evicted(victim)
             self._evict(victim)
+            self.quota_evictions += over is not None
         return True
+
+    def _over_quota_victim(self):
+        """The next victim of an owner over its quota (in this process's view, which adopts other
+        processes' objects), or ``None``. Caller holds the lock."""
+        if self.quota_bytes is None:
+            return None
+        for owner, held in self._order.owner_bytes.items():
+            if held > self.quota_bytes:
+                victim = self._order.victim(owner)
+                if victim is not None:
+                    return victim
+        return None
+
+    def _trim_quotas(self) -> None:
+        """Evict every owner's own objects while it is over its quota. Caller holds the lock."""
+        while (victim := self._over_quota_victim()) is not None:
+            self._order.evicted(victim)
+            self._evict(victim)
+            self.quota_evictions += 1
 
     def _unlink(self, path: str) -> None:
         try:
