@@ -33,8 +33,14 @@ so a reader sees a missing manifest, never a manifest whose components are gone 
 good. A reader that already opened a file keeps reading it (POSIX unlink semantics), and
 the cache ABI's checksums turn any component removed between its manifest read and its
 own read into a miss, never wrong bytes.
+An owned entry that does not fit whole is refused (the put of the object that would evict
+its own entry's first objects returns ``False``), and so is a manifest whose entry was
+evicted after its components were put.
 Accounting is per process: objects another process publishes are adopted when
-this process first sees them; eviction of an already-removed file is harmless.
+this process first sees them; eviction of an already-removed file is harmless. Several
+processes writing for one owner can leave it over its quota on disk: owners over their quota
+are trimmed at open and pay first whenever room is made for capacity. The startup scan and
+adoption trust a header's key and owner only when the key hashes to the file's name.
 
 Needs a filesystem with hard links (ext4, xfs, btrfs, NFS).
 """
