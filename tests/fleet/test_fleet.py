@@ -345,6 +345,8 @@ def test_a_crash_from_the_command_line(tmp_path):
 @pytest.mark.parametrize("args, named", [
     (["--crash", "1@2"], "--crash"),
     (["--timed", "--crash", "1@2", "--cold-start", "-1"], "-1.0 must be 0 or more"),
+    (["--timed", "--crash", "1@"], "seconds '' in '1@' is not a number"),          # named the spec: before, "'' is not a number"
+    (["--timed", "--crash", "1@2@3"], "seconds '2@3' in '1@2@3' is not a number"),
 ])
 def test_bad_crashes_are_named(args, named, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -356,3 +358,39 @@ def test_a_crash_of_a_missing_instance_is_named(capsys):
     rc = main(["replay", "--simulate", "--timed", "--limit", "5", "--no-progress", "--instances", "2",
                "--crash", "5@1"])
     assert rc == 2 and "crash of instance 5" in capsys.readouterr().err
+
+
+def test_a_crash_asked_for_while_the_instance_is_down_does_not_crash_it_again_at_its_return():
+    """One instance, crashed at 0.3 s and again at 0.31 s (still down; the requests arriving
+    meanwhile queue on it, the only instance). Before: the second crash waited for the queued
+    work's clock (the return) and then lost all 16 requests again (23 requeues); after: it is
+    dropped (down already), and only the 7 requests the first crash held are requeued, once."""
+    cfg, cost = config(), h200_kimi_linear_48b()
+    instances = [FleetInstance(0, builder(cfg), cost, cfg.max_num_seqs)]
+    fleet = Fleet(instances, KVOverlapRouter(cfg.block_size), UNIT, cost)
+    rng = np.random.default_rng(3)
+    shared = np.arange(2000) % 997
+    frs = fleet_requests([np.concatenate([shared, rng.integers(0, 1000, 100)]) for _ in range(16)], 0.05,
+                         output_tokens=400)
+    fleet.schedule_crash(0, 0.3, cold_start_s=2.0)
+    fleet.schedule_crash(0, 0.31, cold_start_s=2.0)
+    fleet.run(frs)
+    (crash,) = fleet.crashes_done
+    assert crash["requested"] == 0.3
+    assert sum(fr.requeues for fr in frs) == crash["requeued"] == sum(fr.requeues > 0 for fr in frs)
+    assert all(fr.finished is not None and not fr.rejected for fr in frs)
+
+
+def test_requests_a_crash_requeued_are_counted_once(tmp_path):
+    """Both instances crash at 20 s; 4 requests they held are requeued and end elsewhere. Before:
+    the crashed engines' counters kept the lost attempts (requests 124 of a 120-request trace,
+    instances' requests summing to 124, prompt tokens counted twice); after: each request counts
+    once, where it ended, and the prompt tokens are the trace's (those of a run without crashes)."""
+    common = ("--simulate", "--limit", "120", "--instances", "2", "--cold-start", "5", "--time-scale", "4")
+    rep = _timed(tmp_path, *common, "--crash", "0@20", "--crash", "1@20")
+    plain = _timed(tmp_path, *common)
+    assert rep["requeued"]["requests"] > 0
+    assert rep["requests"] == plain["requests"] == 120
+    assert sum(i["requests"] for i in rep["instances"]) == rep["requests"] - rep["rejected"]["requests"]
+    assert rep["prompt_tokens"] == plain["prompt_tokens"]
+    assert rep["computed_prompt_tokens"] + rep["reused_tokens"] == rep["prompt_tokens"]

@@ -31,3 +31,13 @@ def test_open_store_url_converts_query_strings(mooncake_service):
         assert isinstance(s, MooncakeStore)
         assert (s.timeout_s, s.retry_interval_s, s.setup_retries) == (3.0, 0.5, 1)
         assert s.exists(["t/none"]) == [False]
+
+
+@pytest.mark.parametrize("query, named", [
+    ("capacity=", "parameter 'capacity' has no value"),          # before: silently unlimited
+    ("capacity=1000&quota=", "parameter 'quota' has no value"),  # before: silently no quota
+    ("capacity=1000&quota=0.5&quota=0.7", "parameter 'quota' given 2 times"),  # before: the last won
+])
+def test_a_blank_or_repeated_parameter_is_named(tmp_path, query, named):
+    with pytest.raises(ValueError, match=named):
+        open_store(f"disk://{tmp_path}?{query}")

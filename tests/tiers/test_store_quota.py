@@ -144,3 +144,86 @@ def test_an_owner_must_be_a_digest(tmp_path):
         store.put_owned([("k", b"x")], "a/b")
     assert store.put_owned([("k", b"x")], TENANT_A) == [True]
     assert store.owner_bytes(TENANT_A) > 0 and store.get(["k"]) == [b"x"]
+
+
+def test_a_misplaced_file_naming_another_tenants_entry_does_not_take_it_on_eviction(tmp_path):
+    """A file whose header names tenant B's entry key (owner A) but sits under another key's
+    name: the reopen scan must not group it into B's entry, or A's quota eviction of it would
+    delete B's objects. Before: B's manifest and component were evicted; after: they stay."""
+    from hybridkv.store.disk_files import encode_object, object_digest, object_path
+    owner_a, owner_b = "aa" * 32, "bb" * 32
+    store = DiskStore(tmp_path, capacity_bytes=100_000, quota=QUOTA)
+    b_keys = ["nsB/e1/g/r0/manifest", "nsB/e1/g/r0/c0"]
+    assert store.put_owned([(b_keys[0], b"m" * 100), (b_keys[1], b"c" * 1000)], owner=owner_b) == [True, True]
+    b_bytes = store.owner_bytes(owner_b)
+    misplaced = object_path(str(tmp_path), object_digest(b"some/other/key"))
+    with open(misplaced, "wb") as f:
+        f.write(encode_object("nsB/e1/g/r0/x", b"z" * 100, owner=owner_a))
+    reopened = DiskStore(tmp_path, capacity_bytes=100_000, quota=QUOTA)
+    assert reopened.owner_bytes(owner_b) == b_bytes
+    for i in range(60):  # tenant A floods well past its quota: its own (and unowned) files go
+        reopened.put_owned([(f"nsA/e{i}/g/r0/c0", b"a" * 1000)], owner=owner_a)
+    assert reopened.exists(b_keys) == [True, True]
+    assert reopened.owner_bytes(owner_b) == b_bytes
+    reopened.check_invariants()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_an_entry_larger_than_the_quota_is_refused_not_published_without_its_components(tmp_path, eviction):
+    """Three 400-byte components and a manifest under a 1000-byte quota, each object smaller than
+    the quota. Before: the third component evicted the first two (its own entry) and the manifest
+    was then published naming components gone for good; after: the third component and the
+    manifest are refused, so no reader sees a manifest of the entry."""
+    owner = "aa" * 32
+    store = DiskStore(tmp_path, capacity_bytes=10_000, quota=0.1, eviction=eviction)
+    comps = [(f"ns/e1/g/r0/c{i}", b"x" * 400) for i in range(3)]
+    assert store.put_owned(comps, owner=owner) == [True, True, False]
+    assert store.put_owned([("ns/e1/g/r0/manifest", b"m" * 50)], owner=owner) == [False]
+    assert store.exists(["ns/e1/g/r0/manifest"]) == [False]
+    assert store.exists([k for k, _ in comps[:2]]) == [True, True]
+    store.check_invariants()
+    # the next entry of the owner evicts the refused entry's leftovers, whole
+    assert store.put_owned([("ns/e2/g/r0/c0", b"y" * 400), ("ns/e2/g/r0/manifest", b"m" * 50)], owner=owner) == [True, True]
+    assert store.exists([k for k, _ in comps[:2]]) == [False, False]
+    store.check_invariants()
+
+
+def test_a_manifest_is_refused_once_its_entrys_components_were_evicted(tmp_path):
+    """Two entries' components in one put (as the store tier batches them), then their manifests,
+    under a quota that holds one entry. Before: the second entry's components evicted the first
+    entry, whose manifest was then published (True) naming components gone, and the second's
+    manifest was refused; after: the first manifest is refused, the second entry is complete."""
+    owner = "aa" * 32
+    store = DiskStore(tmp_path, capacity_bytes=10_000, quota=0.1)
+    comps = [(f"ns/e{e}/g/r0/c{i}", b"x" * 300) for e in (1, 2) for i in range(2)]
+    assert store.put_owned(comps, owner=owner) == [True] * 4
+    manifests = [(f"ns/e{e}/g/r0/manifest", b"m" * 20) for e in (1, 2)]
+    assert store.put_owned(manifests, owner=owner) == [False, True]
+    assert store.exists([k for k, _ in comps]) == [False, False, True, True]
+    store.check_invariants()
+    # the first entry put again (components, then manifest) is published
+    assert store.put_owned(comps[:2], owner=owner) == [True, True]
+    assert store.put_owned(manifests[:1], owner=owner) == [True]
+    assert store.exists([k for k, _ in comps[:2]] + [manifests[0][0]]) == [True, True, True]
+
+
+def test_two_writers_of_one_tenant_do_not_cost_another_tenant_its_entries(tmp_path):
+    """Two store objects (per-process accounting, as two engine processes) each fill tenant A's
+    quota, so A holds twice its quota on disk and the directory is over capacity at the next open.
+    Before: that open trimmed for capacity in LRU order and evicted all of tenant B's (older)
+    entries, leaving A at twice its quota; after: A's own objects go first, B keeps every entry."""
+    owner_a, owner_b = "aa" * 32, "bb" * 32
+    cap = 200_000
+    b_store = DiskStore(tmp_path, capacity_bytes=cap, quota=QUOTA)
+    b_keys = [f"nsB/e{i}/g/r0/{c}" for i in range(50) for c in ("c0", "manifest")]
+    for i in range(50):
+        b_store.put_owned([(f"nsB/e{i}/g/r0/c0", b"b" * 900), (f"nsB/e{i}/g/r0/manifest", b"m" * 50)], owner=owner_b)
+    writers = [DiskStore(tmp_path, capacity_bytes=cap, quota=QUOTA) for _ in range(2)]
+    for w, tag in zip(writers, ("nsA", "nsA2")):
+        for i in range(150):
+            w.put_owned([(f"{tag}/e{i}/g/r0/c0", b"a" * 900), (f"{tag}/e{i}/g/r0/manifest", b"m" * 50)], owner=owner_a)
+        assert w.owner_bytes(owner_a) <= QUOTA * cap
+    reopened = DiskStore(tmp_path, capacity_bytes=cap, quota=QUOTA)
+    assert reopened.exists(b_keys) == [True] * len(b_keys)
+    assert reopened.owner_bytes(owner_a) <= QUOTA * cap
+    reopened.check_invariants()

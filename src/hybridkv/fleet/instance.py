@@ -244,6 +244,8 @@ class FleetInstance:
         if not (cold_start_s >= 0 and math.isfinite(cold_start_s)):
             raise ValueError(f"cold_start_s={cold_start_s!r} must be a finite number >= 0")
         lost = sorted([*self.queue, *self.in_engine, *self.decoding], key=lambda fr: (fr.arrival, fr.index))
+        for fr in lost:
+            self._forget_admission(fr)
         self.queue.clear()
         self.in_engine, self.decoding, self._load_s = [], [], 0.0
         self.retired.append(self.handle)
@@ -258,6 +260,25 @@ class FleetInstance:
         for fr in lost:
             fr.requeue()
         return lost
+
+    def _forget_admission(self, fr: FleetRequest) -> None:
+        """Take a lost attempt's admission out of the counters (this instance's and its engine's:
+        requests, prompt / reused / computed / kv-hit tokens), so a requeued request counts once,
+        where it ends. The seconds it took stay in ``busy_seconds`` (the work was done)."""
+        r, match = fr.request, fr.request.match
+        if match is None or r.status is Status.REJECTED:
+            return                                          # never admitted: nothing was counted
+        if fr.admitted is not None:
+            self.stats.requests -= 1
+            self.stats.reused_tokens -= r.reused
+        s = self.handle.engine.stats
+        s.requests -= 1
+        s.prompt_tokens -= r.prompt_len
+        s.reused_tokens -= match.hit
+        s.computed_prompt_tokens -= r.prompt_len - match.hit
+        s.kv_hit_tokens -= match.kv_hit
+        s.requests_with_hit -= match.hit > 0
+        s.branch_recompute_tokens -= match.kv_hit - match.hit
 
     # -- stepping --------------------------------------------------------
     def _decode_context(self) -> int:

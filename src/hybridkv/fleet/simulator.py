@@ -201,10 +201,10 @@ class Fleet:
             self.state.live.append(j)
             self.state.live.sort()
             return
+        if j not in self.state.live:                          # down already: nothing more to lose (work
+            return                                            # queued on it meanwhile is not lost again)
         if inst.has_work and inst.clock > at:                 # its step under way ends first
             heapq.heappush(self._faults, (inst.clock, 1, j, cold_s, requested))
-            return
-        if j not in self.state.live:                          # down already: nothing more to lose
             return
         if inst.has_work:
             self._busy = [e for e in self._busy if e[1] != j]

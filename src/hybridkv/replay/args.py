@@ -89,7 +89,10 @@ def restart_spec(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"instance {index!r} in {text!r} is not an integer") from None
     if j < 0:
         raise argparse.ArgumentTypeError(f"instance {j} in {text!r} must be 0 or more")
-    t = _float(seconds)
+    try:
+        t = float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds {seconds!r} in {text!r} is not a number") from None
     if not (t >= 0 and math.isfinite(t)):
         raise argparse.ArgumentTypeError(f"seconds {seconds!r} in {text!r} must be a finite number >= 0")
     return j, t

@@ -33,8 +33,14 @@ so a reader sees a missing manifest, never a manifest whose components are gone 
 good. A reader that already opened a file keeps reading it (POSIX unlink semantics), and
 the cache ABI's checksums turn any component removed between its manifest read and its
 own read into a miss, never wrong bytes.
+An owned entry that does not fit whole is refused (the put of the object that would evict
+its own entry's first objects returns ``False``), and so is a manifest whose entry was
+evicted after its components were put.
 Accounting is per process: objects another process publishes are adopted when
-this process first sees them; eviction of an already-removed file is harmless.
+this process first sees them; eviction of an already-removed file is harmless. Several
+processes writing for one owner can leave it over its quota on disk: owners over their quota
+are trimmed at open and pay first whenever room is made for capacity. The startup scan and
+adoption trust a header's key and owner only when the key hashes to the file's name.
 
 Needs a filesystem with hard links (ext4, xfs, btrfs, NFS).
 """
@@ -75,6 +81,9 @@ from hybridkv.store.disk_files import (
 from hybridkv.store.eviction import make_order
 
 log = logging.getLogger(__name__)
+
+#: Evicted owned entries remembered so that their manifests put later are refused.
+_EVICTED_KEEP = 65536
 
 
 def _os_errors_unavailable(method):
@@ -130,6 +139,9 @@ class DiskStore(ObjectStore):
         # Entries of owned objects (under _lock): digest -> entry prefix, prefix -> {digest: is manifest}.
         self._entry_of: dict[str, str] = {}
         self._entries: dict[str, dict[str, bool]] = {}
+        # Owned entries evicted whole, newest last (under _lock; at most _EVICTED_KEEP): a manifest
+        # put for one of them is refused, its components being gone; a component put re-opens it.
+        self._evicted_entries: dict[str, None] = {}
         self._order = make_order(eviction)       # members: every accounted object (digest)
         self.root = os.path.abspath(os.fspath(path))
         self.capacity_bytes = capacity_bytes
@@ -147,13 +159,9 @@ class DiskStore(ObjectStore):
         self._tmp_suffix = tmp_suffix()
         create_layout(self.root)
         for _, digest, size in scan_layout(self.root):  # oldest first; deletes stale temp files
-            key, owner = None, None
-            if self.quota_bytes is not None:  # owners live in the headers: read them back
-                found = read_key_owner(self._path(digest))
-                if found is not None:
-                    key, owner = found
-            self._account(digest, size, key, owner)
+            self._account(digest, size, *self._header_owner(digest))
         with self._lock:
+            self._trim_quotas()  # other processes' puts may have left an owner over its quota
             self._make_room(0)
 
     # ----------------------------------------------------------------- public
@@ -312,6 +320,18 @@ class DiskStore(ObjectStore):
             if not members:
                 del self._entries[prefix]
 
+    def _header_owner(self, digest: str) -> tuple[str | None, str | None]:
+        """``(key, owner)`` the file ``digest`` records, for quota accounting; ``(None, None)``
+        without a quota, for an unreadable header, or when the header's key is not the one the
+        file is named after (a misplaced or corrupt file must not join another key's entry,
+        whose eviction would then take a tenant's objects with it)."""
+        if self.quota_bytes is None:
+            return None, None
+        found = read_key_owner(self._path(digest))
+        if found is None or object_digest(found[0].encode("utf-8")) != digest:
+            return None, None
+        return found
+
     def _account(self, digest: str, size: int, key: str | None = None, owner: str | None = None) -> None:
         self._lru[digest] = size
         self._bytes += size
@@ -319,6 +339,8 @@ class DiskStore(ObjectStore):
         self._order.add(digest)
         if owner is not None and key is not None:
             prefix, _, name = key.rpartition("/")
+            if name != "manifest":
+                self._evicted_entries.pop(prefix, None)
             self._entry_of[digest] = prefix
             self._entries.setdefault(prefix, {})[digest] = name == "manifest"
 
@@ -327,30 +349,64 @@ class DiskStore(ObjectStore):
         its manifest first. Caller holds the lock."""
         prefix = self._entry_of.get(digest)
         members = [digest] if prefix is None else sorted(self._entries[prefix], key=lambda d: not self._entries[prefix][d])
+        if prefix is not None:
+            self._evicted_entries.pop(prefix, None)
+            self._evicted_entries[prefix] = None
+            if len(self._evicted_entries) > _EVICTED_KEEP:
+                del self._evicted_entries[next(iter(self._evicted_entries))]
         for d in members:
             self._forget(d)
             self._unlink(self._path(d))
             self.evictions += 1
 
-    def _make_room(self, size: int, owner: str | None = None) -> None:
+    def _make_room(self, size: int, owner: str | None = None, entry: str | None = None) -> bool:
         """Evict until ``size`` more bytes fit: first ``owner``'s own victims while it is over its
-        quota, then the first victims of the eviction order for capacity. Caller holds the lock."""
+        quota, then the first victims of the eviction order for capacity. ``False`` (nothing more
+        evicted) when the next victim belongs to ``entry``, the owned entry being put: an entry
+        that does not fit whole is refused rather than published with its first objects evicted
+        (its manifest would then name components gone for good). Caller holds the lock."""
         if self.quota_bytes is not None and owner is not None:
             while self._order.owner_bytes.get(owner, 0) + size > self.quota_bytes:
                 victim = self._order.victim(owner)
                 if victim is None:
                     break
+                if entry is not None and self._entry_of.get(victim) == entry:
+                    return False
                 self._order.evicted(victim)
                 self._evict(victim)
                 self.quota_evictions += 1
         if self.capacity_bytes is None:
-            return
+            return True
         while self._lru and self._bytes + size > self.capacity_bytes:
-            victim = self._order.victim()
+            over = self._over_quota_victim()  # an owner over its quota pays for room first
+            victim = self._order.victim() if over is None else over
             if victim is None:
                 break
+            if entry is not None and self._entry_of.get(victim) == entry:
+                return False
             self._order.evicted(victim)
             self._evict(victim)
+            self.quota_evictions += over is not None
+        return True
+
+    def _over_quota_victim(self):
+        """The next victim of an owner over its quota (in this process's view, which adopts other
+        processes' objects), or ``None``. Caller holds the lock."""
+        if self.quota_bytes is None:
+            return None
+        for owner, held in self._order.owner_bytes.items():
+            if held > self.quota_bytes:
+                victim = self._order.victim(owner)
+                if victim is not None:
+                    return victim
+        return None
+
+    def _trim_quotas(self) -> None:
+        """Evict every owner's own objects while it is over its quota. Caller holds the lock."""
+        while (victim := self._over_quota_victim()) is not None:
+            self._order.evicted(victim)
+            self._evict(victim)
+            self.quota_evictions += 1
 
     def _unlink(self, path: str) -> None:
         try:
@@ -370,12 +426,7 @@ class DiskStore(ObjectStore):
                         return  # replaced or evicted meanwhile; the next look adopts it
                 except FileNotFoundError:
                     return
-                key = owner = None
-                if self.quota_bytes is not None:  # another process's object: its owner is in the header
-                    found = read_key_owner(path)
-                    if found is not None:
-                        key, owner = found
-                self._account(digest, st.st_size, key, owner)
+                self._account(digest, st.st_size, *self._header_owner(digest))
             elif not touch:
                 return
             else:
@@ -473,6 +524,9 @@ class DiskStore(ObjectStore):
             return False
         state = self._probe(key_bytes)
         if state != "absent":
+            if state == "ok" and owner is not None and not key.endswith("/manifest"):
+                with self._lock:  # present again (another writer): its entry is not gone
+                    self._evicted_entries.pop(key.rpartition("/")[0], None)
             return state == "ok"
         digest = object_digest(key_bytes)
         path = self._path(digest)
@@ -483,7 +537,11 @@ class DiskStore(ObjectStore):
             with self._lock:
                 if digest in self._lru and os.path.exists(path):
                     return True  # another thread published it meanwhile
-                self._make_room(size, owner)
+                entry = None if owner is None else key.rpartition("/")[0]
+                if entry is not None and key.endswith("/manifest") and entry in self._evicted_entries:
+                    return False  # its components were evicted since they were put: refused
+                if not self._make_room(size, owner, entry):
+                    return False  # the rest of its own entry would have to go: refused
                 try:
                     os.link(tmp, path)
                 except FileExistsError:

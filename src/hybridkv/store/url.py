@@ -22,13 +22,20 @@ def open_store(url: str, quota: float | None = None) -> ObjectStore | None:
     ``mooncake://HOST:PORT`` -> :class:`~hybridkv.store.mooncake.client.MooncakeStore`.
 
     Raises:
-        ValueError: unknown scheme or malformed URL (message names it).
+        ValueError: unknown scheme or malformed URL, a parameter blank or given twice
+            (message names it).
         StoreUnavailable: the service cannot be reached.
     """
     if url in ("none", ""):
         return None
     parsed = urlparse(url)
-    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    query = {}
+    for k, v in parse_qs(parsed.query, keep_blank_values=True).items():
+        if len(v) > 1:
+            raise ValueError(f"store URL {url!r}: parameter {k!r} given {len(v)} times")
+        if not v[0]:
+            raise ValueError(f"store URL {url!r}: parameter {k!r} has no value")
+        query[k] = v[0]
     def capacity() -> int | None:
         if "capacity" not in query:
             return None
