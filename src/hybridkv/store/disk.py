@@ -370,10 +370,8 @@ class DiskStore(ObjectStore):
                 victim = self._order.victim(owner)
                 if victim is None:
                     break
-                if entry is not None and self._entry_of.get(victim) == entry:
+                if not self._evict_victim(victim, entry):
                     return False
-                self._order.evicted(victim)
-                self._evict(victim)
                 self.quota_evictions += 1
         if self.capacity_bytes is None:
             return True
@@ -382,11 +380,18 @@ class DiskStore(ObjectStore):
             victim = self._order.victim() if over is None else over
             if victim is None:
                 break
-            if entry is not None and self._entry_of.get(victim) == entry:
+            if not self._evict_victim(victim, entry):
                 return False
-            self._order.evicted(victim)
-            self._evict(victim)
             self.quota_evictions += over is not None
+        return True
+
+    def _evict_victim(self, victim: str, entry: str | None) -> bool:
+        """Evict the order's ``victim`` (with its whole entry) unless it belongs to ``entry``,
+        the owned entry being put; ``False`` then, nothing evicted. Caller holds the lock."""
+        if entry is not None and self._entry_of.get(victim) == entry:
+            return False
+        self._order.evicted(victim)
+        self._evict(victim)
         return True
 
     def _over_quota_victim(self):
