@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("--crash", args.crashes or None), ("--cold-start", args.cold_start_s)):
             if value is not None:
                 parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
+    if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
+        parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     console = Console(stderr=True)
     if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
         _native_log_to_file(console)
@@ -323,6 +325,7 @@ def _replay(args, console: Console) -> int:
         console.print("interrupted: no report", markup=False, highlight=False)
         return 130
     render_summary(report, Console())
+    _faults_not_done(args, report, console)
     if args.json_path:
         try:
             report.write_json(args.json_path)
@@ -341,6 +344,19 @@ def _replay(args, console: Console) -> int:
                       markup=True, highlight=False)
         return 1
     return 0
+
+
+def _faults_not_done(args, report, console: Console) -> None:
+    """Warn (stderr) of each ``--crash`` / ``--restart`` asked for that did not happen: the fleet had
+    no work left by then (the report lists only those done)."""
+    for flag, asked, done in (("--crash", args.crashes, report.crashes), ("--restart", args.restarts, report.restarts)):
+        left = [tuple(a) for a in asked or ()]
+        for d in done or ():
+            if (d["instance"], d["requested"]) in left:
+                left.remove((d["instance"], d["requested"]))
+        for j, at in left:
+            console.print(f"[yellow]warning:[/yellow] {flag} {j}@{at:g} not done: the fleet's work ended at "
+                          f"{report.makespan_seconds:g} s", markup=True, highlight=False)
 
 
 def _store_unavailable(url: str) -> str | None:

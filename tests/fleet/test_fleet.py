@@ -278,6 +278,10 @@ def test_a_restart_from_the_command_line(tmp_path):
     assert [r["instance"] for r in rep["restarts"]] == [1]       # 0@1e9: after the last arrival, never done
     assert rep["restarts"][0]["requested"] == 20.0 <= rep["restarts"][0]["at"] < 168.0   # the 120th arrives at 168 s
     assert rep["store"]["capacity_bytes"] == 2**29 and rep["store"]["bytes_peak"] <= 2**29
+    tier = rep["tiers"]["store"]                 # the simulated store's loads, as a store tier reports them
+    assert tier["hit_tokens"] == rep["store"]["hit_tokens"] > 0
+    assert tier["loads_taken"] == rep["store"]["loads"] > 0 and tier["loads_declined"] == rep["store"]["declined"]
+    assert tier["bytes_peak"] == rep["store"]["bytes_peak"] > 0
 
 
 @pytest.mark.parametrize("args, named", [
@@ -347,11 +351,22 @@ def test_a_crash_from_the_command_line(tmp_path):
     (["--timed", "--crash", "1@2", "--cold-start", "-1"], "-1.0 must be 0 or more"),
     (["--timed", "--crash", "1@"], "seconds '' in '1@' is not a number"),          # named the spec: before, "'' is not a number"
     (["--timed", "--crash", "1@2@3"], "seconds '2@3' in '1@2@3' is not a number"),
+    (["--timed", "--cold-start", "5"], "--cold-start 5 needs --crash"),
+    (["--timed", "--crash=-1@2"], "instance -1 in '-1@2' must be 0 or more"),
 ])
 def test_bad_crashes_are_named(args, named, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["replay", "--simulate", "--limit", "5", "--no-progress", *args])
     assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_crashes_are_in_the_summary_and_one_after_the_run_is_warned_of(tmp_path, capsys):
+    rep = _timed(tmp_path, "--simulate", "--limit", "60", "--instances", "2", "--crash", "1@20",
+                 "--crash", "0@1e6", "--cold-start", "5")
+    out, err = capsys.readouterr()
+    assert [c["instance"] for c in rep["crashes"]] == [1]                 # the late one did not happen
+    assert "crash of instance 1" in out and "crash of instance 0" not in out
+    assert "--crash 0@1e+06 not done" in err and "--crash 1@" not in err
 
 
 def test_a_crash_of_a_missing_instance_is_named(capsys):
@@ -386,8 +401,8 @@ def test_requests_a_crash_requeued_are_counted_once(tmp_path):
     the crashed engines' counters kept the lost attempts (requests 124 of a 120-request trace,
     instances' requests summing to 124, prompt tokens counted twice); after: each request counts
     once, where it ended, and the prompt tokens are the trace's (those of a run without crashes)."""
-    common = ("--simulate", "--limit", "120", "--instances", "2", "--cold-start", "5", "--time-scale", "4")
-    rep = _timed(tmp_path, *common, "--crash", "0@20", "--crash", "1@20")
+    common = ("--simulate", "--limit", "120", "--instances", "2", "--time-scale", "4")
+    rep = _timed(tmp_path, *common, "--crash", "0@20", "--crash", "1@20", "--cold-start", "5")
     plain = _timed(tmp_path, *common)
     assert rep["requeued"]["requests"] > 0
     assert rep["requests"] == plain["requests"] == 120

@@ -126,6 +126,7 @@ class InstanceStats:
     store_bytes_loaded: int = 0
     store_seconds: float = 0.0
     store_declined: int = 0
+    store_loads: int = 0
 
     def as_dict(self) -> dict:
         """``{requests, busy_seconds, reused_tokens, queue_peak}``."""
@@ -326,6 +327,7 @@ class FleetInstance:
         st.store_hit_tokens += got - local.hit
         st.store_bytes_loaded += self.store.cost.load_bytes(start, got)
         st.store_seconds += seconds
+        st.store_loads += 1
         return seconds
 
     def _engine_step(self) -> float:

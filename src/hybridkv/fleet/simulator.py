@@ -252,7 +252,8 @@ def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance])
     """The timed report's figures: ``ttft_seconds``, ``queue_seconds``, ``e2e_seconds``
     (each :func:`latency_summary` over served requests, from arrival), ``rejected`` (count),
     ``instances`` (per instance ``{requests, busy_seconds, reused_tokens, queue_peak}``),
-    ``store`` (``{hit_tokens, bytes_loaded, seconds, declined}`` of loads from a simulated store),
+    ``store`` (``{hit_tokens, bytes_loaded, seconds, loads, declined}`` of loads from a simulated store:
+    tokens, bytes, seconds, loads taken, loads declined as slower than recomputing),
     ``requeued`` (``{requests, times, ttft_seconds}``: requests a crash sent back to the router,
     how often, and their TTFT from the original arrival),
     ``load_skew`` (max / mean busy seconds; ``None`` when nothing was busy) and
@@ -276,6 +277,7 @@ def timing_summary(requests: list[FleetRequest], instances: list[FleetInstance])
         "store": {"hit_tokens": sum(i.stats.store_hit_tokens for i in instances),
                   "bytes_loaded": sum(i.stats.store_bytes_loaded for i in instances),
                   "seconds": round(sum(i.stats.store_seconds for i in instances), 6),
+                  "loads": sum(i.stats.store_loads for i in instances),
                   "declined": sum(i.stats.store_declined for i in instances)},
         "load_skew": round(max(busy) / mean_busy, 6) if mean_busy > 0 else None,
         "makespan_seconds": round(max((fr.finished or 0.0) for fr in requests), 6) if requests else 0.0,

@@ -264,6 +264,15 @@ def _timed_rows(r: ReplayReport, table: Table) -> None:
                           " / ".join(f"{stats[k]:.3f}" for k in ("mean", "p50", "p90", "p99")) + " s")
     if r.load_skew is not None:
         table.add_row("load skew (max / mean busy)", f"{r.load_skew:.3f}")
+    for c in r.restarts or ():
+        table.add_row(f"restart of instance {c['instance']}", f"asked {c['requested']:g} s, done {c['at']:g} s")
+    for c in r.crashes or ():
+        table.add_row(f"crash of instance {c['instance']}",
+                      f"at {c['at']:.1f} s, back {c['back_at']:.1f} s, {c['requeued']:,} requeued")
+    if r.requeued and r.requeued["requests"]:
+        q = r.requeued["ttft_seconds"]
+        table.add_row("requeued: TTFT mean / p50 / p99",
+                      f"{r.requeued['requests']:,}: " + " / ".join(f"{q[k]:.3f}" for k in ("mean", "p50", "p99")) + " s")
 
 
 def render_summary(report: ReplayReport, console: Console | None = None) -> None:

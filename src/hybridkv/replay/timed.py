@@ -211,9 +211,12 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     finally:
         torch.set_num_threads(threads)
     for res, inst in zip(results, instances):
-        if sim_store is not None:                      # loads the fleet made, not a store tier
-            res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,
-                                  "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0}
+        if sim_store is not None:                      # loads the fleet made, not a store tier; the one
+            res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,     # shared store's peak
+                                  "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0,  # once
+                                  "loads_taken": inst.stats.store_loads,
+                                  "loads_declined": inst.stats.store_declined,
+                                  "bytes_peak": view.bytes_peak if inst.index == 0 else 0}
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
     # engines replaced by restarts: their counters (requests, tokens, reuse) count too; the
     # requests themselves were reported with the current engine above (each once)
