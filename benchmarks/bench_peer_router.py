@@ -156,6 +156,8 @@ def main() -> None:
     p.add_argument("--base-port", type=int, default=18300)
     p.add_argument("--sglang-python", default="/tmp/sgr/bin/python", help="a python that imports sglang_router")
     p.add_argument("--json", dest="json_path", help="write the results here")
+    p.add_argument("--logs", default=None, help="keep the workers' and routers' logs and stores in this "
+                                                "directory (default: a temporary one, removed)")
     args = p.parse_args()
     configs = list(args.configs)
     if any(CONFIGS[c][0] == "sglang" for c in configs) and not sglang_available(args.sglang_python):
@@ -163,8 +165,10 @@ def main() -> None:
         configs = [c for c in configs if CONFIGS[c][0] != "sglang"]
     results = []
     with tempfile.TemporaryDirectory(prefix="peer-router-") as tmp:
+        root = Path(args.logs) if args.logs else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         for name in configs:
-            r = run_config(name, args, Path(tmp))
+            r = run_config(name, args, root)
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.json_path:

@@ -49,6 +49,10 @@ from hybridkv.serve.tokenizer import Codec
 
 log = logging.getLogger("hybridkv.serve.router")
 
+PROXY_KEEPALIVE_S = 2.0
+"""Seconds an idle connection to a worker stays pooled: below uvicorn's default keep-alive
+timeout (5 s) that ``hybridkv serve`` runs with, so the router drops it before the worker does."""
+
 FORWARDED_HEADERS = ("content-type", "x-tenant", "authorization", "accept")
 """Request headers passed to the worker (the rest, Host and Content-Length included, are not)."""
 
@@ -132,7 +136,11 @@ class RouterService:
     def __init__(self, urls: list[str], codec: Codec, settings: RouterSettings) -> None:
         self.codec, self.settings = codec, settings
         self.control = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=settings.connect_timeout_s))
-        self.proxy = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout_s))
+        # idle pooled connections are dropped after 2 s, before a uvicorn worker's 5 s keep-alive
+        # closes them: httpx's default (5 s) races the worker's close, and a request sent on a
+        # connection the worker is closing fails after connecting (a 502, not a retried refusal)
+        self.proxy = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
+                                       limits=httpx.Limits(keepalive_expiry=PROXY_KEEPALIVE_S))
         self.workers = Workers(urls, self.control, settings.health_every)
         self._routers: dict[tuple[int, ...], Router] = {}
         self.retries = 0
