@@ -399,4 +399,11 @@ def test_remove_prefix_by_listing(tmp_path, kind):
         store.remove_prefix("")
     with pytest.raises(ValueError, match=r"'\['"):
         store.remove_prefix("hkv4/[a]/")
+    more = ["hkv4/m1/o1/e/manifest", "hkv4/m2/o1/e/manifest", "hkv4/m1/o2/e/manifest", "hkv4/m1/o1/e/kv"]
+    assert store.put([(k, b"x" * 8) for k in more]) == [True] * 4
+    assert store.remove_prefix("hkv4/*/o1/", "/manifest") == 2          # one owner under every model
+    assert store.exists(more) == [False, False, True, True]
+    assert store.remove_prefix("hkv4/*/o1/") == 1
+    with pytest.raises(ValueError, match=r"'\*'"):
+        store.remove_prefix("hkv4/m*/")
     store.close()

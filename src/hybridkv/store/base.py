@@ -115,8 +115,8 @@ class ObjectStore(ABC):
         """Every key starting with ``prefix`` (for purges; order unspecified).
 
         Raises:
-            NotImplementedError: the backend cannot enumerate its keys (a purge then
-                removes only the entries it can name).
+            NotImplementedError: the backend cannot enumerate its keys (a purge by age then
+                raises an expiry horizon instead: :func:`hybridkv.tiers.purge.purge_store_detail`).
         """
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
 

@@ -173,10 +173,10 @@ class Tier(ABC):
         give up first (the host tier's probation); a tier may ignore it."""
 
     @abstractmethod
-    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
         """Remove the entries a :class:`~hybridkv.cache.purge.PurgeSelector` selects (manifest
-        first); ``chains`` (``(chained hash, boundary)``) name entries to remove where the
-        tier cannot enumerate its own. Returns entries removed (``-1``: store unreachable)."""
+        first); ``chains`` (``(chained hash, boundary, owner)``, the device's) name entries to
+        remove where the tier cannot enumerate its own. Returns entries removed (``-1``: store unreachable)."""
 
     @abstractmethod
     def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:

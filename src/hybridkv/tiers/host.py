@@ -240,7 +240,7 @@ class HostTier(Tier):
             if (chain_hash, group) in self._entries:
                 self._drop((chain_hash, group))
 
-    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
         """Remove every held entry ``selector`` selects (by this tier's namespace, the entry's owner
         and the time this tier got it); ``chains`` are not needed (the tier enumerates itself).
         Loads already handed out stay valid (the tensors are the caller's now)."""
