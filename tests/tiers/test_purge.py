@@ -254,3 +254,25 @@ def test_cli_purge_refuses_an_infinite_age(tmp_path, capsys, seconds):
     with pytest.raises(SystemExit) as exc:
         main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", "--older-than", seconds])
     assert exc.value.code == 2 and "inf" in capsys.readouterr().err
+
+
+def test_a_horizon_reading_is_reused_for_horizon_refresh_s(tiny_model, store):
+    """``horizon_refresh_s``: a tier that read an owner's horizons reuses that reading meanwhile
+    (so a purge by age reaches it after at most that time); 0 reads them in every load."""
+    from hybridkv.tiers.purge import raise_horizon
+
+    v = tiny_model.config.vocab_size
+    p = tokens(20, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, p, None, "write")
+    f, _, f_st = three_tiers(tiny_model, store)
+    f_st.horizon_refresh_s = 3600.0
+    assert run(f, p, None, "read, horizons read now").reused == BLOCK
+    raise_horizon(store, None, None, time.time())      # as a purge by age of a store that cannot list
+    g, _, g_st = three_tiers(tiny_model, store)
+    g_st._horizons, g_st.horizon_refresh_s = f_st._horizons, 3600.0    # g shares f's reading: stale
+    assert run(g, p, None, "read, stale reading").reused == BLOCK
+    h, _, h_st = three_tiers(tiny_model, store)                        # reads them: expired
+    assert run(h, p, None, "read again").reused == 0 and h_st.stats.misses["expired"] >= 2
+    with pytest.raises(ValueError, match="horizon_refresh_s=-1"):
+        StoreTier(store, f.cache.namespace, 64, BLOCK, f_st.shapes, horizon_refresh_s=-1)

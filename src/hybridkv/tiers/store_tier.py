@@ -12,7 +12,9 @@ that apply to its entries (:func:`~hybridkv.tiers.layout.reader_horizon_keys`: a
 by age of a store that cannot list its keys raises them, :func:`hybridkv.tiers.purge.purge_store`);
 with ``max_age_s`` the tier also keeps a standing horizon of its own (now minus
 that age). An entry whose manifest was created before the horizon is an
-``expired`` miss and is removed, manifest first, like a broken one.
+``expired`` miss and is removed, manifest first, like a broken one. With
+``horizon_refresh_s`` > 0 a tier reads an owner's horizons at most that often and
+uses the last reading in between (a purge by age then reaches it within that time).
 """
 
 from __future__ import annotations
@@ -62,18 +64,26 @@ class StoreTier(Tier):
         retry_seconds: fail-fast window after the store was unreachable.
         max_age_s: entries created longer ago than this (seconds, by the manifest's ``created``)
             are ``expired`` misses and are removed when read; ``None``: no standing age limit.
+        horizon_refresh_s: seconds a reading of an owner's expiry horizons is reused (0: read in
+            every load batch, so a purge by age reaches every later load).
 
     Raises:
-        ValueError: ``max_age_s`` is not a positive finite number (or the :class:`Tier` errors).
+        ValueError: ``max_age_s`` is not a positive finite number, ``horizon_refresh_s`` is
+            negative (or the :class:`Tier` errors).
     """
 
     def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  retry_seconds: float = 2.0, name: str = "store", write_through: bool = True,
-                 write_back: bool | None = None, max_age_s: float | None = None) -> None:
+                 write_back: bool | None = None, max_age_s: float | None = None,
+                 horizon_refresh_s: float = 0.0) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back)
         if max_age_s is not None and not (0 < max_age_s < float("inf")):
             raise ValueError(f"max_age_s={max_age_s!r} must be a positive finite number of seconds")
+        if not (0 <= horizon_refresh_s < float("inf")):
+            raise ValueError(f"horizon_refresh_s={horizon_refresh_s!r} must be a finite number of seconds >= 0")
         self.max_age_s = max_age_s
+        self.horizon_refresh_s = horizon_refresh_s
+        self._horizons: dict[bytes, tuple[float, float | None]] = {}   # owner -> (monotonic read time, horizon)
         self.last_purge_hidden: float | None = None   # horizon the last purge raised (a store that cannot list)
         self.store = store
         self.retry_seconds = retry_seconds
@@ -182,7 +192,10 @@ class StoreTier(Tier):
                 sizes.append(size)
                 pos += -(-size // _ALIGN) * _ALIGN
         n_entry_keys = len(keys)
-        for key in reader_horizon_keys(self.namespace, self.namespace if owner is None else owner):
+        own = self.namespace if owner is None else owner
+        cached = self._horizons.get(own)
+        fresh = cached is not None and time.monotonic() - cached[0] < self.horizon_refresh_s
+        for key in () if fresh else reader_horizon_keys(self.namespace, own):
             keys.append(key)
             offsets.append(pos)
             sizes.append(HORIZON_MAX_BYTES)
@@ -198,7 +211,15 @@ class StoreTier(Tier):
             nread = self._call(self.store.get_into, keys, views)
             if nread is None:
                 return [None] * len(wanted)
-            horizon = self._horizon(arena, offsets[n_entry_keys:], nread[n_entry_keys:])
+            if fresh:
+                stored = cached[1]
+            else:
+                stored = self._stored_horizon(arena, offsets[n_entry_keys:], nread[n_entry_keys:])
+                if self.horizon_refresh_s > 0:
+                    if len(self._horizons) >= 4096:
+                        self._horizons.clear()
+                    self._horizons[own] = (time.monotonic(), stored)
+            horizon = self._horizon(stored)
             out, i = [], 0
             for b, grp in wanted:
                 n_slots = 1 + len(self.shapes[grp])
@@ -207,12 +228,17 @@ class StoreTier(Tier):
                 i += n_slots
         return out
 
-    def _horizon(self, arena, offsets, nread) -> float | None:
-        """The latest expiry horizon (Unix seconds) of those read and of ``max_age_s``; ``None``: none."""
+    @staticmethod
+    def _stored_horizon(arena, offsets, nread) -> float | None:
+        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none."""
         found = [decode_horizon(arena[o:o + n].tobytes()) for o, n in zip(offsets, nread) if n > 0]
-        if self.max_age_s is not None:
-            found.append(time.time() - self.max_age_s)
         found = [t for t in found if t is not None]
+        return max(found) if found else None
+
+    def _horizon(self, stored: float | None) -> float | None:
+        """The horizon a load applies: the later of ``stored`` and now minus ``max_age_s``."""
+        found = [t for t in (stored, None if self.max_age_s is None else time.time() - self.max_age_s)
+                 if t is not None]
         return max(found) if found else None
 
     def _verify(self, hashes, b, grp, arena, offsets, nread, owner=None, horizon=None) -> dict | None:
