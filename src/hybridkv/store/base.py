@@ -63,6 +63,10 @@ class ObjectStore(ABC):
     #: URL scheme this backend answers to (``disk``, ``mooncake``, ``memory``).
     scheme = ""
 
+    #: Whether :meth:`list_keys` works. A store tier reads expiry horizons only from a store
+    #: that cannot list (a purge by age writes them only there: docs/cache_abi.md).
+    lists_keys = False
+
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present."""

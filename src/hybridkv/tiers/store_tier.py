@@ -7,7 +7,8 @@ miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
 store exception escapes except bugs. While the store is unreachable, calls
 fail fast for ``retry_seconds`` before the store is tried again.
 
-Expiry. Every load reads, in the same batched ``get_into``, the expiry horizons
+Expiry. Every load from a store that cannot list its keys (``ObjectStore.lists_keys``
+false: Mooncake) reads, in the same batched ``get_into``, the expiry horizons
 that apply to its entries (:func:`~hybridkv.tiers.layout.reader_horizon_keys`: a purge
 by age of a store that cannot list its keys raises them, :func:`hybridkv.tiers.purge.purge_store`);
 with ``max_age_s`` the tier also keeps a standing horizon of its own (now minus
@@ -193,8 +194,11 @@ class StoreTier(Tier):
                 pos += -(-size // _ALIGN) * _ALIGN
         n_entry_keys = len(keys)
         own = self.namespace if owner is None else owner
-        cached = self._horizons.get(own)
-        fresh = cached is not None and time.monotonic() - cached[0] < self.horizon_refresh_s
+        if getattr(self.store, "lists_keys", False):   # horizons are written only where keys cannot be listed
+            fresh, cached = True, (0.0, None)
+        else:
+            cached = self._horizons.get(own)
+            fresh = cached is not None and time.monotonic() - cached[0] < self.horizon_refresh_s
         for key in () if fresh else reader_horizon_keys(self.namespace, own):
             keys.append(key)
             offsets.append(pos)
