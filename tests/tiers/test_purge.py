@@ -290,3 +290,18 @@ def test_a_horizon_reading_is_reused_for_horizon_refresh_s(tiny_model, store):
     assert run(h, p, None, "read again").reused == 0 and h_st.stats.misses["expired"] >= 2
     with pytest.raises(ValueError, match="horizon_refresh_s=-1"):
         StoreTier(store, f.cache.namespace, 64, BLOCK, f_st.shapes, horizon_refresh_s=-1)
+
+
+def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_model, store):
+    """A prefix a fresh engine installs from the store is owned by the request's namespace on the
+    device too, so a purge by that tenant removes it there and no later request hits it."""
+    v = tiny_model.config.vocab_size
+    pa = tokens(21, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "write")
+    f, f_host, f_st = three_tiers(tiny_model, store)
+    assert run(f, pa, TENANT_A, "install").reused == BLOCK          # installed from the store
+    counts = purge(f.cache, [f_host, f_st], PurgeSelector(owners={TENANT_A}))
+    assert counts.device_nodes == 1100 // 64                          # the installed units included
+    assert f.cache.lookup(pa, TENANT_A, touch=False).kv_hit == 0
+    assert run(f, pa, TENANT_A, "after").reused == 0

@@ -552,7 +552,7 @@ class TierConnector:
         try:
             for (b, _), entry in zip(wanted[:-1], got):
                 if entry is None or not self.cache.install_kv(
-                        hashes, b - a, b, lambda pages, lat=entry["latents"]: write(pages, lat)):
+                        hashes, b - a, b, lambda pages, lat=entry["latents"]: write(pages, lat), match.namespace):
                     return False
             kda = got[-1]
             return kda is not None and self.cache.install_checkpoint(
