@@ -352,7 +352,8 @@ class StoreTier(Tier):
         """Remove every entry of this store that ``selector`` selects, entries other engines wrote
         included (:func:`hybridkv.tiers.purge.purge_store`: by key prefix, or by listing manifests;
         a purge by age of a store that cannot list raises an expiry horizon instead, noted in
-        :attr:`last_purge_hidden`, and removes the entries ``chains`` name).
+        :attr:`last_purge_hidden`, and removes at once those of the entries ``chains`` name whose
+        manifests are older than the cutoff).
 
         Returns:
             Entries removed, or ``-1`` when the store is unreachable.
@@ -363,8 +364,27 @@ class StoreTier(Tier):
         self.last_purge_hidden = got.hidden_before
         n = got.removed
         if got.hidden_before is not None and chains:
-            named = self.purge_chains(chains)
-            n += max(named, 0)
+            n += self._expire_chains(chains, got.hidden_before)
         if n or got.hidden_before is not None:
             self._observe("purged", [])
         return n
+
+    def _expire_chains(self, chains: list[tuple[bytes, int, bytes | None]], created_before: float) -> int:
+        """Remove now the entries ``chains`` name whose manifests were created before ``created_before``
+        (the rest of an age purge by horizon happens as readers meet them). Returns entries removed."""
+        removed = 0
+        by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
+        for h, b, owner in chains:
+            if b % self.alignment == 0:
+                by_owner.setdefault(owner, []).extend((h, grp) for grp in self.shapes)
+        for owner, wanted in by_owner.items():
+            blobs = self._call(self.store.get, [entry_key(self.namespace, h, grp, "manifest", owner=owner)
+                                                for h, grp in wanted])
+            if blobs is None:
+                break
+            for (h, grp), blob in zip(wanted, blobs):
+                created = manifest_created(blob) if blob is not None else None
+                if created is not None and created < created_before:
+                    self.invalidate_chain(h, grp, owner)
+                    removed += 1
+        return removed
