@@ -39,7 +39,8 @@ def test_deeply_nested_manifest_is_an_incomplete_miss():
 
 def test_keys_carry_model_then_owner_and_owner_defaults_to_the_model():
     ns, owner, h = b"n" * 32, b"o" * 32, b"a" * 32
-    assert entry_key(ns, h, "full", "latents", owner=owner) == f"hkv4/{ns.hex()}/{owner.hex()}/{h.hex()}/full/r0/latents"
+    key = entry_key(ns, h, "full", "latents", owner=owner)
+    assert key == f"hkv4/{ns.hex()}/{owner.hex()}/{h.hex()}/full/r0/latents"
     assert entry_key(ns, h, "full", "latents") == f"hkv4/{ns.hex()}/{ns.hex()}/{h.hex()}/full/r0/latents"
     comps, (mkey, manifest) = encode_entry(ns, h, None, "full", 64, 64, {"latents": torch.zeros(1, 2, 3)},
                                            owner=owner)
