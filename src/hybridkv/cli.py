@@ -216,7 +216,7 @@ def _register_cache_cli(sub) -> None:
                      description="Remove cache entries (manifest first, then components) from a store. Criteria "
                                  "combine with AND. A running engine's device and host tiers are purged through "
                                  "hybridkv.tiers.purge.purge in that process, not by this command.")
-    p.add_argument("--store", required=True, help="store URL (disk:///PATH, memory://; a store that can list keys)")
+    p.add_argument("--store", required=True, help="store URL (disk:///PATH, mooncake://HOST:PORT, memory://)")
     p.add_argument("--model", help="model repo / preset name the entries were made with")
     p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model)")
     p.add_argument("--tenant", action="append", default=[],
@@ -233,7 +233,7 @@ def _cache_purge(args, console: Console) -> int:
     from hybridkv.cache.purge import PurgeSelector
     from hybridkv.store.base import StoreUnavailable
     from hybridkv.store.url import open_store
-    from hybridkv.tiers.purge import purge_store
+    from hybridkv.tiers.purge import purge_store_detail
 
     def fail(msg: str) -> int:
         console.print(f"[red]error:[/red] {msg}", markup=True, highlight=False)
@@ -266,15 +266,15 @@ def _cache_purge(args, console: Console) -> int:
     if store is None:
         return fail("--store none has nothing to purge")
     try:
-        removed = purge_store(store, selector)
-    except NotImplementedError as exc:
-        return fail(f"{exc}: here a Mooncake store can be purged by model version alone (--model with "
-                    "--weight-digest); by tenant, namespace or age, purge it from the engines that use it")
-    except StoreUnavailable as exc:
+        got = purge_store_detail(store, selector)
+    except (StoreUnavailable, RuntimeError) as exc:
         return fail(str(exc))
     finally:
         store.close()
-    print(f"removed {removed} entries")
+    print(f"removed {got.removed} entries")
+    if got.hidden_before is not None:       # a store that cannot list keys: an expiry horizon
+        print(f"entries created before {got.hidden_before:.3f} (Unix seconds) are expired for every reader "
+              "from now on and removed when read (this store cannot list its keys)")
     return 0
 
 

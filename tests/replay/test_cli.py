@@ -45,7 +45,7 @@ def test_two_instances_share_a_store(tmp_path):
                   "--store", f"disk://{store}")
     assert rep["verify"]["greedy_mismatches"] == 0 and rep["verify"]["max_abs_logit_diff"] <= 1e-4
     assert rep["tiers"]["store"]["hit_tokens"] > 0 and rep["tiers"]["store"]["bytes_saved"] > 0
-    assert set(rep["store_misses"]) == {"absent", "evicted", "checksum", "incomplete", "unreachable"}
+    assert set(rep["store_misses"]) == {"absent", "evicted", "checksum", "incomplete", "unreachable", "expired"}
     # a second fleet on the same disk store (restart) starts warm
     rep2 = _replay(tmp_path, "--limit", "8", "--model", "tiny", "--store", f"disk://{store}")
     assert rep2["tiers"]["store"]["hit_tokens"] > 0

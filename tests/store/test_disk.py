@@ -389,14 +389,21 @@ def test_remove_prefix_by_listing(tmp_path, kind):
     """The default ``remove_prefix`` lists and removes; bad characters and an empty prefix are refused."""
     from hybridkv.store.memory import MemoryStore
     store = DiskStore(tmp_path / "s") if kind == "disk" else MemoryStore()
-    keys = ["hkv3/aa/e1/manifest", "hkv3/aa/e1/kv", "hkv3/ab/e1/manifest"]
+    keys = ["hkv4/aa/e1/manifest", "hkv4/aa/e1/kv", "hkv4/ab/e1/manifest"]
     assert store.put([(k, b"x" * 8) for k in keys]) == [True] * 3
-    assert store.remove_prefix("hkv3/aa/", "/manifest") == 1
+    assert store.remove_prefix("hkv4/aa/", "/manifest") == 1
     assert store.exists(keys) == [False, True, True]
-    assert store.remove_prefix("hkv3/aa/") == 1
+    assert store.remove_prefix("hkv4/aa/") == 1
     assert store.exists(keys) == [False, False, True]
     with pytest.raises(ValueError, match="non-empty"):
         store.remove_prefix("")
     with pytest.raises(ValueError, match=r"'\['"):
-        store.remove_prefix("hkv3/[a]/")
+        store.remove_prefix("hkv4/[a]/")
+    more = ["hkv4/m1/o1/e/manifest", "hkv4/m2/o1/e/manifest", "hkv4/m1/o2/e/manifest", "hkv4/m1/o1/e/kv"]
+    assert store.put([(k, b"x" * 8) for k in more]) == [True] * 4
+    assert store.remove_prefix("hkv4/*/o1/", "/manifest") == 2          # one owner under every model
+    assert store.exists(more) == [False, False, True, True]
+    assert store.remove_prefix("hkv4/*/o1/") == 1
+    with pytest.raises(ValueError, match=r"'\*'"):
+        store.remove_prefix("hkv4/m*/")
     store.close()

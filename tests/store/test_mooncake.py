@@ -318,3 +318,18 @@ def test_remove_prefix_removes_a_namespace_without_listing(store, ns):
     assert store.exists(keys) == [False, False, False, False, True]
     with pytest.raises(ValueError, match=r"'\*'"):
         store.remove_prefix(ns + "*")
+
+
+def test_remove_prefix_with_a_wildcard_segment(store, ns):
+    """``a/*/b/``: one owner's entries under every model, in one remove_by_regex; a wildcard
+    never spans a '/', and '*' is refused anywhere but as a whole segment."""
+    keys = [ns + "m1/o1/e/manifest", ns + "m2/o1/e/manifest", ns + "m1/o2/e/manifest", ns + "m1/x/o1/e/manifest",
+            ns + "m1/o1/e/latents"]
+    assert store.put([(k, payload(64, i)) for i, k in enumerate(keys)]) == [True] * 5
+    assert store.remove_prefix(ns + "*/o1/", "/manifest") == 2
+    assert store.exists(keys) == [False, False, True, True, True]
+    assert store.remove_prefix(ns + "*/o1/") == 1
+    assert store.exists(keys) == [False, False, True, True, False]
+    for bad in (ns + "m*/o1/", "*/" + ns):
+        with pytest.raises(ValueError):
+            store.remove_prefix(bad)

@@ -1,12 +1,22 @@
-"""Cache ABI v3 manifests: a manifest names only its own entry's objects, and one that does not
+"""Cache ABI v4 keys and manifests: a manifest names only its own entry's objects, and one that does not
 decode is an ``incomplete`` miss."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from hybridkv.tiers.layout import EntryError, decode_manifest, encode_entry, entry_key
+from hybridkv.tiers.layout import (
+    EntryError,
+    decode_horizon,
+    decode_manifest,
+    encode_entry,
+    encode_horizon,
+    entry_key,
+    reader_horizon_keys,
+)
 
 
 def test_manifest_cannot_point_at_another_entrys_objects():
@@ -25,3 +35,34 @@ def test_deeply_nested_manifest_is_an_incomplete_miss():
     with pytest.raises(EntryError) as exc:
         decode_manifest(deep, "full", 64, {"latents": ("float32", (1, 2, 3))}, {"latents": "k"})
     assert exc.value.reason == "incomplete"
+
+
+def test_keys_carry_model_then_owner_and_owner_defaults_to_the_model():
+    ns, owner, h = b"n" * 32, b"o" * 32, b"a" * 32
+    key = entry_key(ns, h, "full", "latents", owner=owner)
+    assert key == f"hkv4/{ns.hex()}/{owner.hex()}/{h.hex()}/full/r0/latents"
+    assert entry_key(ns, h, "full", "latents") == f"hkv4/{ns.hex()}/{ns.hex()}/{h.hex()}/full/r0/latents"
+    comps, (mkey, manifest) = encode_entry(ns, h, None, "full", 64, 64, {"latents": torch.zeros(1, 2, 3)},
+                                           owner=owner)
+    assert mkey.startswith(f"hkv4/{ns.hex()}/{owner.hex()}/") and all(owner.hex() in k for k, _ in comps)
+    assert json.loads(manifest)["owner"] == owner.hex()
+
+
+def test_a_manifest_of_another_abi_is_an_incomplete_miss_not_bytes():
+    """A v3 manifest that reached a v4 reader (v3 keys lack the owner segment, so normally it cannot)."""
+    ns, h = b"n" * 32, b"a" * 32
+    _, (_, manifest) = encode_entry(ns, h, None, "full", 64, 64, {"latents": torch.zeros(1, 2, 3)})
+    m = json.loads(manifest)
+    m["abi"], m["layout"] = 3, "hkv3-full-latents-f32+kda-rec-f32-conv-qkv"
+    with pytest.raises(EntryError, match="not ours") as exc:
+        decode_manifest(json.dumps(m).encode(), "full", 64, {"latents": ("float32", (1, 2, 3))},
+                        {"latents": entry_key(ns, h, "full", "latents")})
+    assert exc.value.reason == "incomplete"
+
+
+def test_horizon_objects_round_up_to_the_millisecond_and_reject_junk():
+    assert encode_horizon(1000.0001) == b"1000.001" and decode_horizon(b"1000.001") == 1000.001
+    for junk in (b"nan", b"inf", b"x", b"\xff"):
+        assert decode_horizon(junk) is None
+    keys = reader_horizon_keys(b"m" * 32, b"o" * 32)
+    assert len(keys) == 8 and len(set(keys)) == 8 and all(k.startswith("hkv4-horizon/") for k in keys)

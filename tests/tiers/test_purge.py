@@ -18,11 +18,14 @@ from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.tiers.connector import host_tier_for, tier_for
-from hybridkv.tiers.purge import purge, purge_store
+from hybridkv.tiers.purge import purge, purge_store, purge_store_detail
+from hybridkv.tiers.store_tier import StoreTier
 
 BLOCK = 1024
 TENANT_A = CacheIdentity(model_repo="tiny", tenant="a").digest()
 TENANT_B = CacheIdentity(model_repo="tiny", tenant="b").digest()
+SALT_1 = CacheIdentity(model_repo="tiny", tenant="a", cache_salt="s1").digest()
+SALT_2 = CacheIdentity(model_repo="tiny", tenant="a", cache_salt="s2").digest()
 
 
 def three_tiers(model, store, weight_digest=None, budget=8192):
@@ -47,7 +50,7 @@ def run(engine, prompt, namespace, name):
 def held_in(tier, engine, prompt, namespace) -> list[bool]:
     """Whether ``tier`` holds the full and kda entries at 1024 tokens of ``prompt``."""
     h = engine.cache.hash_prompt(prompt, namespace)[BLOCK // 64 - 1]
-    return tier.exists([(h, FULL), (h, KDA)])
+    return tier.exists([(h, FULL), (h, KDA)], namespace)
 
 
 def test_purge_by_tenant_removes_every_tier_and_no_later_request_hits(tiny_model, store):
@@ -105,6 +108,86 @@ def test_purge_by_age_removes_only_older_entries(tiny_model, store):
     assert run(e, pb, None, "new again").reused == BLOCK
 
 
+def test_store_purge_by_namespace_alone_reaches_entries_no_engine_names(tiny_model, store):
+    """The store alone (as ``hybridkv cache purge`` sees it), by request namespace (a tenant's, a
+    salt's): the owner is a key segment (cache ABI v4), so this is a key-prefix removal on every
+    backend, Mooncake included. Other namespaces' entries survive; no later request hits."""
+    v = tiny_model.config.vocab_size
+    p1, p2, pa = tokens(11, 1100, v), tokens(12, 1100, v), tokens(13, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, p1, SALT_1, "s1"), run(e, p2, SALT_2, "s2"), run(e, pa, TENANT_A, "a")
+    assert purge_store(store, PurgeSelector(owners={SALT_1})) == 2
+    assert held_in(st, e, p1, SALT_1) == [False, False]
+    assert held_in(st, e, p2, SALT_2) == [True, True] and held_in(st, e, pa, TENANT_A) == [True, True]
+    f, _, f_st = three_tiers(tiny_model, store)                  # a fresh engine: only the store remembers
+    assert run(f, p1, SALT_1, "s1 again").reused == 0
+    assert run(f, p2, SALT_2, "s2 again").reused == BLOCK
+    model_ns = CacheIdentity(model_repo="tiny", weight_digest=tiny_model.weight_digest()).digest()
+    assert purge_store(store, PurgeSelector(models={model_ns}, owners={TENANT_A})) == 2   # both criteria: one prefix
+    assert held_in(st, e, pa, TENANT_A) == [False, False] and held_in(st, e, p2, SALT_2) == [True, True]
+    assert purge_store(store, PurgeSelector(owners={TENANT_A})) == 0                      # idempotent
+
+
+def _stamped_apart(engine, first, second, namespace=None) -> float:
+    """Run ``first`` then ``second`` (tuples of prompt, namespace, name) with a cutoff between their stamps."""
+    run(engine, *first)
+    time.sleep(0.01)                  # manifests stamp ms
+    cutoff = time.time()
+    time.sleep(0.01)
+    run(engine, *second)
+    return cutoff
+
+
+def test_store_purge_by_age_alone_no_later_request_hits(tiny_model, store):
+    """The store alone, by age. A backend that lists keys removes the older entries now; one that
+    cannot (Mooncake) raises an expiry horizon: every later reader counts the older entries as
+    ``expired`` misses and removes them. Either way no later request hits them, and newer ones stay."""
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(14, 1100, v), tokens(15, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    cutoff = _stamped_apart(e, (pa, TENANT_A, "old"), (pb, TENANT_B, "new"))
+    got = purge_store_detail(store, PurgeSelector(created_before=cutoff))
+    listed = got.hidden_before is None
+    assert got.removed == (2 if listed else 0)
+    if not listed:
+        assert got.hidden_before >= cutoff and got.hidden_before - cutoff < 1e-3     # ms resolution
+        assert held_in(st, e, pa, TENANT_A) == [True, True]         # bytes still there, hidden from readers
+    f, _, f_st = three_tiers(tiny_model, store)
+    assert run(f, pa, TENANT_A, "old again").reused == 0
+    expired = f_st.stats.misses["expired"]         # the full and the kda entry at 1024 (a prefetch may read too)
+    assert expired == 0 if listed else expired >= 2
+    assert run(f, pb, TENANT_B, "new again").reused == BLOCK
+    g, _, _ = three_tiers(tiny_model, store)
+    assert run(g, pa, TENANT_A, "old, recomputed").reused == BLOCK     # the recompute committed it again
+
+
+def test_store_purge_by_tenant_and_age_leaves_other_tenants(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    pa, pb, pa2 = tokens(16, 1100, v), tokens(17, 1100, v), tokens(18, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pb, TENANT_B, "b")
+    cutoff = _stamped_apart(e, (pa, TENANT_A, "a old"), (pa2, TENANT_A, "a new"))
+    purge_store_detail(store, PurgeSelector(owners={TENANT_A}, created_before=cutoff))
+    f, _, _ = three_tiers(tiny_model, store)
+    assert run(f, pa, TENANT_A, "a old again").reused == 0
+    assert run(f, pa2, TENANT_A, "a new again").reused == BLOCK
+    assert run(f, pb, TENANT_B, "b again").reused == BLOCK          # older, but another tenant's
+
+
+def test_a_standing_max_age_expires_entries_on_read(tiny_model, store):
+    """``StoreTier(max_age_s=...)``: an entry older than that is an ``expired`` miss and is removed."""
+    v = tiny_model.config.vocab_size
+    p = tokens(19, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, p, None, "write")
+    f, _, f_st = three_tiers(tiny_model, store)
+    f_st.max_age_s = 1e-3
+    time.sleep(0.01)
+    assert run(f, p, None, "read").reused == 0 and f_st.stats.misses["expired"] >= 2   # a prefetch may read too
+    with pytest.raises(ValueError, match="max_age_s=0"):
+        StoreTier(store, f.cache.namespace, 64, BLOCK, f_st.shapes, max_age_s=0)
+
+
 def test_purge_while_a_running_request_holds_the_entry_keeps_its_output_exact(tiny_model, store):
     v = tiny_model.config.vocab_size
     prefix = tokens(6, 1100, v)
@@ -153,6 +236,16 @@ def test_cli_purges_a_disk_store_by_namespace_then_by_model_version(tiny_model, 
     assert main(["cache", "purge", "--store", url]) == 2                            # no criterion
 
 
+def test_store_purge_by_age_through_horizons_on_any_backend(tiny_model, store):
+    """The horizon path (Mooncake's) over memory and disk too, as a store that cannot list."""
+    from tier_helpers import UnlistedStore
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    test_store_purge_by_age_alone_no_later_request_hits(tiny_model, store)
+    test_store_purge_by_tenant_and_age_leaves_other_tenants(tiny_model, store)
+
+
 @pytest.mark.parametrize("digest", ["", "ab", "00" * 31, "00" * 33])
 def test_cli_purge_refuses_a_namespace_that_is_not_a_whole_digest(tmp_path, capsys, digest):
     # A truncated or empty digest selects nothing: the purge must not report success (removed 0).
@@ -171,3 +264,44 @@ def test_cli_purge_refuses_an_infinite_age(tmp_path, capsys, seconds):
     with pytest.raises(SystemExit) as exc:
         main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", "--older-than", seconds])
     assert exc.value.code == 2 and "inf" in capsys.readouterr().err
+
+
+def test_a_horizon_reading_is_reused_for_horizon_refresh_s(tiny_model, store):
+    """``horizon_refresh_s``: a tier that read an owner's horizons reuses that reading meanwhile
+    (so a purge by age reaches it after at most that time); 0 reads them in every load."""
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.tiers.purge import raise_horizon
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)                 # horizons are read only where keys cannot be listed
+    v = tiny_model.config.vocab_size
+    p = tokens(20, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, p, None, "write")
+    f, _, f_st = three_tiers(tiny_model, store)
+    f_st.horizon_refresh_s = 3600.0
+    assert run(f, p, None, "read, horizons read now").reused == BLOCK
+    raise_horizon(store, None, None, time.time())      # as a purge by age of a store that cannot list
+    g, _, g_st = three_tiers(tiny_model, store)
+    g_st._horizons, g_st.horizon_refresh_s = f_st._horizons, 3600.0    # g shares f's reading: stale
+    assert run(g, p, None, "read, stale reading").reused == BLOCK
+    h, _, h_st = three_tiers(tiny_model, store)                        # reads them: expired
+    assert run(h, p, None, "read again").reused == 0 and h_st.stats.misses["expired"] >= 2
+    with pytest.raises(ValueError, match="horizon_refresh_s=-1"):
+        StoreTier(store, f.cache.namespace, 64, BLOCK, f_st.shapes, horizon_refresh_s=-1)
+
+
+def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_model, store):
+    """A prefix a fresh engine installs from the store is owned by the request's namespace on the
+    device too, so a purge by that tenant removes it there and no later request hits it."""
+    v = tiny_model.config.vocab_size
+    pa = tokens(21, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "write")
+    f, f_host, f_st = three_tiers(tiny_model, store)
+    assert run(f, pa, TENANT_A, "install").reused == BLOCK          # installed from the store
+    counts = purge(f.cache, [f_host, f_st], PurgeSelector(owners={TENANT_A}))
+    assert counts.device_nodes == 1100 // 64                          # the installed units included
+    assert f.cache.lookup(pa, TENANT_A, touch=False).kv_hit == 0
+    assert run(f, pa, TENANT_A, "after").reused == 0

@@ -42,7 +42,7 @@ def prompt_bytes(model, path) -> int:
 
 def whole_entries(store) -> bool:
     """Every manifest left names only components that are still there (no torn entry)."""
-    for key in store.list_keys("hkv3/"):
+    for key in store.list_keys("hkv4/"):
         if key.endswith("/manifest"):
             (blob,) = store.get([key])
             comps = [c["key"] for c in json.loads(blob)["components"]]

@@ -69,9 +69,93 @@ def test_purge_by_model_version_reaches_entries_no_engine_names(tiny_model, stor
     test_purge.test_purge_by_model_version_leaves_other_models_entries(tiny_model, store)
 
 
-def test_a_store_purge_by_tenant_says_it_cannot_list_keys(tiny_model, store):
-    with pytest.raises(NotImplementedError):
-        test_purge.purge_store(store, test_purge.PurgeSelector(owners={test_purge.TENANT_A}))
+def test_purge_by_tenant_removes_every_tier(tiny_model, store):
+    """Device, host and Mooncake by tenant: the owner is a key segment, one remove_by_regex."""
+    test_purge.test_purge_by_tenant_removes_every_tier_and_no_later_request_hits(tiny_model, store)
+
+
+def test_purge_by_age_with_the_engine(tiny_model, store):
+    """By age through a running engine: the device-named entries go now, the rest by horizon."""
+    test_purge.test_purge_by_age_removes_only_older_entries(tiny_model, store)
+
+
+def test_store_purge_by_namespace_reaches_entries_no_engine_names(tiny_model, store):
+    test_purge.test_store_purge_by_namespace_alone_reaches_entries_no_engine_names(tiny_model, store)
+
+
+def test_store_purge_by_age_hides_older_entries_from_every_reader(tiny_model, store):
+    from hybridkv.tiers.purge import read_horizon
+
+    test_purge.test_store_purge_by_age_alone_no_later_request_hits(tiny_model, store)
+    assert read_horizon(store, None, None) is not None          # by horizon: Mooncake cannot list
+
+
+def test_purge_by_age_with_the_engine_reports_the_horizon(tiny_model, store):
+    v = tiny_model.config.vocab_size
+    e, host, st = test_purge.three_tiers(tiny_model, store)
+    test_purge.run(e, tokens(310, 1100, v), None, "x")
+    counts = test_purge.purge(e.cache, [host, st], test_purge.PurgeSelector(created_before=time.time()))
+    assert counts.hidden == ["store"] and counts.unlisted == []
+    assert counts.tier_entries == {"host": 2, "store": 2}        # the device-named ones removed now
+
+
+def test_store_purge_by_tenant_and_age_leaves_other_tenants(tiny_model, store):
+    test_purge.test_store_purge_by_tenant_and_age_leaves_other_tenants(tiny_model, store)
+
+
+def test_a_standing_max_age_expires_entries_on_read(tiny_model, store):
+    test_purge.test_a_standing_max_age_expires_entries_on_read(tiny_model, store)
+
+
+def test_horizon_never_goes_back(store):
+    """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
+    from hybridkv.tiers.purge import raise_horizon, read_horizon
+
+    owner = test_purge.TENANT_A
+    assert read_horizon(store, None, owner) is None
+    assert raise_horizon(store, None, owner, 1000.0) == 1000.0
+    assert raise_horizon(store, None, owner, 2000.0) == 2000.0
+    assert raise_horizon(store, None, owner, 1500.0) == 2000.0            # never lowered
+    assert raise_horizon(store, None, owner, 3000.0) == 3000.0            # replaces the earlier slot
+    assert read_horizon(store, None, owner) == 3000.0 and read_horizon(store, None, None) is None
+
+
+def test_cli_purges_mooncake_by_namespace_tenant_and_age(tiny_model, mooncake, capsys):
+    """``hybridkv cache purge --store mooncake://...`` by --namespace, --tenant and --older-than against
+    the real master (keys without a test prefix: no other test of this module writes those)."""
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.cli import main
+
+    handle, client = mooncake
+    v = tiny_model.config.vocab_size
+    url = f"mooncake://{handle.master}"
+    digest = tiny_model.weight_digest()
+    acme = CacheIdentity(model_repo="tiny", weight_digest=digest, tenant="acme").digest()
+    pa, pb, pc, pd = (tokens(300 + i, 1100, v) for i in range(4))
+    e, _, st = test_purge.three_tiers(tiny_model, client)
+    test_purge.run(e, pa, test_purge.TENANT_A, "a"), test_purge.run(e, pb, acme, "acme")
+    test_purge.run(e, pc, test_purge.TENANT_B, "b")
+    assert main(["cache", "purge", "--store", url, "--namespace", test_purge.TENANT_A.hex()]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest", digest,
+                 "--tenant", "acme"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert test_purge.held_in(st, e, pa, test_purge.TENANT_A) == [False, False]
+    assert test_purge.held_in(st, e, pb, acme) == [False, False]
+    assert test_purge.held_in(st, e, pc, test_purge.TENANT_B) == [True, True]
+    time.sleep(0.2)
+    cutoff = time.time()
+    time.sleep(0.2)                                   # margin for the CLI's own clock reading
+    test_purge.run(e, pd, test_purge.TENANT_B, "b new")
+    assert main(["cache", "purge", "--store", url, "--older-than", f"{time.time() - cutoff:.3f}"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 0 entries" in out and "expired for every reader" in out
+    f, _, f_st = test_purge.three_tiers(tiny_model, client)
+    assert test_purge.run(f, pc, test_purge.TENANT_B, "b old again").reused == 0
+    assert f_st.stats.misses["expired"] >= 2
+    assert test_purge.run(f, pd, test_purge.TENANT_B, "b new again").reused == test_purge.BLOCK
+    client.remove_prefix("hkv4/")                     # leave the unprefixed keys as they were
+    client.remove_prefix("hkv4-horizon/")
 
 
 def test_s13_master_killed_mid_run_and_restarted(tiny_model, mooncake):

@@ -43,6 +43,7 @@ class PrefixedStore:
     def __init__(self, inner, prefix: str) -> None:
         self.inner, self.prefix = inner, prefix
         self.scheme = inner.scheme
+        self.lists_keys = getattr(inner, "lists_keys", False)
 
     def exists(self, keys):
         return self.inner.exists([self.prefix + k for k in keys])
@@ -82,3 +83,14 @@ class PrefixedStore:
 def held(tier, hashes, boundaries, group) -> list[bool] | None:
     """Whether ``tier`` holds the ``group`` entry at each boundary of a prompt (one existence query)."""
     return tier.exists([(tier.chain_hash(hashes, b), group) for b in boundaries])
+
+
+class UnlistedStore(PrefixedStore):
+    """A store that cannot list its keys, as Mooncake (purges by age go through expiry horizons)."""
+
+    def __init__(self, inner, prefix: str = "") -> None:
+        super().__init__(inner, prefix)
+        self.lists_keys = False
+
+    def list_keys(self, prefix):
+        raise NotImplementedError("UnlistedStore cannot list its keys")

@@ -485,11 +485,14 @@ class HybridCacheCoordinator:
         return True
 
     # -- installs from lower tiers --------------------------------------
-    def install_kv(self, hashes: list[bytes], start: int, end: int, write_pages) -> bool:
+    def install_kv(self, hashes: list[bytes], start: int, end: int, write_pages, owner: bytes | None = None) -> bool:
         """Install verified KV of ``[start, end)`` (whole pages) as cached, unreferenced entries.
 
         ``write_pages(pages)`` copies the latents into the freshly taken pages
         before any node points at them. The path ``[0, start)`` must be indexed.
+        ``owner``: the request namespace the entries were cached under (the new nodes'
+        owner, for quotas, purges and the owner segment of a write-back's store keys;
+        ``None``: inherited from the path).
 
         Returns:
             ``False`` when the path is missing or no pages can be freed.
@@ -510,7 +513,8 @@ class HybridCacheCoordinator:
                 write_pages(pages)
                 per_page = b // g
                 self.index.extend(path[-1] if path else self.index.root, hashes[start // g: end // g],
-                                  [pages[i // per_page] for i in range(end // g - start // g)], now=self.clock())
+                                  [pages[i // per_page] for i in range(end // g - start // g)], owner,
+                                  now=self.clock())
         finally:
             for p in held:
                 self.pages.unref(p)

@@ -76,14 +76,15 @@ class DevicePurge:
         nodes: index nodes removed (one per ``prefix_match_unit`` tokens of KV).
         checkpoints: checkpoints detached with them.
         held_pages: removed pages that running requests still hold (freed on release).
-        chains: ``(chained hash, boundary)`` of each removed node (tokens): lower tiers
-            that cannot enumerate their entries remove these.
+        chains: ``(chained hash, boundary, owner)`` of each removed node (boundary in tokens,
+            owner its request namespace or ``None``): lower tiers that cannot enumerate their
+            entries remove these.
     """
 
     nodes: int = 0
     checkpoints: int = 0
     held_pages: int = 0
-    chains: list[tuple[bytes, int]] | None = None
+    chains: list[tuple[bytes, int, bytes | None]] | None = None
 
 
 def purge_device(cache, selector: PurgeSelector) -> DevicePurge:
@@ -109,7 +110,7 @@ def purge_device(cache, selector: PurgeSelector) -> DevicePurge:
             sub.extend(sub[i].children.values())
             i += 1
         out.checkpoints += sum(n.checkpoint is not None for n in sub)
-        out.chains.extend((n.key, n.end) for n in sub)
+        out.chains.extend((n.key, n.end, n.owner) for n in sub)
         held.update(n.page for n in sub if cache.pages.refcount[n.page] > 0)
         out.nodes += cache.index.remove_subtree(top)
     out.held_pages = len(held)

@@ -30,16 +30,31 @@ _KEY_PATTERN_CHARS = re.compile(r"[0-9A-Za-z/_.\-]*")
 def check_key_pattern(prefix: str, suffix: str = "") -> None:
     """Check the arguments of :meth:`ObjectStore.remove_prefix`.
 
+    ``prefix`` may hold ``*`` as a whole segment followed by ``/`` (``hkv4/*/<owner>/``): it
+    matches any one non-empty key segment.
+
     Raises:
-        ValueError: ``prefix`` is empty, or ``prefix`` / ``suffix`` holds a character other
-            than letters, digits and ``/ _ . -`` (the error names it, never the whole key).
+        ValueError: ``prefix`` is empty or starts with a wildcard, or ``prefix`` / ``suffix``
+            holds a character other than letters, digits and ``/ _ . -`` (the error names
+            it, never the whole key).
     """
     if not prefix:
         raise ValueError("remove_prefix needs a non-empty prefix (it would remove every key)")
-    for name, text in (("prefix", prefix), ("suffix", suffix)):
+    if prefix.startswith("*"):
+        raise ValueError("remove_prefix needs a literal first segment, not '*'")
+    literal = re.sub(r"(?<=/)\*(?=/)", "", prefix)
+    for name, text in (("prefix", literal), ("suffix", suffix)):
         if not _KEY_PATTERN_CHARS.fullmatch(text):
             bad = next(c for c in text if not _KEY_PATTERN_CHARS.fullmatch(c))
-            raise ValueError(f"remove_prefix {name} holds {bad!r}: only letters, digits and / _ . - are allowed")
+            raise ValueError(f"remove_prefix {name} holds {bad!r}: only letters, digits and / _ . - are allowed"
+                             " (and '*' as a whole segment of the prefix)")
+
+
+def key_pattern_regex(prefix: str, suffix: str = "") -> str:
+    """The anchored regular expression of the keys ``remove_prefix(prefix, suffix)`` removes
+    (arguments checked by :func:`check_key_pattern`): ``.`` literal, a ``*`` segment ``[^/]+``."""
+    head = "/".join("[^/]+" if seg == "*" else seg.replace(".", "\\.") for seg in prefix.split("/"))
+    return f"^{head}.*{suffix.replace('.', chr(92) + '.')}$"
 
 
 class ObjectStore(ABC):
@@ -47,6 +62,10 @@ class ObjectStore(ABC):
 
     #: URL scheme this backend answers to (``disk``, ``mooncake``, ``memory``).
     scheme = ""
+
+    #: Whether :meth:`list_keys` works. A store tier reads expiry horizons only from a store
+    #: that cannot list (a purge by age writes them only there: docs/cache_abi.md).
+    lists_keys = False
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -100,15 +119,16 @@ class ObjectStore(ABC):
         """Every key starting with ``prefix`` (for purges; order unspecified).
 
         Raises:
-            NotImplementedError: the backend cannot enumerate its keys (a purge then
-                removes only the entries it can name).
+            NotImplementedError: the backend cannot enumerate its keys (a purge by age then
+                raises an expiry horizon instead: :func:`hybridkv.tiers.purge.purge_store_detail`).
         """
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
 
     def remove_prefix(self, prefix: str, suffix: str = "") -> int:
         """Delete every key that starts with ``prefix`` and ends with ``suffix`` (a whole
         namespace, for purges). ``prefix`` and ``suffix`` may hold only letters, digits and
-        ``/ _ . -`` (keys of the cache ABI: docs/cache_abi.md). The default lists the keys
+        ``/ _ . -`` (keys of the cache ABI: docs/cache_abi.md), and ``prefix`` a ``*`` segment
+        (``a/*/b/``: any one segment there). The default lists the keys
         (:meth:`list_keys`) and removes them; a backend that can match keys itself overrides it.
 
         Returns:
@@ -119,7 +139,8 @@ class ObjectStore(ABC):
             NotImplementedError: the backend can neither list nor match its keys.
         """
         check_key_pattern(prefix, suffix)
-        keys = [k for k in self.list_keys(prefix) if k.endswith(suffix)]
+        pattern = re.compile(key_pattern_regex(prefix, suffix), re.DOTALL)
+        keys = [k for k in self.list_keys(prefix.split("*", 1)[0]) if pattern.match(k)]
         for i in range(0, len(keys), 256):
             self.remove(keys[i:i + 256])
         return len(keys)

@@ -122,6 +122,7 @@ class DiskStore(ObjectStore):
     """
 
     scheme = "disk"
+    lists_keys = True
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None, fsync: bool = False,
                  eviction: str = "lru", quota: float | None = None) -> None:

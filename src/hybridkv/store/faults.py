@@ -72,6 +72,7 @@ class FaultyStore(ObjectStore):
                 raise ValueError(f"fault rate {kind}={rate!r} must lie in [0, 1]")
         self.inner = inner
         self.scheme = inner.scheme
+        self.lists_keys = getattr(inner, "lists_keys", False)
         self.rates = dict(rates)
         self.seed = seed
         self.slow_seconds = slow_seconds

@@ -14,6 +14,7 @@ class MemoryStore(ObjectStore):
     """
 
     scheme = "memory"
+    lists_keys = True
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         self._data: dict[str, bytes] = {}

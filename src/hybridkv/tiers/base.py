@@ -19,7 +19,7 @@ import torch
 from hybridkv.cache.groups import FULL, KDA, EntryPresence, joint_hit, nbytes
 from hybridkv.tiers.layout import entry_key
 
-MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable")
+MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable", "expired")
 
 Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
 """An entry to save: ``(chain_hash, parent_hash, group, boundary, tensors)``."""
@@ -152,13 +152,16 @@ class Tier(ABC):
         return self.write_through and self.holds(group)
 
     # -- what subclasses implement ----------------------------------------
+    # ``owner`` everywhere: the request namespace digest the entries are cached under (part of a
+    # store key, cache ABI v4); ``None`` is this tier's own ``namespace`` (a request that named none).
     @abstractmethod
-    def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
-        """Whether each ``(chained hash, group)`` entry exists, in one query (``None``: unreachable,
-        counted as an ``unreachable`` miss)."""
+    def exists(self, wanted: list[tuple[bytes, str]], owner: bytes | None = None) -> list[bool] | None:
+        """Whether each ``(chained hash, group)`` entry of ``owner`` exists, in one query (``None``:
+        unreachable, counted as an ``unreachable`` miss)."""
 
     @abstractmethod
-    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]],
+                  owner: bytes | None = None) -> list[dict | None]:
         """Per ``(boundary, group)``: component name -> tensor, or ``None`` (a counted miss)."""
 
     @abstractmethod
@@ -170,30 +173,37 @@ class Tier(ABC):
         give up first (the host tier's probation); a tier may ignore it."""
 
     @abstractmethod
-    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
         """Remove the entries a :class:`~hybridkv.cache.purge.PurgeSelector` selects (manifest
-        first); ``chains`` (``(chained hash, boundary)``) name entries to remove where the
-        tier cannot enumerate its own. Returns entries removed (``-1``: store unreachable)."""
+        first); ``chains`` (``(chained hash, boundary, owner)``, the device's) name entries to
+        remove where the tier cannot enumerate its own. Returns entries removed (``-1``: store unreachable)."""
 
     @abstractmethod
-    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
-        """Remove the ``group`` entry of the prefix whose chained hash is ``chain_hash`` (manifest first)."""
+    def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:
+        """Remove the ``group`` entry of ``owner`` of the prefix whose chained hash is ``chain_hash``
+        (manifest first)."""
 
-    def invalidate(self, hashes: list[bytes], boundary: int, group: str) -> None:
+    def invalidate(self, hashes: list[bytes], boundary: int, group: str, owner: bytes | None = None) -> None:
         """Remove one entry (its manifest first)."""
-        self.invalidate_chain(self.chain_hash(hashes, boundary), group)
+        self.invalidate_chain(self.chain_hash(hashes, boundary), group, owner)
 
-    def purge_chains(self, chains: list[tuple[bytes, int]]) -> int:
-        """Remove the entries of ``(chained hash, boundary)`` pairs at this tier's alignment, both
-        groups; returns entries that existed (``-1``: unreachable)."""
-        wanted = [(h, grp) for h, b in chains if b % self.alignment == 0 for grp in (FULL, KDA)]
-        found = self.exists(wanted) if wanted else []
-        if found is None:
-            return -1
-        for (h, grp), ok in zip(wanted, found):
-            if ok:
-                self.invalidate_chain(h, grp)
-        return sum(found)
+    def purge_chains(self, chains: list[tuple[bytes, int, bytes | None]]) -> int:
+        """Remove the entries of ``(chained hash, boundary, owner)`` triples at this tier's alignment,
+        both groups; returns entries that existed (``-1``: unreachable)."""
+        by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
+        for h, b, owner in chains:
+            if b % self.alignment == 0:
+                by_owner.setdefault(owner, []).extend((h, grp) for grp in (FULL, KDA))
+        total = 0
+        for owner, wanted in by_owner.items():
+            found = self.exists(wanted, owner)
+            if found is None:
+                return -1
+            for (h, grp), ok in zip(wanted, found):
+                if ok:
+                    self.invalidate_chain(h, grp, owner)
+            total += sum(found)
+        return total
 
     # -- shared ---------------------------------------------------------------
     def entry_nbytes(self, group: str) -> int:
@@ -214,16 +224,18 @@ class Tier(ABC):
         """Chained hash of ``[0, boundary)`` of a prompt whose unit hashes are ``hashes``."""
         return hashes[boundary // self.unit - 1]
 
-    def _key(self, hashes, boundary, group, component="manifest") -> str:
-        """Object key of ``component`` of the entry at ``boundary``."""
-        return entry_key(self.namespace, self.chain_hash(hashes, boundary), group, component)
+    def _key(self, hashes, boundary, group, component="manifest", owner: bytes | None = None) -> str:
+        """Object key of ``component`` of the entry of ``owner`` at ``boundary``."""
+        return entry_key(self.namespace, self.chain_hash(hashes, boundary), group, component, owner=owner)
 
-    def lookup(self, hashes: list[bytes], cap: int, local_kv: int = 0) -> RemoteMatch | None:
+    def lookup(self, hashes: list[bytes], cap: int, local_kv: int = 0,
+               owner: bytes | None = None) -> RemoteMatch | None:
         """Per-group result for a prompt whose unit hashes are ``hashes``, reuse capped at ``cap``.
 
         ``local_kv`` tokens of KV are already on the device; KV contiguity is
         counted from there, so only the missing segments must be in this tier.
-        One existence query; the joint hit follows :func:`hybridkv.cache.groups.joint_hit`.
+        One existence query (entries of ``owner``, the request namespace the hashes were made
+        under); the joint hit follows :func:`hybridkv.cache.groups.joint_hit`.
         ``None`` when the tier is unreachable (counted as an ``unreachable`` miss).
         """
         a = self.alignment
@@ -233,7 +245,7 @@ class Tier(ABC):
         local = local_kv // a * a
         kv_bounds = [b for b in bounds if b > local]
         found = self.exists([(self.chain_hash(hashes, b), FULL) for b in kv_bounds]
-                            + [(self.chain_hash(hashes, b), KDA) for b in bounds])
+                            + [(self.chain_hash(hashes, b), KDA) for b in bounds], owner)
         if found is None:
             return None
         has_kv = [True] * (len(bounds) - len(kv_bounds)) + found[: len(kv_bounds)]

@@ -295,11 +295,11 @@ class TierConnector:
         if self.timings is not None:
             self.timings.observe(kind, seconds, tier)
 
-    def _lookup(self, tier: Tier, hashes, cap: int, kv_hit: int):
-        """``tier.lookup`` timed (``lookup``)."""
+    def _lookup(self, tier: Tier, hashes, cap: int, kv_hit: int, owner: bytes | None = None):
+        """``tier.lookup`` timed (``lookup``); ``owner``: the request namespace ``hashes`` were made under."""
         t0 = time.perf_counter()
         try:
-            return tier.lookup(hashes, cap, kv_hit)
+            return tier.lookup(hashes, cap, kv_hit, owner=owner)
         finally:
             self._timed("lookup", time.perf_counter() - t0, tier.name)
 
@@ -398,7 +398,8 @@ class TierConnector:
         match = self.cache.lookup(prompt, namespace, touch=False, hashes=hashes)
         if match.hit >= cap:
             return False
-        jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit) for t in remote}
+        jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit, match.namespace)
+                for t in remote}
         with self._prefetch_lock:
             self._jobs.update(jobs.values())
         for job in jobs.values():                   # outside the lock: a finished job calls back at once
@@ -410,11 +411,11 @@ class TierConnector:
         with self._prefetch_lock:
             self._jobs.discard(job)
 
-    def _prefetch_job(self, tier: Tier, hashes, cap: int, local_kv: int, hit: int):
+    def _prefetch_job(self, tier: Tier, hashes, cap: int, local_kv: int, hit: int, owner: bytes | None = None):
         """Worker side of :meth:`prefetch`: ``(boundary, loaded, reserved bytes)`` with ``loaded[(b, group)]``
         verified. Loads nothing when they would take the bytes held by prefetches past
         ``prefetch_limit_bytes``."""
-        rm = self._lookup(tier, hashes, cap, local_kv)
+        rm = self._lookup(tier, hashes, cap, local_kv, owner)
         if rm is None or rm.best_joint <= hit:
             return 0, {}, 0
         boundary = rm.best_joint
@@ -429,7 +430,7 @@ class TierConnector:
             self.prefetch_held_bytes += need
         t0 = time.perf_counter()
         try:
-            loaded = tier.load_many(hashes, wanted)
+            loaded = tier.load_many(hashes, wanted, owner=owner)
         except BaseException:
             self._release(need)
             raise
@@ -483,7 +484,7 @@ class TierConnector:
         cap = reuse_cap(len(prompt), self.cache.config.prefix_match_unit)
         missing = None
         for tier in self.tiers:
-            rm = self._lookup(tier, match.hashes, cap, match.kv_hit)
+            rm = self._lookup(tier, match.hashes, cap, match.kv_hit, match.namespace)
             if rm is None:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
@@ -537,8 +538,8 @@ class TierConnector:
             self.prefetch_used += 1
         else:
             t0 = time.perf_counter()
-            got = tier.load_many(hashes, wanted, staging=True) if isinstance(tier, StoreTier) \
-                else tier.load_many(hashes, wanted)
+            got = tier.load_many(hashes, wanted, staging=True, owner=match.namespace) \
+                if isinstance(tier, StoreTier) else tier.load_many(hashes, wanted, owner=match.namespace)
             self._timed("load", time.perf_counter() - t0, tier.name)
         moved = [0.0]                                      # seconds in write_pages (the transfer)
 
@@ -551,7 +552,7 @@ class TierConnector:
         try:
             for (b, _), entry in zip(wanted[:-1], got):
                 if entry is None or not self.cache.install_kv(
-                        hashes, b - a, b, lambda pages, lat=entry["latents"]: write(pages, lat)):
+                        hashes, b - a, b, lambda pages, lat=entry["latents"]: write(pages, lat), match.namespace):
                     return False
             kda = got[-1]
             return kda is not None and self.cache.install_checkpoint(
@@ -597,7 +598,7 @@ class TierConnector:
             aligned = (sorted(b for b in checkpoints if b % a == 0 and b <= computed)
                        if tier.writes_through(KDA) else [])
             present = tier.exists([(tier.chain_hash(hashes, b), FULL) for b in kv]
-                                  + [(tier.chain_hash(hashes, b), KDA) for b in aligned])
+                                  + [(tier.chain_hash(hashes, b), KDA) for b in aligned], alloc.owner)
             if present is None:
                 continue
             entries = [tier.entry(hashes, b, FULL, {"latents": self.backend.read_kv(alloc.block_table, b - a, b)}
@@ -642,9 +643,12 @@ class TierConnector:
                       if held and tier.holds(grp)]
             if not wanted:
                 continue
-            held = tier.exists([(e.key, grp) for e, grp in wanted]) or [False] * len(wanted)
+            held = []
+            for owner, group in _by_owner(wanted).items():       # store keys carry the owner
+                found = tier.exists([(e.key, grp) for e, grp in group], owner) or [False] * len(group)
+                held.extend(zip(group, found))
             by_owner: dict[bytes | None, list] = {}
-            for (e, grp), ok in zip(wanted, held):
+            for (e, grp), ok in held:
                 if ok:
                     continue
                 if not tier.payload:
@@ -656,3 +660,11 @@ class TierConnector:
                 by_owner.setdefault(e.owner, []).append((e.key, e.parent_key, grp, e.end, tensors))
             for owner, entries in by_owner.items():
                 tier.save_entries(entries, owner=owner)
+
+
+def _by_owner(wanted: list[tuple[EvictedEntry, str]]) -> dict[bytes | None, list[tuple[EvictedEntry, str]]]:
+    """``wanted`` split by the entries' owners (order kept within each owner)."""
+    out: dict[bytes | None, list[tuple[EvictedEntry, str]]] = {}
+    for e, grp in wanted:
+        out.setdefault(e.owner, []).append((e, grp))
+    return out

@@ -143,12 +143,15 @@ class HostTier(Tier):
         """Payload bytes held now."""
         return self._bytes
 
-    def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool]:
-        """Whether each ``(chained hash, group)`` entry is held (never unreachable)."""
+    def exists(self, wanted: list[tuple[bytes, str]], owner: bytes | None = None) -> list[bool]:
+        """Whether each ``(chained hash, group)`` entry is held (never unreachable). ``owner`` is not
+        needed here: chained hashes are already bound to the request namespace, and host entries
+        are keyed by them alone."""
         with self._lock:
             return [k in self._entries for k in wanted]
 
-    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]]) -> list[dict | None]:
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]],
+                  owner: bytes | None = None) -> list[dict | None]:
         """The held tensors of each ``(boundary, group)`` (read-only by contract: callers copy).
 
         An entry not held (never saved, or evicted) is an ``absent`` miss.
@@ -231,13 +234,13 @@ class HostTier(Tier):
                 out.append(True)
         return out
 
-    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
-        """Drop one entry if held."""
+    def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:
+        """Drop one entry if held (``owner`` not needed: see :meth:`exists`)."""
         with self._lock:
             if (chain_hash, group) in self._entries:
                 self._drop((chain_hash, group))
 
-    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
         """Remove every held entry ``selector`` selects (by this tier's namespace, the entry's owner
         and the time this tier got it); ``chains`` are not needed (the tier enumerates itself).
         Loads already handed out stay valid (the tensors are the caller's now)."""

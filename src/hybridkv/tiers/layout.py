@@ -1,4 +1,4 @@
-"""Cache ABI v3: object keys, component encoding and manifests (DESIGN §5; docs/cache_abi.md).
+"""Cache ABI v4: object keys, component encoding and manifests (DESIGN §5; docs/cache_abi.md).
 
 An *entry* is one group's state at one aligned boundary ``L`` of one prefix:
 
@@ -8,7 +8,9 @@ An *entry* is one group's state at one aligned boundary ``L`` of one prefix:
   (``float32[L_kda, H, K, V]``) and ``conv.q``, ``conv.k``, ``conv.v``
   (each ``[L_kda, H*K, kernel-1]``, the q | k | v thirds of the conv window).
 
-Keys: ``hkv3/<namespace hex>/<chained hash hex of [0, L)>/<group>/r<rank>/<component>``;
+Keys: ``hkv4/<namespace hex>/<owner hex>/<chained hash hex of [0, L)>/<group>/r<rank>/<component>``
+(``namespace``: the engine's model namespace; ``owner``: the request namespace the entry
+was cached under, so a purge by tenant or salt is a key-prefix removal on any backend);
 the manifest is the component ``manifest``. The manifest (JSON, UTF-8) lists every
 component with key, byte size, dtype, shape and XXH3-128 checksum, plus the layout
 version, the token length ``L``, the segment length ``A`` and the parent hash (of
@@ -17,9 +19,9 @@ exists only if its manifest and every component exist and verify.
 
 Group names and entry shapes come from :mod:`hybridkv.cache.groups` (one vocabulary
 from the config to the keys). Older ABIs are not read: v1 (``hkv1/`` keys, SHA-256
-checksums) and v2 (``hkv2/`` keys, the ``full`` group named ``kv``) objects are simply
-absent to a v3 reader. The checksum detects corrupt and truncated objects; keys
-already come from the SHA-256 chain, so a fast non-cryptographic hash suffices
+checksums), v2 (``hkv2/`` keys, the ``full`` group named ``kv``) and v3 (``hkv3/`` keys
+without the owner segment) objects are simply absent to a v4 reader. The checksum detects
+corrupt and truncated objects; keys already come from the SHA-256 chain, so a fast non-cryptographic hash suffices
 (XXH3-128 via the ``xxhash`` package, ~10 GB/s against ~1 GB/s for SHA-256 on the
 development machine, docs/benchmarks.md).
 """
@@ -27,6 +29,7 @@ development machine, docs/benchmarks.md).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +38,9 @@ import xxhash
 from hybridkv.cache.groups import DTYPE_BYTES, nbytes
 from hybridkv.model.state import KDACheckpoint
 
-ABI_VERSION = 3
-KEY_PREFIX = "hkv3"
-LAYOUT_VERSION = "hkv3-full-latents-f32+kda-rec-f32-conv-qkv"
+ABI_VERSION = 4
+KEY_PREFIX = "hkv4"
+LAYOUT_VERSION = "hkv4-full-latents-f32+kda-rec-f32-conv-qkv"
 CHECKSUM = "xxh3_128"
 
 #: Largest manifest a reader accepts (bytes); ours are about 1 KiB. A load reads the
@@ -56,9 +59,67 @@ class EntryError(ValueError):
         self.reason = reason
 
 
-def entry_key(namespace: bytes, chain_hash: bytes, group: str, component: str, rank: int = 0) -> str:
-    """Key of one object of the entry at the boundary whose chained hash is ``chain_hash``."""
-    return f"{KEY_PREFIX}/{namespace.hex()}/{chain_hash.hex()}/{group}/r{rank}/{component}"
+def entry_key(namespace: bytes, chain_hash: bytes, group: str, component: str, rank: int = 0,
+              owner: bytes | None = None) -> str:
+    """Key of one object of the entry at the boundary whose chained hash is ``chain_hash``.
+
+    ``namespace`` is the engine's model namespace, ``owner`` the request namespace the entry is
+    cached under (``None``: ``namespace`` itself, what a request that named none is cached
+    under)."""
+    own = namespace if owner is None else owner
+    return f"{KEY_PREFIX}/{namespace.hex()}/{own.hex()}/{chain_hash.hex()}/{group}/r{rank}/{component}"
+
+
+def owner_prefix(model: bytes | None, owner: bytes | None) -> str:
+    """Key prefix of every entry of ``model`` cached by ``owner`` (``None``: any, written as the
+    one-segment wildcard ``*`` of :meth:`~hybridkv.store.base.ObjectStore.remove_prefix`)."""
+    m = "*" if model is None else model.hex()
+    return f"{KEY_PREFIX}/{m}/" if owner is None else f"{KEY_PREFIX}/{m}/{owner.hex()}/"
+
+
+#: Key prefix of expiry horizons: the purge by age of a store that cannot list its keys
+#: (docs/cache_abi.md "Expiry horizons"). Outside ``hkv4/`` so no purge by prefix removes one.
+HORIZON_PREFIX = "hkv4-horizon"
+HORIZON_SLOTS = ("a", "b")
+#: Largest horizon object a reader accepts (bytes; ours are about 14: ``"1764558000.123"``).
+HORIZON_MAX_BYTES = 64
+
+
+def horizon_key(model: bytes | None, owner: bytes | None, slot: str) -> str:
+    """Key of one slot of the expiry horizon of the entries of ``model`` cached by ``owner``
+    (``None``: every model / every owner, written ``all``)."""
+    return f"{HORIZON_PREFIX}/{model.hex() if model else 'all'}/{owner.hex() if owner else 'all'}/{slot}"
+
+
+def reader_horizon_keys(model: bytes, owner: bytes) -> list[str]:
+    """The horizon slots that apply to an entry of ``model`` cached by ``owner``: both slots of
+    the scopes (all, all), (model, all), (all, owner) and (model, owner); 8 keys."""
+    return [horizon_key(m, o, slot) for m, o in ((None, None), (model, None), (None, owner), (model, owner))
+            for slot in HORIZON_SLOTS]
+
+
+def encode_horizon(created_before: float) -> bytes:
+    """A horizon object: Unix seconds as ASCII decimal (ms resolution, rounded up so that
+    every entry stamped before ``created_before`` stays before the stored value)."""
+    return f"{math.ceil(float(created_before) * 1000) / 1000:.3f}".encode()
+
+
+def decode_horizon(blob) -> float | None:
+    """Seconds of a horizon object, ``None`` when it is not one (ignored, never an error)."""
+    try:
+        t = float(bytes(blob).decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return t if t == t and abs(t) != float("inf") else None
+
+
+def manifest_created(blob) -> float | None:
+    """The ``created`` seconds of a manifest (``None``: not recorded or not a number)."""
+    try:
+        t = json.loads(bytes(blob)).get("created")
+    except (ValueError, AttributeError, RecursionError, UnicodeDecodeError):
+        return None
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +163,14 @@ def view_tensor(buffer, offset: int, dtype: str, shape: tuple[int, ...]) -> torc
 
 
 def entry_components(namespace: bytes, chain_hash: bytes, group: str, tensors: dict[str, torch.Tensor],
-                     rank: int = 0) -> list[tuple[str, str, memoryview, torch.Tensor]]:
+                     rank: int = 0, owner: bytes | None = None) -> list[tuple[str, str, memoryview, torch.Tensor]]:
     """The component objects of one entry: ``(name, key, bytes, tensor)`` per component.
 
     The bytes are a memoryview over the tensor's own memory when it is a
     contiguous CPU tensor (zero copy): the caller must not modify the tensors
     until the put returns.
     """
-    return [(name, entry_key(namespace, chain_hash, group, name, rank), tensor_view(t), t)
+    return [(name, entry_key(namespace, chain_hash, group, name, rank, owner), tensor_view(t), t)
             for name, t in tensors.items()]
 
 
@@ -130,12 +191,14 @@ def entry_manifest(namespace: bytes, chain_hash: bytes, parent_hash: bytes | Non
         manifest["owner"] = owner.hex()
     if created is not None:
         manifest["created"] = round(float(created), 3)
-    return entry_key(namespace, chain_hash, group, "manifest", rank), json.dumps(manifest, sort_keys=True).encode()
+    return (entry_key(namespace, chain_hash, group, "manifest", rank, owner),
+            json.dumps(manifest, sort_keys=True).encode())
 
 
 def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None, group: str,
                  boundary: int, segment: int, tensors: dict[str, torch.Tensor],
-                 rank: int = 0) -> tuple[list[tuple[str, memoryview]], tuple[str, bytes]]:
+                 rank: int = 0, owner: bytes | None = None, created: float | None = None
+                 ) -> tuple[list[tuple[str, memoryview]], tuple[str, bytes]]:
     """Objects of one entry: the component objects, and the manifest object to write last.
 
     Args:
@@ -146,14 +209,17 @@ def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None,
         boundary: ``L`` in tokens.
         segment: ``A`` in tokens (the tokens a ``full`` entry covers).
         tensors: component name -> tensor.
+        owner: request namespace digest (key path and manifest; ``None``: ``namespace``).
+        created: Unix seconds to record (``None``: not recorded).
 
     Returns:
         ``(components, manifest)`` as ``(key, buffer)`` pairs; component buffers
         as in :func:`entry_components`.
     """
-    comps = entry_components(namespace, chain_hash, group, tensors, rank)
+    comps = entry_components(namespace, chain_hash, group, tensors, rank, owner)
     return ([(key, data) for _, key, data, _ in comps],
-            entry_manifest(namespace, chain_hash, parent_hash, group, boundary, segment, comps, rank))
+            entry_manifest(namespace, chain_hash, parent_hash, group, boundary, segment, comps, rank,
+                           owner=owner, created=created))
 
 
 def decode_manifest(data: bytes, group: str, boundary: int, expected: dict[str, tuple[str, tuple]],

@@ -6,16 +6,23 @@ under a running request), then from each lower tier (:meth:`Tier.purge`).
 :func:`purge_store` is the store part on its own, for a store no engine has open
 (``hybridkv cache purge --store URL``).
 
-Store. Entries are found by listing the manifests under the cache ABI's key
-prefix (:meth:`~hybridkv.store.base.ObjectStore.list_keys`); the model namespace
-is in each key, the owner and creation time in the manifest (docs/cache_abi.md).
-Every selected manifest is removed first (the entry stops existing for every
-reader at once), then its components. A reader that already holds a manifest
-and reads a component removed meanwhile gets a counted ``evicted`` miss, never
-wrong bytes (components are checksummed against the manifest). A purge of model
-versions alone removes whole key prefixes instead, which Mooncake (it cannot list
-keys) supports too; for any other selector such a backend is purged of the entries
-the device could name (``chains``) only, and :attr:`PurgeCounts.unlisted` says so.
+Store (cache ABI v4: ``hkv4/<model ns>/<owner>/<chain>/...``, docs/cache_abi.md). A purge by
+model version, by owner (tenant, salt) or by both removes key prefixes
+(:meth:`~hybridkv.store.base.ObjectStore.remove_prefix`, with a ``*`` model segment for
+owners alone): first every manifest under the prefix (the entries end for every reader at
+once), then every other key there (components, and orphans a crashed writer left). Every
+backend does this, Mooncake (which cannot list keys) with one ``remove_by_regex`` per step.
+A purge that involves age (``created_before``) must read manifests: a backend that lists
+its keys (disk, memory) is purged of the selected entries, manifests first; on one that
+cannot (Mooncake), the purge raises an *expiry horizon* for the selected scope (model,
+owner, or all) instead: every reader reads the horizons in its load batch and treats an
+entry created before one as an ``expired`` miss that it removes, manifest first
+(:class:`~hybridkv.tiers.store_tier.StoreTier`). The bytes of entries nobody reads again
+stay until the backend evicts them; :attr:`PurgeCounts.hidden` names such tiers.
+
+A reader that already holds a manifest and reads a component removed meanwhile gets a
+counted ``evicted`` miss, never wrong bytes (components are checksummed against the
+manifest); a reader that installed an entry before keeps its copy.
 
 Counts only, never keys, hashes or namespaces, are returned or logged.
 """
@@ -28,7 +35,14 @@ from dataclasses import dataclass, field
 
 from hybridkv.cache.purge import PurgeSelector, purge_device
 from hybridkv.store.base import ObjectStore
-from hybridkv.tiers.layout import KEY_PREFIX
+from hybridkv.tiers.layout import (
+    HORIZON_SLOTS,
+    KEY_PREFIX,
+    decode_horizon,
+    encode_horizon,
+    horizon_key,
+    owner_prefix,
+)
 
 log = logging.getLogger("hybridkv.store")
 
@@ -44,7 +58,11 @@ class PurgeCounts:
         device_checkpoints: device checkpoints removed with them.
         held_pages: removed device pages that running requests still hold (freed on release).
         tier_entries: tier name -> entries removed (``-1``: the tier was unreachable).
-        unlisted: names of tiers whose backend cannot list keys (only device-named entries removed).
+        unlisted: names of tiers that could not apply the selector at all (only device-named
+            entries removed); none of this package's backends since cache ABI v4.
+        hidden: names of tiers purged by an expiry horizon (a purge by age of a store that
+            cannot list keys): the selected entries are misses for every reader from now on and
+            are removed when read; ``tier_entries`` counts only those removed now.
     """
 
     device_nodes: int = 0
@@ -52,6 +70,17 @@ class PurgeCounts:
     held_pages: int = 0
     tier_entries: dict[str, int] = field(default_factory=dict)
     unlisted: list[str] = field(default_factory=list)
+    hidden: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StorePurge:
+    """What :func:`purge_store_detail` did: ``removed`` entries (manifests removed), and
+    ``hidden_before`` (Unix seconds) when it raised an expiry horizon instead of listing
+    (``None``: it did not)."""
+
+    removed: int
+    hidden_before: float | None = None
 
 
 def purge(cache, tiers, selector: PurgeSelector) -> PurgeCounts:
@@ -62,7 +91,7 @@ def purge(cache, tiers, selector: PurgeSelector) -> PurgeCounts:
         The counts.
     """
     out = PurgeCounts()
-    chains: list[tuple[bytes, int]] = []
+    chains: list[tuple[bytes, int, bytes | None]] = []
     if cache is not None:
         dev = purge_device(cache, selector)
         out.device_nodes, out.device_checkpoints, out.held_pages = dev.nodes, dev.checkpoints, dev.held_pages
@@ -70,39 +99,60 @@ def purge(cache, tiers, selector: PurgeSelector) -> PurgeCounts:
     for tier in tiers:
         try:
             out.tier_entries[tier.name] = tier.purge(selector, chains)
-        except NotImplementedError:              # a store that cannot list its keys
+        except NotImplementedError:              # a tier that cannot apply the selector
             out.unlisted.append(tier.name)
             out.tier_entries[tier.name] = tier.purge_chains(chains)
-    log.info("purge: %d device nodes, tiers %s", out.device_nodes, out.tier_entries)
+        if getattr(tier, "last_purge_hidden", None) is not None:
+            out.hidden.append(tier.name)
+    log.info("purge: %d device nodes, tiers %s, by horizon %s", out.device_nodes, out.tier_entries, out.hidden)
     return out
 
 
 def purge_store(store: ObjectStore, selector: PurgeSelector) -> int:
-    """Remove every cache entry of ``store`` that ``selector`` selects: manifests first, then the
-    components each listed (only keys inside its own entry). Manifests that do not parse are
-    left alone (not ours to judge; a reader drops them). Returns entries removed.
+    """:func:`purge_store_detail`'s entries removed."""
+    return purge_store_detail(store, selector).removed
 
-    A selector of model versions alone (no owner, no age: an upgrade's purge) needs no manifest
-    read, since the model namespace is each key's second part: every manifest under the model's
-    key prefix is removed, then every other key there (components, and orphans a crashed writer
-    left), through :meth:`~hybridkv.store.base.ObjectStore.remove_prefix`, which a store that
-    cannot list its keys (Mooncake) answers too.
+
+def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurge:
+    """Remove every cache entry of ``store`` that ``selector`` selects, manifests first (see the
+    module docstring).
+
+    * No age criterion: by key prefix, one prefix per (model, owner) pair of the selector (``*``
+      for a criterion not given), on every backend; orphaned components under it go too.
+    * With an age criterion, on a backend that lists keys: the manifests under ``hkv4/`` (or
+      ``hkv4/<model>/``) are read and the selected ones removed, then the components each
+      lists (only keys inside its own entry). Manifests that do not parse are left alone.
+    * With an age criterion, on a backend that cannot list (Mooncake): an expiry horizon is
+      raised for each (model, owner) scope of the selector (:func:`raise_horizon`); nothing is
+      removed now (``removed`` 0).
 
     Raises:
-        NotImplementedError: the backend cannot list its keys (and the selector needs them).
         StoreUnavailable: the store cannot be reached.
+        RuntimeError: a horizon could not be raised (another purge kept replacing it).
     """
-    if selector.models is not None and selector.owners is None and selector.created_before is None:
+    models = sorted(selector.models) if selector.models is not None else [None]
+    owners = sorted(selector.owners) if selector.owners is not None else [None]
+    if selector.created_before is None:
         removed = 0
-        for model in sorted(selector.models):
-            prefix = f"{KEY_PREFIX}/{model.hex()}/"
+        prefixes = [owner_prefix(m, o) for m in models for o in owners]
+        for prefix in prefixes:
             removed += store.remove_prefix(prefix, "/manifest")    # the entries end for every reader
+        for prefix in prefixes:
             store.remove_prefix(prefix)                             # then their bytes
-        return removed
+        return StorePurge(removed)
     prefix = f"{KEY_PREFIX}/"
     if selector.models is not None and len(selector.models) == 1:
         prefix += next(iter(selector.models)).hex() + "/"
-    manifests = [k for k in store.list_keys(prefix) if k.endswith("/manifest")]
+        if selector.owners is not None and len(selector.owners) == 1:
+            prefix += next(iter(selector.owners)).hex() + "/"
+    try:
+        listed = store.list_keys(prefix)
+    except NotImplementedError:
+        for m in models:
+            for o in owners:
+                raise_horizon(store, m, o, selector.created_before)
+        return StorePurge(0, selector.created_before)
+    manifests = [k for k in listed if k.endswith("/manifest")]
     doomed: list[str] = []
     components: list[str] = []
     for i in range(0, len(manifests), _BATCH):
@@ -116,18 +166,63 @@ def purge_store(store: ObjectStore, selector: PurgeSelector) -> int:
         store.remove(doomed[i:i + _BATCH])
     for i in range(0, len(components), _BATCH):
         store.remove(components[i:i + _BATCH])
-    return len(doomed)
+    return StorePurge(len(doomed))
+
+
+def read_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None) -> float | None:
+    """The expiry horizon of one scope (the later of its two slots; ``None``: none)."""
+    found = [decode_horizon(b) for b in store.get([horizon_key(model, owner, s) for s in HORIZON_SLOTS])
+             if b is not None]
+    found = [t for t in found if t is not None]
+    return max(found) if found else None
+
+
+def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, created_before: float,
+                  attempts: int = 4) -> float:
+    """Make the expiry horizon of the (``model``, ``owner``) scope at least ``created_before``
+    (Unix seconds; ``None`` = every model / owner). Never lowers it.
+
+    Objects are immutable (a put never overwrites), so a horizon lives in two slots and readers
+    take the later one: the new value goes into an empty slot, or replaces the earlier of two
+    (remove, then put), while the other slot keeps a value at least as late as the old horizon,
+    so no reader ever sees the horizon go back. The result is read back; a concurrent purge
+    that replaced it with an earlier value is answered by trying again.
+
+    Returns:
+        The horizon now (seconds).
+
+    Raises:
+        StoreUnavailable: the store cannot be reached.
+        RuntimeError: still below ``created_before`` after ``attempts`` tries (the store refused
+            the put, or purges keep racing).
+    """
+    keys = [horizon_key(model, owner, s) for s in HORIZON_SLOTS]
+    blob = encode_horizon(created_before)
+    target = decode_horizon(blob)
+    for _ in range(attempts):
+        cur = [decode_horizon(b) if b is not None else None for b in store.get(keys)]
+        present = [t for t in cur if t is not None]
+        if present and max(present) >= target:
+            return max(present)
+        i = cur.index(None) if None in cur else min(range(len(cur)), key=lambda j: cur[j])
+        store.remove([keys[i]])                   # absent or the earlier: the other slot still holds the horizon
+        store.put([(keys[i], blob)])
+    now = read_horizon(store, model, owner)
+    if now is None or now < target:
+        raise RuntimeError(f"the expiry horizon could not be raised to {target:.3f} s in {attempts} tries")
+    return now
 
 
 def _selected(key: str, blob: bytes | None, selector: PurgeSelector) -> list[str] | None:
-    """The component keys of the entry whose manifest is ``blob`` if ``selector`` selects it."""
+    """The component keys of the entry whose manifest is ``blob`` if ``selector`` selects it
+    (model and owner from the key: ``hkv4/<model>/<owner>/...``)."""
     if blob is None:
         return None
     parts = key.split("/")
     try:
-        model = bytes.fromhex(parts[1])
+        model = bytes.fromhex(parts[-6])
+        owner = bytes.fromhex(parts[-5])
         m = json.loads(blob)
-        owner = bytes.fromhex(m["owner"]) if "owner" in m else None
         created = float(m["created"]) if "created" in m else None
         comps = [c["key"] for c in m["components"]]
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError):

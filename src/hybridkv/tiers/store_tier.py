@@ -1,11 +1,21 @@
 """One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
 
-A :class:`StoreTier` speaks cache ABI v3 (:mod:`hybridkv.tiers.layout`) to an
+A :class:`StoreTier` speaks cache ABI v4 (:mod:`hybridkv.tiers.layout`) to an
 :class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
 ``alignment`` (``store_alignment``) become entries. Every failure is a counted
 miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
 store exception escapes except bugs. While the store is unreachable, calls
 fail fast for ``retry_seconds`` before the store is tried again.
+
+Expiry. Every load from a store that cannot list its keys (``ObjectStore.lists_keys``
+false: Mooncake) reads, in the same batched ``get_into``, the expiry horizons
+that apply to its entries (:func:`~hybridkv.tiers.layout.reader_horizon_keys`: a purge
+by age of a store that cannot list its keys raises them, :func:`hybridkv.tiers.purge.purge_store`);
+with ``max_age_s`` the tier also keeps a standing horizon of its own (now minus
+that age). An entry whose manifest was created before the horizon is an
+``expired`` miss and is removed, manifest first, like a broken one. With
+``horizon_refresh_s`` > 0 a tier reads an owner's horizons at most that often and
+uses the last reading in between (a purge by age then reaches it within that time).
 """
 
 from __future__ import annotations
@@ -23,15 +33,19 @@ from hybridkv.cache.groups import nbytes
 from hybridkv.store.base import ObjectStore, StoreUnavailable
 from hybridkv.tiers.base import Entry, Tier
 from hybridkv.tiers.layout import (
+    HORIZON_MAX_BYTES,
     MANIFEST_MAX_BYTES,
     EntryError,
+    decode_horizon,
     decode_manifest,
     entry_components,
     entry_key,
     entry_manifest,
+    manifest_created,
+    reader_horizon_keys,
     verify_component,
 )
-from hybridkv.tiers.purge import purge_store
+from hybridkv.tiers.purge import purge_store_detail
 
 log = logging.getLogger("hybridkv.store")
 
@@ -39,7 +53,7 @@ _ALIGN = 64          # byte alignment of every slot in a load arena
 
 
 class StoreTier(Tier):
-    """Entries of one namespace in one object store (cache ABI v3).
+    """Entries of one namespace in one object store (cache ABI v4).
 
     Thread-safe: every store call and every statistics update runs under one
     lock, so a background prefetch and the engine's own calls can share a tier.
@@ -49,12 +63,29 @@ class StoreTier(Tier):
         store: the backend.
         namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
         retry_seconds: fail-fast window after the store was unreachable.
+        max_age_s: entries created longer ago than this (seconds, by the manifest's ``created``)
+            are ``expired`` misses and are removed when read; ``None``: no standing age limit.
+        horizon_refresh_s: seconds a reading of an owner's expiry horizons is reused (0: read in
+            every load batch, so a purge by age reaches every later load).
+
+    Raises:
+        ValueError: ``max_age_s`` is not a positive finite number, ``horizon_refresh_s`` is
+            negative (or the :class:`Tier` errors).
     """
 
     def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  retry_seconds: float = 2.0, name: str = "store", write_through: bool = True,
-                 write_back: bool | None = None) -> None:
+                 write_back: bool | None = None, max_age_s: float | None = None,
+                 horizon_refresh_s: float = 0.0) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back)
+        if max_age_s is not None and not (0 < max_age_s < float("inf")):
+            raise ValueError(f"max_age_s={max_age_s!r} must be a positive finite number of seconds")
+        if not (0 <= horizon_refresh_s < float("inf")):
+            raise ValueError(f"horizon_refresh_s={horizon_refresh_s!r} must be a finite number of seconds >= 0")
+        self.max_age_s = max_age_s
+        self.horizon_refresh_s = horizon_refresh_s
+        self._horizons: dict[bytes, tuple[float, float | None]] = {}   # owner -> (monotonic read time, horizon)
+        self.last_purge_hidden: float | None = None   # horizon the last purge raised (a store that cannot list)
         self.store = store
         self.retry_seconds = retry_seconds
         self._down_until = 0.0
@@ -80,12 +111,13 @@ class StoreTier(Tier):
                     self._warned = True
                 return None
 
-    def exists(self, wanted: list[tuple[bytes, str]]) -> list[bool] | None:
-        """Whether each ``(chained hash, group)`` entry's manifest exists, in one store call
-        (none for an empty query)."""
+    def exists(self, wanted: list[tuple[bytes, str]], owner: bytes | None = None) -> list[bool] | None:
+        """Whether each ``(chained hash, group)`` entry's manifest (of ``owner``) exists, in one store
+        call (none for an empty query). Expiry is not checked here (a load checks it)."""
         if not wanted:
             return []
-        return self._call(self.store.exists, [entry_key(self.namespace, h, grp, "manifest") for h, grp in wanted])
+        return self._call(self.store.exists, [entry_key(self.namespace, h, grp, "manifest", owner=owner)
+                                              for h, grp in wanted])
 
     def submit(self, fn, *args):
         """Run ``fn(*args)`` on this tier's worker thread; a ``concurrent.futures.Future``.
@@ -124,8 +156,8 @@ class StoreTier(Tier):
             self._staging = arena                   # kept only once registered
         return self._staging
 
-    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]], staging: bool = False
-                  ) -> list[dict | None]:
+    def load_many(self, hashes: list[bytes], wanted: list[tuple[int, str]], staging: bool = False,
+                  owner: bytes | None = None) -> list[dict | None]:
         """Verified components of several entries in one batched ``get_into``.
 
         Every manifest and every component this model expects lands in one
@@ -135,7 +167,8 @@ class StoreTier(Tier):
         manifest's size and checksum. The returned tensors view the arena (no
         copy). Reading the manifest in the same batch as its components is
         safe: components are committed before the manifest, and whatever was
-        read is checked against the manifest's checksums.
+        read is checked against the manifest's checksums. The expiry horizons of
+        ``owner``'s entries are read in the same batch (see the module docstring).
 
         Args:
             wanted: ``(boundary, group)`` pairs.
@@ -155,10 +188,22 @@ class StoreTier(Tier):
             slots = [("manifest", MANIFEST_MAX_BYTES)] + [
                 (n, nbytes(dt, shape)) for n, (dt, shape) in self.shapes[grp].items()]
             for name, size in slots:
-                keys.append(self._key(hashes, b, grp, name))
+                keys.append(self._key(hashes, b, grp, name, owner))
                 offsets.append(pos)
                 sizes.append(size)
                 pos += -(-size // _ALIGN) * _ALIGN
+        n_entry_keys = len(keys)
+        own = self.namespace if owner is None else owner
+        if getattr(self.store, "lists_keys", False):   # horizons are written only where keys cannot be listed
+            fresh, cached = True, (0.0, None)
+        else:
+            cached = self._horizons.get(own)
+            fresh = cached is not None and time.monotonic() - cached[0] < self.horizon_refresh_s
+        for key in () if fresh else reader_horizon_keys(self.namespace, own):
+            keys.append(key)
+            offsets.append(pos)
+            sizes.append(HORIZON_MAX_BYTES)
+            pos += -(-HORIZON_MAX_BYTES // _ALIGN) * _ALIGN
         with self._lock:
             if time.monotonic() < self._down_until:      # fail fast before touching the arena
                 self.count_miss("unreachable")
@@ -170,27 +215,54 @@ class StoreTier(Tier):
             nread = self._call(self.store.get_into, keys, views)
             if nread is None:
                 return [None] * len(wanted)
+            if fresh:
+                stored = cached[1]
+            else:
+                stored = self._stored_horizon(arena, offsets[n_entry_keys:], nread[n_entry_keys:])
+                if self.horizon_refresh_s > 0:
+                    if len(self._horizons) >= 4096:
+                        self._horizons.clear()
+                    self._horizons[own] = (time.monotonic(), stored)
+            horizon = self._horizon(stored)
             out, i = [], 0
             for b, grp in wanted:
                 n_slots = 1 + len(self.shapes[grp])
-                out.append(self._verify(hashes, b, grp, arena, offsets[i:i + n_slots], nread[i:i + n_slots]))
+                out.append(self._verify(hashes, b, grp, arena, offsets[i:i + n_slots], nread[i:i + n_slots],
+                                        owner, horizon))
                 i += n_slots
         return out
 
-    def _verify(self, hashes, b, grp, arena, offsets, nread) -> dict | None:
+    @staticmethod
+    def _stored_horizon(arena, offsets, nread) -> float | None:
+        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none."""
+        found = [decode_horizon(arena[o:o + n].tobytes()) for o, n in zip(offsets, nread) if n > 0]
+        found = [t for t in found if t is not None]
+        return max(found) if found else None
+
+    def _horizon(self, stored: float | None) -> float | None:
+        """The horizon a load applies: the later of ``stored`` and now minus ``max_age_s``."""
+        found = [t for t in (stored, None if self.max_age_s is None else time.time() - self.max_age_s)
+                 if t is not None]
+        return max(found) if found else None
+
+    def _verify(self, hashes, b, grp, arena, offsets, nread, owner=None, horizon=None) -> dict | None:
         """Decode one entry read by :meth:`load_many` (``None`` and a counted miss on failure)."""
         names = self.shapes[grp]
         mo, mn = offsets[0], nread[0]
         if mn < 0:                                  # absent, or larger than any manifest a reader accepts
-            present = self._call(self.store.exists, [self._key(hashes, b, grp)])
+            present = self._call(self.store.exists, [self._key(hashes, b, grp, owner=owner)])
             if present is not None:                 # (None: counted unreachable already)
                 self.count_miss("incomplete" if present[0] else "absent")
                 if present[0]:                      # an oversized manifest nobody can read: drop it
-                    self.invalidate(hashes, b, grp)
+                    self.invalidate(hashes, b, grp, owner)
             return None
         blob = arena[mo:mo + mn].tobytes()
         try:
-            comps = decode_manifest(blob, grp, b, names, {n: self._key(hashes, b, grp, n) for n in names})
+            comps = decode_manifest(blob, grp, b, names, {n: self._key(hashes, b, grp, n, owner) for n in names})
+            if horizon is not None:
+                created = manifest_created(blob)
+                if created is not None and created < horizon:
+                    raise EntryError("expired", "entry created before the expiry horizon")
             order = {n: j for j, n in enumerate(names)}
             parts = {}
             for c in comps:
@@ -210,7 +282,7 @@ class StoreTier(Tier):
             # Manifests are written last and only whole, so a bad one under our key is never a
             # write still in progress.
             self.count_miss(exc.reason)
-            self.invalidate(hashes, b, grp)
+            self.invalidate(hashes, b, grp, owner)
             return None
         self.stats.bytes_loaded += len(blob) + sum(c.nbytes for c in comps)
         return parts
@@ -226,8 +298,9 @@ class StoreTier(Tier):
 
         Args:
             entries: ``(chain_hash, parent_hash, group, boundary, tensors)`` tuples.
-            owner: request namespace digest they were cached under; the manifests record
-                it and their creation time (Unix seconds) for purges.
+            owner: request namespace digest they were cached under (``None``: this tier's
+                namespace): the keys' owner segment; the manifests record it and their
+                creation time (Unix seconds) for purges.
 
         Returns:
             Per entry, whether it is now visible.
@@ -238,8 +311,10 @@ class StoreTier(Tier):
             if time.monotonic() < self._down_until:
                 self.count_miss("unreachable")
                 return [False] * len(entries)
-        parts = [entry_components(self.namespace, h, group, tensors) for h, _, group, _, tensors in entries]
         put = self.store.put if owner is None else functools.partial(self.store.put_owned, owner=owner)
+        owner = self.namespace if owner is None else owner
+        parts = [entry_components(self.namespace, h, group, tensors, owner=owner)
+                 for h, _, group, _, tensors in entries]
         pending = self.submit(self._call, put, [(key, data) for cs in parts for _, key, data, _ in cs])
         now = time.time()
         manifests = [entry_manifest(self.namespace, h, parent, group, boundary, self.alignment, cs,
@@ -266,26 +341,50 @@ class StoreTier(Tier):
         self._observe("saved", [(e[0], e[2]) for e, v in zip(entries, visible) if v])
         return visible
 
-    def invalidate_chain(self, chain_hash: bytes, group: str) -> None:
-        """Remove an entry: the manifest first, then its components."""
-        self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, "manifest")])
+    def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:
+        """Remove an entry of ``owner``: the manifest first, then its components."""
+        self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, "manifest", owner=owner)])
         names = self.shapes[group]
-        self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, n) for n in names])
+        self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, n, owner=owner) for n in names])
         self._observe("removed", [(chain_hash, group)])
 
-    def purge(self, selector, chains: list[tuple[bytes, int]] = ()) -> int:
-        """Remove every entry of this store that ``selector`` selects, found by listing manifests
-        (:func:`hybridkv.tiers.purge.purge_store`; entries other engines wrote included).
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
+        """Remove every entry of this store that ``selector`` selects, entries other engines wrote
+        included (:func:`hybridkv.tiers.purge.purge_store`: by key prefix, or by listing manifests;
+        a purge by age of a store that cannot list raises an expiry horizon instead, noted in
+        :attr:`last_purge_hidden`, and removes at once those of the entries ``chains`` name whose
+        manifests are older than the cutoff).
 
         Returns:
             Entries removed, or ``-1`` when the store is unreachable.
-
-        Raises:
-            NotImplementedError: the backend cannot list its keys and the selector needs them
-                (the caller falls back to :meth:`purge_chains`).
         """
-        n = self._call(purge_store, self.store, selector)
-        if n:
+        got = self._call(purge_store_detail, self.store, selector)
+        if got is None:
+            return -1
+        self.last_purge_hidden = got.hidden_before
+        n = got.removed
+        if got.hidden_before is not None and chains:
+            n += self._expire_chains(chains, got.hidden_before)
+        if n or got.hidden_before is not None:
             self._observe("purged", [])
-        return -1 if n is None else n
+        return n
 
+    def _expire_chains(self, chains: list[tuple[bytes, int, bytes | None]], created_before: float) -> int:
+        """Remove now the entries ``chains`` name whose manifests were created before ``created_before``
+        (the rest of an age purge by horizon happens as readers meet them). Returns entries removed."""
+        removed = 0
+        by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
+        for h, b, owner in chains:
+            if b % self.alignment == 0:
+                by_owner.setdefault(owner, []).extend((h, grp) for grp in self.shapes)
+        for owner, wanted in by_owner.items():
+            blobs = self._call(self.store.get, [entry_key(self.namespace, h, grp, "manifest", owner=owner)
+                                                for h, grp in wanted])
+            if blobs is None:
+                break
+            for (h, grp), blob in zip(wanted, blobs):
+                created = manifest_created(blob) if blob is not None else None
+                if created is not None and created < created_before:
+                    self.invalidate_chain(h, grp, owner)
+                    removed += 1
+        return removed

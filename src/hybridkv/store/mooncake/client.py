@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable, check_key_pattern
+from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable, check_key_pattern, key_pattern_regex
 from hybridkv.store.mooncake.support import (
     MIN_SEGMENT_BYTES,
     NO_SPACE,
@@ -289,8 +289,8 @@ class MooncakeStore(ObjectStore):
         check_key_pattern(prefix, suffix)
         with self._lock:
             client = self._ready()
-            # '.' is the only regex metacharacter check_key_pattern lets through
-            n = client.remove_by_regex(f"^{_literal(prefix)}.*{_literal(suffix)}$", True)
+            # '.' is the only regex metacharacter check_key_pattern lets through; '*' a whole segment
+            n = client.remove_by_regex(key_pattern_regex(prefix, suffix), True)
             if n < 0:
                 self._check_failure("remove_by_regex", n)
             self._succeeded()
@@ -414,7 +414,3 @@ class MooncakeStore(ObjectStore):
         self._retry_at = time.monotonic() + self.retry_interval_s
         raise StoreUnavailable(reason)
 
-
-def _literal(text: str) -> str:
-    """``text`` (checked by :func:`check_key_pattern`) as a regex that matches it literally."""
-    return text.replace(".", "\\.")
