@@ -2,7 +2,7 @@
 replays must not change with speed work.
 
 Runs each guard case (``hybridkv replay --simulate ...``, the commands of docs/routing.md's
-"Guard:" paragraphs plus a crash and an eviction-pressure hybrid run) with the package found
+"Guard:" paragraphs plus a crash, an eviction-pressure hybrid run and one whose simulated store evicts) with the package found
 under ``--src`` (default this checkout's ``src``), writes each report to ``--out/<case>.json``
 with the keys that depend on the machine removed (``wall_seconds``, rates computed from it,
 the scratch store path), and with ``--against DIR`` compares every case field for field with
@@ -38,6 +38,10 @@ CASES = {
                            "--eviction", "value"],
     "untimed_pressure_lru": ["--limit", "2000", *PRESSURE],
     "untimed_pressure_value": ["--limit", "2000", *PRESSURE, "--eviction", "value"],
+    "t32_hybrid_store64": ["--timed", "--instances", "32", "--router", "hybrid", *K48, "--limit", "2000",
+                           "--store-gib", "64"],
+    "t32_leastload_store128": ["--timed", "--instances", "32", "--router", "least-load", *K48, "--limit", "2000",
+                               "--store-gib", "128"],
     "t8_hybrid_crash": ["--timed", "--instances", "8", "--router", "hybrid", *K48, "--limit", "1500",
                         "--time-scale", "0.5", "--crash", "0@100", "--restart", "3@200"],
 }

@@ -15,8 +15,9 @@ defaults are this project's Mooncake measurements (docs/benchmarks.md, docs/moon
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import repeat
 
 from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
@@ -114,12 +115,14 @@ class StoreView(InstanceView):
         self._unit_bytes = unit * kv_bytes_per_token
         self._ckpt_bytes = checkpoint_bytes
         self._track = kv_bytes_per_token > 0 and checkpoint_bytes > 0          # bytes counted (and evicted)
-        self._lru: OrderedDict[tuple[bool, bytes], int] = OrderedDict()   # (is checkpoint, key) -> bytes
+        # least recently used first: a unit's KV under its key (bytes), a checkpoint under
+        # ``(True, key)``; the value is the bytes charged
+        self._lru: OrderedDict[bytes | tuple[bool, bytes], int] = OrderedDict()
         self.bytes_held = 0
         self.bytes_peak = 0
         self.evicted_bytes = 0
 
-    def _charge(self, key: tuple[bool, bytes], size: int) -> None:
+    def _charge(self, key: bytes | tuple[bool, bytes], size: int) -> None:
         if key in self._lru:
             self._lru.move_to_end(key)
             return
@@ -127,33 +130,40 @@ class StoreView(InstanceView):
         self.bytes_held += size
 
     def _evict_to_fit(self) -> None:
-        while self.bytes_held > self.capacity_bytes and self._lru:
-            (is_ckpt, key), size = self._lru.popitem(last=False)
-            self.bytes_held -= size
-            self.evicted_bytes += size
-            self.checkpoints.discard(key)
-            if not is_ckpt:
-                self.kv.discard(key)
-                ck = (True, key)
-                if ck in self._lru:
-                    self.bytes_held -= self._lru.pop(ck)
-                    self.evicted_bytes += self._ckpt_bytes
+        lru, kv, ck = self._lru, self.kv, self.checkpoints
+        held, evicted = self.bytes_held, self.evicted_bytes
+        popitem, cap = lru.popitem, self.capacity_bytes
+        while held > cap and lru:
+            key, size = popitem(last=False)
+            held -= size
+            evicted += size
+            if type(key) is tuple:                         # a checkpoint alone
+                ck.discard(key[1])
+                continue
+            kv.discard(key)                                # a unit takes its checkpoint with it
+            if key in ck:
+                ck.discard(key)
+                size = lru.pop((True, key), None)
+                if size is not None:
+                    held -= size
+                    evicted += self._ckpt_bytes
+        self.bytes_held, self.evicted_bytes = held, evicted
 
     def apply(self, event: CacheEvent) -> None:
         """Add what was stored (evicting the least recently used beyond the capacity);
         removals, clears and epochs do not reach the store."""
         if event.kind is EventKind.BLOCKS_STORED:
-            self.kv.update(event.keys)
-            if self._track:                                # _charge, inlined (one call per unit)
-                lru, size, added = self._lru, self._unit_bytes, 0
-                for k in event.keys:
-                    key = (False, k)
-                    if key in lru:
-                        lru.move_to_end(key)
-                    else:
-                        lru[key] = size
-                        added += size
-                self.bytes_held += added
+            keys = event.keys
+            self.kv.update(keys)
+            if self._track:
+                # each unit becomes most recently used, in the event's order (a unit already held is
+                # moved, a new one charged): the keys of one event are distinct (one chain), so
+                # taking the held ones out and appending all in order is the same, in C loops
+                lru = self._lru
+                before = len(lru)
+                deque(map(lru.pop, keys, repeat(None)), maxlen=0)
+                lru.update(zip(keys, repeat(self._unit_bytes)))
+                self.bytes_held += (len(lru) - before) * self._unit_bytes
         elif event.kind is EventKind.CHECKPOINTS_STORED:
             if event.boundaries:                           # the store tier writes entry boundaries only
                 a, kv = self.alignment, self.kv
@@ -176,8 +186,8 @@ class StoreView(InstanceView):
             return
         lru = self._lru
         for k in hashes[: end // self.unit]:
-            if (False, k) in lru:
-                lru.move_to_end((False, k))
+            if k in lru:
+                lru.move_to_end(k)
         if end and (True, hashes[end // self.unit - 1]) in lru:
             lru.move_to_end((True, hashes[end // self.unit - 1]))
 
