@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
+from hybridkv.cache.groups import FULL, KDA, JointHit
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 
 MOONCAKE_LOAD_BYTES_PER_S = 1.1e9
@@ -195,5 +195,11 @@ class StoreView(InstanceView):
         """The joint hit over whole store entries (boundaries at multiples of ``alignment``)."""
         g, a, ck = self.unit, self.alignment, self.checkpoints
         run = self.kv_run(hashes, limit)
-        bounds = [EntryPresence(e, True, hashes[e // g - 1] in ck) for e in range(a, run + 1, a)]
-        return joint_hit(bounds, limit)
+        # joint_hit over the entries [EntryPresence(e, True, C(P_e) held) for e = a, 2a, ... <= run]
+        # (run <= limit), computed directly: every entry has its KV, so the full group's hit is the
+        # last entry, the KDA group's the deepest with a checkpoint, and they agree at the latter
+        top = run // a * a
+        hit = top
+        while hit and hashes[hit // g - 1] not in ck:
+            hit -= a
+        return JointHit(hit, {FULL: top, KDA: hit})
