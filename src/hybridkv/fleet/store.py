@@ -15,7 +15,7 @@ defaults are this project's Mooncake measurements (docs/benchmarks.md, docs/moon
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -115,38 +115,62 @@ class StoreView(InstanceView):
         self._unit_bytes = unit * kv_bytes_per_token
         self._ckpt_bytes = checkpoint_bytes
         self._track = kv_bytes_per_token > 0 and checkpoint_bytes > 0          # bytes counted (and evicted)
-        # least recently used first: a unit's KV under its key (bytes), a checkpoint under
-        # ``(True, key)``; the value is the bytes charged
-        self._lru: OrderedDict[bytes | tuple[bool, bytes], int] = OrderedDict()
+        # Least recently used order, lazily: ``_last`` maps each held entry (a unit's KV under its
+        # key, a checkpoint under ``(True, key)``) to the stamp of its last use, and ``_uses`` holds
+        # every use in order as ``(stamp, entries)``, one per stored event or load, sharing the
+        # event's key tuple. An entry's place in the order is its occurrence in the use whose stamp
+        # ``_last`` holds (later occurrences supersede earlier ones, which are skipped when
+        # reached): the order an OrderedDict moved to the end on each use would have, at one dict
+        # store per entry and use. ``_head`` is how far the oldest use has been consumed.
+        self._last: dict[bytes | tuple[bool, bytes], int] = {}
+        self._uses: deque[tuple[int, tuple]] = deque()
+        self._head = 0
+        self._stamp = 0
         self.bytes_held = 0
         self.bytes_peak = 0
         self.evicted_bytes = 0
 
-    def _charge(self, key: bytes | tuple[bool, bytes], size: int) -> None:
-        if key in self._lru:
-            self._lru.move_to_end(key)
-            return
-        self._lru[key] = size
-        self.bytes_held += size
+    def _use(self, entries) -> int:
+        """Make ``entries`` (distinct) the most recently used, in order; returns how many were new."""
+        self._stamp += 1
+        last = self._last
+        before = len(last)
+        last.update(zip(entries, repeat(self._stamp)))
+        if self.capacity_bytes is not None:               # without a capacity nothing is evicted
+            self._uses.append((self._stamp, entries))
+        return len(last) - before
 
     def _evict_to_fit(self) -> None:
-        lru, kv, ck = self._lru, self.kv, self.checkpoints
-        held, evicted = self.bytes_held, self.evicted_bytes
-        popitem, cap = lru.popitem, self.capacity_bytes
-        while held > cap and lru:
-            key, size = popitem(last=False)
-            held -= size
-            evicted += size
-            if type(key) is tuple:                         # a checkpoint alone
-                ck.discard(key[1])
-                continue
-            kv.discard(key)                                # a unit takes its checkpoint with it
-            if key in ck:
-                ck.discard(key)
-                size = lru.pop((True, key), None)
-                if size is not None:
-                    held -= size
-                    evicted += self._ckpt_bytes
+        last, uses, kv, ck = self._last, self._uses, self.kv, self.checkpoints
+        held, evicted, cap = self.bytes_held, self.evicted_bytes, self.capacity_bytes
+        unit_b, ck_b = self._unit_bytes, self._ckpt_bytes
+        i = self._head
+        while held > cap and last:
+            stamp, entries = uses[0]
+            n = len(entries)
+            while i < n and held > cap:
+                key = entries[i]
+                i += 1
+                if last.get(key) != stamp:                 # used again later: not its place
+                    continue
+                del last[key]
+                if type(key) is tuple:                     # a checkpoint alone
+                    held -= ck_b
+                    evicted += ck_b
+                    ck.discard(key[1])
+                    continue
+                held -= unit_b
+                evicted += unit_b
+                kv.discard(key)                            # a unit takes its checkpoint with it
+                if key in ck:
+                    ck.discard(key)
+                    if last.pop((True, key), None) is not None:
+                        held -= ck_b
+                        evicted += ck_b
+            if i >= n:
+                uses.popleft()
+                i = 0
+        self._head = i
         self.bytes_held, self.evicted_bytes = held, evicted
 
     def apply(self, event: CacheEvent) -> None:
@@ -155,15 +179,8 @@ class StoreView(InstanceView):
         if event.kind is EventKind.BLOCKS_STORED:
             keys = event.keys
             self.kv.update(keys)
-            if self._track:
-                # each unit becomes most recently used, in the event's order (a unit already held is
-                # moved, a new one charged): the keys of one event are distinct (one chain), so
-                # taking the held ones out and appending all in order is the same, in C loops
-                lru = self._lru
-                before = len(lru)
-                deque(map(lru.pop, keys, repeat(None)), maxlen=0)
-                lru.update(zip(keys, repeat(self._unit_bytes)))
-                self.bytes_held += (len(lru) - before) * self._unit_bytes
+            if self._track:          # the keys of one event are distinct (one chain)
+                self.bytes_held += self._use(keys) * self._unit_bytes
         elif event.kind is EventKind.CHECKPOINTS_STORED:
             if event.boundaries:                           # the store tier writes entry boundaries only
                 a, kv = self.alignment, self.kv
@@ -171,9 +188,8 @@ class StoreView(InstanceView):
             else:
                 new = [k for k in event.keys if k in self.kv]
             self.checkpoints.update(new)
-            if self._track:
-                for k in new:
-                    self._charge((True, k), self._ckpt_bytes)
+            if self._track and new:
+                self.bytes_held += self._use(tuple((True, k) for k in new)) * self._ckpt_bytes
         else:
             return
         if self.capacity_bytes is not None:
@@ -184,12 +200,12 @@ class StoreView(InstanceView):
         """A load read the KV of ``[0, end)`` and the checkpoint at ``end``: most recently used."""
         if not self._track:
             return
-        lru = self._lru
-        for k in hashes[: end // self.unit]:
-            if k in lru:
-                lru.move_to_end(k)
-        if end and (True, hashes[end // self.unit - 1]) in lru:
-            lru.move_to_end((True, hashes[end // self.unit - 1]))
+        last = self._last
+        used = [k for k in hashes[: end // self.unit] if k in last]
+        if end and (True, hashes[end // self.unit - 1]) in last:
+            used.append((True, hashes[end // self.unit - 1]))
+        if used:
+            self._use(tuple(used))
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit over whole store entries (boundaries at multiples of ``alignment``)."""
