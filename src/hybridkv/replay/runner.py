@@ -284,7 +284,7 @@ def _fewer_collections(on: bool):
     about 2 of the 17 CPU seconds of a whole-trace timed run at 32 instances (docs/routing.md,
     "Simulator speed"). Reference counting still frees everything acyclic at once, and index
     nodes break their own cycles when removed, so memory does not wait on the collector: the
-    whole-trace run peaked at 2.02 GB with the collector off against 2.07 GB with it on.
+    whole-trace run peaked at 2,019 MiB with the collector off against 2,021 MiB with it on.
 
     On the way out every object tracked by the collector is moved to the oldest generation
     (``gc.freeze`` then ``gc.unfreeze``, which splice lists and traverse nothing) before the
