@@ -139,3 +139,17 @@ def test_whole_trace_about_37_percent(trace):
     assert 0.36 < rate < 0.38
     scaled = oracle_from_trace(trace, 16, 16)
     assert abs(scaled.token_hit_rate - rate) < 0.005
+
+
+def test_block_run_trie_answers_as_the_cache_block_trie_on_the_trace(trace):
+    """The per-trace-block trie (one node a trace block) against the cache-block trie fed one key
+    a cache block, at the simulator's 64-token unit in 512-token trace blocks."""
+    from hybridkv.replay.oracle import _BlockRunTrie, _PrefixTrie
+    from hybridkv.replay.trace import scaled_input_length
+
+    runs, units = _BlockRunTrie(), _PrefixTrie()
+    for r in trace[:3000]:
+        length = scaled_input_length(r, 512)
+        n, cap = length // 64, (length - 1) // 64
+        keys = [r.hash_ids[j // 8] for j in range(n)]
+        assert runs.match_then_insert(r.hash_ids, n, 8, cap) == units.match_then_insert(keys, cap)

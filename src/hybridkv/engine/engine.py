@@ -147,7 +147,10 @@ class Engine:
         if lo < 0 or (vocab is not None and hi >= vocab):
             bad = lo if lo < 0 else hi
             raise ValueError(f"request {rid}: token id {bad} outside [0, {vocab if vocab is not None else 'inf'})")
-        req.prompt = prompt.astype(np.int64)
+        if prompt.dtype != np.int64 or prompt.flags.writeable:
+            prompt = prompt.astype(np.int64)  # a private copy: the caller may change its array later
+        req.prompt = prompt                   # a read-only int64 array is kept (a simulated replay's
+        #                                       placeholder prompts: views of one zero buffer)
         if not isinstance(req.max_output_tokens, int) or isinstance(req.max_output_tokens, bool) \
                 or req.max_output_tokens < 1:
             raise ValueError(f"request {rid}: max_output_tokens={req.max_output_tokens!r} must be an integer >= 1")
@@ -326,7 +329,9 @@ class Engine:
             if r.status == Status.DECODE:
                 ids = torch.tensor([r.output[-1]], dtype=torch.long)
             else:
-                ids = torch.from_numpy(r.prompt[c.start:c.end])
+                ids = r.prompt[c.start:c.end]
+                # torch wants a writable array: a read-only prompt (kept uncopied) is copied per chunk
+                ids = torch.from_numpy(ids if ids.flags.writeable else ids.copy())
             items.append(StepItem(ids, c.start, r.alloc.block_table, r.alloc.state,
                                   mechanism.backend_captures(c.capture), r.record_logits))
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import islice
 
 from hybridkv.cache.coordinator import EvictedEntry
 from hybridkv.cache.groups import FULL, KDA, JointHit
@@ -157,7 +158,7 @@ class InstanceView:
         """Contiguous KV from token 0 over ``hashes`` (whole units), at most ``limit`` tokens."""
         n = 0
         kv = self.kv
-        for key in hashes[: limit // self.unit]:
+        for key in islice(hashes, limit // self.unit):      # no copy of the prompt's hashes
             if key not in kv:
                 break
             n += 1
@@ -177,7 +178,7 @@ class InstanceView:
         # group's hit is the run, the KDA group's the deepest checkpoint on it, and they agree
         # at the latter; computed directly (this runs for every instance on every arrival).
         run = 0
-        for key in hashes[: limit // g]:
+        for key in islice(hashes, limit // g):
             if key not in kv:
                 break
             run += 1

@@ -15,10 +15,11 @@ defaults are this project's Mooncake measurements (docs/benchmarks.md, docs/moon
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 
-from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
+from hybridkv.cache.groups import FULL, KDA, JointHit
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 
 MOONCAKE_LOAD_BYTES_PER_S = 1.1e9
@@ -114,46 +115,72 @@ class StoreView(InstanceView):
         self._unit_bytes = unit * kv_bytes_per_token
         self._ckpt_bytes = checkpoint_bytes
         self._track = kv_bytes_per_token > 0 and checkpoint_bytes > 0          # bytes counted (and evicted)
-        self._lru: OrderedDict[tuple[bool, bytes], int] = OrderedDict()   # (is checkpoint, key) -> bytes
+        # Least recently used order, lazily: ``_last`` maps each held entry (a unit's KV under its
+        # key, a checkpoint under ``(True, key)``) to the stamp of its last use, and ``_uses`` holds
+        # every use in order as ``(stamp, entries)``, one per stored event or load, sharing the
+        # event's key tuple. An entry's place in the order is its occurrence in the use whose stamp
+        # ``_last`` holds (later occurrences supersede earlier ones, which are skipped when
+        # reached): the order an OrderedDict moved to the end on each use would have, at one dict
+        # store per entry and use. ``_head`` is how far the oldest use has been consumed.
+        self._last: dict[bytes | tuple[bool, bytes], int] = {}
+        self._uses: deque[tuple[int, tuple]] = deque()
+        self._head = 0
+        self._stamp = 0
         self.bytes_held = 0
         self.bytes_peak = 0
         self.evicted_bytes = 0
 
-    def _charge(self, key: tuple[bool, bytes], size: int) -> None:
-        if key in self._lru:
-            self._lru.move_to_end(key)
-            return
-        self._lru[key] = size
-        self.bytes_held += size
+    def _use(self, entries) -> int:
+        """Make ``entries`` (distinct) the most recently used, in order; returns how many were new."""
+        self._stamp += 1
+        last = self._last
+        before = len(last)
+        last.update(zip(entries, repeat(self._stamp)))
+        if self.capacity_bytes is not None:               # without a capacity nothing is evicted
+            self._uses.append((self._stamp, entries))
+        return len(last) - before
 
     def _evict_to_fit(self) -> None:
-        while self.bytes_held > self.capacity_bytes and self._lru:
-            (is_ckpt, key), size = self._lru.popitem(last=False)
-            self.bytes_held -= size
-            self.evicted_bytes += size
-            self.checkpoints.discard(key)
-            if not is_ckpt:
-                self.kv.discard(key)
-                ck = (True, key)
-                if ck in self._lru:
-                    self.bytes_held -= self._lru.pop(ck)
-                    self.evicted_bytes += self._ckpt_bytes
+        last, uses, kv, ck = self._last, self._uses, self.kv, self.checkpoints
+        held, evicted, cap = self.bytes_held, self.evicted_bytes, self.capacity_bytes
+        unit_b, ck_b = self._unit_bytes, self._ckpt_bytes
+        i = self._head
+        while held > cap and last:
+            stamp, entries = uses[0]
+            n = len(entries)
+            while i < n and held > cap:
+                key = entries[i]
+                i += 1
+                if last.get(key) != stamp:                 # used again later: not its place
+                    continue
+                del last[key]
+                if type(key) is tuple:                     # a checkpoint alone
+                    held -= ck_b
+                    evicted += ck_b
+                    ck.discard(key[1])
+                    continue
+                held -= unit_b
+                evicted += unit_b
+                kv.discard(key)                            # a unit takes its checkpoint with it
+                if key in ck:
+                    ck.discard(key)
+                    if last.pop((True, key), None) is not None:
+                        held -= ck_b
+                        evicted += ck_b
+            if i >= n:
+                uses.popleft()
+                i = 0
+        self._head = i
+        self.bytes_held, self.evicted_bytes = held, evicted
 
     def apply(self, event: CacheEvent) -> None:
         """Add what was stored (evicting the least recently used beyond the capacity);
         removals, clears and epochs do not reach the store."""
         if event.kind is EventKind.BLOCKS_STORED:
-            self.kv.update(event.keys)
-            if self._track:                                # _charge, inlined (one call per unit)
-                lru, size, added = self._lru, self._unit_bytes, 0
-                for k in event.keys:
-                    key = (False, k)
-                    if key in lru:
-                        lru.move_to_end(key)
-                    else:
-                        lru[key] = size
-                        added += size
-                self.bytes_held += added
+            keys = event.keys
+            self.kv.update(keys)
+            if self._track:          # the keys of one event are distinct (one chain)
+                self.bytes_held += self._use(keys) * self._unit_bytes
         elif event.kind is EventKind.CHECKPOINTS_STORED:
             if event.boundaries:                           # the store tier writes entry boundaries only
                 a, kv = self.alignment, self.kv
@@ -161,9 +188,8 @@ class StoreView(InstanceView):
             else:
                 new = [k for k in event.keys if k in self.kv]
             self.checkpoints.update(new)
-            if self._track:
-                for k in new:
-                    self._charge((True, k), self._ckpt_bytes)
+            if self._track and new:
+                self.bytes_held += self._use(tuple((True, k) for k in new)) * self._ckpt_bytes
         else:
             return
         if self.capacity_bytes is not None:
@@ -174,16 +200,22 @@ class StoreView(InstanceView):
         """A load read the KV of ``[0, end)`` and the checkpoint at ``end``: most recently used."""
         if not self._track:
             return
-        lru = self._lru
-        for k in hashes[: end // self.unit]:
-            if (False, k) in lru:
-                lru.move_to_end((False, k))
-        if end and (True, hashes[end // self.unit - 1]) in lru:
-            lru.move_to_end((True, hashes[end // self.unit - 1]))
+        last = self._last
+        used = [k for k in hashes[: end // self.unit] if k in last]
+        if end and (True, hashes[end // self.unit - 1]) in last:
+            used.append((True, hashes[end // self.unit - 1]))
+        if used:
+            self._use(tuple(used))
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit over whole store entries (boundaries at multiples of ``alignment``)."""
         g, a, ck = self.unit, self.alignment, self.checkpoints
         run = self.kv_run(hashes, limit)
-        bounds = [EntryPresence(e, True, hashes[e // g - 1] in ck) for e in range(a, run + 1, a)]
-        return joint_hit(bounds, limit)
+        # joint_hit over the entries [EntryPresence(e, True, C(P_e) held) for e = a, 2a, ... <= run]
+        # (run <= limit), computed directly: every entry has its KV, so the full group's hit is the
+        # last entry, the KDA group's the deepest with a checkpoint, and they agree at the latter
+        top = run // a * a
+        hit = top
+        while hit and hashes[hit // g - 1] not in ck:
+            hit -= a
+        return JointHit(hit, {FULL: top, KDA: hit})

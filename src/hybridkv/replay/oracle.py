@@ -84,6 +84,54 @@ class _PrefixTrie:
         return min(matched, max_blocks)
 
 
+class _BlockRunTrie:
+    """A :class:`_PrefixTrie` over cache blocks whose key is their trace block's id, kept per trace
+    block: ``per`` consecutive cache blocks share one id, so one node stands for the run of them
+    in one trace block and remembers the most of them any inserted prompt covered (``cover``).
+
+    Invariant: node 0 is the empty prefix; node ``n`` at depth ``d`` stands for the prefixes
+    whose first ``d`` trace ids are its path; the cache-block trie :class:`_PrefixTrie` would
+    hold the first ``cover[n]`` cache blocks of trace block ``d - 1`` under that path, and a
+    child exists only below a node with ``cover == per`` (a prompt reached past its block).
+    So :meth:`match_then_insert` answers what :class:`_PrefixTrie` would for the keys
+    ``[ids[j // per] for j in range(n_blocks)]``, with one dict lookup per trace block.
+    """
+
+    __slots__ = ("_edges", "_cover")
+
+    def __init__(self) -> None:
+        self._edges: dict[tuple[int, object], int] = {}
+        self._cover: list[int] = [0]
+
+    def match_then_insert(self, ids: Sequence[object], n_blocks: int, per: int, max_blocks: int) -> int:
+        """Whole cache blocks of the prompt already present (at most ``max_blocks``); then insert
+        all ``n_blocks`` (cache block ``j`` keyed by ``ids[j // per]``)."""
+        edges, cover = self._edges, self._cover
+        get = edges.get
+        node, matched, b = 0, 0, 0
+        n_trace = -(-n_blocks // per)                 # trace blocks the prompt's cache blocks touch
+        walking = True
+        while b < n_trace:
+            mine = min(per, n_blocks - b * per)       # cache blocks of trace block b
+            child = get((node, ids[b])) if walking else None
+            if child is None:                         # new from here on
+                walking = False
+                child = len(cover)
+                edges[(node, ids[b])] = child
+                cover.append(mine)
+            else:
+                have = cover[child]
+                matched += min(have, mine)
+                if have < mine:                       # nothing lies deeper (no prompt got past it)
+                    cover[child] = mine
+                    walking = False
+                elif have < per:                      # the walk ends inside this trace block
+                    walking = False
+            node = child
+            b += 1
+        return min(matched, max_blocks)
+
+
 def _check_block_size(block_size: int) -> None:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -136,7 +184,7 @@ def oracle_from_trace(
     _check_block_size(block_size)
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    trie = _PrefixTrie()
+    trie, runs = _PrefixTrie(), _BlockRunTrie()    # the one that fits the block sizes is used
     per_request: list[int] = []
     lengths: list[int] = []
     aligned = block_size % block_tokens == 0
@@ -151,7 +199,10 @@ def oracle_from_trace(
             keys = [ids[j * step : (j + 1) * step] for j in range(n_whole)]
         elif block_tokens % block_size == 0:      # each cache block inside one trace block: its id is the key
             per = block_tokens // block_size
-            keys = [ids[j // per] for j in range(n_whole)]
+            blocks = runs.match_then_insert(ids, n_whole, per, _cap_blocks(length, block_size))
+            per_request.append(blocks * block_size)
+            lengths.append(length)
+            continue
         else:
             keys = [
                 ids[(j * block_size) // block_tokens : ((j + 1) * block_size - 1) // block_tokens + 1]

@@ -186,6 +186,12 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         ValueError: an unknown model preset or bad model directory; ``instances`` below 1 or above
             the number of requests.
     """
+    with _fewer_collections(opts.simulate):      # from the trace load to the report
+        return _replay(opts, console)
+
+
+def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
+    """:func:`run_replay`'s work."""
     console = console or Console(stderr=True)
     t0 = time.perf_counter()
     load = load_trace(opts.trace, limit=opts.limit, skip_bad=opts.skip_bad)
@@ -237,9 +243,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
                           host_groups=tuple(opts.host_groups), simulate=opts.simulate,
                           trace=reqs[k::n] if units is not None else [], units=units)
              for k in range(n)]
-    with _fewer_collections(opts.simulate), \
-            Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                     console=console, disable=not opts.progress, transient=False) as bar:
+    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not opts.progress, transient=False) as bar:
         task = bar.add_task("requests", total=len(reqs))
         timed = None
         try:
@@ -268,26 +273,37 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
     return report
 
 
-SIMULATE_GC_THRESHOLD = (100_000, 50, 1000)
-"""``gc.set_threshold`` while a simulated replay runs in this process (Python's default is
-``(700, 10, 10)``): the simulated cache allocates millions of long-lived index nodes, and the
-default thresholds spend about a quarter of a whole-trace timed run's CPU seconds in
-collections that find nothing (docs/routing.md, "Simulator speed"). Index nodes break their
-own cycles when removed, so memory does not wait on the collector."""
-
-
 @contextmanager
 def _fewer_collections(on: bool):
-    """:data:`SIMULATE_GC_THRESHOLD` inside the block when ``on``; the previous thresholds after."""
+    """No cyclic garbage collection inside the block when ``on`` (a simulated replay); the
+    collector's previous state after.
+
+    The simulated cache allocates millions of long-lived index nodes, and every collection
+    of the young generations traverses them once or twice while finding nothing: with the
+    thresholds raised to ``(100_000, 50, 1000)`` (the previous setting) collections still took
+    about 2 of the 17 CPU seconds of a whole-trace timed run at 32 instances (docs/routing.md,
+    "Simulator speed"). Reference counting still frees everything acyclic at once, and index
+    nodes break their own cycles when removed, so memory does not wait on the collector: the
+    whole-trace run peaked at 2,019 MiB with the collector off against 2,021 MiB with it on.
+
+    On the way out every object tracked by the collector is moved to the oldest generation
+    (``gc.freeze`` then ``gc.unfreeze``, which splice lists and traverse nothing) before the
+    collector is enabled again: else its first young collection would traverse everything
+    allocated during the run (1.8 s for the whole trace). What the run leaves (its fleet, a
+    cyclic structure) then waits for a full collection, as it did with the raised thresholds.
+    """
     if not on:
         yield
         return
-    old = gc.get_threshold()
-    gc.set_threshold(*SIMULATE_GC_THRESHOLD)
+    was = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*old)
+        gc.freeze()
+        gc.unfreeze()
+        if was:
+            gc.enable()
 
 
 def _output_length(opts: ReplayOptions, r) -> int:
