@@ -305,3 +305,16 @@ def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_mod
     assert counts.device_nodes == 1100 // 64                          # the installed units included
     assert f.cache.lookup(pa, TENANT_A, touch=False).kv_hit == 0
     assert run(f, pa, TENANT_A, "after").reused == 0
+
+
+@pytest.mark.parametrize("cutoff", [float("nan"), float("inf"), float("-inf")])
+def test_a_purge_by_age_refuses_a_cutoff_that_is_not_finite(tiny_model, store, cutoff):
+    # NaN compared false with every stamp, so PurgeSelector(created_before=nan) selected every entry
+    # (a listing store lost them all); inf crashed the horizon path with an unnamed OverflowError.
+    v = tiny_model.config.vocab_size
+    p = tokens(22, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, p, TENANT_A, "write")
+    with pytest.raises(ValueError, match=f"created_before={cutoff!r}"):
+        PurgeSelector(owners={TENANT_A}, created_before=cutoff)
+    assert held_in(st, e, p, TENANT_A) == [True, True]
