@@ -267,7 +267,7 @@ def _cache_purge(args, console: Console) -> int:
         return fail("--store none has nothing to purge")
     try:
         got = purge_store_detail(store, selector)
-    except (StoreUnavailable, RuntimeError) as exc:
+    except (StoreUnavailable, RuntimeError, ValueError) as exc:
         return fail(str(exc))
     finally:
         store.close()

@@ -318,3 +318,36 @@ def test_a_purge_by_age_refuses_a_cutoff_that_is_not_finite(tiny_model, store, c
     with pytest.raises(ValueError, match=f"created_before={cutoff!r}"):
         PurgeSelector(owners={TENANT_A}, created_before=cutoff)
     assert held_in(st, e, p, TENANT_A) == [True, True]
+
+
+def test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store):
+    # A horizon never goes back and nothing removes one, so a cutoff in the future (a stamp in ms
+    # instead of s: year ~58000) expired every entry of its scope for good, ones written later
+    # included; a garbage object ("1e308") under a horizon key did the same, and made a real purge
+    # by age believe its horizon was already raised.
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.tiers.layout import HORIZON_MAX_AHEAD_S, horizon_key
+    from hybridkv.tiers.purge import raise_horizon, read_horizon
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    ms = time.time() * 1000
+    with pytest.raises(ValueError, match="in the future"):
+        raise_horizon(store, None, None, ms)
+    with pytest.raises(ValueError, match="in the future"):
+        purge_store_detail(store, PurgeSelector(created_before=ms))
+    assert store.exists([horizon_key(None, None, s) for s in "ab"]) == [False, False]   # nothing written
+    store.put([(horizon_key(None, None, "a"), b"1e308"),
+               (horizon_key(None, None, "b"), f"{time.time() + 2 * HORIZON_MAX_AHEAD_S:.3f}".encode())])
+    assert read_horizon(store, None, None) is None
+    v = tiny_model.config.vocab_size
+    p, q = tokens(23, 1100, v), tokens(24, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    cutoff = _stamped_apart(e, (p, None, "old"), (q, None, "new"))
+    f, _, f_st = three_tiers(tiny_model, store)
+    assert run(f, q, None, "read").reused == BLOCK and f_st.stats.misses["expired"] == 0   # garbage ignored
+    assert raise_horizon(store, None, None, cutoff) >= cutoff      # a real purge by age replaces garbage
+    g, _, g_st = three_tiers(tiny_model, store)
+    assert run(g, p, None, "old again").reused == 0 and g_st.stats.misses["expired"] >= 2
+    assert run(g, q, None, "new again").reused == BLOCK

@@ -234,8 +234,11 @@ class StoreTier(Tier):
 
     @staticmethod
     def _stored_horizon(arena, offsets, nread) -> float | None:
-        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none."""
-        found = [decode_horizon(arena[o:o + n].tobytes()) for o, n in zip(offsets, nread) if n > 0]
+        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none (slots
+        that hold no horizon, or one implausibly far ahead of this clock, are ignored:
+        :func:`~hybridkv.tiers.layout.decode_horizon`)."""
+        now = time.time()
+        found = [decode_horizon(arena[o:o + n].tobytes(), now) for o, n in zip(offsets, nread) if n > 0]
         found = [t for t in found if t is not None]
         return max(found) if found else None
 
