@@ -351,3 +351,23 @@ def test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model,
     g, _, g_st = three_tiers(tiny_model, store)
     assert run(g, p, None, "old again").reused == 0 and g_st.stats.misses["expired"] >= 2
     assert run(g, q, None, "new again").reused == BLOCK
+
+
+def test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(tiny_model, store):
+    # With horizon_refresh_s > 0 the tier reused its last reading (no horizon) after raising one itself,
+    # so the engine that ran the purge still installed a purged entry no device of its held.
+    from tier_helpers import UnlistedStore
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    v = tiny_model.config.vocab_size
+    p, q = tokens(25, 1100, v), tokens(26, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, p, None, "write p"), run(e, q, None, "write q")
+    f, f_host, f_st = three_tiers(tiny_model, store)
+    f_st.horizon_refresh_s = 3600.0
+    assert run(f, p, None, "read p: horizons read and kept").reused == BLOCK
+    time.sleep(0.01)
+    counts = purge(f.cache, [f_host, f_st], PurgeSelector(created_before=time.time()))
+    assert counts.hidden == ["store"]
+    assert run(f, q, None, "q after the purge").reused == 0 and f_st.stats.misses["expired"] >= 2

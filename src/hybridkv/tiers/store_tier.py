@@ -66,7 +66,8 @@ class StoreTier(Tier):
         max_age_s: entries created longer ago than this (seconds, by the manifest's ``created``)
             are ``expired`` misses and are removed when read; ``None``: no standing age limit.
         horizon_refresh_s: seconds a reading of an owner's expiry horizons is reused (0: read in
-            every load batch, so a purge by age reaches every later load).
+            every load batch, so a purge by age reaches every later load; a purge by age through
+            this tier's own :meth:`purge` drops its readings, so it reaches this tier's next load).
 
     Raises:
         ValueError: ``max_age_s`` is not a positive finite number, ``horizon_refresh_s`` is
@@ -365,6 +366,9 @@ class StoreTier(Tier):
         if got is None:
             return -1
         self.last_purge_hidden = got.hidden_before
+        if got.hidden_before is not None:
+            with self._lock:
+                self._horizons.clear()              # this tier's next loads read the horizon it just raised
         n = got.removed
         if got.hidden_before is not None and chains:
             n += self._expire_chains(chains, got.hidden_before)
