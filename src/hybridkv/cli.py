@@ -347,16 +347,19 @@ def _replay(args, console: Console) -> int:
 
 
 def _faults_not_done(args, report, console: Console) -> None:
-    """Warn (stderr) of each ``--crash`` / ``--restart`` asked for that did not happen: the fleet had
-    no work left by then (the report lists only those done)."""
+    """Warn (stderr) of each ``--crash`` / ``--restart`` asked for that did not happen, with the
+    reason: the instance was down then (a crash while it is down from an earlier one does
+    nothing), or the fleet had no work left by then (the report lists only those done)."""
     for flag, asked, done in (("--crash", args.crashes, report.crashes), ("--restart", args.restarts, report.restarts)):
         left = [tuple(a) for a in asked or ()]
         for d in done or ():
             if (d["instance"], d["requested"]) in left:
                 left.remove((d["instance"], d["requested"]))
         for j, at in left:
-            console.print(f"[yellow]warning:[/yellow] {flag} {j}@{at:g} not done: the fleet's work ended at "
-                          f"{report.makespan_seconds:g} s", markup=True, highlight=False)
+            down = [c for c in report.crashes or () if c["instance"] == j and c["at"] <= at <= c["back_at"]]
+            why = (f"instance {j} was down then (crashed at {down[0]['at']:g} s, back at {down[0]['back_at']:g} s)"
+                   if down else f"the fleet's work ended at {report.makespan_seconds:g} s")
+            console.print(f"[yellow]warning:[/yellow] {flag} {j}@{at:g} not done: {why}", markup=True, highlight=False)
 
 
 def _store_unavailable(url: str) -> str | None:
