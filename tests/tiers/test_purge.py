@@ -371,3 +371,15 @@ def test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_hori
     counts = purge(f.cache, [f_host, f_st], PurgeSelector(created_before=time.time()))
     assert counts.hidden == ["store"]
     assert run(f, q, None, "q after the purge").reused == 0 and f_st.stats.misses["expired"] >= 2
+
+
+@pytest.mark.parametrize("field", ["owners", "models"])
+def test_an_empty_digest_is_refused_not_read_as_every_model_or_owner(field):
+    # horizon_key wrote an empty digest as "all": PurgeSelector(models={b""}, created_before=t) on a
+    # store that cannot list raised the horizon of every model (every entry older than t expired).
+    from hybridkv.tiers.layout import horizon_key
+
+    with pytest.raises(ValueError, match=f"{field}="):
+        PurgeSelector(**{field: {b""}}, created_before=time.time())
+    assert horizon_key(b"", None, "a") != horizon_key(None, None, "a")
+    assert horizon_key(None, b"", "a") != horizon_key(None, None, "a")

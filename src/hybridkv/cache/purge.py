@@ -42,7 +42,7 @@ class PurgeSelector:
         created_before: seconds; entries stamped earlier match; ``None``: any age.
 
     Raises:
-        ValueError: no criterion given, a digest that is not bytes, or a ``created_before`` that
+        ValueError: no criterion given, a digest that is not bytes or is empty, or a ``created_before`` that
             is not a finite number (NaN compares false with every stamp, so it would select
             every entry).
     """
@@ -60,8 +60,8 @@ class PurgeSelector:
         for name in ("owners", "models"):
             v = getattr(self, name)
             if v is not None:
-                if isinstance(v, (bytes, str)) or not all(isinstance(x, bytes) for x in v):
-                    raise ValueError(f"purge {name}={v!r} must be a set of namespace digests (bytes)")
+                if isinstance(v, (bytes, str)) or not all(isinstance(x, bytes) and x for x in v):
+                    raise ValueError(f"purge {name}={v!r} must be a set of namespace digests (non-empty bytes)")
                 object.__setattr__(self, name, frozenset(v))
 
     def matches(self, model: bytes | None, owner: bytes | None, created: float | None) -> bool:

@@ -93,7 +93,9 @@ HORIZON_MAX_AHEAD_S = 300.0
 def horizon_key(model: bytes | None, owner: bytes | None, slot: str) -> str:
     """Key of one slot of the expiry horizon of the entries of ``model`` cached by ``owner``
     (``None``: every model / every owner, written ``all``)."""
-    return f"{HORIZON_PREFIX}/{model.hex() if model else 'all'}/{owner.hex() if owner else 'all'}/{slot}"
+    m = "all" if model is None else model.hex()
+    o = "all" if owner is None else owner.hex()
+    return f"{HORIZON_PREFIX}/{m}/{o}/{slot}"
 
 
 def reader_horizon_keys(model: bytes, owner: bytes) -> list[str]:
