@@ -107,6 +107,15 @@ def test_a_standing_max_age_expires_entries_on_read(tiny_model, store):
     test_purge.test_a_standing_max_age_expires_entries_on_read(tiny_model, store)
 
 
+def test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store):
+    test_purge.test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store)
+
+
+def test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(tiny_model, store):
+    test_purge.test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(
+        tiny_model, store)
+
+
 def test_horizon_never_goes_back(store):
     """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
     from hybridkv.tiers.purge import raise_horizon, read_horizon
