@@ -210,6 +210,12 @@ NAMESPACE_BYTES = 32
 """Bytes of a namespace digest (``CacheIdentity.digest()``): what ``cache purge --namespace`` takes."""
 
 
+_BYTE_IDENTITY = ("hybridkv-byte-v1", "hybridkv-chat-v1")
+"""``(tokenizer_version, chat_template_version)`` of the byte tokenizer ``hybridkv serve`` runs with by
+default (:class:`hybridkv.serve.tokenizer.ByteTokenizer`; a test checks they agree): part of every
+namespace a server gives its requests, so of the one ``cache purge --tenant`` must name."""
+
+
 def _register_cache_cli(sub) -> None:
     c = sub.add_parser("cache", help="maintain a cache store").add_subparsers(dest="cache_command", required=True)
     p = c.add_parser("purge", help="remove entries from a store by tenant, namespace, model version or age",
@@ -220,8 +226,16 @@ def _register_cache_cli(sub) -> None:
     p.add_argument("--model", help="model repo / preset name the entries were made with")
     p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model)")
     p.add_argument("--tenant", action="append", default=[],
-                   help="tenant whose entries to purge: namespace CacheIdentity(model_repo=--model, "
-                        "weight_digest=--weight-digest, tenant=T); repeatable")
+                   help="tenant whose entries to purge: the namespace hybridkv serve gives its requests without "
+                        "a cache salt, CacheIdentity(model_repo=--model, weight_digest=--weight-digest, "
+                        "tokenizer_version=--tokenizer-version, chat_template_version=--chat-template-version, "
+                        "tenant=T); repeatable")
+    p.add_argument("--tokenizer-version", default=_BYTE_IDENTITY[0],
+                   help="with --tenant: the server's tokenizer identity (GET /v1/cache/info, identity."
+                        f"tokenizer_version; default {_BYTE_IDENTITY[0]}, the byte tokenizer's)")
+    p.add_argument("--chat-template-version", default=_BYTE_IDENTITY[1],
+                   help="with --tenant: the server's chat template identity (GET /v1/cache/info, identity."
+                        f"chat_template_version; default {_BYTE_IDENTITY[1]})")
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
 
@@ -253,7 +267,9 @@ def _cache_purge(args, console: Console) -> int:
             return fail(f"--namespace {text!r} is {len(digest)} bytes; a namespace digest is "
                         f"{NAMESPACE_BYTES} bytes ({2 * NAMESPACE_BYTES} hex digits)")
         owners.add(digest)
-    owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest, tenant=t).digest()
+    owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest,
+                             tokenizer_version=args.tokenizer_version,
+                             chat_template_version=args.chat_template_version, tenant=t).digest()
                for t in args.tenant}
     models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
         if args.model and not args.tenant else None

@@ -383,3 +383,42 @@ def test_an_empty_digest_is_refused_not_read_as_every_model_or_owner(field):
         PurgeSelector(**{field: {b""}}, created_before=time.time())
     assert horizon_key(b"", None, "a") != horizon_key(None, None, "a")
     assert horizon_key(None, b"", "a") != horizon_key(None, None, "a")
+
+
+def test_cli_purge_by_tenant_reaches_the_namespace_hybridkv_serve_gives_that_tenant(tiny_model, tmp_path, capsys):
+    # hybridkv serve puts its tokenizer's identity (the byte tokenizer's by default) into every
+    # request namespace; --tenant left it out, so it named a namespace no server ever used and
+    # reported "removed 0 entries" while the tenant's entries stayed.
+    from hybridkv.cli import main
+    from hybridkv.serve.tokenizer import ByteTokenizer
+    from hybridkv.store.disk import DiskStore
+
+    tok, template = ByteTokenizer().identity
+    digest = tiny_model.weight_digest()
+    served = {t: CacheIdentity(model_repo="tiny", weight_digest=digest, tokenizer_version=tok,
+                               chat_template_version=template, tenant=t).digest() for t in ("acme", "other")}
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(27, 1100, v), tokens(28, 1100, v)
+    store = DiskStore(tmp_path / "s")
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pa, served["acme"], "acme"), run(e, pb, served["other"], "other")
+    url = f"disk://{tmp_path / 's'}"
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest", digest,
+                 "--tenant", "acme"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, served["acme"]) == [False, False]
+    assert held_in(st, e, pb, served["other"]) == [True, True]
+    hf = CacheIdentity(model_repo="tiny", weight_digest=digest, tokenizer_version="hf-0123", chat_template_version="ab",
+                       tenant="other").digest()                  # a server with another tokenizer: named by flags
+    run(e, pa, hf, "hf")
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest", digest, "--tenant", "other",
+                 "--tokenizer-version", "hf-0123", "--chat-template-version", "ab"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, hf) == [False, False] and held_in(st, e, pb, served["other"]) == [True, True]
+
+
+def test_the_clis_default_tokenizer_identity_is_the_byte_tokenizers():
+    from hybridkv.cli import _BYTE_IDENTITY
+    from hybridkv.serve.tokenizer import ByteTokenizer
+
+    assert _BYTE_IDENTITY == ByteTokenizer().identity

@@ -139,7 +139,8 @@ def test_cli_purges_mooncake_by_namespace_tenant_and_age(tiny_model, mooncake, c
     v = tiny_model.config.vocab_size
     url = f"mooncake://{handle.master}"
     digest = tiny_model.weight_digest()
-    acme = CacheIdentity(model_repo="tiny", weight_digest=digest, tenant="acme").digest()
+    acme = CacheIdentity(model_repo="tiny", weight_digest=digest, tokenizer_version="hybridkv-byte-v1",
+                         chat_template_version="hybridkv-chat-v1", tenant="acme").digest()   # as hybridkv serve
     pa, pb, pc, pd = (tokens(300 + i, 1100, v) for i in range(4))
     e, _, st = test_purge.three_tiers(tiny_model, client)
     test_purge.run(e, pa, test_purge.TENANT_A, "a"), test_purge.run(e, pb, acme, "acme")
