@@ -422,3 +422,19 @@ def test_the_clis_default_tokenizer_identity_is_the_byte_tokenizers():
     from hybridkv.serve.tokenizer import ByteTokenizer
 
     assert _BYTE_IDENTITY == ByteTokenizer().identity
+
+
+def test_a_purge_of_an_unreachable_store_does_not_report_an_earlier_purges_horizon(tiny_model):
+    # last_purge_hidden kept the horizon of the previous purge when the store was unreachable, so a
+    # purge by tenant that removed nothing (-1) still reported the store as purged by horizon.
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.store.memory import MemoryStore
+
+    inner = MemoryStore()
+    e, host, st = three_tiers(tiny_model, UnlistedStore(inner))
+    run(e, tokens(29, 1100, tiny_model.config.vocab_size), TENANT_A, "a")
+    assert purge(e.cache, [host, st], PurgeSelector(created_before=time.time())).hidden == ["store"]
+    inner.available = False
+    counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_B}))
+    assert counts.tier_entries["store"] == -1 and counts.hidden == []

@@ -362,6 +362,7 @@ class StoreTier(Tier):
         Returns:
             Entries removed, or ``-1`` when the store is unreachable.
         """
+        self.last_purge_hidden = None               # of this purge only (none when unreachable)
         got = self._call(purge_store_detail, self.store, selector)
         if got is None:
             return -1
