@@ -438,3 +438,33 @@ def test_a_purge_of_an_unreachable_store_does_not_report_an_earlier_purges_horiz
     inner.available = False
     counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_B}))
     assert counts.tier_entries["store"] == -1 and counts.hidden == []
+
+
+def test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store):
+    # A waiting request's prefetch read an entry before a purge by age raised the horizon; the
+    # admission lookup (existence only: the bytes stay until a reader removes them) still named the
+    # same boundary, so the prefetched, purged entry was installed and reused after the purge.
+    from tier_helpers import UnlistedStore, instance
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    v = tiny_model.config.vocab_size
+    P = tokens(30, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run(a, np.concatenate([P, tokens(31, 100, v)]), None, "write")
+    b, tier_b = instance(tiny_model, store, max_num_seqs=1)
+    q0 = b.add_request(Request("q0", tokens(32, 300, v), 2, record_logits=True))
+    q1 = b.add_request(Request("q1", np.concatenate([P, tokens(33, 50, v)]), 2, record_logits=True))
+    b.step()                                                    # admits q0; q1's loads start
+    assert b.connector.prefetching(q1)
+    for job in b.connector._requests[q1].prefetch.jobs.values():
+        job.result()                                            # q1's entries are loaded now
+    time.sleep(0.01)
+    counts = purge(b.cache, [tier_b], PurgeSelector(created_before=time.time()))
+    assert counts.hidden == ["store"]
+    b.run_until_done()
+    assert q0.status == q1.status == Status.FINISHED
+    assert q1.reused == 0 and b.connector.prefetch_used == 0    # purged: recomputed, not installed
+    assert_exact(tiny_model, q1)
+    assert b.connector.prefetch_held_bytes == 0
+    b.cache.check_invariants()

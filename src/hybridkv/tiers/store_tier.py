@@ -363,6 +363,7 @@ class StoreTier(Tier):
             Entries removed, or ``-1`` when the store is unreachable.
         """
         self.last_purge_hidden = None               # of this purge only (none when unreachable)
+        self.purges += 1                            # before any removal: prefetches started earlier are dropped
         got = self._call(purge_store_detail, self.store, selector)
         if got is None:
             return -1
