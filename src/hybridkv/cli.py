@@ -241,7 +241,9 @@ def _register_cache_cli(sub) -> None:
 
 
 def _cache_purge(args, console: Console) -> int:
+    import os
     import time
+    import urllib.parse
 
     from hybridkv.cache.namespace import CacheIdentity
     from hybridkv.cache.purge import PurgeSelector
@@ -274,6 +276,12 @@ def _cache_purge(args, console: Console) -> int:
     models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
         if args.model and not args.tenant else None
     cutoff = time.time() - args.older_than if args.older_than else None
+    parsed = urllib.parse.urlsplit(args.store)
+    if parsed.scheme == "memory":             # a new empty store of this process: nothing could be purged
+        return fail(f"--store {args.store}: memory:// is a new empty store in this process; nothing to purge")
+    if parsed.scheme == "disk" and not parsed.netloc and parsed.path and not os.path.isdir(parsed.path):
+        # opening would create an empty store there and report "removed 0" (a mistyped path)
+        return fail(f"--store {args.store}: no disk store at {parsed.path} (not a directory)")
     try:
         selector = PurgeSelector(owners=owners or None, models=models, created_before=cutoff)
         store = open_store(args.store)

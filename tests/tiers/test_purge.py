@@ -468,3 +468,15 @@ def test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(t
     assert_exact(tiny_model, q1)
     assert b.connector.prefetch_held_bytes == 0
     b.cache.check_invariants()
+
+
+def test_cli_purge_of_a_disk_store_that_does_not_exist_is_an_error_not_removed_0(tmp_path, capsys):
+    # A mistyped path opened (created) a new empty store and reported "removed 0 entries", exit 0,
+    # while the real store kept the tenant's entries; memory:// is a new empty store every time.
+    from hybridkv.cli import main
+
+    missing = tmp_path / "typo"
+    assert main(["cache", "purge", "--store", f"disk://{missing}", "--older-than", "5"]) == 2
+    assert str(missing) in capsys.readouterr().err and not missing.exists()
+    assert main(["cache", "purge", "--store", "memory://", "--older-than", "5"]) == 2
+    assert "memory://" in capsys.readouterr().err
