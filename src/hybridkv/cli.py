@@ -210,6 +210,12 @@ NAMESPACE_BYTES = 32
 """Bytes of a namespace digest (``CacheIdentity.digest()``): what ``cache purge --namespace`` takes."""
 
 
+_BYTE_IDENTITY = ("hybridkv-byte-v1", "hybridkv-chat-v1")
+"""``(tokenizer_version, chat_template_version)`` of the byte tokenizer ``hybridkv serve`` runs with by
+default (:class:`hybridkv.serve.tokenizer.ByteTokenizer`; a test checks they agree): part of every
+namespace a server gives its requests, so of the one ``cache purge --tenant`` must name."""
+
+
 def _register_cache_cli(sub) -> None:
     c = sub.add_parser("cache", help="maintain a cache store").add_subparsers(dest="cache_command", required=True)
     p = c.add_parser("purge", help="remove entries from a store by tenant, namespace, model version or age",
@@ -220,14 +226,24 @@ def _register_cache_cli(sub) -> None:
     p.add_argument("--model", help="model repo / preset name the entries were made with")
     p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model)")
     p.add_argument("--tenant", action="append", default=[],
-                   help="tenant whose entries to purge: namespace CacheIdentity(model_repo=--model, "
-                        "weight_digest=--weight-digest, tenant=T); repeatable")
+                   help="tenant whose entries to purge: the namespace hybridkv serve gives its requests without "
+                        "a cache salt, CacheIdentity(model_repo=--model, weight_digest=--weight-digest, "
+                        "tokenizer_version=--tokenizer-version, chat_template_version=--chat-template-version, "
+                        "tenant=T); repeatable")
+    p.add_argument("--tokenizer-version", default=_BYTE_IDENTITY[0],
+                   help="with --tenant: the server's tokenizer identity (GET /v1/cache/info, identity."
+                        f"tokenizer_version; default {_BYTE_IDENTITY[0]}, the byte tokenizer's)")
+    p.add_argument("--chat-template-version", default=_BYTE_IDENTITY[1],
+                   help="with --tenant: the server's chat template identity (GET /v1/cache/info, identity."
+                        f"chat_template_version; default {_BYTE_IDENTITY[1]})")
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
 
 
 def _cache_purge(args, console: Console) -> int:
+    import os
     import time
+    import urllib.parse
 
     from hybridkv.cache.namespace import CacheIdentity
     from hybridkv.cache.purge import PurgeSelector
@@ -253,11 +269,19 @@ def _cache_purge(args, console: Console) -> int:
             return fail(f"--namespace {text!r} is {len(digest)} bytes; a namespace digest is "
                         f"{NAMESPACE_BYTES} bytes ({2 * NAMESPACE_BYTES} hex digits)")
         owners.add(digest)
-    owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest, tenant=t).digest()
+    owners |= {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest,
+                             tokenizer_version=args.tokenizer_version,
+                             chat_template_version=args.chat_template_version, tenant=t).digest()
                for t in args.tenant}
     models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
         if args.model and not args.tenant else None
     cutoff = time.time() - args.older_than if args.older_than else None
+    parsed = urllib.parse.urlsplit(args.store)
+    if parsed.scheme == "memory":             # a new empty store of this process: nothing could be purged
+        return fail(f"--store {args.store}: memory:// is a new empty store in this process; nothing to purge")
+    if parsed.scheme == "disk" and not parsed.netloc and parsed.path and not os.path.isdir(parsed.path):
+        # opening would create an empty store there and report "removed 0" (a mistyped path)
+        return fail(f"--store {args.store}: no disk store at {parsed.path} (not a directory)")
     try:
         selector = PurgeSelector(owners=owners or None, models=models, created_before=cutoff)
         store = open_store(args.store)
@@ -267,7 +291,7 @@ def _cache_purge(args, console: Console) -> int:
         return fail("--store none has nothing to purge")
     try:
         got = purge_store_detail(store, selector)
-    except (StoreUnavailable, RuntimeError) as exc:
+    except (StoreUnavailable, RuntimeError, ValueError) as exc:
         return fail(str(exc))
     finally:
         store.close()
@@ -347,16 +371,19 @@ def _replay(args, console: Console) -> int:
 
 
 def _faults_not_done(args, report, console: Console) -> None:
-    """Warn (stderr) of each ``--crash`` / ``--restart`` asked for that did not happen: the fleet had
-    no work left by then (the report lists only those done)."""
+    """Warn (stderr) of each ``--crash`` / ``--restart`` asked for that did not happen, with the
+    reason: the instance was down then (a crash while it is down from an earlier one does
+    nothing), or the fleet had no work left by then (the report lists only those done)."""
     for flag, asked, done in (("--crash", args.crashes, report.crashes), ("--restart", args.restarts, report.restarts)):
         left = [tuple(a) for a in asked or ()]
         for d in done or ():
             if (d["instance"], d["requested"]) in left:
                 left.remove((d["instance"], d["requested"]))
         for j, at in left:
-            console.print(f"[yellow]warning:[/yellow] {flag} {j}@{at:g} not done: the fleet's work ended at "
-                          f"{report.makespan_seconds:g} s", markup=True, highlight=False)
+            down = [c for c in report.crashes or () if c["instance"] == j and c["at"] <= at <= c["back_at"]]
+            why = (f"instance {j} was down then (crashed at {down[0]['at']:g} s, back at {down[0]['back_at']:g} s)"
+                   if down else f"the fleet's work ended at {report.makespan_seconds:g} s")
+            console.print(f"[yellow]warning:[/yellow] {flag} {j}@{at:g} not done: {why}", markup=True, highlight=False)
 
 
 def _store_unavailable(url: str) -> str | None:

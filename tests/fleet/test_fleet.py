@@ -409,3 +409,14 @@ def test_requests_a_crash_requeued_are_counted_once(tmp_path):
     assert sum(i["requests"] for i in rep["instances"]) == rep["requests"] - rep["rejected"]["requests"]
     assert rep["prompt_tokens"] == plain["prompt_tokens"]
     assert rep["computed_prompt_tokens"] + rep["reused_tokens"] == rep["prompt_tokens"]
+
+
+def test_a_crash_not_done_because_the_instance_was_down_is_warned_of_with_that_reason(tmp_path, capsys):
+    # Before: "--crash 1@21 not done: the fleet's work ended at 31.6 s", though 21 s is before that;
+    # it was not done because instance 1 was down then (crashed at 20 s, back at 25 s).
+    rep = _timed(tmp_path, "--simulate", "--limit", "60", "--instances", "2", "--crash", "1@20",
+                 "--crash", "1@21", "--cold-start", "5")
+    err = capsys.readouterr().err
+    (crash,) = rep["crashes"]
+    assert crash["requested"] == 20.0 and rep["makespan_seconds"] > 21.0
+    assert "--crash 1@21 not done: instance 1 was down then" in err and "work ended" not in err

@@ -305,3 +305,178 @@ def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_mod
     assert counts.device_nodes == 1100 // 64                          # the installed units included
     assert f.cache.lookup(pa, TENANT_A, touch=False).kv_hit == 0
     assert run(f, pa, TENANT_A, "after").reused == 0
+
+
+@pytest.mark.parametrize("cutoff", [float("nan"), float("inf"), float("-inf")])
+def test_a_purge_by_age_refuses_a_cutoff_that_is_not_finite(tiny_model, store, cutoff):
+    # NaN compared false with every stamp, so PurgeSelector(created_before=nan) selected every entry
+    # (a listing store lost them all); inf crashed the horizon path with an unnamed OverflowError.
+    v = tiny_model.config.vocab_size
+    p = tokens(22, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, p, TENANT_A, "write")
+    with pytest.raises(ValueError, match=f"created_before={cutoff!r}"):
+        PurgeSelector(owners={TENANT_A}, created_before=cutoff)
+    assert held_in(st, e, p, TENANT_A) == [True, True]
+
+
+def test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store):
+    # A horizon never goes back and nothing removes one, so a cutoff in the future (a stamp in ms
+    # instead of s: year ~58000) expired every entry of its scope for good, ones written later
+    # included; a garbage object ("1e308") under a horizon key did the same, and made a real purge
+    # by age believe its horizon was already raised.
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.tiers.layout import HORIZON_MAX_AHEAD_S, horizon_key
+    from hybridkv.tiers.purge import raise_horizon, read_horizon
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    ms = time.time() * 1000
+    with pytest.raises(ValueError, match="in the future"):
+        raise_horizon(store, None, None, ms)
+    with pytest.raises(ValueError, match="in the future"):
+        purge_store_detail(store, PurgeSelector(created_before=ms))
+    assert store.exists([horizon_key(None, None, s) for s in "ab"]) == [False, False]   # nothing written
+    store.put([(horizon_key(None, None, "a"), b"1e308"),
+               (horizon_key(None, None, "b"), f"{time.time() + 2 * HORIZON_MAX_AHEAD_S:.3f}".encode())])
+    assert read_horizon(store, None, None) is None
+    v = tiny_model.config.vocab_size
+    p, q = tokens(23, 1100, v), tokens(24, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    cutoff = _stamped_apart(e, (p, None, "old"), (q, None, "new"))
+    f, _, f_st = three_tiers(tiny_model, store)
+    assert run(f, q, None, "read").reused == BLOCK and f_st.stats.misses["expired"] == 0   # garbage ignored
+    assert raise_horizon(store, None, None, cutoff) >= cutoff      # a real purge by age replaces garbage
+    g, _, g_st = three_tiers(tiny_model, store)
+    assert run(g, p, None, "old again").reused == 0 and g_st.stats.misses["expired"] >= 2
+    assert run(g, q, None, "new again").reused == BLOCK
+
+
+def test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(tiny_model, store):
+    # With horizon_refresh_s > 0 the tier reused its last reading (no horizon) after raising one itself,
+    # so the engine that ran the purge still installed a purged entry no device of its held.
+    from tier_helpers import UnlistedStore
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    v = tiny_model.config.vocab_size
+    p, q = tokens(25, 1100, v), tokens(26, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, p, None, "write p"), run(e, q, None, "write q")
+    f, f_host, f_st = three_tiers(tiny_model, store)
+    f_st.horizon_refresh_s = 3600.0
+    assert run(f, p, None, "read p: horizons read and kept").reused == BLOCK
+    time.sleep(0.01)
+    counts = purge(f.cache, [f_host, f_st], PurgeSelector(created_before=time.time()))
+    assert counts.hidden == ["store"]
+    assert run(f, q, None, "q after the purge").reused == 0 and f_st.stats.misses["expired"] >= 2
+
+
+@pytest.mark.parametrize("field", ["owners", "models"])
+def test_an_empty_digest_is_refused_not_read_as_every_model_or_owner(field):
+    # horizon_key wrote an empty digest as "all": PurgeSelector(models={b""}, created_before=t) on a
+    # store that cannot list raised the horizon of every model (every entry older than t expired).
+    from hybridkv.tiers.layout import horizon_key
+
+    with pytest.raises(ValueError, match=f"{field}="):
+        PurgeSelector(**{field: {b""}}, created_before=time.time())
+    assert horizon_key(b"", None, "a") != horizon_key(None, None, "a")
+    assert horizon_key(None, b"", "a") != horizon_key(None, None, "a")
+
+
+def test_cli_purge_by_tenant_reaches_the_namespace_hybridkv_serve_gives_that_tenant(tiny_model, tmp_path, capsys):
+    # hybridkv serve puts its tokenizer's identity (the byte tokenizer's by default) into every
+    # request namespace; --tenant left it out, so it named a namespace no server ever used and
+    # reported "removed 0 entries" while the tenant's entries stayed.
+    from hybridkv.cli import main
+    from hybridkv.serve.tokenizer import ByteTokenizer
+    from hybridkv.store.disk import DiskStore
+
+    tok, template = ByteTokenizer().identity
+    digest = tiny_model.weight_digest()
+    served = {t: CacheIdentity(model_repo="tiny", weight_digest=digest, tokenizer_version=tok,
+                               chat_template_version=template, tenant=t).digest() for t in ("acme", "other")}
+    v = tiny_model.config.vocab_size
+    pa, pb = tokens(27, 1100, v), tokens(28, 1100, v)
+    store = DiskStore(tmp_path / "s")
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pa, served["acme"], "acme"), run(e, pb, served["other"], "other")
+    url = f"disk://{tmp_path / 's'}"
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest", digest,
+                 "--tenant", "acme"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, served["acme"]) == [False, False]
+    assert held_in(st, e, pb, served["other"]) == [True, True]
+    hf = CacheIdentity(model_repo="tiny", weight_digest=digest, tokenizer_version="hf-0123", chat_template_version="ab",
+                       tenant="other").digest()                  # a server with another tokenizer: named by flags
+    run(e, pa, hf, "hf")
+    assert main(["cache", "purge", "--store", url, "--model", "tiny", "--weight-digest", digest, "--tenant", "other",
+                 "--tokenizer-version", "hf-0123", "--chat-template-version", "ab"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, hf) == [False, False] and held_in(st, e, pb, served["other"]) == [True, True]
+
+
+def test_the_clis_default_tokenizer_identity_is_the_byte_tokenizers():
+    from hybridkv.cli import _BYTE_IDENTITY
+    from hybridkv.serve.tokenizer import ByteTokenizer
+
+    assert _BYTE_IDENTITY == ByteTokenizer().identity
+
+
+def test_a_purge_of_an_unreachable_store_does_not_report_an_earlier_purges_horizon(tiny_model):
+    # last_purge_hidden kept the horizon of the previous purge when the store was unreachable, so a
+    # purge by tenant that removed nothing (-1) still reported the store as purged by horizon.
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.store.memory import MemoryStore
+
+    inner = MemoryStore()
+    e, host, st = three_tiers(tiny_model, UnlistedStore(inner))
+    run(e, tokens(29, 1100, tiny_model.config.vocab_size), TENANT_A, "a")
+    assert purge(e.cache, [host, st], PurgeSelector(created_before=time.time())).hidden == ["store"]
+    inner.available = False
+    counts = purge(e.cache, [host, st], PurgeSelector(owners={TENANT_B}))
+    assert counts.tier_entries["store"] == -1 and counts.hidden == []
+
+
+def test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store):
+    # A waiting request's prefetch read an entry before a purge by age raised the horizon; the
+    # admission lookup (existence only: the bytes stay until a reader removes them) still named the
+    # same boundary, so the prefetched, purged entry was installed and reused after the purge.
+    from tier_helpers import UnlistedStore, instance
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    v = tiny_model.config.vocab_size
+    P = tokens(30, 2048, v)
+    a, _ = instance(tiny_model, store, policy="tail=2048")
+    run(a, np.concatenate([P, tokens(31, 100, v)]), None, "write")
+    b, tier_b = instance(tiny_model, store, max_num_seqs=1)
+    q0 = b.add_request(Request("q0", tokens(32, 300, v), 2, record_logits=True))
+    q1 = b.add_request(Request("q1", np.concatenate([P, tokens(33, 50, v)]), 2, record_logits=True))
+    b.step()                                                    # admits q0; q1's loads start
+    assert b.connector.prefetching(q1)
+    for job in b.connector._requests[q1].prefetch.jobs.values():
+        job.result()                                            # q1's entries are loaded now
+    time.sleep(0.01)
+    counts = purge(b.cache, [tier_b], PurgeSelector(created_before=time.time()))
+    assert counts.hidden == ["store"]
+    b.run_until_done()
+    assert q0.status == q1.status == Status.FINISHED
+    assert q1.reused == 0 and b.connector.prefetch_used == 0    # purged: recomputed, not installed
+    assert_exact(tiny_model, q1)
+    assert b.connector.prefetch_held_bytes == 0
+    b.cache.check_invariants()
+
+
+def test_cli_purge_of_a_disk_store_that_does_not_exist_is_an_error_not_removed_0(tmp_path, capsys):
+    # A mistyped path opened (created) a new empty store and reported "removed 0 entries", exit 0,
+    # while the real store kept the tenant's entries; memory:// is a new empty store every time.
+    from hybridkv.cli import main
+
+    missing = tmp_path / "typo"
+    assert main(["cache", "purge", "--store", f"disk://{missing}", "--older-than", "5"]) == 2
+    assert str(missing) in capsys.readouterr().err and not missing.exists()
+    assert main(["cache", "purge", "--store", "memory://", "--older-than", "5"]) == 2
+    assert "memory://" in capsys.readouterr().err

@@ -107,6 +107,19 @@ def test_a_standing_max_age_expires_entries_on_read(tiny_model, store):
     test_purge.test_a_standing_max_age_expires_entries_on_read(tiny_model, store)
 
 
+def test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store):
+    test_purge.test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store)
+
+
+def test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(tiny_model, store):
+    test_purge.test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(
+        tiny_model, store)
+
+
+def test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store):
+    test_purge.test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store)
+
+
 def test_horizon_never_goes_back(store):
     """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
     from hybridkv.tiers.purge import raise_horizon, read_horizon
@@ -130,7 +143,8 @@ def test_cli_purges_mooncake_by_namespace_tenant_and_age(tiny_model, mooncake, c
     v = tiny_model.config.vocab_size
     url = f"mooncake://{handle.master}"
     digest = tiny_model.weight_digest()
-    acme = CacheIdentity(model_repo="tiny", weight_digest=digest, tenant="acme").digest()
+    acme = CacheIdentity(model_repo="tiny", weight_digest=digest, tokenizer_version="hybridkv-byte-v1",
+                         chat_template_version="hybridkv-chat-v1", tenant="acme").digest()   # as hybridkv serve
     pa, pb, pc, pd = (tokens(300 + i, 1100, v) for i in range(4))
     e, _, st = test_purge.three_tiers(tiny_model, client)
     test_purge.run(e, pa, test_purge.TENANT_A, "a"), test_purge.run(e, pb, acme, "acme")

@@ -26,6 +26,7 @@ tiers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hybridkv.cache.index import BlockNode
@@ -41,7 +42,9 @@ class PurgeSelector:
         created_before: seconds; entries stamped earlier match; ``None``: any age.
 
     Raises:
-        ValueError: no criterion given, or a digest that is not bytes.
+        ValueError: no criterion given, a digest that is not bytes or is empty, or a ``created_before`` that
+            is not a finite number (NaN compares false with every stamp, so it would select
+            every entry).
     """
 
     owners: frozenset[bytes] | None = None
@@ -51,11 +54,14 @@ class PurgeSelector:
     def __post_init__(self) -> None:
         if self.owners is None and self.models is None and self.created_before is None:
             raise ValueError("a purge needs owners, models or created_before; none was given")
+        cb = self.created_before
+        if cb is not None and (isinstance(cb, bool) or not isinstance(cb, (int, float)) or not math.isfinite(cb)):
+            raise ValueError(f"purge created_before={cb!r} must be a finite number of seconds")
         for name in ("owners", "models"):
             v = getattr(self, name)
             if v is not None:
-                if isinstance(v, (bytes, str)) or not all(isinstance(x, bytes) for x in v):
-                    raise ValueError(f"purge {name}={v!r} must be a set of namespace digests (bytes)")
+                if isinstance(v, (bytes, str)) or not all(isinstance(x, bytes) and x for x in v):
+                    raise ValueError(f"purge {name}={v!r} must be a set of namespace digests (non-empty bytes)")
                 object.__setattr__(self, name, frozenset(v))
 
     def matches(self, model: bytes | None, owner: bytes | None, created: float | None) -> bool:

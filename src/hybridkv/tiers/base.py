@@ -124,6 +124,9 @@ class Tier(ABC):
         self.stats = TierStats()
         self._lock = threading.RLock()            # guards store calls and statistics
         self.observer: TierObserver | None = None  # told of committed saves and removals
+        #: Purges applied to this tier so far (:meth:`purge`, :meth:`purge_chains`): a prefetch
+        #: read before one is not installed after it (``TierConnector``).
+        self.purges = 0
 
     def _observe(self, what: str, entries: list[tuple[bytes, str]]) -> None:
         """Tell the observer (if any) that ``entries`` (``(chained hash, group)``) were ``what``:
@@ -190,6 +193,7 @@ class Tier(ABC):
     def purge_chains(self, chains: list[tuple[bytes, int, bytes | None]]) -> int:
         """Remove the entries of ``(chained hash, boundary, owner)`` triples at this tier's alignment,
         both groups; returns entries that existed (``-1``: unreachable)."""
+        self.purges += 1
         by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
         for h, b, owner in chains:
             if b % self.alignment == 0:

@@ -153,22 +153,27 @@ class Prefetch:
         pending: called with +1 when a cancelled job's release is deferred to its
             completion, and with -1 once that release ran (:meth:`TierConnector.drain`
             waits for the count to reach 0).
+        purges: tier name -> its :attr:`Tier.purges` when the jobs were started: loads read
+            before a later purge are not installed (a purge by horizon leaves the bytes, so the
+            admission lookup may still name them).
     """
 
     kv_from: int
     jobs: dict[str, Future]
     release: Callable[[int], None] = lambda nbytes: None
     pending: Callable[[int], None] = lambda delta: None
+    purges: dict[str, int] = field(default_factory=dict)
 
-    def take(self, tier: str, best_joint: int, kv_hit: int) -> dict | None:
-        """The loaded entries of ``tier`` if they are for ``best_joint`` and the device still holds
-        the KV they start from (``kv_hit >= kv_from``); waits for the job. ``None`` otherwise."""
+    def take(self, tier: str, best_joint: int, kv_hit: int, purges: int | None = None) -> dict | None:
+        """The loaded entries of ``tier`` if they are for ``best_joint``, the device still holds
+        the KV they start from (``kv_hit >= kv_from``) and the tier was not purged since they were
+        started (``purges``: its :attr:`Tier.purges` now); waits for the job. ``None`` otherwise."""
         job = self.jobs.pop(tier, None)
         if job is None:
             return None
         boundary, loaded, nbytes = job.result()
         self.release(nbytes)
-        if kv_hit < self.kv_from:
+        if kv_hit < self.kv_from or (purges is not None and self.purges.get(tier) != purges):
             return None
         return loaded if boundary == best_joint and loaded else None
 
@@ -398,13 +403,15 @@ class TierConnector:
         match = self.cache.lookup(prompt, namespace, touch=False, hashes=hashes)
         if match.hit >= cap:
             return False
+        purges = {t.name: t.purges for t in remote}      # before the jobs start: a purge from now on drops them
         jobs = {t.name: t.submit(self._prefetch_job, t, match.hashes, cap, match.kv_hit, match.hit, match.namespace)
                 for t in remote}
         with self._prefetch_lock:
             self._jobs.update(jobs.values())
         for job in jobs.values():                   # outside the lock: a finished job calls back at once
             job.add_done_callback(self._job_done)
-        st.prefetch = Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release, pending=self._defer)
+        st.prefetch = Prefetch(kv_from=match.kv_hit, jobs=jobs, release=self._release, pending=self._defer,
+                               purges=purges)
         return True
 
     def _job_done(self, job: Future) -> None:
@@ -489,7 +496,8 @@ class TierConnector:
                 continue
             if rm.best_joint <= match.hit < cap // tier.alignment * tier.alignment:
                 tier.count_miss("absent")               # the tier has nothing beyond the device hit
-            ready = ready_from.take(tier.name, rm.best_joint, match.kv_hit) if ready_from is not None else None
+            ready = (ready_from.take(tier.name, rm.best_joint, match.kv_hit, tier.purges)
+                     if ready_from is not None else None)
             for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
                 if boundary <= match.hit:
                     break

@@ -244,6 +244,7 @@ class HostTier(Tier):
         """Remove every held entry ``selector`` selects (by this tier's namespace, the entry's owner
         and the time this tier got it); ``chains`` are not needed (the tier enumerates itself).
         Loads already handed out stay valid (the tensors are the caller's now)."""
+        self.purges += 1
         with self._lock:
             doomed = [k for k, e in self._entries.items() if selector.matches(self.namespace, e.owner, e.created)]
             for k in doomed:

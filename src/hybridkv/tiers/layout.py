@@ -83,12 +83,19 @@ HORIZON_PREFIX = "hkv4-horizon"
 HORIZON_SLOTS = ("a", "b")
 #: Largest horizon object a reader accepts (bytes; ours are about 14: ``"1764558000.123"``).
 HORIZON_MAX_BYTES = 64
+#: Seconds a horizon may lie ahead of the clock of whoever reads or raises it (clock skew between
+#: hosts). A purge by age never asks for a later one, and a stored one later than this is not a
+#: horizon (a stamp in ms, garbage): it is ignored, since a horizon never goes back and nothing
+#: removes one, so honouring it would expire every entry of its scope, later ones included, for good.
+HORIZON_MAX_AHEAD_S = 300.0
 
 
 def horizon_key(model: bytes | None, owner: bytes | None, slot: str) -> str:
     """Key of one slot of the expiry horizon of the entries of ``model`` cached by ``owner``
     (``None``: every model / every owner, written ``all``)."""
-    return f"{HORIZON_PREFIX}/{model.hex() if model else 'all'}/{owner.hex() if owner else 'all'}/{slot}"
+    m = "all" if model is None else model.hex()
+    o = "all" if owner is None else owner.hex()
+    return f"{HORIZON_PREFIX}/{m}/{o}/{slot}"
 
 
 def reader_horizon_keys(model: bytes, owner: bytes) -> list[str]:
@@ -104,13 +111,17 @@ def encode_horizon(created_before: float) -> bytes:
     return f"{math.ceil(float(created_before) * 1000) / 1000:.3f}".encode()
 
 
-def decode_horizon(blob) -> float | None:
-    """Seconds of a horizon object, ``None`` when it is not one (ignored, never an error)."""
+def decode_horizon(blob, now: float | None = None) -> float | None:
+    """Seconds of a horizon object, ``None`` when it is not one (ignored, never an error): not a
+    finite decimal number, or, given ``now`` (Unix seconds), later than ``now`` plus
+    :data:`HORIZON_MAX_AHEAD_S`."""
     try:
         t = float(bytes(blob).decode("ascii"))
     except (ValueError, UnicodeDecodeError):
         return None
-    return t if t == t and abs(t) != float("inf") else None
+    if not math.isfinite(t) or (now is not None and t > now + HORIZON_MAX_AHEAD_S):
+        return None
+    return t
 
 
 def manifest_created(blob) -> float | None:

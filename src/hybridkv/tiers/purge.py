@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 
 from hybridkv.cache.purge import PurgeSelector, purge_device
 from hybridkv.store.base import ObjectStore
 from hybridkv.tiers.layout import (
+    HORIZON_MAX_AHEAD_S,
     HORIZON_SLOTS,
     KEY_PREFIX,
     decode_horizon,
@@ -128,6 +131,7 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
 
     Raises:
         StoreUnavailable: the store cannot be reached.
+        ValueError: a horizon would lie in the future (:func:`raise_horizon`).
         RuntimeError: a horizon could not be raised (another purge kept replacing it).
     """
     models = sorted(selector.models) if selector.models is not None else [None]
@@ -170,8 +174,11 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
 
 
 def read_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None) -> float | None:
-    """The expiry horizon of one scope (the later of its two slots; ``None``: none)."""
-    found = [decode_horizon(b) for b in store.get([horizon_key(model, owner, s) for s in HORIZON_SLOTS])
+    """The expiry horizon of one scope (the later of its two slots; ``None``: none). A slot that
+    holds no horizon, or one implausibly far ahead of this clock, is ignored
+    (:func:`~hybridkv.tiers.layout.decode_horizon`), as readers ignore it."""
+    now = time.time()
+    found = [decode_horizon(b, now) for b in store.get([horizon_key(model, owner, s) for s in HORIZON_SLOTS])
              if b is not None]
     found = [t for t in found if t is not None]
     return max(found) if found else None
@@ -192,15 +199,22 @@ def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, 
         The horizon now (seconds).
 
     Raises:
+        ValueError: ``created_before`` is not finite, or later than now plus
+            :data:`~hybridkv.tiers.layout.HORIZON_MAX_AHEAD_S` (a stamp in ms?): such a horizon
+            would expire every entry of the scope, later ones included, for good.
         StoreUnavailable: the store cannot be reached.
         RuntimeError: still below ``created_before`` after ``attempts`` tries (the store refused
             the put, or purges keep racing).
     """
+    now = time.time()
+    if not math.isfinite(created_before) or created_before > now + HORIZON_MAX_AHEAD_S:
+        raise ValueError(f"expiry horizon created_before={created_before!r} s is not finite or is in the future "
+                         f"(now {now:.3f} s): it would expire every later entry too")
     keys = [horizon_key(model, owner, s) for s in HORIZON_SLOTS]
     blob = encode_horizon(created_before)
     target = decode_horizon(blob)
     for _ in range(attempts):
-        cur = [decode_horizon(b) if b is not None else None for b in store.get(keys)]
+        cur = [decode_horizon(b, now) if b is not None else None for b in store.get(keys)]
         present = [t for t in cur if t is not None]
         if present and max(present) >= target:
             return max(present)

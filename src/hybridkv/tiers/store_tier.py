@@ -66,7 +66,8 @@ class StoreTier(Tier):
         max_age_s: entries created longer ago than this (seconds, by the manifest's ``created``)
             are ``expired`` misses and are removed when read; ``None``: no standing age limit.
         horizon_refresh_s: seconds a reading of an owner's expiry horizons is reused (0: read in
-            every load batch, so a purge by age reaches every later load).
+            every load batch, so a purge by age reaches every later load; a purge by age through
+            this tier's own :meth:`purge` drops its readings, so it reaches this tier's next load).
 
     Raises:
         ValueError: ``max_age_s`` is not a positive finite number, ``horizon_refresh_s`` is
@@ -234,8 +235,11 @@ class StoreTier(Tier):
 
     @staticmethod
     def _stored_horizon(arena, offsets, nread) -> float | None:
-        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none."""
-        found = [decode_horizon(arena[o:o + n].tobytes()) for o, n in zip(offsets, nread) if n > 0]
+        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none (slots
+        that hold no horizon, or one implausibly far ahead of this clock, are ignored:
+        :func:`~hybridkv.tiers.layout.decode_horizon`)."""
+        now = time.time()
+        found = [decode_horizon(arena[o:o + n].tobytes(), now) for o, n in zip(offsets, nread) if n > 0]
         found = [t for t in found if t is not None]
         return max(found) if found else None
 
@@ -358,10 +362,15 @@ class StoreTier(Tier):
         Returns:
             Entries removed, or ``-1`` when the store is unreachable.
         """
+        self.last_purge_hidden = None               # of this purge only (none when unreachable)
+        self.purges += 1                            # before any removal: prefetches started earlier are dropped
         got = self._call(purge_store_detail, self.store, selector)
         if got is None:
             return -1
         self.last_purge_hidden = got.hidden_before
+        if got.hidden_before is not None:
+            with self._lock:
+                self._horizons.clear()              # this tier's next loads read the horizon it just raised
         n = got.removed
         if got.hidden_before is not None and chains:
             n += self._expire_chains(chains, got.hidden_before)
