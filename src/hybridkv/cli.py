@@ -273,8 +273,10 @@ def _cache_purge(args, console: Console) -> int:
                              tokenizer_version=args.tokenizer_version,
                              chat_template_version=args.chat_template_version, tenant=t).digest()
                for t in args.tenant}
+    # the model namespace is every store key's second segment; a tenant's entries lie under it too,
+    # so it narrows --namespace owners given with --tenant as well (before: dropped with --tenant)
     models = {CacheIdentity(model_repo=args.model, weight_digest=args.weight_digest).digest()} \
-        if args.model and not args.tenant else None
+        if args.model else None
     cutoff = time.time() - args.older_than if args.older_than else None
     parsed = urllib.parse.urlsplit(args.store)
     if parsed.scheme == "memory":             # a new empty store of this process: nothing could be purged

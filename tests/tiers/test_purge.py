@@ -417,6 +417,28 @@ def test_cli_purge_by_tenant_reaches_the_namespace_hybridkv_serve_gives_that_ten
     assert held_in(st, e, pa, hf) == [False, False] and held_in(st, e, pb, served["other"]) == [True, True]
 
 
+def test_cli_purge_by_tenant_and_namespace_keeps_the_model_restriction_for_both(tiny_model, tmp_path, capsys):
+    # --tenant with --namespace dropped --model's restriction for the --namespace owners too, so a
+    # purge naming another weight digest removed that namespace's entries of every model
+    from hybridkv.cli import main
+    from hybridkv.serve.tokenizer import ByteTokenizer
+    from hybridkv.store.disk import DiskStore
+
+    tok, template = ByteTokenizer().identity
+    ns = CacheIdentity(model_repo="tiny", weight_digest=tiny_model.weight_digest(), tokenizer_version=tok,
+                       chat_template_version=template, tenant="acme").digest()
+    v = tiny_model.config.vocab_size
+    pa = tokens(29, 1100, v)
+    store = DiskStore(tmp_path / "s")
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pa, ns, "acme")
+    assert held_in(st, e, pa, ns) == [True, True]
+    assert main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", "--model", "tiny",
+                 "--weight-digest", "0" * 64, "--tenant", "acme", "--namespace", ns.hex()]) == 0
+    assert "removed 0 entries" in capsys.readouterr().out
+    assert held_in(st, e, pa, ns) == [True, True]              # another model version's purge: kept
+
+
 def test_the_clis_default_tokenizer_identity_is_the_byte_tokenizers():
     from hybridkv.cli import _BYTE_IDENTITY
     from hybridkv.serve.tokenizer import ByteTokenizer
