@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("--store-gib", args.store_gib), ("--restart", args.restarts or None),
                             ("--crash", args.crashes or None), ("--cold-start", args.cold_start_s)):
             if value is not None:
-                parser.error(f"{flag} {value} needs --timed (untimed replays deal requests round-robin)")
+                shown = " ".join(f"{j}@{at:g}" for j, at in value) if isinstance(value, list) else value
+                parser.error(f"{flag} {shown} needs --timed (untimed replays deal requests round-robin)")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
         parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     console = Console(stderr=True)
@@ -259,6 +260,12 @@ def _cache_purge(args, console: Console) -> int:
         return fail("--model and --weight-digest go together (they name one model version)")
     if args.tenant and not args.model:
         return fail("--tenant needs --model and --weight-digest (a tenant's namespace includes them)")
+    if args.weight_digest is not None and not _is_sha256_hex(args.weight_digest):
+        return fail(f"--weight-digest {args.weight_digest!r} is not a weight digest (64 hex digits, the "
+                    "model's weight_digest(); a server shows it in /v1/cache/info)")
+    if not (args.namespace or args.tenant or args.model or args.older_than):
+        return fail("say what to purge: --tenant or --namespace (owners), --model with --weight-digest "
+                    "(a model version), --older-than SECONDS (age), or several of them")
     owners = set()
     for text in args.namespace:
         try:
@@ -314,6 +321,10 @@ def _replay(args, console: Console) -> int:
 
     limit = args.limit if args.limit is not None else (None if args.simulate else 40)
     if args.all:
+        if args.limit is not None:
+            console.print(f"[red]error:[/red] --all and --limit {args.limit} contradict each other; give one",
+                          markup=True, highlight=False)
+            return 2
         limit = None
     opts = ReplayOptions(
         trace=args.trace, limit=limit, model=args.model, block_tokens=args.block_tokens,
@@ -342,6 +353,11 @@ def _replay(args, console: Console) -> int:
         if problem:
             console.print(f"[red]error:[/red] --store-required: {problem}", markup=True, highlight=False)
             return 2
+    if args.simulate and args.store != "none":
+        console.print(f"[red]error:[/red] --store {args.store}: a simulated replay has no tensors to store; its "
+                      "fleet models a shared store instead (--timed --instances N, --store-gib, --store-gbps)",
+                      markup=True, highlight=False)
+        return 2
     try:
         report = run_replay(opts, console)
     except (TraceError, ConfigError, CostModelError, ValueError, FileNotFoundError) as exc:
@@ -370,6 +386,11 @@ def _replay(args, console: Console) -> int:
                       markup=True, highlight=False)
         return 1
     return 0
+
+
+def _is_sha256_hex(text: str) -> bool:
+    """Whether ``text`` is 64 hex digits (a sha256 digest written out)."""
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def _faults_not_done(args, report, console: Console) -> None:
@@ -427,8 +448,9 @@ def _unwritable(path: str) -> str | None:
 
     p = Path(path)
     existed = p.exists()
+    if not p.parent.is_dir():                  # not created: a mistyped directory is an error
+        return f"no directory {p.parent}"
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
         with open(p, "a", encoding="utf-8"):
             pass
     except OSError as exc:

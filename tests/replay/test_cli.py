@@ -240,3 +240,26 @@ def test_more_instances_than_requests_is_refused_before_any_process_starts(capsy
     assert main(["replay", "--simulate", "--limit", "3", "--instances", "4", "--no-progress"]) == 2
     err = capsys.readouterr()
     assert "instances=4 is more than the 3 requests" in err.out + err.err
+
+
+@pytest.mark.parametrize(("args", "text"), [
+    (["--simulate", "--limit", "3", "--store", "bogus://x"], "a simulated replay has no tensors to store"),
+    (["--simulate", "--all", "--limit", "5"], "--all and --limit 5 contradict"),
+])
+def test_options_a_replay_would_ignore_are_refused(args, text, capsys):
+    assert main(["replay", "--no-progress", *args]) == 2
+    err = capsys.readouterr()
+    assert text in err.out + err.err
+
+
+def test_a_json_path_in_a_missing_directory_is_refused_and_not_created(tmp_path, capsys):
+    path = tmp_path / "no-such-dir" / "r.json"
+    assert main(["replay", "--simulate", "--limit", "3", "--no-progress", "--json", str(path)]) == 2
+    err = capsys.readouterr()
+    assert "no directory" in " ".join((err.out + err.err).split()) and not path.parent.exists()   # rich wraps
+
+
+def test_a_fault_asked_without_timed_is_shown_as_written(capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", "--simulate", "--limit", "3", "--no-progress", "--crash", "0@5", "--crash", "1@7.5"])
+    assert "--crash 0@5 1@7.5 needs --timed" in capsys.readouterr().err

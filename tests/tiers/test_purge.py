@@ -502,3 +502,16 @@ def test_cli_purge_of_a_disk_store_that_does_not_exist_is_an_error_not_removed_0
     assert str(missing) in capsys.readouterr().err and not missing.exists()
     assert main(["cache", "purge", "--store", "memory://", "--older-than", "5"]) == 2
     assert "memory://" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "text"), [
+    (["--model", "tiny", "--weight-digest", "deadbeef"], "--weight-digest 'deadbeef' is not a weight digest"),
+    ([], "say what to purge: --tenant or --namespace"),
+])
+def test_cli_purge_names_a_short_weight_digest_and_a_purge_of_nothing(tmp_path, capsys, args, text):
+    from hybridkv.cli import main
+
+    (tmp_path / "s").mkdir()
+    assert main(["cache", "purge", "--store", f"disk://{tmp_path / 's'}", *args]) == 2
+    got = capsys.readouterr()
+    assert text in " ".join((got.out + got.err).split())             # rich may wrap the line

@@ -261,7 +261,8 @@ class CacheConfig:
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")
         h = self.host_interval
         if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0 or h % b):
-            raise ConfigError(f"host_interval={h!r} must be a positive multiple of block_size={b} or None")
+            raise ConfigError(f"host_interval={h!r} must be a positive multiple of block_size={b} "
+                              "or None (off; --host-interval 0)")
         if not isinstance(self.mechanism, Mechanism):
             raise ConfigError(f"mechanism={self.mechanism!r} must be a Mechanism")
         p = self.policy

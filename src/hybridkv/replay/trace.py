@@ -111,7 +111,7 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
         raise _BadLine(
             "hash_ids_length",
             f"field 'hash_ids' has {len(hash_ids)} ids but input_length "
-            f"{obj['input_length']} needs ceil(/{trace_block_tokens}) = {expected}",
+            f"{obj['input_length']} needs ceil({obj['input_length']}/{trace_block_tokens}) = {expected}",
         )
     return obj["timestamp"], obj["input_length"], obj["output_length"], tuple(hash_ids)
 
