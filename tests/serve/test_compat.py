@@ -10,6 +10,7 @@ import httpx
 import pytest
 from serve_helpers import prompt_ids, wait_idle
 
+from hybridkv.engine.build import load_model
 from hybridkv.serve.launch import RunningServer, ServeOptions
 
 LONG = {"model": "tiny", "max_tokens": 4000, "stream": True, "ignore_eos": True, "temperature": 0}
@@ -42,6 +43,18 @@ def test_server_and_model_info_under_both_names(worker):
         assert c.get("/get_model_info").json() == model
         assert model["is_generation"] is True and model["model_path"] == "tiny"
         assert model["architectures"] == ["KimiLinearForCausalLM"]
+
+
+def test_server_info_and_cache_info_give_the_weight_digest_purge_needs(worker):
+    """``hybridkv cache purge --model M --weight-digest D`` needs the served weights' digest: both
+    ``/server_info`` and ``/v1/cache/info`` give it, the same as the model's own ``weight_digest()``."""
+    expected = load_model("tiny", 0).weight_digest()              # ServeOptions' default seed
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        info = c.get("/server_info").json()
+        cache = c.get("/v1/cache/info").json()
+    assert info["weight_digest"] == expected and len(bytes.fromhex(expected)) == 32
+    assert cache["identity"]["weight_digest"] == expected
+    assert cache["model"] == cache["identity"]["model_repo"] == info["model_id"] == "tiny"
 
 
 def test_get_load_counts_queued_and_running_work(worker):
