@@ -178,3 +178,23 @@ def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatc
     page = feed.page(None, -1)
     assert page["epoch"] != before
     assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])
+
+
+def test_the_published_digest_purges_a_tenants_store_entries_offline(tmp_path, capsys):
+    """What ``/server_info`` publishes is what ``hybridkv cache purge --model --weight-digest
+    --tenant`` needs: with it, the offline purge removes the entries the server wrote."""
+    from hybridkv.cli import main
+    store = f"disk://{tmp_path}"
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as s:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": prompt_ids(61, 300), "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        info = httpx.get(f"{s.url}/server_info", timeout=60).json()
+    argv = ["cache", "purge", "--store", store, "--model", info["model_id"],
+            "--weight-digest", info["weight_digest"], "--tenant", "default"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0
+    assert "removed" in first and "removed 0 entries" not in first
+    assert "removed 0 entries" in capsys.readouterr().out
