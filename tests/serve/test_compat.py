@@ -10,6 +10,7 @@ import httpx
 import pytest
 from serve_helpers import prompt_ids, wait_idle
 
+from hybridkv.engine.build import load_model
 from hybridkv.serve.launch import RunningServer, ServeOptions
 
 LONG = {"model": "tiny", "max_tokens": 4000, "stream": True, "ignore_eos": True, "temperature": 0}
@@ -42,6 +43,18 @@ def test_server_and_model_info_under_both_names(worker):
         assert c.get("/get_model_info").json() == model
         assert model["is_generation"] is True and model["model_path"] == "tiny"
         assert model["architectures"] == ["KimiLinearForCausalLM"]
+
+
+def test_server_info_and_cache_info_give_the_weight_digest_purge_needs(worker):
+    """``hybridkv cache purge --model M --weight-digest D`` needs the served weights' digest: both
+    ``/server_info`` and ``/v1/cache/info`` give it, the same as the model's own ``weight_digest()``."""
+    expected = load_model("tiny", 0).weight_digest()              # ServeOptions' default seed
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        info = c.get("/server_info").json()
+        cache = c.get("/v1/cache/info").json()
+    assert info["weight_digest"] == expected and len(bytes.fromhex(expected)) == 32
+    assert cache["identity"]["weight_digest"] == expected
+    assert cache["model"] == cache["identity"]["model_repo"] == info["model_id"] == "tiny"
 
 
 def test_get_load_counts_queued_and_running_work(worker):
@@ -165,3 +178,23 @@ def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatc
     page = feed.page(None, -1)
     assert page["epoch"] != before
     assert any(e["kind"] == "blocks_stored" and e["keys"] == [key.hex()] for e in page["events"])
+
+
+def test_the_published_digest_purges_a_tenants_store_entries_offline(tmp_path, capsys):
+    """What ``/server_info`` publishes is what ``hybridkv cache purge --model --weight-digest
+    --tenant`` needs: with it, the offline purge removes the entries the server wrote."""
+    from hybridkv.cli import main
+    store = f"disk://{tmp_path}"
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as s:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": prompt_ids(61, 300), "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        info = httpx.get(f"{s.url}/server_info", timeout=60).json()
+    argv = ["cache", "purge", "--store", store, "--model", info["model_id"],
+            "--weight-digest", info["weight_digest"], "--tenant", "default"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0
+    assert "removed" in first and "removed 0 entries" not in first
+    assert "removed 0 entries" in capsys.readouterr().out

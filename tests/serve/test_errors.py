@@ -66,6 +66,23 @@ def test_bad_chat_messages_and_unknown_routes(server):
         assert r.status_code == 400 and "exactly one scope" in r.json()["error"]["message"]
 
 
+INVALIDATE_BAD = [({"tenant": 5}, "tenant", "tenant=5 must be a string"),
+                  ({"cache_salt": ["s"]}, "cache_salt", "cache_salt=['s'] must be a string"),
+                  ({"tenant": "nobody", "cache_salt": None}, None, None),     # null: not given (valid)
+                  ({"all": "yes"}, "all", "all='yes' must be a boolean")]
+
+
+@pytest.mark.parametrize(("body", "param", "text"), INVALIDATE_BAD, ids=[str(b[0]) for b in INVALIDATE_BAD])
+def test_a_bad_invalidate_field_is_refused_naming_the_field_and_value(server, body, param, text):
+    r = httpx.post(f"{server.url}/admin/cache/invalidate", json=body, timeout=60)
+    if text is None:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and text in err["message"], err
+
+
 def test_errors_lose_nothing_cached(server):
     ids = prompt_ids(21, 300)
     with httpx.Client(base_url=server.url, timeout=60) as c:

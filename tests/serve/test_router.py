@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import time
 
 import httpx
@@ -165,6 +166,7 @@ def test_a_killed_worker_is_routed_around():
         b = RunningServer(ServeOptions(port=int(b_url.rsplit(":", 1)[1]), threads=1))   # restarted, same port
         back = _wait(lambda s: s["workers"][1]["healthy"], router)
         assert back["workers"][1]["epoch"] is not None and back["workers"][1]["epoch"] != old_epoch
+        assert back["workers"][1]["failures"] == 1 and back["workers"][1]["last_error"]   # one departure, kept
         assert [_complete(router, prompt_ids(300 + i, 70))["usage"]["completion_tokens"] for i in range(2)] == [2, 2]
         assert _routed(_stats(router))[1] >= 2
     finally:
@@ -172,6 +174,29 @@ def test_a_killed_worker_is_routed_around():
         a.close()
         if b is not None:
             b.close()
+
+
+def test_start_up_checks_of_a_late_worker_leave_no_failures():
+    """A router started before its worker: the checks that fail until the worker is up are not
+    failures of a worker in rotation, and their connection error is cleared when it comes in."""
+    with socket.socket() as sock:                   # a free port nobody listens on (yet)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    a = RunningServer(ServeOptions(port=0, threads=1))
+    router = _router([a.url, f"http://127.0.0.1:{port}"], "round-robin")
+    late = None
+    try:
+        down = _wait(lambda s: s["workers"][1]["last_error"] != "", router)
+        assert down["workers"][1]["healthy"] is False and down["workers"][1]["failures"] == 0
+        late = RunningServer(ServeOptions(port=port, threads=1))
+        up = _wait(lambda s: s["workers"][1]["healthy"], router)["workers"][1]
+        assert up["failures"] == 0 and up["last_error"] == ""
+        assert _stats(router)["workers"][0]["failures"] == 0
+    finally:
+        router.close()
+        a.close()
+        if late is not None:
+            late.close()
 
 
 def test_a_bad_worker_list_is_refused_naming_it():

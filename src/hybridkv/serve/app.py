@@ -202,8 +202,11 @@ class Server:
         body = _json_object(await request.body() or b"{}")
         everything = body.get("all", False)
         tenant, salt = body.get("tenant"), body.get("cache_salt")
-        if not isinstance(everything, bool) or any(v is not None and not isinstance(v, str) for v in (tenant, salt)):
-            raise APIError(400, "all must be a boolean, tenant and cache_salt strings")
+        if not isinstance(everything, bool):
+            raise APIError(400, f"all={everything!r} must be a boolean", "all")
+        for name, value in (("tenant", tenant), ("cache_salt", salt)):
+            if value is not None and not isinstance(value, str):
+                raise APIError(400, f"{name}={value!r} must be a string", name)
         if everything == (tenant is not None or salt is not None):
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
         self._check_alive()

@@ -4,8 +4,9 @@
 Routes (all JSON):
 
 * ``GET /server_info`` and ``GET /get_server_info``: model id and path, tokenizer path (the model
-  directory when it carries its own tokenizer, else ``null``), context and pool limits in tokens,
-  ``tp_size`` and ``dp_size`` 1.
+  directory when it carries its own tokenizer, else ``null``), the weight digest (hex SHA-256 of
+  the weights, as ``/v1/cache/info`` ``identity.weight_digest``), context and pool limits in
+  tokens, ``tp_size`` and ``dp_size`` 1.
 * ``GET /model_info`` and ``GET /get_model_info``: ``model_path``, ``tokenizer_path``,
   ``is_generation`` (always true), ``model_type`` and ``architectures``.
 * ``GET /get_load``: a list with one entry per data-parallel rank (one here):
@@ -72,10 +73,13 @@ class CompatRoutes:
         return str(Path(model).resolve()) if Path(model).is_dir() else model
 
     async def server_info(self) -> dict:
-        """``GET /server_info``: what the worker serves and its limits (tokens, requests)."""
+        """``GET /server_info``: what the worker serves and its limits (tokens, requests), and
+        ``weight_digest``: the hex SHA-256 of its weights (``"simulated"`` without a model), the
+        ``--weight-digest`` that ``hybridkv cache purge --model`` needs (a digest, never content)."""
         s = self.server
         cfg = s.handle.engine.config
         return {"model_id": s.settings.model_name, "served_model_name": s.settings.model_name,
+                "weight_digest": s.identity()["weight_digest"],
                 "model_path": self._model_path(), "tokenizer_path": tokenizer_path(s.settings.model_name),
                 "context_length": s.settings.max_model_len, "max_total_tokens": cfg.num_kv_pages * cfg.block_size,
                 "max_prefill_tokens": cfg.max_num_batched_tokens, "max_running_requests": cfg.max_num_seqs,

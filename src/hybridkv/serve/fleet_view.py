@@ -139,12 +139,16 @@ class WorkerState:
         epoch: the epoch ``view`` follows (``None``: none yet).
         after: last event seq applied in ``epoch`` (-1: none).
         load: requests and prompt tokens in flight through this router.
-        events_applied, views_dropped, failures: counters.
+        events_applied, views_dropped: counters.
+        failures: times it left rotation (in rotation, then found down); the checks that fail
+            before it first enters rotation (start-up) or while it is out do not count. Also the
+            generation :meth:`Workers._pull` compares to drop an answer read across a take-out.
         store_id: the shared store it writes to (``/v1/cache/info``), or ``None``.
         store_events_applied: its ``medium: store`` events applied to that store's view.
         hit_tokens_routed: the local joint hits it was predicted to give the requests routed to it.
         store_hit_tokens_routed: tokens of the store's hit beyond that local hit, likewise.
-        last_error: why it last left rotation (no prompt content).
+        last_error: why it is out of rotation, or why it last left it (no prompt content);
+            cleared when it first enters rotation (the start-up checks' connection errors).
     """
 
     url: str
@@ -219,8 +223,9 @@ class Workers:
         """Take ``w`` out of rotation and forget its cache (``why``: a short reason, logged)."""
         if w.healthy:
             log.warning("worker %s out of rotation: %s", w.url, why)
+        if w.healthy:                      # a departure; the failed checks of a worker out of rotation
+            w.failures += 1                # (start-up included) are no failures of a worker in rotation
         w.healthy, w.epoch, w.after, w.last_error = False, None, -1, why
-        w.failures += 1
         w.view = InstanceView(self.fleet.unit if self.fleet else 1)
 
     async def poll_once(self) -> None:
@@ -298,6 +303,8 @@ class Workers:
             w.store_id = sid
         else:
             w.store_id = None
+        if w.failures == 0:                # never left rotation: the errors are those of its start-up
+            w.last_error = ""
         w.view, w.epoch, w.after, w.healthy = InstanceView(fleet.unit), int(info["epoch"]), -1, True
         log.info("worker %s in rotation (epoch %d)", w.url, w.epoch)
 
