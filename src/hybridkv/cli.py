@@ -225,7 +225,8 @@ def _register_cache_cli(sub) -> None:
                                  "hybridkv.tiers.purge.purge in that process, not by this command.")
     p.add_argument("--store", required=True, help="store URL (disk:///PATH, mooncake://HOST:PORT, memory://)")
     p.add_argument("--model", help="model repo / preset name the entries were made with")
-    p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model)")
+    p.add_argument("--weight-digest", help="weight digest of the model version to purge (with --model): 64 hex digits, "
+                        "`weight_digest` in a server's /server_info")
     p.add_argument("--tenant", action="append", default=[],
                    help="tenant whose entries to purge: the namespace hybridkv serve gives its requests without "
                         "a cache salt, CacheIdentity(model_repo=--model, weight_digest=--weight-digest, "
