@@ -263,7 +263,7 @@ def _cache_purge(args, console: Console) -> int:
         return fail("--tenant needs --model and --weight-digest (a tenant's namespace includes them)")
     if args.weight_digest is not None and not _is_sha256_hex(args.weight_digest):
         return fail(f"--weight-digest {args.weight_digest!r} is not a weight digest (64 hex digits, the "
-                    "model's weight_digest(); a server shows it in /v1/cache/info)")
+                    "model's weight_digest(); a server shows it in /server_info)")
     if not (args.namespace or args.tenant or args.model or args.older_than):
         return fail("say what to purge: --tenant or --namespace (owners), --model with --weight-digest "
                     "(a model version), --older-than SECONDS (age), or several of them")
