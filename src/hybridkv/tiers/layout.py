@@ -124,6 +124,13 @@ def decode_horizon(blob, now: float | None = None) -> float | None:
     return t
 
 
+def latest_horizon(blobs, now: float) -> float | None:
+    """The latest horizon (Unix seconds) among the slot objects ``blobs`` (``None`` items: absent
+    slots), each read by :func:`decode_horizon` against ``now``; ``None``: no slot holds one."""
+    found = [t for t in (decode_horizon(b, now) for b in blobs if b is not None) if t is not None]
+    return max(found) if found else None
+
+
 def manifest_created(blob) -> float | None:
     """The ``created`` seconds of a manifest (``None``: not recorded or not a number)."""
     try:

@@ -44,6 +44,7 @@ from hybridkv.tiers.layout import (
     decode_horizon,
     encode_horizon,
     horizon_key,
+    latest_horizon,
     owner_prefix,
 )
 
@@ -177,11 +178,7 @@ def read_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None) -
     """The expiry horizon of one scope (the later of its two slots; ``None``: none). A slot that
     holds no horizon, or one implausibly far ahead of this clock, is ignored
     (:func:`~hybridkv.tiers.layout.decode_horizon`), as readers ignore it."""
-    now = time.time()
-    found = [decode_horizon(b, now) for b in store.get([horizon_key(model, owner, s) for s in HORIZON_SLOTS])
-             if b is not None]
-    found = [t for t in found if t is not None]
-    return max(found) if found else None
+    return latest_horizon(store.get([horizon_key(model, owner, s) for s in HORIZON_SLOTS]), time.time())
 
 
 def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, created_before: float,

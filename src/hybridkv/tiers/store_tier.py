@@ -36,11 +36,11 @@ from hybridkv.tiers.layout import (
     HORIZON_MAX_BYTES,
     MANIFEST_MAX_BYTES,
     EntryError,
-    decode_horizon,
     decode_manifest,
     entry_components,
     entry_key,
     entry_manifest,
+    latest_horizon,
     manifest_created,
     reader_horizon_keys,
     verify_component,
@@ -238,10 +238,7 @@ class StoreTier(Tier):
         """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none (slots
         that hold no horizon, or one implausibly far ahead of this clock, are ignored:
         :func:`~hybridkv.tiers.layout.decode_horizon`)."""
-        now = time.time()
-        found = [decode_horizon(arena[o:o + n].tobytes(), now) for o, n in zip(offsets, nread) if n > 0]
-        found = [t for t in found if t is not None]
-        return max(found) if found else None
+        return latest_horizon([arena[o:o + n].tobytes() for o, n in zip(offsets, nread) if n > 0], time.time())
 
     def _horizon(self, stored: float | None) -> float | None:
         """The horizon a load applies: the later of ``stored`` and now minus ``max_age_s``."""
