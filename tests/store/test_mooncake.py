@@ -254,6 +254,26 @@ def test_silent_eviction_in_a_full_segment(tmp_path_factory):
         service.stop_store(handle.workdir)
 
 
+def test_expiry_horizons_are_pinned_against_eviction(tmp_path_factory):
+    """A horizon (raised as a purge by age raises it) is hard-pinned: the master's eviction under
+    memory pressure removes an unpinned object of the same size put after it, never the horizon."""
+    from hybridkv.tiers.purge import raise_horizon, read_horizon
+
+    handle = start(tmp_path_factory, segment_mb=16)
+    try:
+        with MooncakeStore(handle.master) as store:
+            cutoff = time.time()
+            assert raise_horizon(store, None, None, cutoff) >= cutoff
+            store.put([("plain/h", b"%.3f" % cutoff)])
+            keys = [f"ev/{i}" for i in range(40)]
+            stored = [store.put([(k, bytes([i]) * MiB)])[0] for i, k in enumerate(keys)]
+            assert sum(stored) > 16 and not all(store.exists(keys[:8]))   # eviction ran
+            assert store.exists(["plain/h"]) == [False]
+            assert read_horizon(store, None, None) >= cutoff
+    finally:
+        service.stop_store(handle.workdir)
+
+
 def test_cli_start_status_stop(tmp_path, capsys):
     port, metrics_port = procs.find_free_ports(2)
     argv = ["--port", str(port), "--metrics-port", str(metrics_port), "--segment-mb", "16", "--workdir", str(tmp_path)]

@@ -292,6 +292,58 @@ def test_a_horizon_reading_is_reused_for_horizon_refresh_s(tiny_model, store):
         StoreTier(store, f.cache.namespace, 64, BLOCK, f_st.shapes, horizon_refresh_s=-1)
 
 
+def test_a_lost_expiry_horizon_fails_closed(tiny_model, store):
+    """An expiry horizon object that goes missing (evicted, removed) while entries it expired are
+    still in the store. Before, the next load read no horizon and served the purged entry again.
+    Now a reader that saw the horizon keeps applying it (the older entry is an ``expired`` miss and
+    is removed), writes it back, and so a fresh reader is refused the other older entries too."""
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.tiers.layout import HORIZON_SLOTS, horizon_key
+    from hybridkv.tiers.purge import read_horizon
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)                 # horizons are written only where keys cannot be listed
+    v = tiny_model.config.vocab_size
+    pa, pc, pb = tokens(30, 1100, v), tokens(31, 1100, v), tokens(32, 1100, v)
+    e, _, st = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "old a")
+    cutoff = _stamped_apart(e, (pc, TENANT_A, "old c"), (pb, TENANT_A, "new"))
+    assert purge_store_detail(store, PurgeSelector(created_before=cutoff)).hidden_before == cutoff
+    f, _, f_st = three_tiers(tiny_model, store)
+    assert run(f, pb, TENANT_A, "new: the horizon is read").reused == BLOCK
+    store.remove([horizon_key(None, None, s) for s in HORIZON_SLOTS])     # the horizon is lost
+    assert read_horizon(store, None, None) is None
+    assert held_in(st, e, pa, TENANT_A) == [True, True]                   # the purged entries are still there
+    assert run(f, pa, TENANT_A, "old a after the loss").reused == 0       # never served again
+    assert f_st.stats.misses["expired"] >= 2 and f_st.horizons_restored >= 1
+    assert read_horizon(store, None, None) >= cutoff                      # written back
+    g, _, g_st = three_tiers(tiny_model, store)                           # never saw it
+    assert run(g, pc, TENANT_A, "old c, a fresh reader").reused == 0
+    assert g_st.stats.misses["expired"] >= 2 and g_st.horizons_restored == 0
+    assert run(g, pb, TENANT_A, "new still served").reused == BLOCK
+
+
+def test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_model, store):
+    """The tier that raised a horizon applies it from then on even if it never reads the object."""
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.tiers.layout import HORIZON_SLOTS, horizon_key
+
+    if getattr(store, "lists_keys", False):
+        store = UnlistedStore(store)
+    v = tiny_model.config.vocab_size
+    pa = tokens(33, 1100, v)
+    e, _, _ = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "old")
+    time.sleep(0.01)
+    f, _, f_st = three_tiers(tiny_model, store)
+    counts = purge(None, [f_st], PurgeSelector(created_before=time.time()))
+    assert counts.hidden == ["store"]
+    store.remove([horizon_key(None, None, s) for s in HORIZON_SLOTS])     # lost before f ever read it
+    assert run(f, pa, TENANT_A, "old after the loss").reused == 0 and f_st.stats.misses["expired"] >= 2
+
+
 def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_model, store):
     """A prefix a fresh engine installs from the store is owned by the request's namespace on the
     device too, so a purge by that tenant removes it there and no later request hits it."""

@@ -120,6 +120,14 @@ def test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(t
     test_purge.test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store)
 
 
+def test_a_lost_expiry_horizon_fails_closed(tiny_model, store):
+    test_purge.test_a_lost_expiry_horizon_fails_closed(tiny_model, store)
+
+
+def test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_model, store):
+    test_purge.test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_model, store)
+
+
 def test_horizon_never_goes_back(store):
     """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
     from hybridkv.tiers.purge import raise_horizon, read_horizon

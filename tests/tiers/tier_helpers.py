@@ -54,6 +54,9 @@ class PrefixedStore:
     def put_owned(self, items, owner):
         return self.inner.put_owned([(self.prefix + k, v) for k, v in items], owner)
 
+    def put_pinned(self, items):
+        return self.inner.put_pinned([(self.prefix + k, v) for k, v in items])
+
     def get(self, keys):
         return self.inner.get([self.prefix + k for k in keys])
 

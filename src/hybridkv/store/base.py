@@ -86,6 +86,14 @@ class ObjectStore(ABC):
         ignores it."""
         return self.put(items)
 
+    def put_pinned(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """:meth:`put` of objects this backend's own eviction must never remove (expiry horizons,
+        docs/cache_abi.md): only :meth:`remove` does. Mooncake hard-pins them
+        (:class:`~hybridkv.store.mooncake.client.MooncakeStore`); the default is :meth:`put`, right
+        for backends that never evict on their own (memory) and for those that list their keys
+        (disk), where no purge writes a horizon."""
+        return self.put(items)
+
     @abstractmethod
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Objects for ``keys`` (``None`` where absent). A key may repeat; each slot is filled."""

@@ -98,11 +98,16 @@ def horizon_key(model: bytes | None, owner: bytes | None, slot: str) -> str:
     return f"{HORIZON_PREFIX}/{m}/{o}/{slot}"
 
 
+def reader_horizon_scopes(model: bytes, owner: bytes) -> list[tuple[bytes | None, bytes | None]]:
+    """The horizon scopes ``(model | None, owner | None)`` that apply to an entry of ``model``
+    cached by ``owner``: (all, all), (model, all), (all, owner) and (model, owner)."""
+    return [(None, None), (model, None), (None, owner), (model, owner)]
+
+
 def reader_horizon_keys(model: bytes, owner: bytes) -> list[str]:
     """The horizon slots that apply to an entry of ``model`` cached by ``owner``: both slots of
-    the scopes (all, all), (model, all), (all, owner) and (model, owner); 8 keys."""
-    return [horizon_key(m, o, slot) for m, o in ((None, None), (model, None), (None, owner), (model, owner))
-            for slot in HORIZON_SLOTS]
+    each scope of :func:`reader_horizon_scopes`, in that order; 8 keys."""
+    return [horizon_key(m, o, slot) for m, o in reader_horizon_scopes(model, owner) for slot in HORIZON_SLOTS]
 
 
 def encode_horizon(created_before: float) -> bytes:

@@ -189,7 +189,8 @@ def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, 
     Objects are immutable (a put never overwrites), so a horizon lives in two slots and readers
     take the later one: the new value goes into an empty slot, or replaces the earlier of two
     (remove, then put), while the other slot keeps a value at least as late as the old horizon,
-    so no reader ever sees the horizon go back. The result is read back; a concurrent purge
+    so no reader ever sees the horizon go back. Slots are written with
+    :meth:`~hybridkv.store.base.ObjectStore.put_pinned` (Mooncake: hard-pinned, never evicted). The result is read back; a concurrent purge
     that replaced it with an earlier value is answered by trying again.
 
     Returns:
@@ -217,7 +218,7 @@ def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, 
             return max(present)
         i = cur.index(None) if None in cur else min(range(len(cur)), key=lambda j: cur[j])
         store.remove([keys[i]])                   # absent or the earlier: the other slot still holds the horizon
-        store.put([(keys[i], blob)])
+        store.put_pinned([(keys[i], blob)])       # never evicted by the store itself (Mooncake: hard pin)
     now = read_horizon(store, model, owner)
     if now is None or now < target:
         raise RuntimeError(f"the expiry horizon could not be raised to {target:.3f} s in {attempts} tries")

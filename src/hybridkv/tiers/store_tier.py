@@ -16,6 +16,14 @@ that age). An entry whose manifest was created before the horizon is an
 ``expired`` miss and is removed, manifest first, like a broken one. With
 ``horizon_refresh_s`` > 0 a tier reads an owner's horizons at most that often and
 uses the last reading in between (a purge by age then reaches it within that time).
+
+Lost horizons fail closed. A horizon is written hard-pinned (``ObjectStore.put_pinned``:
+Mooncake's eviction never removes it), and a tier remembers the latest horizon it has seen
+of each scope (one float per scope that ever held one). If a later reading of a scope is
+lower or absent (the object was removed or lost anyway), the tier keeps applying the
+remembered value, so an entry purged by age is never served again by a reader that saw its
+horizon, counts it in :attr:`StoreTier.horizons_restored` and writes the horizon back
+(:func:`~hybridkv.tiers.purge.raise_horizon`) for readers that never saw it.
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ from hybridkv.tiers.layout import (
     latest_horizon,
     manifest_created,
     reader_horizon_keys,
+    reader_horizon_scopes,
     verify_component,
 )
-from hybridkv.tiers.purge import purge_store_detail
+from hybridkv.tiers.purge import purge_store_detail, raise_horizon
 
 log = logging.getLogger("hybridkv.store")
 
@@ -86,6 +95,9 @@ class StoreTier(Tier):
         self.max_age_s = max_age_s
         self.horizon_refresh_s = horizon_refresh_s
         self._horizons: dict[bytes, tuple[float, float | None]] = {}   # owner -> (monotonic read time, horizon)
+        # (model | None, owner | None) -> latest horizon seen (Unix s): never forgotten, so a lost one fails closed
+        self._seen_horizons: dict[tuple[bytes | None, bytes | None], float] = {}
+        self.horizons_restored = 0   # scope readings found lower than seen before (lost objects), written back
         self.last_purge_hidden: float | None = None   # horizon the last purge raised (a store that cannot list)
         self.store = store
         self.retry_seconds = retry_seconds
@@ -219,7 +231,7 @@ class StoreTier(Tier):
             if fresh:
                 stored = cached[1]
             else:
-                stored = self._stored_horizon(arena, offsets[n_entry_keys:], nread[n_entry_keys:])
+                stored = self._stored_horizon(own, arena, offsets[n_entry_keys:], nread[n_entry_keys:])
                 if self.horizon_refresh_s > 0:
                     if len(self._horizons) >= 4096:
                         self._horizons.clear()
@@ -233,12 +245,34 @@ class StoreTier(Tier):
                 i += n_slots
         return out
 
-    @staticmethod
-    def _stored_horizon(arena, offsets, nread) -> float | None:
-        """The latest expiry horizon (Unix seconds) among the slots read; ``None``: none (slots
-        that hold no horizon, or one implausibly far ahead of this clock, are ignored:
-        :func:`~hybridkv.tiers.layout.decode_horizon`)."""
-        return latest_horizon([arena[o:o + n].tobytes() for o, n in zip(offsets, nread) if n > 0], time.time())
+    def _stored_horizon(self, owner: bytes, arena, offsets, nread) -> float | None:
+        """The latest expiry horizon (Unix seconds) among the 8 slots read for ``owner``'s entries
+        (:func:`~hybridkv.tiers.layout.reader_horizon_keys` order); ``None``: none (slots that hold no
+        horizon, or one implausibly far ahead of this clock, are ignored:
+        :func:`~hybridkv.tiers.layout.decode_horizon`). A scope read lower than this tier saw it
+        before (its objects lost) counts the remembered value and is written back (see the module
+        docstring). Call under the tier lock."""
+        now = time.time()
+        blobs = [arena[o:o + n].tobytes() if n > 0 else None for o, n in zip(offsets, nread)]
+        latest = None
+        per = len(blobs) // 4
+        for i, scope in enumerate(reader_horizon_scopes(self.namespace, owner)):
+            got = latest_horizon(blobs[i * per:(i + 1) * per], now)
+            seen = self._seen_horizons.get(scope)
+            if seen is not None and (got is None or got < seen):
+                got = seen                          # lost: fail closed, and restore it for other readers
+                self.horizons_restored += 1
+                log.warning("%s tier: an expiry horizon read lower than seen before (lost); applying and "
+                            "writing back the one seen", self.name)
+                try:
+                    self._call(raise_horizon, self.store, scope[0], scope[1], seen)
+                except (RuntimeError, ValueError) as exc:   # still applied here; the next reading retries
+                    log.warning("%s tier: an expiry horizon could not be written back: %s", self.name, exc)
+            elif got is not None:
+                self._seen_horizons[scope] = got
+            if got is not None:
+                latest = got if latest is None else max(latest, got)
+        return latest
 
     def _horizon(self, stored: float | None) -> float | None:
         """The horizon a load applies: the later of ``stored`` and now minus ``max_age_s``."""
@@ -368,6 +402,9 @@ class StoreTier(Tier):
         if got.hidden_before is not None:
             with self._lock:
                 self._horizons.clear()              # this tier's next loads read the horizon it just raised
+                for scope in _scopes(selector):     # and never apply less, even if the object is lost
+                    if self._seen_horizons.get(scope, float("-inf")) < got.hidden_before:
+                        self._seen_horizons[scope] = got.hidden_before
         n = got.removed
         if got.hidden_before is not None and chains:
             n += self._expire_chains(chains, got.hidden_before)
@@ -394,3 +431,10 @@ class StoreTier(Tier):
                     self.invalidate_chain(h, grp, owner)
                     removed += 1
         return removed
+
+
+def _scopes(selector) -> list[tuple[bytes | None, bytes | None]]:
+    """The horizon scopes ``(model | None, owner | None)`` a purge by age of ``selector`` raises."""
+    models = sorted(selector.models) if selector.models is not None else [None]
+    owners = sorted(selector.owners) if selector.owners is not None else [None]
+    return [(m, o) for m in models for o in owners]

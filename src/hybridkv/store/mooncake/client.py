@@ -135,6 +135,7 @@ class MooncakeStore(ObjectStore):
         self._down_reason = ""
         self._recovered_at = float("-inf")  # monotonic time the store last came back after a failure
         self._regions: list[tuple[int, int, np.ndarray]] = []  # long-lived registrations: (start, end, owner)
+        self._pinned_config = None  # ReplicateConfig(with_hard_pin=True), made on first put_pinned
         with self._lock:
             self._connect()
 
@@ -152,8 +153,29 @@ class MooncakeStore(ObjectStore):
             return [c == 1 for c in codes]
 
     def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        return self._put(items, pinned=False)
+
+    def put_pinned(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """:meth:`put` with Mooncake's hard pin (``ReplicateConfig.with_hard_pin``): the master's
+        eviction under memory pressure never removes these objects; only :meth:`remove` (or a
+        master restart) does. For the few tiny objects that must outlive every entry they govern
+        (expiry horizons: docs/cache_abi.md); never for entries, which must stay evictable."""
+        return self._put(items, pinned=True)
+
+    def _pin_config(self):
+        """A ``ReplicateConfig`` with ``with_hard_pin`` set (made on first use)."""
+        if self._pinned_config is None:
+            import sys
+
+            config = sys.modules[self._cls.__module__].ReplicateConfig()
+            config.with_hard_pin = True
+            self._pinned_config = config
+        return self._pinned_config
+
+    def _put(self, items: Sequence[tuple[str, Buffer]], pinned: bool) -> list[bool]:
         if not items:
             return []
+        extra = (self._pin_config(),) if pinned else ()
         first: dict[str, int] = {}
         for i, (key, data) in enumerate(items):
             if not isinstance(key, str) or not key:
@@ -172,14 +194,14 @@ class MooncakeStore(ObjectStore):
             client = self._ready()
             temp = register_temp(client, spans, self._regions)
             try:
-                codes = client.batch_put_from(keys, ptrs, sizes)
+                codes = client.batch_put_from(keys, ptrs, sizes, *extra)
                 for pause in no_space_pauses(self._recovered_at):  # eviction (or a remount) frees space meanwhile
                     retry = [i for i, c in enumerate(codes) if c == NO_SPACE]
                     if not retry:
                         break
                     time.sleep(pause)
                     again = client.batch_put_from([keys[i] for i in retry], [ptrs[i] for i in retry],
-                                                  [sizes[i] for i in retry])
+                                                  [sizes[i] for i in retry], *extra)
                     for i, c in zip(retry, again):
                         codes[i] = c
             finally:
