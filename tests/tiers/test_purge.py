@@ -344,6 +344,33 @@ def test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_m
     assert run(f, pa, TENANT_A, "old after the loss").reused == 0 and f_st.stats.misses["expired"] >= 2
 
 
+def test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store):
+    """``Tier.purge`` returns a :class:`TierPurge`: entries and payload bytes removed now, and the
+    expiry horizon it raised (by age on a store that cannot list), as :func:`purge` reports them."""
+    from tier_helpers import UnlistedStore
+
+    from hybridkv.tiers.base import TierPurge
+
+    v = tiny_model.config.vocab_size
+    pa, pb, pc = tokens(34, 1100, v), tokens(35, 1100, v), tokens(36, 1100, v)
+    e, host, st = three_tiers(tiny_model, store)
+    pair = st.entry_nbytes(FULL) + st.entry_nbytes(KDA)
+    run(e, pa, TENANT_A, "a")
+    assert host.purge(PurgeSelector(owners={TENANT_A})) == TierPurge(2, pair)
+    assert st.purge(PurgeSelector(owners={TENANT_A})) == TierPurge(2, None)     # by key prefix: not read
+    cutoff = _stamped_apart(e, (pb, TENANT_B, "old"), (pc, TENANT_B, "new"))
+    listed = getattr(store, "lists_keys", False)
+    assert st.purge(PurgeSelector(created_before=cutoff)) == (TierPurge(2, pair) if listed   # read, removed
+                                                              else TierPurge(0, 0, cutoff, 1))
+    unlisted = UnlistedStore(store, "u/")
+    f, _, f_st = three_tiers(tiny_model, unlisted)
+    cutoff = _stamped_apart(f, (pb, TENANT_B, "u old"), (pc, TENANT_B, "u new"))
+    assert f_st.purge(PurgeSelector(created_before=cutoff)) == TierPurge(0, 0, cutoff, 1)
+    counts = purge(f.cache, [f_st], PurgeSelector(owners={TENANT_B}, created_before=time.time()))
+    assert counts.hidden == ["store"] and counts.tier_entries == {"store": 4}     # device-named: removed now
+    assert counts.tier_bytes == {"store": 2 * pair}
+
+
 def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_model, store):
     """A prefix a fresh engine installs from the store is owned by the request's namespace on the
     device too, so a purge by that tenant removes it there and no later request hits it."""
@@ -499,7 +526,8 @@ def test_the_clis_default_tokenizer_identity_is_the_byte_tokenizers():
 
 
 def test_a_purge_of_an_unreachable_store_does_not_report_an_earlier_purges_horizon(tiny_model):
-    # last_purge_hidden kept the horizon of the previous purge when the store was unreachable, so a
+    # The tier's last_purge_hidden attribute (now TierPurge.hidden_before, of each purge's own
+    # result) kept the horizon of the previous purge when the store was unreachable, so a
     # purge by tenant that removed nothing (-1) still reported the store as purged by horizon.
     from tier_helpers import UnlistedStore
 

@@ -128,6 +128,10 @@ def test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_m
     test_purge.test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_model, store)
 
 
+def test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store):
+    test_purge.test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store)
+
+
 def test_horizon_never_goes_back(store):
     """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
     from hybridkv.tiers.purge import raise_horizon, read_horizon

@@ -26,11 +26,14 @@ class PurgeCounts:
         namespaces: request namespace digests matched (0 for ``all``: it selects by model).
         device_nodes: device index nodes removed (one per ``prefix_match_unit`` tokens of KV).
         tier_entries: tier name -> entries removed (``host``, ``store``; ``-1``: unreachable).
+        tier_bytes: tier name -> payload bytes removed (``None``: not known: a store purged by key
+            prefix removes without reading, or unreachable).
     """
 
     namespaces: int = 0
     device_nodes: int = 0
     tier_entries: dict[str, int] = field(default_factory=dict)
+    tier_bytes: dict[str, int | None] = field(default_factory=dict)
 
 
 class NamespaceLedger:
@@ -71,6 +74,7 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
     done = purge_tiers(handle.engine.cache, [t for t in (handle.host_tier, handle.store_tier) if t is not None],
                        selector)
     counts.device_nodes, counts.tier_entries = done.device_nodes, dict(done.tier_entries)
+    counts.tier_bytes = dict(done.tier_bytes)
     for ns in set(ledger.owners) if everything else namespaces:       # nothing of them is cached now
         ledger.owners.pop(ns, None)
     return counts

@@ -25,6 +25,35 @@ Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
 """An entry to save: ``(chain_hash, parent_hash, group, boundary, tensors)``."""
 
 
+@dataclass(frozen=True, slots=True)
+class TierPurge:
+    """What one tier's :meth:`Tier.purge` (or :meth:`Tier.purge_chains`) did.
+
+    Attributes:
+        entries: entries removed now (``-1``: the tier's store was unreachable, nothing removed).
+        nbytes: payload bytes (components) of those entries; ``None``: not known (a store purged by
+            key prefix removes without reading manifests, or the store was unreachable).
+        hidden_before: Unix seconds: the purge raised an expiry horizon (a purge by age of a store
+            that cannot list its keys), so every selected entry created before it is an ``expired``
+            miss for every reader from now on and is removed when read; ``None``: none raised.
+        horizons: expiry-horizon scopes raised (one per (model, owner) pair of the selector; 0 with none).
+    """
+
+    entries: int = 0
+    nbytes: int | None = 0
+    hidden_before: float | None = None
+    horizons: int = 0
+
+    @property
+    def hidden(self) -> bool:
+        """Whether this purge hid entries behind an expiry horizon instead of removing them all now."""
+        return self.hidden_before is not None
+
+
+#: A purge of a tier whose store was unreachable.
+PURGE_UNREACHABLE = TierPurge(entries=-1, nbytes=None)
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters of one tier (tokens and bytes); ``evictions`` / ``bytes_evicted``: entries this
@@ -176,10 +205,11 @@ class Tier(ABC):
         give up first (the host tier's probation); a tier may ignore it."""
 
     @abstractmethod
-    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> TierPurge:
         """Remove the entries a :class:`~hybridkv.cache.purge.PurgeSelector` selects (manifest
         first); ``chains`` (``(chained hash, boundary, owner)``, the device's) name entries to
-        remove where the tier cannot enumerate its own. Returns entries removed (``-1``: store unreachable)."""
+        remove where the tier cannot enumerate its own. Returns what it removed and hid
+        (:data:`PURGE_UNREACHABLE` when the store is unreachable)."""
 
     @abstractmethod
     def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:
@@ -190,24 +220,26 @@ class Tier(ABC):
         """Remove one entry (its manifest first)."""
         self.invalidate_chain(self.chain_hash(hashes, boundary), group, owner)
 
-    def purge_chains(self, chains: list[tuple[bytes, int, bytes | None]]) -> int:
+    def purge_chains(self, chains: list[tuple[bytes, int, bytes | None]]) -> TierPurge:
         """Remove the entries of ``(chained hash, boundary, owner)`` triples at this tier's alignment,
-        both groups; returns entries that existed (``-1``: unreachable)."""
+        both groups; returns the entries that existed and their payload bytes
+        (:data:`PURGE_UNREACHABLE`: unreachable)."""
         self.purges += 1
         by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
         for h, b, owner in chains:
             if b % self.alignment == 0:
                 by_owner.setdefault(owner, []).extend((h, grp) for grp in (FULL, KDA))
-        total = 0
+        total = total_bytes = 0
         for owner, wanted in by_owner.items():
             found = self.exists(wanted, owner)
             if found is None:
-                return -1
+                return PURGE_UNREACHABLE
             for (h, grp), ok in zip(wanted, found):
                 if ok:
                     self.invalidate_chain(h, grp, owner)
-            total += sum(found)
-        return total
+                    total += 1
+                    total_bytes += self.entry_nbytes(grp)
+        return TierPurge(total, total_bytes)
 
     # -- shared ---------------------------------------------------------------
     def entry_nbytes(self, group: str) -> int:

@@ -48,7 +48,7 @@ import torch
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.cache.groups import FULL, KDA
 from hybridkv.store.eviction import make_order
-from hybridkv.tiers.base import Entry, Tier
+from hybridkv.tiers.base import Entry, Tier, TierPurge
 from hybridkv.tiers.layout import DTYPES
 
 
@@ -240,16 +240,19 @@ class HostTier(Tier):
             if (chain_hash, group) in self._entries:
                 self._drop((chain_hash, group))
 
-    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> TierPurge:
         """Remove every held entry ``selector`` selects (by this tier's namespace, the entry's owner
         and the time this tier got it); ``chains`` are not needed (the tier enumerates itself).
-        Loads already handed out stay valid (the tensors are the caller's now)."""
+        Loads already handed out stay valid (the tensors are the caller's now).
+
+        Returns:
+            Entries removed and their payload bytes (nothing is ever hidden here).
+        """
         self.purges += 1
         with self._lock:
             doomed = [k for k, e in self._entries.items() if selector.matches(self.namespace, e.owner, e.created)]
-            for k in doomed:
-                self._drop(k)
-        return len(doomed)
+            freed = sum(self._drop(k).nbytes for k in doomed)
+        return TierPurge(len(doomed), freed)
 
     def _victim(self, incoming: int) -> tuple[bytes, str]:
         """The next entry to evict for a save of ``incoming`` probation bytes (0: a main entry):

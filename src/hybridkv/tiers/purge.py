@@ -62,6 +62,8 @@ class PurgeCounts:
         device_checkpoints: device checkpoints removed with them.
         held_pages: removed device pages that running requests still hold (freed on release).
         tier_entries: tier name -> entries removed (``-1``: the tier was unreachable).
+        tier_bytes: tier name -> payload bytes removed (``None``: not known, e.g. a store purged by
+            key prefix, or unreachable).
         unlisted: names of tiers that could not apply the selector at all (only device-named
             entries removed); none of this package's backends since cache ABI v4.
         hidden: names of tiers purged by an expiry horizon (a purge by age of a store that
@@ -73,18 +75,22 @@ class PurgeCounts:
     device_checkpoints: int = 0
     held_pages: int = 0
     tier_entries: dict[str, int] = field(default_factory=dict)
+    tier_bytes: dict[str, int | None] = field(default_factory=dict)
     unlisted: list[str] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class StorePurge:
-    """What :func:`purge_store_detail` did: ``removed`` entries (manifests removed), and
-    ``hidden_before`` (Unix seconds) when it raised an expiry horizon instead of listing
-    (``None``: it did not)."""
+    """What :func:`purge_store_detail` did: ``removed`` entries (manifests removed), their payload
+    bytes ``nbytes`` (components, from the manifests read; ``None``: removed by key prefix without
+    reading), and ``hidden_before`` (Unix seconds) when it raised an expiry horizon instead of
+    listing (``None``: it did not), in ``horizons`` scopes."""
 
     removed: int
+    nbytes: int | None = 0
     hidden_before: float | None = None
+    horizons: int = 0
 
 
 def purge(cache, tiers, selector: PurgeSelector) -> PurgeCounts:
@@ -102,11 +108,13 @@ def purge(cache, tiers, selector: PurgeSelector) -> PurgeCounts:
         chains = dev.chains
     for tier in tiers:
         try:
-            out.tier_entries[tier.name] = tier.purge(selector, chains)
+            done = tier.purge(selector, chains)
         except NotImplementedError:              # a tier that cannot apply the selector
             out.unlisted.append(tier.name)
-            out.tier_entries[tier.name] = tier.purge_chains(chains)
-        if getattr(tier, "last_purge_hidden", None) is not None:
+            done = tier.purge_chains(chains)
+        out.tier_entries[tier.name] = done.entries
+        out.tier_bytes[tier.name] = done.nbytes
+        if done.hidden:
             out.hidden.append(tier.name)
     log.info("purge: %d device nodes, tiers %s, by horizon %s", out.device_nodes, out.tier_entries, out.hidden)
     return out
@@ -144,7 +152,7 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
             removed += store.remove_prefix(prefix, "/manifest")    # the entries end for every reader
         for prefix in prefixes:
             store.remove_prefix(prefix)                             # then their bytes
-        return StorePurge(removed)
+        return StorePurge(removed, None)
     prefix = f"{KEY_PREFIX}/"
     if selector.models is not None and len(selector.models) == 1:
         prefix += next(iter(selector.models)).hex() + "/"
@@ -156,22 +164,24 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
         for m in models:
             for o in owners:
                 raise_horizon(store, m, o, selector.created_before)
-        return StorePurge(0, selector.created_before)
+        return StorePurge(0, 0, selector.created_before, len(models) * len(owners))
     manifests = [k for k in listed if k.endswith("/manifest")]
     doomed: list[str] = []
     components: list[str] = []
+    freed = 0
     for i in range(0, len(manifests), _BATCH):
         keys = manifests[i:i + _BATCH]
         for key, blob in zip(keys, store.get(keys)):
             picked = _selected(key, blob, selector)
             if picked is not None:
                 doomed.append(key)
-                components.extend(picked)
+                components.extend(picked[0])
+                freed += picked[1]
     for i in range(0, len(doomed), _BATCH):
         store.remove(doomed[i:i + _BATCH])
     for i in range(0, len(components), _BATCH):
         store.remove(components[i:i + _BATCH])
-    return StorePurge(len(doomed))
+    return StorePurge(len(doomed), freed)
 
 
 def read_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None) -> float | None:
@@ -225,9 +235,9 @@ def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, 
     return now
 
 
-def _selected(key: str, blob: bytes | None, selector: PurgeSelector) -> list[str] | None:
-    """The component keys of the entry whose manifest is ``blob`` if ``selector`` selects it
-    (model and owner from the key: ``hkv4/<model>/<owner>/...``)."""
+def _selected(key: str, blob: bytes | None, selector: PurgeSelector) -> tuple[list[str], int] | None:
+    """The component keys of the entry whose manifest is ``blob``, and their bytes as the manifest
+    lists them, if ``selector`` selects it (model and owner from the key: ``hkv4/<model>/<owner>/...``)."""
     if blob is None:
         return None
     parts = key.split("/")
@@ -237,9 +247,10 @@ def _selected(key: str, blob: bytes | None, selector: PurgeSelector) -> list[str
         m = json.loads(blob)
         created = float(m["created"]) if "created" in m else None
         comps = [c["key"] for c in m["components"]]
+        size = sum(int(c["nbytes"]) for c in m["components"])
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError):
         return None
     if not selector.matches(model, owner, created):
         return None
     own = key[: -len("manifest")]
-    return [c for c in comps if isinstance(c, str) and c.startswith(own)]
+    return [c for c in comps if isinstance(c, str) and c.startswith(own)], size

@@ -39,7 +39,7 @@ import numpy as np
 
 from hybridkv.cache.groups import nbytes
 from hybridkv.store.base import ObjectStore, StoreUnavailable
-from hybridkv.tiers.base import Entry, Tier
+from hybridkv.tiers.base import PURGE_UNREACHABLE, Entry, Tier, TierPurge
 from hybridkv.tiers.layout import (
     HORIZON_MAX_BYTES,
     MANIFEST_MAX_BYTES,
@@ -98,7 +98,6 @@ class StoreTier(Tier):
         # (model | None, owner | None) -> latest horizon seen (Unix s): never forgotten, so a lost one fails closed
         self._seen_horizons: dict[tuple[bytes | None, bytes | None], float] = {}
         self.horizons_restored = 0   # scope readings found lower than seen before (lost objects), written back
-        self.last_purge_hidden: float | None = None   # horizon the last purge raised (a store that cannot list)
         self.store = store
         self.retry_seconds = retry_seconds
         self._down_until = 0.0
@@ -383,39 +382,42 @@ class StoreTier(Tier):
         self._call(self.store.remove, [entry_key(self.namespace, chain_hash, group, n, owner=owner) for n in names])
         self._observe("removed", [(chain_hash, group)])
 
-    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> int:
+    def purge(self, selector, chains: list[tuple[bytes, int, bytes | None]] = ()) -> TierPurge:
         """Remove every entry of this store that ``selector`` selects, entries other engines wrote
         included (:func:`hybridkv.tiers.purge.purge_store`: by key prefix, or by listing manifests;
-        a purge by age of a store that cannot list raises an expiry horizon instead, noted in
-        :attr:`last_purge_hidden`, and removes at once those of the entries ``chains`` name whose
+        a purge by age of a store that cannot list raises an expiry horizon instead, returned as
+        ``hidden_before``, and removes at once those of the entries ``chains`` name whose
         manifests are older than the cutoff).
 
         Returns:
-            Entries removed, or ``-1`` when the store is unreachable.
+            What was removed and hidden (:data:`~hybridkv.tiers.base.PURGE_UNREACHABLE` when the
+            store is unreachable).
         """
-        self.last_purge_hidden = None               # of this purge only (none when unreachable)
         self.purges += 1                            # before any removal: prefetches started earlier are dropped
         got = self._call(purge_store_detail, self.store, selector)
         if got is None:
-            return -1
-        self.last_purge_hidden = got.hidden_before
+            return PURGE_UNREACHABLE
         if got.hidden_before is not None:
             with self._lock:
                 self._horizons.clear()              # this tier's next loads read the horizon it just raised
                 for scope in _scopes(selector):     # and never apply less, even if the object is lost
                     if self._seen_horizons.get(scope, float("-inf")) < got.hidden_before:
                         self._seen_horizons[scope] = got.hidden_before
-        n = got.removed
+        n, nbytes_removed = got.removed, got.nbytes
         if got.hidden_before is not None and chains:
-            n += self._expire_chains(chains, got.hidden_before)
+            more, more_bytes = self._expire_chains(chains, got.hidden_before)
+            n += more
+            nbytes_removed = None if nbytes_removed is None else nbytes_removed + more_bytes
         if n or got.hidden_before is not None:
             self._observe("purged", [])
-        return n
+        return TierPurge(n, nbytes_removed, got.hidden_before, got.horizons)
 
-    def _expire_chains(self, chains: list[tuple[bytes, int, bytes | None]], created_before: float) -> int:
+    def _expire_chains(self, chains: list[tuple[bytes, int, bytes | None]],
+                       created_before: float) -> tuple[int, int]:
         """Remove now the entries ``chains`` name whose manifests were created before ``created_before``
-        (the rest of an age purge by horizon happens as readers meet them). Returns entries removed."""
-        removed = 0
+        (the rest of an age purge by horizon happens as readers meet them). Returns entries removed
+        and their payload bytes."""
+        removed = removed_bytes = 0
         by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
         for h, b, owner in chains:
             if b % self.alignment == 0:
@@ -430,7 +432,8 @@ class StoreTier(Tier):
                 if created is not None and created < created_before:
                     self.invalidate_chain(h, grp, owner)
                     removed += 1
-        return removed
+                    removed_bytes += self.entry_nbytes(grp)
+        return removed, removed_bytes
 
 
 def _scopes(selector) -> list[tuple[bytes | None, bytes | None]]:
