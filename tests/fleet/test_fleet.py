@@ -168,6 +168,27 @@ def store_fleet(bytes_per_s: float) -> tuple[Fleet, list[FleetInstance]]:
     return Fleet(instances, RoundRobin(), UNIT, cost, view), instances
 
 
+def test_a_simulated_store_install_is_owned_by_the_requests_namespace():
+    """The entries a simulated store load installs belong to the request's namespace, as the store
+    tier's installs do, so a purge by that owner removes them (before: owner ``None``, kept, and a
+    later request of the purged tenant hit them)."""
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.cache.purge import PurgeSelector, purge_device
+
+    tenant = CacheIdentity(model_repo="tiny", tenant="a").digest()
+    fleet, instances = store_fleet(1e12)
+    prompt = np.arange(4000) % 991
+    frs = [FleetRequest(i, Request(f"r{i}", prompt, 1, namespace=tenant), arrival=float(i), output_tokens=8)
+           for i in range(2)]
+    fleet.run(frs)
+    assert frs[1].instance == 1 and instances[1].stats.store_hit_tokens == 3584
+    cache = instances[1].handle.engine.cache
+    path = cache.index.walk(frs[1].request.hashes[: 3584 // UNIT])
+    assert len(path) == 3584 // UNIT and {n.owner for n in path} == {tenant}
+    assert purge_device(cache, PurgeSelector(owners={tenant})).nodes >= len(path)
+    assert cache.lookup(prompt, tenant, touch=False).hit == 0
+
+
 @pytest.mark.parametrize("bytes_per_s, loads", [(1e12, True), (1e6, False)])
 def test_a_simulated_store_serves_another_instance_only_when_loading_pays(bytes_per_s, loads):
     fleet, instances = store_fleet(bytes_per_s)

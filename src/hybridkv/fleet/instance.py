@@ -316,7 +316,9 @@ class FleetInstance:
         if seconds >= self.cost.prefill_seconds(local.hit, got):
             self.stats.store_declined += 1                # recomputing is faster than loading
             return 0.0
-        if start < got and not cache.install_kv(fr.hashes, start, got, _no_tensors):
+        # owned by the request's namespace (the engine's when it gave none), as the store tier's
+        # installs are (TierConnector passes MatchResult.namespace): quotas and purges by owner reach them
+        if start < got and not cache.install_kv(fr.hashes, start, got, _no_tensors, local.namespace):
             return 0.0
         if not cache.install_checkpoint(fr.hashes, None, got):
             return 0.0
