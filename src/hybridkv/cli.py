@@ -240,6 +240,9 @@ def _register_cache_cli(sub) -> None:
                         f"chat_template_version; default {_BYTE_IDENTITY[1]})")
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
+    p.add_argument("--abi-version", type=int, metavar="N",
+                   help="remove every object of the older cache ABI vN (1, 2 or 3: keys hkvN/...), which no current "
+                        "reader reaches; alone, or for v3 with --model and --weight-digest (docs/cache_abi.md)")
 
 
 def _cache_purge(args, console: Console) -> int:
@@ -264,9 +267,10 @@ def _cache_purge(args, console: Console) -> int:
     if args.weight_digest is not None and not _is_sha256_hex(args.weight_digest):
         return fail(f"--weight-digest {args.weight_digest!r} is not a weight digest (64 hex digits, the "
                     "model's weight_digest(); a server shows it in /server_info)")
-    if not (args.namespace or args.tenant or args.model or args.older_than):
+    if not (args.namespace or args.tenant or args.model or args.older_than or args.abi_version is not None):
         return fail("say what to purge: --tenant or --namespace (owners), --model with --weight-digest "
-                    "(a model version), --older-than SECONDS (age), or several of them")
+                    "(a model version), --older-than SECONDS (age), or several of them; or --abi-version N "
+                    "(objects of an older cache ABI)")
     owners = set()
     for text in args.namespace:
         try:
@@ -293,7 +297,8 @@ def _cache_purge(args, console: Console) -> int:
         # opening would create an empty store there and report "removed 0" (a mistyped path)
         return fail(f"--store {args.store}: no disk store at {parsed.path} (not a directory)")
     try:
-        selector = PurgeSelector(owners=owners or None, models=models, created_before=cutoff)
+        selector = PurgeSelector(owners=owners or None, models=models, created_before=cutoff,
+                                 abi_version=args.abi_version)
         store = open_store(args.store)
     except (ValueError, StoreUnavailable) as exc:
         return fail(str(exc))
@@ -305,7 +310,8 @@ def _cache_purge(args, console: Console) -> int:
         return fail(str(exc))
     finally:
         store.close()
-    print(f"removed {got.removed} entries")
+    of_abi = f" of cache ABI v{args.abi_version}" if args.abi_version is not None else ""
+    print(f"removed {got.removed} entries{of_abi}")
     if got.hidden_before is not None:       # a store that cannot list keys: an expiry horizon
         print(f"entries created before {got.hidden_before:.3f} (Unix seconds) are expired for every reader "
               "from now on and removed when read (this store cannot list its keys)")

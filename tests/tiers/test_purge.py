@@ -4,6 +4,7 @@ running request holds the entry leaves its output exact."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -369,6 +370,82 @@ def test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store):
     counts = purge(f.cache, [f_st], PurgeSelector(owners={TENANT_B}, created_before=time.time()))
     assert counts.hidden == ["store"] and counts.tier_entries == {"store": 4}     # device-named: removed now
     assert counts.tier_bytes == {"store": 2 * pair}
+
+
+def _legacy_objects(model: bytes) -> list[tuple[str, bytes]]:
+    """Objects as engines of cache ABI v3 (``hkv3/<model>/<chain>/...``) and v2 (``hkv2/<chain>/...``)
+    wrote them: two v3 entries of ``model``, one v3 entry of another model, one v2 entry."""
+    other = bytes(32)
+    objs = []
+    for prefix, n in ((f"hkv3/{model.hex()}/", 2), (f"hkv3/{other.hex()}/", 1), ("hkv2/", 1)):
+        for i in range(n):
+            entry = f"{prefix}{(bytes([i + 1]) * 32).hex()}/full/r0/"
+            objs += [(entry + "manifest", b'{"abi": 3}'), (entry + "latents", b"\x01" * 64)]
+    return objs
+
+
+def test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, store):
+    """``PurgeSelector(abi_version=3)``: every ``hkv3/`` object (manifests first), none of v4 or v2;
+    with ``models`` only that model's v3 objects. Through the engine's purge too (device and host
+    hold only current entries: nothing removed there)."""
+    v = tiny_model.config.vocab_size
+    pa = tokens(37, 1100, v)
+    e, host, st = three_tiers(tiny_model, store)
+    run(e, pa, TENANT_A, "v4 entry")
+    objs = _legacy_objects(e.cache.namespace)
+    assert all(store.put(objs))
+    keys = [k for k, _ in objs]
+    got = purge_store_detail(store, PurgeSelector(abi_version=3, models={e.cache.namespace}))
+    assert (got.removed, got.hidden_before) == (2, None)
+    assert store.exists(keys) == [False] * 4 + [True] * 4                  # the other model's v3, and v2, stay
+    counts = purge(e.cache, [host, st], PurgeSelector(abi_version=3))
+    assert counts.tier_entries == {"host": 0, "store": 1} and counts.device_nodes == 0 and counts.hidden == []
+    assert store.exists(keys) == [False] * 6 + [True] * 2
+    assert purge_store(store, PurgeSelector(abi_version=2)) == 1 and store.exists(keys) == [False] * 8
+    assert held_in(st, e, pa, TENANT_A) == [True, True]                   # v4 untouched
+    f, _, _ = three_tiers(tiny_model, store)
+    assert run(f, pa, TENANT_A, "v4 still served").reused == BLOCK
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"abi_version": 4}, "abi_version=4"), ({"abi_version": 0}, "abi_version=0"),
+    ({"abi_version": True}, "abi_version=True"), ({"abi_version": "3"}, "abi_version='3'"),
+    ({"abi_version": 3, "owners": {TENANT_A}}, "carry no owner"),
+    ({"abi_version": 3, "created_before": 1.0}, "carry no owner"),
+    ({"abi_version": 2, "models": {TENANT_A}}, "carry no model"),
+])
+def test_an_abi_version_purge_refuses_bad_input_naming_it(kwargs, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        PurgeSelector(**kwargs)
+
+
+def test_cli_purges_an_older_cache_abi(tiny_model, tmp_path, capsys):
+    from hybridkv.cli import main
+    from hybridkv.store.disk import DiskStore
+
+    path = tmp_path / "s"
+    store = DiskStore(path)
+    ns = CacheIdentity(model_repo="tiny", weight_digest=tiny_model.weight_digest()).digest()
+    objs = _legacy_objects(ns)
+    store.put(objs)
+    store.close()
+    url = f"disk://{path}"
+    assert main(["cache", "purge", "--store", url, "--abi-version", "3", "--model", "tiny",
+                 "--weight-digest", tiny_model.weight_digest()]) == 0
+    assert "removed 2 entries of cache ABI v3" in capsys.readouterr().out
+    assert main(["cache", "purge", "--store", url, "--abi-version", "3"]) == 0
+    assert "removed 1 entries of cache ABI v3" in capsys.readouterr().out
+    for bad, named in ((["--abi-version", "4"], "abi_version=4"),
+                       (["--abi-version", "3", "--namespace", TENANT_A.hex()], "combines only with models"),
+                       (["--abi-version", "3", "--older-than", "60"], "combines only with models")):
+        assert main(["cache", "purge", "--store", url, *bad]) == 2
+        assert named in capsys.readouterr().err.replace("\n", " ")
+    with pytest.raises(SystemExit):
+        main(["cache", "purge", "--store", url, "--abi-version", "v3"])
+    assert "'v3'" in capsys.readouterr().err
+    store = DiskStore(path)
+    assert store.exists([k for k, _ in objs]) == [False] * 6 + [True] * 2    # v2 left
+    store.close()
 
 
 def test_entries_installed_from_the_store_belong_to_the_requests_tenant(tiny_model, store):

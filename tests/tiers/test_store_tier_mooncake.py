@@ -132,6 +132,10 @@ def test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store):
     test_purge.test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store)
 
 
+def test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, store):
+    test_purge.test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, store)
+
+
 def test_horizon_never_goes_back(store):
     """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
     from hybridkv.tiers.purge import raise_horizon, read_horizon
@@ -270,3 +274,34 @@ def test_this_process_listens_on_loopback_only(mooncake):
     for host, _port in addrs:
         ip = ipaddress.ip_address(host)
         assert ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback), addrs
+
+
+def test_cli_purges_an_older_cache_abi_on_mooncake(tiny_model, mooncake, capsys):
+    """``hybridkv cache purge --store mooncake://... --abi-version 3`` (one ``remove_by_regex`` per
+    step) against the real master: v3 objects go, v2 and the current ABI's stay (unprefixed keys)."""
+    from hybridkv.cli import main
+
+    handle, client = mooncake
+    url = f"mooncake://{handle.master}"
+    v = tiny_model.config.vocab_size
+    pa = tokens(320, 1100, v)
+    e, _, st = test_purge.three_tiers(tiny_model, client)
+    test_purge.run(e, pa, test_purge.TENANT_A, "v4")
+    objs = test_purge._legacy_objects(e.cache.namespace)
+    assert all(client.put(objs))
+    keys = [k for k, _ in objs]
+    try:
+        assert main(["cache", "purge", "--store", url, "--abi-version", "3", "--model", "tiny",
+                     "--weight-digest", tiny_model.weight_digest()]) == 0
+        assert "removed 2 entries of cache ABI v3" in capsys.readouterr().out
+        assert client.exists(keys) == [False] * 4 + [True] * 4
+        assert main(["cache", "purge", "--store", url, "--abi-version", "3"]) == 0
+        assert "removed 1 entries of cache ABI v3" in capsys.readouterr().out
+        assert client.exists(keys) == [False] * 6 + [True] * 2
+        assert main(["cache", "purge", "--store", url, "--abi-version", "4"]) == 2
+        assert "abi_version=4" in capsys.readouterr().err
+        assert test_purge.held_in(st, e, pa, test_purge.TENANT_A) == [True, True]
+    finally:
+        client.remove_prefix("hkv4/")                 # leave the unprefixed keys as they were
+        client.remove_prefix("hkv2/")
+        client.remove_prefix("hkv3/")

@@ -11,7 +11,12 @@ applies the same selector (the whole purge across tiers is
   the namespace an engine and its tiers are built with): every entry of an old
   weight digest after an upgrade;
 * ``created_before``: seconds on the clock the entry was stamped with (the
-  coordinator's clock on the device, wall time in lower tiers): a TTL purge.
+  coordinator's clock on the device, wall time in lower tiers): a TTL purge;
+* ``abi_version``: an older cache ABI (1, 2 or 3): every store object under its key prefix
+  (``hkv3/``, or ``hkv3/<model>/`` with ``models``; docs/cache_abi.md). No reader of the
+  current ABI reaches those objects, so nothing else removes them; the device and the host
+  tier hold only current entries, so such a purge selects nothing there. It combines only
+  with ``models`` (v3 keys carry the model namespace, no owner, and no age is read).
 
 Criteria combine with AND; at least one must be given.
 
@@ -40,20 +45,39 @@ class PurgeSelector:
         owners: request namespace digests, or ``None`` (any owner).
         models: model namespace digests, or ``None`` (any model).
         created_before: seconds; entries stamped earlier match; ``None``: any age.
+        abi_version: an older cache ABI version whose store objects to remove (see the module
+            docstring); ``None``: entries of the current ABI.
 
     Raises:
-        ValueError: no criterion given, a digest that is not bytes or is empty, or a ``created_before`` that
+        ValueError: no criterion given, a digest that is not bytes or is empty, a ``created_before`` that
             is not a finite number (NaN compares false with every stamp, so it would select
-            every entry).
+            every entry), an ``abi_version`` that is not an integer older than the current ABI,
+            or one given with owners or an age (or with models for an ABI before v3, whose keys
+            carry no model).
     """
 
     owners: frozenset[bytes] | None = None
     models: frozenset[bytes] | None = None
     created_before: float | None = None
+    abi_version: int | None = None
 
     def __post_init__(self) -> None:
-        if self.owners is None and self.models is None and self.created_before is None:
-            raise ValueError("a purge needs owners, models or created_before; none was given")
+        if self.owners is None and self.models is None and self.created_before is None and self.abi_version is None:
+            raise ValueError("a purge needs owners, models, created_before or abi_version; none was given")
+        if self.abi_version is not None:
+            from hybridkv.tiers.layout import ABI_VERSION
+
+            v = self.abi_version
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < ABI_VERSION:
+                raise ValueError(f"purge abi_version={v!r} must be an older cache ABI version: an integer from 1 "
+                                 f"to {ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by owners, "
+                                 "models or age)")
+            if self.owners is not None or self.created_before is not None:
+                raise ValueError(f"purge abi_version={v!r} combines only with models: keys of cache ABI v{v} "
+                                 "carry no owner, and their age is not read")
+            if self.models is not None and v < 3:
+                raise ValueError(f"purge abi_version={v!r} cannot be narrowed by models: keys of cache ABI v{v} "
+                                 "carry no model namespace (v3 keys do)")
         cb = self.created_before
         if cb is not None and (isinstance(cb, bool) or not isinstance(cb, (int, float)) or not math.isfinite(cb)):
             raise ValueError(f"purge created_before={cb!r} must be a finite number of seconds")
@@ -66,7 +90,10 @@ class PurgeSelector:
 
     def matches(self, model: bytes | None, owner: bytes | None, created: float | None) -> bool:
         """Whether an entry of ``model`` cached by ``owner`` at ``created`` (seconds) is selected.
-        An unknown owner or time (``None``) never matches a criterion on it."""
+        An unknown owner or time (``None``) never matches a criterion on it. An ``abi_version``
+        purge matches no current entry (device and host tiers hold only those)."""
+        if self.abi_version is not None:
+            return False
         if self.models is not None and model not in self.models:
             return False
         if self.owners is not None and owner not in self.owners:

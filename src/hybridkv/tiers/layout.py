@@ -70,6 +70,16 @@ def entry_key(namespace: bytes, chain_hash: bytes, group: str, component: str, r
     return f"{KEY_PREFIX}/{namespace.hex()}/{own.hex()}/{chain_hash.hex()}/{group}/r{rank}/{component}"
 
 
+def legacy_prefix(abi_version: int, model: bytes | None = None) -> str:
+    """Key prefix of every object of an older cache ABI (``hkv3/``; ``hkv3/<model>/`` for one
+    model's v3 objects; v1 and v2 keys have no model segment). docs/cache_abi.md "Versions"."""
+    if not 1 <= abi_version < ABI_VERSION:
+        raise ValueError(f"cache ABI v{abi_version} is not an older ABI (1 to {ABI_VERSION - 1})")
+    if model is not None and abi_version < 3:
+        raise ValueError(f"keys of cache ABI v{abi_version} carry no model namespace")
+    return f"hkv{abi_version}/" if model is None else f"hkv{abi_version}/{model.hex()}/"
+
+
 def owner_prefix(model: bytes | None, owner: bytes | None) -> str:
     """Key prefix of every entry of ``model`` cached by ``owner`` (``None``: any, written as the
     one-segment wildcard ``*`` of :meth:`~hybridkv.store.base.ObjectStore.remove_prefix`)."""

@@ -45,6 +45,7 @@ from hybridkv.tiers.layout import (
     encode_horizon,
     horizon_key,
     latest_horizon,
+    legacy_prefix,
     owner_prefix,
 )
 
@@ -129,6 +130,9 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
     """Remove every cache entry of ``store`` that ``selector`` selects, manifests first (see the
     module docstring).
 
+    * An older cache ABI (``abi_version``): by key prefix, ``hkv<N>/`` (``hkv3/<model>/`` per
+      model given), manifests first, on every backend; no running engine of the current ABI
+      reads those objects.
     * No age criterion: by key prefix, one prefix per (model, owner) pair of the selector (``*``
       for a criterion not given), on every backend; orphaned components under it go too.
     * With an age criterion, on a backend that lists keys: the manifests under ``hkv4/`` (or
@@ -145,9 +149,12 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
     """
     models = sorted(selector.models) if selector.models is not None else [None]
     owners = sorted(selector.owners) if selector.owners is not None else [None]
-    if selector.created_before is None:
+    if selector.abi_version is not None or selector.created_before is None:
         removed = 0
-        prefixes = [owner_prefix(m, o) for m in models for o in owners]
+        if selector.abi_version is not None:
+            prefixes = [legacy_prefix(selector.abi_version, m) for m in models]
+        else:
+            prefixes = [owner_prefix(m, o) for m in models for o in owners]
         for prefix in prefixes:
             removed += store.remove_prefix(prefix, "/manifest")    # the entries end for every reader
         for prefix in prefixes:
