@@ -209,7 +209,7 @@ def test_purge_while_a_running_request_holds_the_entry_keeps_its_output_exact(ti
 
 
 def test_a_purge_needs_a_criterion():
-    with pytest.raises(ValueError, match="owners, models or created_before"):
+    with pytest.raises(ValueError, match="owners, models, created_before or abi_version"):
         PurgeSelector()
     with pytest.raises(ValueError, match="owners="):
         PurgeSelector(owners=b"abc")
