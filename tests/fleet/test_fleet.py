@@ -303,6 +303,8 @@ def test_a_restart_from_the_command_line(tmp_path):
     assert tier["hit_tokens"] == rep["store"]["hit_tokens"] > 0
     assert tier["loads_taken"] == rep["store"]["loads"] > 0 and tier["loads_declined"] == rep["store"]["declined"]
     assert tier["bytes_peak"] == rep["store"]["bytes_peak"] > 0
+    # every byte written is still held or was evicted, so at least the peak and at least what went
+    assert tier["bytes_saved"] >= max(tier["bytes_peak"], rep["store"]["evicted_bytes"])
 
 
 @pytest.mark.parametrize("args, named", [

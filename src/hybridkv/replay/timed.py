@@ -212,11 +212,13 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
         torch.set_num_threads(threads)
     for res, inst in zip(results, instances):
         if sim_store is not None:                      # loads the fleet made, not a store tier; the one
-            res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,     # shared store's peak
-                                  "bytes_loaded": inst.stats.store_bytes_loaded, "bytes_saved": 0,  # once
+            first = inst.index == 0                    # shared store's writes and peak are counted once:
+            res.tiers["store"] = {"hit_tokens": inst.stats.store_hit_tokens,     # every byte written is
+                                  "bytes_loaded": inst.stats.store_bytes_loaded,  # held or was evicted
+                                  "bytes_saved": view.bytes_held + view.evicted_bytes if first else 0,
                                   "loads_taken": inst.stats.store_loads,
                                   "loads_declined": inst.stats.store_declined,
-                                  "bytes_peak": view.bytes_peak if inst.index == 0 else 0}
+                                  "bytes_peak": view.bytes_peak if first else 0}
             res.tiers["device"]["hit_tokens"] -= inst.stats.store_hit_tokens
     # engines replaced by restarts: their counters (requests, tokens, reuse) count too; the
     # requests themselves were reported with the current engine above (each once)
