@@ -50,11 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default=None,
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
-    r.add_argument("--mechanism", choices=("extract", "split"), default="extract")
+    r.add_argument("--mechanism", choices=("extract", "split"), default="extract",
+                   help="how checkpoints are taken: extract (states at chunk boundaries inside one step) or "
+                        "split (steps end at checkpoint boundaries); default extract")
     r.add_argument("--max-output-tokens", type=positive_int, default=None,
                    help="cap on generated tokens per request (default 4; --simulate --timed: the trace's lengths)")
-    r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    r.add_argument("--max-num-seqs", type=positive_int, default=4)
+    r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                   help="scheduler budget of prompt and decode tokens per engine step (default 8192)")
+    r.add_argument("--max-num-seqs", type=positive_int, default=4,
+                   help="requests running at once on an engine (default 4)")
     r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
     r.add_argument("--checkpoint-slots", type=positive_int, default=None,
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cold-start", dest="cold_start_s", type=non_negative_float, default=None, metavar="SECONDS",
                    help="--crash: seconds a crashed instance takes to be back (default 30, an assumption)")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
     _register_cache_cli(sub)
     from hybridkv.store.mooncake.service import register_cli
     register_cli(sub)

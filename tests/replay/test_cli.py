@@ -49,6 +49,15 @@ def test_two_instances_share_a_store(tmp_path):
     # a second fleet on the same disk store (restart) starts warm
     rep2 = _replay(tmp_path, "--limit", "8", "--model", "tiny", "--store", f"disk://{store}")
     assert rep2["tiers"]["store"]["hit_tokens"] > 0
+    # the report names the weight digest, so the replay's entries can be purged by model version
+    digest = rep["config"]["weight_digest"]
+    assert digest == rep2["config"]["weight_digest"] and len(digest) == 64 and int(digest, 16) >= 0
+    proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", "cache", "purge", "--store", f"disk://{store}",
+                           "--model", "tiny", "--weight-digest", digest], check=True, capture_output=True, text=True)
+    removed = int(proc.stdout.split("removed ")[1].split()[0])
+    assert removed > 0, proc.stdout
+    rep3 = _replay(tmp_path, "--limit", "8", "--model", "tiny", "--store", f"disk://{store}")
+    assert rep3["tiers"]["store"]["hit_tokens"] == 0 and rep3["warm_start_reused_tokens"] == 0
 
 
 def test_bad_trace_line_names_file_and_line(tmp_path):

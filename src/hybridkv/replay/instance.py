@@ -84,6 +84,7 @@ class InstanceResult:
     reject_reasons: Counter = field(default_factory=Counter)
     reused: dict = field(default_factory=dict)          # trace index -> reused tokens (admitted requests)
     interrupted: bool = False                           # stopped by Ctrl-C before its requests were done
+    weight_digest: str | None = None                    # the model's (None: simulated): what cache purge --weight-digest takes
 
 
 def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn, stop=None) -> None:
@@ -194,6 +195,7 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
     res.interrupted = interrupted
+    res.weight_digest = model.weight_digest() if model is not None else None     # cached since the build
     if model is not None and not interrupted:
         _verify(model, [r for r in requests if r.record_logits], res)
     return res
