@@ -446,10 +446,24 @@ def _native_log_to_file(console: Console) -> None:
 
     if NATIVE_LOG_ENV in os.environ:
         return
+    import atexit
+
     path = os.path.join(tempfile.gettempdir(), f"hybridkv-mooncake-{os.getpid()}.log")
     os.environ[NATIVE_LOG_ENV] = path
+    atexit.register(_drop_if_empty, path)       # the usual case: Mooncake had nothing to say
     console.print(f"Mooncake's own log: {path} (set {NATIVE_LOG_ENV}= to keep it on stderr)",
                   markup=False, highlight=False, soft_wrap=True)
+
+
+def _drop_if_empty(path: str) -> None:
+    """Remove the file at ``path`` if it exists and is empty (a log nothing was written to)."""
+    import os
+
+    try:
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _unwritable(path: str) -> str | None:
