@@ -69,7 +69,15 @@ def test_bad_chat_messages_and_unknown_routes(server):
 INVALIDATE_BAD = [({"tenant": 5}, "tenant", "tenant=5 must be a string"),
                   ({"cache_salt": ["s"]}, "cache_salt", "cache_salt=['s'] must be a string"),
                   ({"tenant": "nobody", "cache_salt": None}, None, None),     # null: not given (valid)
-                  ({"all": "yes"}, "all", "all='yes' must be a boolean")]
+                  ({"all": "yes"}, "all", "all='yes' must be a boolean"),
+                  ({"abi_version": 4}, "abi_version", "abi_version=4 must be an older cache ABI version"),
+                  ({"abi_version": 0}, "abi_version", "abi_version=0 must be an older cache ABI version"),
+                  ({"abi_version": "3"}, "abi_version", "abi_version='3' must be an older cache ABI version"),
+                  ({"abi_version": True}, "abi_version", "abi_version=True must be an older cache ABI version"),
+                  ({"abi_version": 2.0}, "abi_version", "abi_version=2.0 must be an older cache ABI version"),
+                  ({"abi_version": 3, "all": True}, None, "give exactly one scope"),
+                  ({"abi_version": 3, "tenant": "a"}, None, "give exactly one scope"),
+                  ({"abi_version": 3}, None, None)]                           # valid (no store: nothing to remove)
 
 
 @pytest.mark.parametrize(("body", "param", "text"), INVALIDATE_BAD, ids=[str(b[0]) for b in INVALIDATE_BAD])

@@ -105,6 +105,43 @@ def test_invalidate_by_tenant_salt_and_all_across_tiers(tiered):
     assert state["page_refs"] == 0 and state["pages_accounted"]
 
 
+def test_invalidate_by_abi_version_removes_only_that_older_abis_objects(tiered):
+    """``{"abi_version": 3}`` removes this server's model's ``hkv3/`` objects (manifests first) and
+    nothing else: another model's v3 objects, v2 objects and every current entry stay (the current
+    entry still hits); ``{"abi_version": 2}`` then removes the ``hkv2/`` ones."""
+    from hybridkv.store.disk import DiskStore
+
+    root = tiered.server.handle.store_tier.store.root
+    model = tiered.server.handle.namespace.hex()
+    mine = [f"hkv3/{model}/{'ab' * 32}/full/r0/{c}" for c in ("manifest", "latents")] + \
+           [f"hkv3/{model}/{'cd' * 32}/kda/r0/{c}" for c in ("manifest", "rec")]
+    other = [f"hkv3/{'ee' * 32}/{'ab' * 32}/full/r0/{c}" for c in ("manifest", "latents")]
+    v2 = [f"hkv2/{'ab' * 32}/kv/r0/{c}" for c in ("manifest", "latents")]
+    old = DiskStore(root)                                       # another process's view of the same directory
+    assert old.put([(k, b"old bytes") for k in mine + other + v2]) == [True] * 8
+    ids = prompt_ids(41, 300)
+    with httpx.Client(base_url=tiered.url, timeout=60) as c:
+        def cached(prompt) -> int:
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(ids) == 0
+        current = [k for k in old.list_keys("hkv4/")]
+        assert current
+        r = c.post("/admin/cache/invalidate", json={"abi_version": 3})
+        assert r.status_code == 200, r.text
+        counts = r.json()
+        assert counts["namespaces"] == 0 and counts["device_nodes"] == 0
+        assert counts["tier_entries"]["store"] == 2 and counts["tier_bytes"]["store"] is None
+        assert old.exists(mine) == [False] * 4 and old.exists(other + v2) == [True] * 4
+        assert set(old.list_keys("hkv4/")) >= set(current)      # current entries untouched
+        assert cached(ids + [9]) == 256
+        counts = c.post("/admin/cache/invalidate", json={"abi_version": 2}).json()
+        assert counts["tier_entries"]["store"] == 1 and old.exists(v2) == [False, False]
+        assert old.exists(other) == [True, True]
+
+
 def _scrape(s) -> dict:
     text = httpx.get(s.url + "/metrics", timeout=60).text
     out = {}

@@ -353,3 +353,110 @@ def test_remove_prefix_with_a_wildcard_segment(store, ns):
     for bad in (ns + "m*/o1/", "*/" + ns):
         with pytest.raises(ValueError):
             store.remove_prefix(bad)
+
+
+# ------------------------------------------------------------------ per-owner quotas (put_owned)
+
+OWNER_A, OWNER_B = "aa" * 32, "bb" * 32
+
+
+def entry(ns, tag, i, comp_bytes=1000, manifest_bytes=100):
+    """One entry's objects: a component and its manifest (keys share everything up to the last '/')."""
+    return [(f"{ns}{tag}/e{i}/g/r0/c0", b"c" * comp_bytes), (f"{ns}{tag}/e{i}/g/r0/manifest", b"m" * manifest_bytes)]
+
+
+def test_a_flood_over_the_quota_evicts_only_the_flooders_own_oldest_entries_whole(store_service, store, ns):
+    with MooncakeStore(store_service.master, quota_bytes=10_000) as quota:
+        for i in range(2):
+            assert quota.put_owned(entry(ns, "B", i), OWNER_B) == [True, True]
+        b_bytes = quota.owner_bytes(OWNER_B)
+        for i in range(20):
+            assert quota.put_owned(entry(ns, "A", i), bytes.fromhex(OWNER_A)) == [True, True]  # bytes owner too
+        quota.check_ledger()
+        assert b_bytes == 2200 and quota.owner_bytes(OWNER_B) == b_bytes
+        assert quota.owner_bytes(OWNER_A) == 9 * 1100 and quota.quota_evictions == 11
+    # read back through another client: B whole, A's 9 newest whole, A's 11 oldest gone whole
+    assert all(store.exists([k for i in range(2) for k, _ in entry(ns, "B", i)]))
+    assert all(store.exists([k for i in range(11, 20) for k, _ in entry(ns, "A", i)]))
+    assert not any(store.exists([k for i in range(11) for k, _ in entry(ns, "A", i)]))
+
+
+def test_reads_refresh_an_entry_and_keys_found_absent_leave_the_ledger(store_service, store, ns):
+    with MooncakeStore(store_service.master, quota_bytes=3300) as quota:
+        for i in range(3):
+            quota.put_owned(entry(ns, "A", i), OWNER_A)
+        assert quota.get([entry(ns, "A", 0)[0][0]]) == [b"c" * 1000]            # e0 is now the most recent
+        quota.put_owned(entry(ns, "A", 3), OWNER_A)
+        assert store.exists([entry(ns, "A", 0)[1][0], entry(ns, "A", 1)[1][0]]) == [True, False]  # e1 went
+        # another process removes e2 (as Mooncake's own eviction would): this process finds it absent
+        store.remove([k for k, _ in entry(ns, "A", 2)])
+        assert quota.owner_bytes(OWNER_A) == 3300
+        assert quota.exists([entry(ns, "A", 2)[1][0]]) == [False]
+        assert quota.owner_bytes(OWNER_A) == 3200                                 # manifest dropped
+        buf = memoryview(bytearray(2000))
+        assert quota.get_into([entry(ns, "A", 2)[0][0]], [buf]) == [-1]
+        assert quota.owner_bytes(OWNER_A) == 2200                                 # component dropped
+        assert quota.put_owned(entry(ns, "A", 4), OWNER_A) == [True, True]        # fits: nothing evicted
+        assert quota.quota_evictions == 1 and all(store.exists([k for k, _ in entry(ns, "A", 0)]))
+        assert quota.remove_prefix(f"{ns}A/") == 6 and quota.owner_bytes(OWNER_A) == 0
+        quota.check_ledger()
+
+
+def test_an_entry_larger_than_the_quota_is_refused_not_published_without_its_components(store_service, store, ns):
+    """Three 400-byte components and a manifest under a 1000-byte quota: the third component and the
+    manifest are refused, so no reader sees a manifest naming a component that is not there."""
+    with MooncakeStore(store_service.master, quota_bytes=1000) as quota:
+        comps = [(f"{ns}e1/g/r0/c{i}", b"x" * 400) for i in range(3)]
+        assert quota.put_owned(comps, OWNER_A) == [True, True, False]
+        assert quota.put_owned([(f"{ns}e1/g/r0/manifest", b"m" * 50)], OWNER_A) == [False]
+        assert quota.put_owned([(f"{ns}big/g/r0/c0", b"x" * 1001)], OWNER_A) == [False]   # one object over it
+        assert store.exists([f"{ns}e1/g/r0/manifest", comps[0][0], comps[2][0]]) == [False, True, False]
+        # the owner's next entry evicts the refused entry's leftovers, whole
+        assert quota.put_owned([(f"{ns}e2/g/r0/c0", b"y" * 400), (f"{ns}e2/g/r0/manifest", b"m" * 50)],
+                               OWNER_A) == [True, True]
+        assert store.exists([k for k, _ in comps[:2]]) == [False, False]
+        assert quota.quota_refused == 3
+        quota.check_ledger()
+
+
+def test_a_manifest_is_refused_once_its_entrys_components_were_evicted(store_service, store, ns):
+    """Two entries' components in one put (as the store tier batches them) under a quota that holds
+    one entry: the first entry's components are refused (the second's evicted them before anything
+    was put), and so is its manifest; the second entry is complete."""
+    with MooncakeStore(store_service.master, quota_bytes=1000) as quota:
+        comps = [(f"{ns}e{e}/g/r0/c{i}", b"x" * 300) for e in (1, 2) for i in range(2)]
+        assert quota.put_owned(comps, OWNER_A) == [False, False, True, True]
+        manifests = [(f"{ns}e{e}/g/r0/manifest", b"m" * 20) for e in (1, 2)]
+        assert quota.put_owned(manifests, OWNER_A) == [False, True]
+        assert store.exists([k for k, _ in comps]) == [False, False, True, True]
+        assert store.exists([k for k, _ in manifests]) == [False, True]
+        quota.check_ledger()
+
+
+def test_bad_quota_values_and_owners_are_refused_by_name(store_service):
+    for bad in ("abc", "0", "-5", "1.5", 0, True):
+        with pytest.raises(ValueError, match=f"quota_bytes={bad!r}"):
+            MooncakeStore(store_service.master, quota_bytes=bad)
+    with MooncakeStore(store_service.master, quota_bytes=1000) as quota:
+        with pytest.raises(ValueError, match="owner must be a digest") as err:
+            quota.put_owned([("t/k", b"x")], "a/b")
+        assert "a/b" not in str(err.value)   # owners are tenant digests: never echoed
+
+
+def test_objects_mooncake_evicted_on_its_own_are_not_charged_once_looked_at(tmp_path_factory):
+    """A 16 MiB segment filled with 40 one-MiB owned entries through a 64 MiB quota: Mooncake's own
+    eviction removes the oldest; an existence query drops them from the ledger, so the owner is
+    charged only for what is still there."""
+    handle = start(tmp_path_factory, segment_mb=16)
+    try:
+        with MooncakeStore(handle.master, quota_bytes=64 * MiB) as quota:
+            keys = [f"ev/e{i}/g/r0/c0" for i in range(40)]
+            stored = [quota.put_owned([(k, bytes([i]) * MiB)], OWNER_A)[0] for i, k in enumerate(keys)]
+            charged = quota.owner_bytes(OWNER_A)
+            assert charged == sum(stored) * MiB
+            present = quota.exists(keys)
+            assert not all(present)                                              # eviction ran
+            assert quota.owner_bytes(OWNER_A) == sum(present) * MiB < charged
+            quota.check_ledger()
+    finally:
+        service.stop_store(handle.workdir)

@@ -41,3 +41,31 @@ def test_open_store_url_converts_query_strings(mooncake_service):
 def test_a_blank_or_repeated_parameter_is_named(tmp_path, query, named):
     with pytest.raises(ValueError, match=named):
         open_store(f"disk://{tmp_path}?{query}")
+
+
+@pytest.mark.parametrize("query, named", [
+    ("quota_bytes=abc", "quota_bytes='abc'"),
+    ("quota_bytes=0", "quota_bytes='0'"),
+    ("quota_bytes=-3", "quota_bytes='-3'"),
+    ("quota_bytes=1.5", "quota_bytes='1.5'"),
+    ("capacity=4096&quota=2", "quota='2'"),
+    ("capacity=4096&quota=half", "quota='half'"),
+    ("quota=0.5", "quota='0.5' needs capacity=BYTES"),
+    ("capacity=abc&quota=0.5", "capacity='abc'"),
+    ("capacity=0&quota=0.5", "capacity='0'"),
+    ("quota_bytes=100&capacity=4096&quota=0.5", "quota_bytes=N or capacity=BYTES&quota=F, not both"),
+])
+def test_a_bad_mooncake_quota_is_refused_naming_it(query, named):
+    """Refused before any connection (port 1: no master there)."""
+    with pytest.raises(ValueError, match=named):
+        open_store(f"mooncake://127.0.0.1:1?{query}")
+
+
+def test_mooncake_quota_from_the_url_or_the_config_default(mooncake_service):
+    url = mooncake_service.url
+    cases = [("?quota_bytes=777", None, 777), ("?capacity=4096&quota=0.5", 0.25, 2048),
+             ("?capacity=4096", 0.25, 1024),          # CacheConfig.tenant_quota, as for disk
+             ("", 0.25, None)]                         # no capacity stated: no quota
+    for query, default, want in cases:
+        with open_store(url + query, quota=default) as s:
+            assert s.quota_bytes == want, query

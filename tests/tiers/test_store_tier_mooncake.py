@@ -305,3 +305,39 @@ def test_cli_purges_an_older_cache_abi_on_mooncake(tiny_model, mooncake, capsys)
         client.remove_prefix("hkv4/")                 # leave the unprefixed keys as they were
         client.remove_prefix("hkv2/")
         client.remove_prefix("hkv3/")
+
+
+def test_mooncake_quota_holds_under_a_tenant_flood_and_the_other_tenant_still_hits(tiny_model, mooncake):
+    """The disk store's flood (test_store_quota.py) on Mooncake with ``quota_bytes`` of four prompts'
+    entries: tenant B caches two prompts, tenant A twelve; A's own oldest entries go (whole), none
+    of B's, and B's entries all hit from a fresh store tier on a fresh client (another process's
+    view, no ledger)."""
+    from test_store_quota import POLICY, PROMPT_TOKENS, TENANT_A, TENANT_B, run
+
+    handle, plain = mooncake
+    v = tiny_model.config.vocab_size
+    with MooncakeStore(handle.master, quota_bytes=1 << 40) as probe:          # one prompt's bytes
+        e, _ = instance(tiny_model, PrefixedStore(probe, f"p{uuid.uuid4().hex[:8]}/"), policy=POLICY)
+        run(e, tokens(999, PROMPT_TOKENS, v), TENANT_B, "probe")
+        per = probe.owner_bytes(TENANT_B)
+    assert per > 0
+    prefix = f"q{uuid.uuid4().hex[:8]}/"
+    with MooncakeStore(handle.master, quota_bytes=4 * per) as quota:
+        e, _ = instance(tiny_model, PrefixedStore(quota, prefix), policy=POLICY)
+        pb = [tokens(100 + i, PROMPT_TOKENS, v) for i in range(2)]
+        for i, p in enumerate(pb):
+            run(e, p, TENANT_B, f"b{i}")
+        b_bytes = quota.owner_bytes(TENANT_B)
+        for i in range(12):
+            run(e, tokens(200 + i, PROMPT_TOKENS, v), TENANT_A, f"a{i}")
+        quota.check_ledger()                                                    # A at or under its quota
+        assert b_bytes > per and quota.owner_bytes(TENANT_B) == b_bytes         # none of B's evicted
+        assert 0 < quota.owner_bytes(TENANT_A) <= 4 * per and quota.quota_evictions > 0
+    store = PrefixedStore(plain, prefix)                                        # a fresh client's view
+    for i, p in enumerate(pb):
+        fresh, tier = instance(tiny_model, store)
+        assert run(fresh, p, TENANT_B, f"b{i}-again").reused == 1024 and tier.stats.hit_tokens == 1024
+    fresh, tier = instance(tiny_model, store)                                   # A's newest stayed
+    assert run(fresh, tokens(211, PROMPT_TOKENS, v), TENANT_A, "a11-again").reused == 1024
+    fresh, tier = instance(tiny_model, store)                                   # A's oldest went
+    assert run(fresh, tokens(200, PROMPT_TOKENS, v), TENANT_A, "a0-again").reused == 0

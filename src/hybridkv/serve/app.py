@@ -198,19 +198,26 @@ class Server:
 
     async def invalidate(self, request: Request) -> dict:
         """``POST /admin/cache/invalidate`` with ``{"tenant": T}``, ``{"cache_salt": S}`` (both:
-        their intersection) or ``{"all": true}``; answers the counts removed per tier."""
+        their intersection), ``{"all": true}`` or ``{"abi_version": N}`` (an older cache ABI's
+        store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier."""
+        from hybridkv.tiers.layout import ABI_VERSION
+
         body = _json_object(await request.body() or b"{}")
         everything = body.get("all", False)
-        tenant, salt = body.get("tenant"), body.get("cache_salt")
+        tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
         if not isinstance(everything, bool):
             raise APIError(400, f"all={everything!r} must be a boolean", "all")
         for name, value in (("tenant", tenant), ("cache_salt", salt)):
             if value is not None and not isinstance(value, str):
                 raise APIError(400, f"{name}={value!r} must be a string", name)
-        if everything == (tenant is not None or salt is not None):
-            raise APIError(400, "give exactly one scope: tenant and/or cache_salt, or all=true")
+        if abi is not None and (isinstance(abi, bool) or not isinstance(abi, int) or not 1 <= abi < ABI_VERSION):
+            raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
+                           f"{ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by tenant, cache_salt "
+                           "or all)", "abi_version")
+        if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
+            raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
         self._check_alive()
-        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything))
+        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi))
         return asdict(counts)                 # the engine thread started the feed's new epoch (on_purge)
 
     async def cache_info(self) -> dict:

@@ -6,7 +6,10 @@ the store drop every selected entry, manifest first, including entries an earlie
 process wrote to a persistent store. What this module adds is the server's side: the
 :class:`NamespaceLedger` that maps a tenant and a salt to the request namespace digests they
 produced (the owners the purge selects by). ``all`` selects every entry of this server's model
-namespace. The ledger keeps digests and names only, never token ids.
+namespace. The ledger keeps digests and names only, never token ids. ``abi_version`` (an older
+cache ABI, 1 to 3) removes that ABI's store objects, which no reader of the current ABI reaches:
+for v3 those of this server's model (``hkv3/<model>/``), for v1 and v2 every one (their keys
+carry no model); the device and host tiers hold only current entries and lose nothing.
 """
 
 from __future__ import annotations
@@ -56,11 +59,26 @@ class NamespaceLedger:
 
 
 def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, salt: str | None,
-          everything: bool) -> PurgeCounts:
+          everything: bool, abi_version: int | None = None) -> PurgeCounts:
     """Remove the entries of the matching request namespaces (or, with ``everything``, of this
-    server's model) from the device, the host tier and the store. Runs on the engine thread;
-    safe while requests run.
+    server's model) from the device, the host tier and the store; with ``abi_version`` instead,
+    the store objects of that older cache ABI (see the module docstring). Runs on the engine
+    thread; safe while requests run.
+
+    Raises:
+        ValueError: ``abi_version`` is not an older cache ABI version (:class:`PurgeSelector`).
     """
+    if abi_version is not None:
+        selector = PurgeSelector(abi_version=abi_version,
+                                 models=frozenset({handle.namespace}) if abi_version >= 3 else None)
+        counts = PurgeCounts()
+        if handle.store_tier is not None:
+            handle.store_tier.submit(lambda: None).result()     # queued store writes land first
+        done = purge_tiers(handle.engine.cache, [t for t in (handle.host_tier, handle.store_tier) if t is not None],
+                           selector)
+        counts.device_nodes, counts.tier_entries = done.device_nodes, dict(done.tier_entries)
+        counts.tier_bytes = dict(done.tier_bytes)
+        return counts                          # current entries are untouched: the ledger stays
     namespaces = set() if everything else ledger.matching(tenant, salt)
     counts = PurgeCounts(namespaces=len(namespaces))
     if not everything and not namespaces:

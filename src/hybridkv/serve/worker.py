@@ -170,11 +170,12 @@ class EngineWorker:
         """Cancel ``job`` wherever it is; its cache references are released."""
         self._put("cancel", job)
 
-    def invalidate(self, tenant: str | None, salt: str | None, everything: bool) -> Future:
+    def invalidate(self, tenant: str | None, salt: str | None, everything: bool,
+                   abi_version: int | None = None) -> Future:
         """Purge entries (see :func:`~hybridkv.serve.purge.purge`); a future of :class:`PurgeCounts`
         (a ``RuntimeError`` once the engine thread has ended)."""
         fut: Future = Future()
-        self._put("purge", (fut, (tenant, salt, everything)))
+        self._put("purge", (fut, (tenant, salt, everything, abi_version)))
         return fut
 
     def call(self, fn: Callable[[EngineHandle], object]) -> Future:
@@ -327,9 +328,9 @@ class EngineWorker:
 
     def _run_purges(self) -> None:
         purges, self._purges = self._purges, []
-        for fut, (tenant, salt, everything) in purges:
+        for fut, (tenant, salt, everything, abi_version) in purges:
             try:
-                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything)
+                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything, abi_version)
                 fut.set_result(counts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)

@@ -82,7 +82,8 @@ class ObjectStore(ABC):
 
     def put_owned(self, items: Sequence[tuple[str, Buffer]], owner: bytes | str | None) -> list[bool]:
         """:meth:`put` on behalf of ``owner`` (a request-namespace digest). Backends with
-        per-owner quotas (:class:`~hybridkv.store.disk.DiskStore`) record it; the default
+        per-owner quotas (:class:`~hybridkv.store.disk.DiskStore`,
+        :class:`~hybridkv.store.mooncake.client.MooncakeStore`) record it; the default
         ignores it."""
         return self.put(items)
 

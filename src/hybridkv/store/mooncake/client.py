@@ -32,6 +32,18 @@ How Mooncake's answers map onto the :class:`ObjectStore` contract:
 * remove uses ``force=True``: every read leases the object for ~10 s and a
   plain remove would fail with -706 during that time.
 
+Quotas (``quota_bytes``, docs/memory.md "Quotas"): Mooncake records no owner and cannot list
+keys, so this backend keeps a ledger (:class:`~hybridkv.store.mooncake.ledger.OwnerLedger`) of
+the objects it wrote through :meth:`MooncakeStore.put_owned` per owner, in whole entries (keys
+sharing everything up to the last ``/``), least recently used first (its own puts and reads
+refresh an entry). A put by an owner over its quota first removes that owner's own oldest whole
+entries (manifests first, through :meth:`MooncakeStore.remove`), never another owner's; an
+object that would not fit even then, or is larger than the quota, is refused (``False``), and so
+is the manifest of an entry that lost objects that way. The accounting is **per process**: N
+writer processes of one tenant can hold up to N x its quota in Mooncake. Objects Mooncake
+evicted on its own stay charged until a read or existence query of this process finds them
+absent, which drops them from the ledger.
+
 Blocking: a Mooncake call against a dead master returns after its own RPC
 timeout (measured ~4.5 s here); only the first call after the master dies pays
 it. Setup is preceded by a TCP probe, so an absent master fails in
@@ -50,6 +62,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable, check_key_pattern, key_pattern_regex
+from hybridkv.store.mooncake.ledger import OwnerLedger, entry_of, owner_hex
 from hybridkv.store.mooncake.support import (
     MIN_SEGMENT_BYTES,
     NO_SPACE,
@@ -79,6 +92,28 @@ from hybridkv.store.mooncake.support import (
 log = logging.getLogger(__name__)
 
 
+def _quota_bytes(value: int | str | None) -> int | None:
+    """``quota_bytes`` as a positive int (``None``: no quota).
+
+    Raises:
+        ValueError: not a positive whole number of bytes (the message names the value).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"Mooncake store quota_bytes={value!r} must be a positive whole number of bytes")
+    return n
+
+
 class MooncakeStore(ObjectStore):
     """Client of a Mooncake Store master on loopback (tcp, P2P handshake).
 
@@ -95,9 +130,15 @@ class MooncakeStore(ObjectStore):
         retry_interval_s: after a failure, how long calls fail fast before the
             master is probed again.
         local_hostname: address this client advertises; loopback only here.
+        quota_bytes: payload bytes one owner may hold through this process's
+            :meth:`put_owned` (``None``: no quota). Per process (see the module docstring).
 
     Every argument may be given as a string (they come from URL query
-    parameters). Raises StoreUnavailable if the master cannot be reached.
+    parameters). Raises StoreUnavailable if the master cannot be reached, and
+    ValueError for a bad argument (the message names it: ``quota_bytes='abc'``).
+
+    Counters (read-only for callers): ``quota_evictions`` entries removed for a quota;
+    ``quota_refused`` objects refused for a quota.
     """
 
     scheme = "mooncake"
@@ -111,8 +152,13 @@ class MooncakeStore(ObjectStore):
         timeout_s: float | str = 5.0,
         retry_interval_s: float | str = 1.0,
         local_hostname: str = "127.0.0.1",
+        quota_bytes: int | str | None = None,
     ) -> None:
         split_address(master)
+        self.quota_bytes = _quota_bytes(quota_bytes)
+        self.quota_evictions = 0
+        self.quota_refused = 0
+        self._ledger = None if self.quota_bytes is None else OwnerLedger(self.quota_bytes)
         self.master = master
         self.segment_bytes = int(segment_bytes)
         self.local_buffer_bytes = int(local_buffer_bytes)
@@ -150,6 +196,8 @@ class MooncakeStore(ObjectStore):
             if any(c not in (0, 1) for c in codes):
                 self._rpc_failed("is_exist", min(codes))
             self._succeeded()
+            if self._ledger is not None:  # gone (Mooncake's own eviction, another process): no longer charged
+                self._ledger.drop([k for k, c in zip(keys, codes) if c == 0])
             return [c == 1 for c in codes]
 
     def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
@@ -161,6 +209,112 @@ class MooncakeStore(ObjectStore):
         master restart) does. For the few tiny objects that must outlive every entry they govern
         (expiry horizons: docs/cache_abi.md); never for entries, which must stay evictable."""
         return self._put(items, pinned=True)
+
+    def put_owned(self, items: Sequence[tuple[str, Buffer]], owner: bytes | str | None) -> list[bool]:
+        """:meth:`put` on behalf of ``owner`` (a request-namespace digest, bytes or hex). Without
+        ``quota_bytes`` (or without an owner) it is :meth:`put`.
+
+        Under a quota, item by item in order: an object whose key this process already ledgered
+        is put as is (Mooncake keeps the first copy); otherwise, while the owner's ledgered bytes
+        plus the object's exceed ``quota_bytes``, the owner's least recently used entry other than
+        the object's own is evicted whole (its objects already in Mooncake removed, manifests
+        first, before anything of this call is put; its objects still pending in this call are
+        refused). Refused (``False``): an object larger than the quota; one that would not fit
+        once the owner has no other entry; the manifest of an entry evicted or refused since its
+        components were last accepted; and, in this call, every later object of an entry one of
+        whose objects was evicted or refused. Only objects Mooncake accepted are ledgered.
+
+        Raises:
+            ValueError: ``owner`` is not a digest, or a key / object is invalid (see :meth:`put`).
+            StoreUnavailable: the master cannot be reached (nothing of this call is ledgered).
+        """
+        owner = owner_hex(owner)
+        if self._ledger is None or owner is None:
+            return self.put(items)
+        for key, data in items:
+            if not isinstance(key, str) or not key:
+                raise ValueError("store keys must be non-empty strings")
+            if memoryview(data).nbytes == 0:
+                raise ValueError("empty objects are never stored")
+        ledger, quota = self._ledger, self.quota_bytes
+        with self._lock:
+            result: list[bool | None] = [None] * len(items)   # None: to put
+            pending: dict[str, int] = {}                       # key ledgered by this call -> its item
+            again: dict[str, int] = {}                         # key ledgered before, put again -> its item
+            closed: set[str] = set()                           # entries evicted or refused in this call
+            victims: list[str] = []                            # keys to remove first, manifests first
+            first: dict[str, int] = {}
+            for i, (key, data) in enumerate(items):
+                if key in first:                               # a repeated key: as its first item
+                    result[i] = result[first[key]]
+                    continue
+                first[key] = i
+                if ledger.holds(key):
+                    again[key] = i
+                    continue
+                prefix, manifest = entry_of(key)
+                n = memoryview(data).nbytes
+                refused = prefix in closed or n > quota or (manifest and ledger.is_torn(owner, prefix))
+                while not refused and ledger.owner_bytes(owner) + n > quota:
+                    victim = ledger.oldest_entry(owner, exclude=prefix)
+                    if victim is None:
+                        refused = True
+                        break
+                    for k in ledger.evict_entry(owner, victim):
+                        if k in pending:
+                            result[pending.pop(k)] = False
+                            self.quota_refused += 1
+                        else:
+                            victims.append(k)
+                            if k in again:                     # removed now: not put back uncharged
+                                result[again.pop(k)] = False
+                    closed.add(victim)
+                    self.quota_evictions += 1
+                if refused:
+                    result[i] = False
+                    self.quota_refused += 1
+                    closed.add(prefix)
+                    ledger.mark_torn(owner, prefix)
+                    continue
+                ledger.add(key, owner, n)
+                pending[key] = i
+            for i, r in enumerate(result):                     # repeats of keys refused later on
+                if r is None and items[i][0] in first and result[first[items[i][0]]] is False:
+                    result[i] = False
+            try:
+                if victims:
+                    manifests = [k for k in victims if entry_of(k)[1]]
+                    self.remove(manifests)
+                    self.remove([k for k in victims if not entry_of(k)[1]])
+                todo = [i for i, r in enumerate(result) if r is None]
+                done = self._put([items[i] for i in todo], pinned=False) if todo else []
+            except BaseException:
+                ledger.drop(list(pending))
+                raise
+            for i, ok in zip(todo, done):
+                result[i] = ok
+                if not ok and pending.get(items[i][0]) == i:
+                    ledger.drop([items[i][0]])             # no space: not in Mooncake, not charged
+        return [bool(r) for r in result]
+
+    def owner_bytes(self, owner: bytes | str) -> int:
+        """Payload bytes ``owner`` holds through this process's :meth:`put_owned` (0 without a quota)."""
+        with self._lock:
+            return 0 if self._ledger is None else self._ledger.owner_bytes(owner_hex(owner))
+
+    def check_ledger(self) -> None:
+        """Assert the quota ledger's invariants (tests call this; no-op without a quota)."""
+        with self._lock:
+            if self._ledger is not None:
+                self._ledger.check_invariants()
+
+    def _read_back(self, read, absent) -> None:
+        """After a read: the entries of the keys ``read`` become most recent, the keys found
+        ``absent`` (Mooncake evicted them, or another process removed them) are no longer charged.
+        Caller holds the lock."""
+        if self._ledger is not None:
+            self._ledger.touch(read)
+            self._ledger.drop(absent)
 
     def _pin_config(self):
         """A ``ReplicateConfig`` with ``with_hard_pin`` set (made on first use)."""
@@ -226,10 +380,12 @@ class MooncakeStore(ObjectStore):
             client = self._ready()
             sizes = memory_sizes(client.batch_get_replica_desc(unique))
             unseen = [k for k in unique if k not in sizes]
+            absent = []
             if unseen:  # absent, or the descriptor query failed: is_exist tells which
                 codes = client.batch_is_exist(unseen)
                 if any(c < 0 for c in codes):
                     self._rpc_failed("get", min(codes))
+                absent = [k for k, c in zip(unseen, codes) if c == 0]
             present = [k for k in unique if k in sizes]
             found: dict[str, bytes] = {}
             if present:
@@ -245,9 +401,12 @@ class MooncakeStore(ObjectStore):
                 for key, off, n, code in zip(present, offsets, lengths, codes):
                     if code == n:
                         found[key] = buf[off:off + n].tobytes()
-                    elif code not in READ_MISS_CODES:  # else: gone, not ready or replaced since the query
+                    elif code == OBJECT_NOT_FOUND:
+                        absent.append(key)
+                    elif code not in READ_MISS_CODES:  # else: not ready or replaced since the query
                         self._check_failure("get", code)
             self._succeeded()
+            self._read_back(found, absent)
         return [found.get(k) for k in keys]
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
@@ -277,6 +436,8 @@ class MooncakeStore(ObjectStore):
                 else:
                     self._check_failure("get_into", code)
             self._succeeded()
+            self._read_back([k for k, n in read.items() if n >= 0],
+                            [k for k, c in zip(first, codes) if c == OBJECT_NOT_FOUND])
         out = []
         for i, key in enumerate(keys):
             n = read[key]
@@ -298,6 +459,8 @@ class MooncakeStore(ObjectStore):
                 if code not in (0, OBJECT_NOT_FOUND):
                     self._check_failure("remove", code)
             self._succeeded()
+            if self._ledger is not None:
+                self._ledger.drop(keys)
 
     def remove_prefix(self, prefix: str, suffix: str = "") -> int:
         """Delete every key that starts with ``prefix`` and ends with ``suffix`` in one master
@@ -312,10 +475,13 @@ class MooncakeStore(ObjectStore):
         with self._lock:
             client = self._ready()
             # '.' is the only regex metacharacter check_key_pattern lets through; '*' a whole segment
-            n = client.remove_by_regex(key_pattern_regex(prefix, suffix), True)
+            pattern = key_pattern_regex(prefix, suffix)
+            n = client.remove_by_regex(pattern, True)
             if n < 0:
                 self._check_failure("remove_by_regex", n)
             self._succeeded()
+            if self._ledger is not None:
+                self._ledger.drop_matching(pattern)
         return int(n)
 
     def register_memory(self, buffer: Buffer) -> None:
