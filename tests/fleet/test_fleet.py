@@ -235,7 +235,7 @@ def test_a_store_with_a_capacity_evicts_the_least_recently_used():
     assert v.match(b, 256).hit == 0                               # b's first units went first
     assert v.bytes_held <= v.capacity_bytes and v.bytes_peak <= v.capacity_bytes
     assert v.evicted_bytes == 2 * unit_bytes + 0 * ckpt_bytes
-    assert v.checkpoints <= v.kv
+    assert v.checkpoints <= v.kv.keys()
     with pytest.raises(ValueError, match="capacity_bytes=0"):
         StoreView(UNIT, 128, capacity_bytes=0, kv_bytes_per_token=100, checkpoint_bytes=1)
     with pytest.raises(ValueError, match="kv_bytes_per_token=0"):

@@ -4,6 +4,7 @@ give the same figures either way."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.index import PrefixIndex
-from hybridkv.cache.namespace import CacheIdentity, chain_payloads, chained_block_hashes
+from hybridkv.cache.namespace import CacheIdentity, chain_payloads, chain_periodic, chained_block_hashes
 from hybridkv.cache.pools import CheckpointPool, PagePool
 from hybridkv.engine.build import build_engine, model_config
 from hybridkv.engine.request import Request
@@ -50,6 +51,37 @@ def test_payload_keys_are_equal_exactly_where_token_hashes_are(block_tokens, uni
         for i in range(min(len(ka), len(kb))):
             assert (ka[i] == kb[i]) == (ta[i] == tb[i])
     assert len({k for ks in keys for k in ks}.intersection(t for ts in toks for t in ts)) == 0
+
+
+@pytest.mark.parametrize("block_tokens, unit", [(512, 64), (64, 64), (96, 64), (32, 64), (100, 16), (128, 32)])
+def test_periodic_hashes_are_the_payload_chain(block_tokens, unit):
+    units = TraceUnits(block_tokens, unit, VOCAB, seed=3)
+    engine = build_engine(model_config("tiny"), _config(64), model_name="tiny").engine
+    for r in trace_requests():
+        want = engine.cache.chain_units(units.payloads(r))
+        assert units.hashes(r, engine.cache) == want
+        periodic = units.periodic(r)
+        assert (periodic is None) == (block_tokens % unit != 0)
+        if periodic is not None:
+            heads, tails, n = periodic
+            assert [heads[i % len(heads)] + tails[i // len(heads)] for i in range(n)] == units.payloads(r)
+            assert chain_periodic(NS, heads, tails, n) == chain_payloads(NS, units.payloads(r))
+
+
+def test_periodic_chains_name_bad_payloads_as_the_payload_chain_does():
+    heads, tails = [b"abc", b"abcdefgh"], [b"x", b"12345678"]     # payload 1 (9 bytes) is fine, 3 (16) is not
+    assert chain_periodic(NS, heads, tails, 2) == chain_payloads(NS, [b"abcx", b"abcdefghx"])
+    assert chain_periodic(NS, heads, tails, 0) == []
+    for n in (3, 4):
+        with pytest.raises(ValueError, match="unit payload 3 is 16 bytes") if n == 4 else contextlib.nullcontext():
+            chain_periodic(NS, heads, tails, n)
+        payloads = [heads[i % 2] + tails[i // 2] for i in range(n)]
+        with pytest.raises(ValueError, match="unit payload 3 is 16 bytes") if n == 4 else contextlib.nullcontext():
+            chain_payloads(NS, payloads)
+    with pytest.raises(ValueError, match="unit payload 0 is 8 bytes"):
+        chain_periodic(NS, [b"abcdefg"], [b"z", b"y"], 1)
+    with pytest.raises(ValueError, match="5 payloads from 2 heads and 2 tails"):
+        chain_periodic(NS, heads, tails, 5)
 
 
 def test_bad_units_and_payloads_are_named():

@@ -127,3 +127,32 @@ def test_disk_store_value_eviction_keeps_the_object_that_is_read(tmp_path):
 def test_disk_store_refuses_an_unknown_eviction_policy(tmp_path):
     with pytest.raises(ValueError, match="'fifo'"):
         DiskStore(tmp_path, eviction="fifo")
+
+
+def test_lru_owner_victims_agree_with_the_order_whenever_first_asked():
+    """The per-owner queues are built on the first ``victim(owner)`` and kept from then on: at
+    every step, before and after that, each owner's victim is its least recent member in the
+    order (the first of ``iter(order)`` with that owner)."""
+    rng = random.Random(7)
+    owners = [b"a", b"b", None]
+    for ask_from in (0, 150, 10_000):                      # from the start, mid-way, never
+        order = LRUOrder()
+        for step in range(600):
+            item = rng.randrange(40)
+            op = rng.random()
+            if op < 0.15:
+                order.describe(item, 1 + item % 3, 1.0, item, rng.choice(owners))
+            elif op < 0.55:
+                order.add(item)
+            elif op < 0.75:
+                order.discard(item)
+            elif op < 0.9:
+                order.hit(item, rng.random() < 0.5)
+            else:
+                order.forget(item)
+            if step >= ask_from:
+                members = list(order)
+                for o in (b"a", b"b"):
+                    want = next((m for m in members if order.info[m].owner == o), None)
+                    assert order.victim(o) == want
+                assert order.victim() == (members[0] if members else None)

@@ -24,6 +24,7 @@ from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,
     chain_payloads,
+    chain_periodic,
     chained_block_hashes,
 )
 from hybridkv.cache.pools import CheckpointPool, PagePool
@@ -201,6 +202,20 @@ class HybridCacheCoordinator:
         if bound is None:
             bound = self._bound[ns] = bind_namespace(ns, self.binding)
         return chain_payloads(bound, payloads)
+
+    def chain_periodic_units(self, heads: list[bytes], tails: list[bytes], n: int,
+                             namespace: bytes | None = None) -> list[bytes]:
+        """:meth:`chain_units` over the ``n`` payloads ``heads[i % len(heads)] + tails[i // len(heads)]``
+        without making them (:func:`~hybridkv.cache.namespace.chain_periodic`): the same hashes.
+
+        Raises:
+            ValueError: as :func:`~hybridkv.cache.namespace.chain_periodic`.
+        """
+        ns = namespace or self.namespace
+        bound = self._bound.get(ns)
+        if bound is None:
+            bound = self._bound[ns] = bind_namespace(ns, self.binding)
+        return chain_periodic(bound, heads, tails, n)
 
     def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True,
                hashes: list[bytes] | None = None) -> MatchResult:

@@ -26,6 +26,48 @@ from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.eviction import make_order
 
 
+class _FreeQueue:
+    """The free ids of a pool of ``n``, in the order they are handed out: the ids never
+    taken yet (``next .. n - 1``, ascending), then the ids freed since, in the order they were
+    freed. That is the order of ``deque(range(n))`` taken from the left and freed onto the
+    right, without making an ``int`` for every id up front (a simulated replay sizes 32
+    instances' pools for the whole trace and uses a few percent of each).
+
+    Supports what the pools use of a deque: ``popleft`` (``IndexError`` when empty),
+    ``append``, ``len``, truth, iteration (hand-out order) and ``in``.
+    """
+
+    __slots__ = ("_next", "_n", "_freed")
+
+    def __init__(self, n: int) -> None:
+        self._next = 0                      # ids below this were handed out at least once
+        self._n = n
+        self._freed: deque[int] = deque()
+
+    def __len__(self) -> int:
+        return self._n - self._next + len(self._freed)
+
+    def __bool__(self) -> bool:
+        return self._next < self._n or bool(self._freed)
+
+    def popleft(self) -> int:
+        i = self._next
+        if i < self._n:
+            self._next = i + 1
+            return i
+        return self._freed.popleft()
+
+    def append(self, i: int) -> None:
+        self._freed.append(i)
+
+    def __iter__(self):
+        yield from range(self._next, self._n)
+        yield from self._freed
+
+    def __contains__(self, i) -> bool:
+        return i in range(self._next, self._n) or i in self._freed
+
+
 class _RefcountedCache:
     """Shared bookkeeping: per-item refcounts, a free queue and an eviction order of cached,
     unreferenced items (:mod:`hybridkv.store.eviction`: ``lru`` or ``value``).
@@ -37,7 +79,7 @@ class _RefcountedCache:
 
     def __init__(self, n: int, eviction: str = "lru") -> None:
         self.refcount = [0] * n                # owner: requests via ref/unref
-        self._free: deque[int] = deque(range(n))
+        self._free = _FreeQueue(n)             # never-taken ids first, then freed ones (FIFO)
         self.order = make_order(eviction)      # members: cached, unreferenced items; owner: this pool
 
     def _cached(self, i: int) -> bool:

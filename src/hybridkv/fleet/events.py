@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, takewhile
 
 from hybridkv.cache.coordinator import EvictedEntry
 from hybridkv.cache.groups import FULL, KDA, JointHit
@@ -156,13 +156,8 @@ class InstanceView:
 
     def kv_run(self, hashes: list[bytes], limit: int) -> int:
         """Contiguous KV from token 0 over ``hashes`` (whole units), at most ``limit`` tokens."""
-        n = 0
-        kv = self.kv
-        for key in islice(hashes, limit // self.unit):      # no copy of the prompt's hashes
-            if key not in kv:
-                break
-            n += 1
-        return n * self.unit
+        # the units up to the first one without KV, counted in C (no copy of the prompt's hashes)
+        return len(list(takewhile(self.kv.__contains__, islice(hashes, limit // self.unit)))) * self.unit
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit this instance would give a prompt with unit hashes ``hashes``, under
@@ -177,11 +172,7 @@ class InstanceView:
         # joint_hit over boundaries that all hold KV (the run) and lie within ``limit``: the full
         # group's hit is the run, the KDA group's the deepest checkpoint on it, and they agree
         # at the latter; computed directly (this runs for every instance on every arrival).
-        run = 0
-        for key in islice(hashes, limit // g):
-            if key not in kv:
-                break
-            run += 1
+        run = len(list(takewhile(kv.__contains__, islice(hashes, limit // g))))
         deepest = run
         while deepest and hashes[deepest - 1] not in ck:
             deepest -= 1

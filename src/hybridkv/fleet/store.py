@@ -115,14 +115,18 @@ class StoreView(InstanceView):
         self._unit_bytes = unit * kv_bytes_per_token
         self._ckpt_bytes = checkpoint_bytes
         self._track = kv_bytes_per_token > 0 and checkpoint_bytes > 0          # bytes counted (and evicted)
-        # Least recently used order, lazily: ``_last`` maps each held entry (a unit's KV under its
-        # key, a checkpoint under ``(True, key)``) to the stamp of its last use, and ``_uses`` holds
-        # every use in order as ``(stamp, entries)``, one per stored event or load, sharing the
-        # event's key tuple. An entry's place in the order is its occurrence in the use whose stamp
-        # ``_last`` holds (later occurrences supersede earlier ones, which are skipped when
-        # reached): the order an OrderedDict moved to the end on each use would have, at one dict
-        # store per entry and use. ``_head`` is how far the oldest use has been consumed.
-        self._last: dict[bytes | tuple[bool, bytes], int] = {}
+        # Least recently used order, lazily: ``kv`` (a dict here, not the set of an InstanceView)
+        # maps each held unit to the stamp of its last use and ``_ck_last`` each held checkpoint
+        # to its own, and ``_uses`` holds every use in order as ``(stamp, entries)``, one per
+        # stored event or load, sharing the event's key tuple (a checkpoint appears there as
+        # ``(True, key)``). An entry's place in the order is its occurrence in the use whose stamp
+        # it holds (later occurrences supersede earlier ones, which are skipped when reached):
+        # the order an OrderedDict moved to the end on each use would have, at one dict store per
+        # entry and use (the unit's key set and its stamps are one dict: the view's largest table
+        # is written once a stored unit, not twice). ``_head`` is how far the oldest use has been
+        # consumed.
+        self.kv: dict[bytes, int] = {}
+        self._ck_last: dict[bytes, int] = {}
         self._uses: deque[tuple[int, tuple]] = deque()
         self._head = 0
         self._stamp = 0
@@ -130,41 +134,34 @@ class StoreView(InstanceView):
         self.bytes_peak = 0
         self.evicted_bytes = 0
 
-    def _use(self, entries) -> int:
-        """Make ``entries`` (distinct) the most recently used, in order; returns how many were new."""
-        self._stamp += 1
-        last = self._last
-        before = len(last)
-        last.update(zip(entries, repeat(self._stamp)))
-        if self.capacity_bytes is not None:               # without a capacity nothing is evicted
-            self._uses.append((self._stamp, entries))
-        return len(last) - before
-
     def _evict_to_fit(self) -> None:
-        last, uses, kv, ck = self._last, self._uses, self.kv, self.checkpoints
+        uses, kv, ck, ck_last = self._uses, self.kv, self.checkpoints, self._ck_last
         held, evicted, cap = self.bytes_held, self.evicted_bytes, self.capacity_bytes
         unit_b, ck_b = self._unit_bytes, self._ckpt_bytes
         i = self._head
-        while held > cap and last:
+        while held > cap and (kv or ck_last):
             stamp, entries = uses[0]
             n = len(entries)
             while i < n and held > cap:
                 key = entries[i]
                 i += 1
-                if last.get(key) != stamp:                 # used again later: not its place
-                    continue
-                del last[key]
                 if type(key) is tuple:                     # a checkpoint alone
+                    key = key[1]
+                    if ck_last.get(key) != stamp:          # used again later: not its place
+                        continue
+                    del ck_last[key]
                     held -= ck_b
                     evicted += ck_b
-                    ck.discard(key[1])
+                    ck.discard(key)
                     continue
+                if kv.get(key) != stamp:                   # used again later: not its place
+                    continue
+                del kv[key]
                 held -= unit_b
                 evicted += unit_b
-                kv.discard(key)                            # a unit takes its checkpoint with it
-                if key in ck:
+                if key in ck:                              # a unit takes its checkpoint with it
                     ck.discard(key)
-                    if last.pop((True, key), None) is not None:
+                    if ck_last.pop(key, None) is not None:
                         held -= ck_b
                         evicted += ck_b
             if i >= n:
@@ -177,19 +174,30 @@ class StoreView(InstanceView):
         """Add what was stored (evicting the least recently used beyond the capacity);
         removals, clears and epochs do not reach the store."""
         if event.kind is EventKind.BLOCKS_STORED:
-            keys = event.keys
-            self.kv.update(keys)
-            if self._track:          # the keys of one event are distinct (one chain)
-                self.bytes_held += self._use(keys) * self._unit_bytes
+            keys, kv = event.keys, self.kv
+            before = len(kv)
+            self._stamp += 1
+            kv.update(zip(keys, repeat(self._stamp)))      # the keys of one event are distinct (one chain)
+            if self._track:
+                self.bytes_held += (len(kv) - before) * self._unit_bytes
+            if self.capacity_bytes is not None:           # without a capacity nothing is evicted
+                self._uses.append((self._stamp, keys))
         elif event.kind is EventKind.CHECKPOINTS_STORED:
+            kv = self.kv
             if event.boundaries:                           # the store tier writes entry boundaries only
-                a, kv = self.alignment, self.kv
+                a = self.alignment
                 new = [k for k, b in zip(event.keys, event.boundaries) if b % a == 0 and k in kv]
             else:
-                new = [k for k in event.keys if k in self.kv]
+                new = [k for k in event.keys if k in kv]
             self.checkpoints.update(new)
             if self._track and new:
-                self.bytes_held += self._use(tuple((True, k) for k in new)) * self._ckpt_bytes
+                last = self._ck_last
+                before = len(last)
+                self._stamp += 1
+                last.update(zip(new, repeat(self._stamp)))
+                self.bytes_held += (len(last) - before) * self._ckpt_bytes
+                if self.capacity_bytes is not None:
+                    self._uses.append((self._stamp, tuple((True, k) for k in new)))
         else:
             return
         if self.capacity_bytes is not None:
@@ -200,12 +208,22 @@ class StoreView(InstanceView):
         """A load read the KV of ``[0, end)`` and the checkpoint at ``end``: most recently used."""
         if not self._track:
             return
-        last = self._last
-        used = [k for k in hashes[: end // self.unit] if k in last]
-        if end and (True, hashes[end // self.unit - 1]) in last:
-            used.append((True, hashes[end // self.unit - 1]))
-        if used:
-            self._use(tuple(used))
+        kv, ck_last = self.kv, self._ck_last
+        used = [k for k in hashes[: end // self.unit] if k in kv]
+        top = hashes[end // self.unit - 1] if end else None
+        if top is not None and top in ck_last:
+            used.append((True, top))
+        if not used:
+            return
+        self._stamp += 1
+        stamp = self._stamp
+        for k in used:
+            if type(k) is tuple:
+                ck_last[k[1]] = stamp
+            else:
+                kv[k] = stamp
+        if self.capacity_bytes is not None:
+            self._uses.append((stamp, tuple(used)))
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit over whole store entries (boundaries at multiples of ``alignment``)."""

@@ -156,7 +156,7 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
             raise ValueError(f"instance {spec.instance_id}: {len(spec.trace)} trace requests for "
                              f"{len(requests)} prompts")
         for r, t in zip(requests, spec.trace):
-            r.hashes = engine.cache.chain_units(spec.units.payloads(t))
+            r.hashes = spec.units.hashes(t, engine.cache)
     t0 = time.perf_counter()
     interrupted = False
     try:

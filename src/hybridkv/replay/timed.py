@@ -185,9 +185,9 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
                         arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
            for r, p, o in zip(reqs, prompts, output_lengths)]
     if units is not None:                              # every instance binds the same namespace
-        chain = instances[0].handle.engine.cache.chain_units
+        cache = instances[0].handle.engine.cache
         for fr, r in zip(frs, reqs):
-            fr.request.hashes = chain(units.payloads(r))
+            fr.request.hashes = units.hashes(r, cache)
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
     threads = torch.get_num_threads()

@@ -312,25 +312,57 @@ class TraceUnits:
         Raises:
             ValueError: a hash id of 2**64 or more (naming it and the request).
         """
+        periodic = self.periodic(req)
+        if periodic is not None:                       # every unit inside one block
+            offsets, ids, n = periodic
+            per = len(offsets)
+            return [offsets[i % per] + ids[i // per] for i in range(n)]
         bt, g = self.block_tokens, self.unit
         n = scaled_input_length(req, bt, trace_block_tokens=self.trace_block_tokens) // g
-        head = b"T" + b"".join(v.to_bytes(8, "little", signed=True)
-                                for v in (self.seed, self.block_tokens, self.vocab_size))
-        try:
-            ids = [h.to_bytes(8, "little") for h in req.hash_ids]
-        except OverflowError:
-            bad = next(h for h in req.hash_ids if h >= 1 << 64)
-            raise ValueError(f"trace request {req.index}: hash id {bad} does not fit 64 bits") from None
-        if bt % g == 0:                                # every unit inside one block
-            per = bt // g
-            offsets = [head + (k * g).to_bytes(8, "little") for k in range(per)]
-            return [offsets[i % per] + ids[i // per] for i in range(n)]
+        head, ids = self._head(), self._ids(req)
         out = []
         for i in range(n):
             s = i * g
             first, last = s // bt, (s + g - 1) // bt
             out.append(head + (s - first * bt).to_bytes(8, "little") + b"".join(ids[first:last + 1]))
         return out
+
+    def periodic(self, req: TraceRequest) -> tuple[list[bytes], list[bytes], int] | None:
+        """:meth:`payloads` of ``req`` as ``(heads, tails, n)``, payload ``i`` being
+        ``heads[i % len(heads)] + tails[i // len(heads)]`` (a unit's offset in its block, then the
+        block's id), when every unit lies inside one block (``block_tokens`` a multiple of
+        ``unit``); ``None`` otherwise.
+
+        Raises:
+            ValueError: as :meth:`payloads`.
+        """
+        bt, g = self.block_tokens, self.unit
+        if bt % g:
+            return None
+        n = scaled_input_length(req, bt, trace_block_tokens=self.trace_block_tokens) // g
+        head, ids = self._head(), self._ids(req)
+        return [head + (k * g).to_bytes(8, "little") for k in range(bt // g)], ids, n
+
+    def hashes(self, req: TraceRequest, cache) -> list[bytes]:
+        """``cache.chain_units(self.payloads(req))``
+        (:meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.chain_units`), computed
+        without making the payloads when they are :meth:`periodic`."""
+        periodic = self.periodic(req)
+        if periodic is None:
+            return cache.chain_units(self.payloads(req))
+        return cache.chain_periodic_units(*periodic)
+
+    def _head(self) -> bytes:
+        return b"T" + b"".join(v.to_bytes(8, "little", signed=True)
+                               for v in (self.seed, self.block_tokens, self.vocab_size))
+
+    @staticmethod
+    def _ids(req: TraceRequest) -> list[bytes]:
+        try:
+            return [h.to_bytes(8, "little") for h in req.hash_ids]
+        except OverflowError:
+            bad = next(h for h in req.hash_ids if h >= 1 << 64)
+            raise ValueError(f"trace request {req.index}: hash id {bad} does not fit 64 bits") from None
 
 
 def placeholder_prompts(lengths: list[int]) -> list[np.ndarray]:

@@ -208,7 +208,11 @@ class LRUOrder(EvictionOrder):
     def __init__(self) -> None:
         super().__init__()
         self._q: OrderedDict[Hashable, None] = OrderedDict()
-        self._by_owner: dict[Hashable, OrderedDict[Hashable, None]] = {}
+        # members of each owner in the same order: the subsequence of ``_q`` with that owner (an
+        # item's owner is fixed while it is a member: ``describe`` takes it out first). Built on
+        # the first ``victim(owner)`` (a tenant over its quota) and kept from then on; ``None``
+        # until then, so a cache without quotas keeps one queue, not two.
+        self._by_owner: dict[Hashable, OrderedDict[Hashable, None]] | None = None
 
     def add(self, item: Hashable) -> None:
         """Make ``item`` the most recent member."""
@@ -218,7 +222,7 @@ class LRUOrder(EvictionOrder):
         else:
             q[item] = None
         owner = self._info(item).owner
-        if owner is not None:
+        if owner is not None and self._by_owner is not None:
             oq = self._by_owner.get(owner)
             if oq is None:
                 oq = self._by_owner[owner] = OrderedDict()
@@ -229,7 +233,7 @@ class LRUOrder(EvictionOrder):
 
     def discard(self, item: Hashable) -> None:
         """Drop ``item`` from the order (absent: no-op)."""
-        if self._q.pop(item, 0) is None:
+        if self._q.pop(item, 0) is None and self._by_owner is not None:
             info = self.info.get(item)
             if info is not None and info.owner is not None:
                 q = self._by_owner[info.owner]
@@ -245,8 +249,20 @@ class LRUOrder(EvictionOrder):
 
     def victim(self, owner: Hashable | None = None) -> Hashable | None:
         """Least recent member (of ``owner``)."""
-        q = self._q if owner is None else self._by_owner.get(owner, ())
-        return next(iter(q), None)
+        if owner is None:
+            return next(iter(self._q), None)
+        if self._by_owner is None:
+            by: dict[Hashable, OrderedDict[Hashable, None]] = {}
+            info = self.info
+            for item in self._q:
+                o = info[item].owner
+                if o is not None:
+                    oq = by.get(o)
+                    if oq is None:
+                        oq = by[o] = OrderedDict()
+                    oq[item] = None
+            self._by_owner = by
+        return next(iter(self._by_owner.get(owner, ())), None)
 
     def __contains__(self, item: Hashable) -> bool:
         return item in self._q
