@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from hybridkv.cache.index import BlockNode
 
 
-#: The cache ABI version of store keys (``hkv4/...``; docs/cache_abi.md); tiers.layout re-exports it.
+#: The cache ABI version of store keys (``hkv4/...``; docs/cache_abi.md); tiers.layout.ABI_VERSION is the same number, kept equal by tests/tiers/test_layout.py.
 ABI_VERSION = 4
 
 @dataclass(frozen=True, slots=True)
