@@ -1,5 +1,9 @@
-"""The store tier against a real mooncake_master on 127.0.0.1: S8, S9, S10 (the scenarios of
-test_store_tier.py), the first prefetch scenario of test_connector.py, and S13 with the master killed."""
+"""What only a real mooncake_master on 127.0.0.1 shows: S13 with the master or a storage process
+killed mid-run, loopback-only sockets, the CLI's purges of a store that cannot list its keys, purge by
+age through expiry horizons, and the per-tenant quota under a flood.
+
+The backend-neutral scenarios (S8, S9, S10, prefetch, every purge) run on Mooncake too: the ``store``
+fixture in conftest.py has a ``mooncake`` case over the same session-wide master (``mooncake``)."""
 
 from __future__ import annotations
 
@@ -22,125 +26,39 @@ try:
 except MooncakeNotInstalled as exc:
     pytest.skip(f"Mooncake not importable: {exc}", allow_module_level=True)
 
-import test_connector
 import test_purge
-import test_store_tier
 
 from hybridkv.store.mooncake import loopback, procs, service
 
 
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory):
-    work = tmp_path_factory.mktemp("mc-tiers")
-    port, metrics = procs.find_free_ports(2)
-    handle = service.start_store(port, metrics, 256 << 20, work)
-    client = MooncakeStore(handle.master)
-    yield handle, client
-    client.close()
-    service.stop_store(handle.workdir)
-
-
 @pytest.fixture
-def store(mooncake):
+def mc_store(mooncake):
+    """The session's Mooncake client under a key prefix of this test's own."""
     return PrefixedStore(mooncake[1], f"t{uuid.uuid4().hex[:8]}/")
 
 
-def test_s8_remote_full_hit(tiny_model, store):
-    test_store_tier.test_s8_remote_full_hit(tiny_model, store)
-
-
-def test_s9_remote_partial_group_backfill(tiny_model, store):
-    test_store_tier.test_s9_remote_partial_group_backfill(tiny_model, store)
-
-
-def test_prefetch_loads_while_earlier_requests_run(tiny_model, store):
-    test_connector.test_prefetch_loads_while_earlier_requests_run(tiny_model, store)
-
-
-@pytest.mark.parametrize("fault,reason", [("drop_conv", "evicted"), ("flip_recurrent", "checksum"),
-                                          ("drop_manifest", "absent")])
-def test_s10_object_integrity(tiny_model, store, fault, reason):
-    test_store_tier.test_s10_object_integrity(tiny_model, store, fault, reason)
-
-
-def test_purge_by_model_version_reaches_entries_no_engine_names(tiny_model, store):
-    """Mooncake cannot list keys, yet an upgrade's purge (model version alone) removes every
-    entry of the old weight digest, ones no running engine knows included (remove_by_regex)."""
-    test_purge.test_purge_by_model_version_leaves_other_models_entries(tiny_model, store)
-
-
-def test_purge_by_tenant_removes_every_tier(tiny_model, store):
-    """Device, host and Mooncake by tenant: the owner is a key segment, one remove_by_regex."""
-    test_purge.test_purge_by_tenant_removes_every_tier_and_no_later_request_hits(tiny_model, store)
-
-
-def test_purge_by_age_with_the_engine(tiny_model, store):
-    """By age through a running engine: the device-named entries go now, the rest by horizon."""
-    test_purge.test_purge_by_age_removes_only_older_entries(tiny_model, store)
-
-
-def test_store_purge_by_namespace_reaches_entries_no_engine_names(tiny_model, store):
-    test_purge.test_store_purge_by_namespace_alone_reaches_entries_no_engine_names(tiny_model, store)
-
-
-def test_store_purge_by_age_hides_older_entries_from_every_reader(tiny_model, store):
+def test_a_purge_by_age_of_a_store_that_cannot_list_goes_by_horizon(tiny_model, mc_store):
+    """Mooncake cannot list keys: a store purge by age alone hides older entries by raising an expiry
+    horizon (the backend-neutral test shows no later request hits them), and an engine's purge by age
+    removes the device-named entries now and reports the store as hidden."""
     from hybridkv.tiers.purge import read_horizon
 
-    test_purge.test_store_purge_by_age_alone_no_later_request_hits(tiny_model, store)
-    assert read_horizon(store, None, None) is not None          # by horizon: Mooncake cannot list
-
-
-def test_purge_by_age_with_the_engine_reports_the_horizon(tiny_model, store):
+    test_purge.test_store_purge_by_age_alone_no_later_request_hits(tiny_model, mc_store)
+    assert read_horizon(mc_store, None, None) is not None
     v = tiny_model.config.vocab_size
-    e, host, st = test_purge.three_tiers(tiny_model, store)
+    fresh = PrefixedStore(mc_store.inner, f"t{uuid.uuid4().hex[:8]}/")
+    e, host, st = test_purge.three_tiers(tiny_model, fresh)
     test_purge.run(e, tokens(310, 1100, v), None, "x")
     counts = test_purge.purge(e.cache, [host, st], test_purge.PurgeSelector(created_before=time.time()))
     assert counts.hidden == ["store"] and counts.unlisted == []
     assert counts.tier_entries == {"host": 2, "store": 2}        # the device-named ones removed now
 
 
-def test_store_purge_by_tenant_and_age_leaves_other_tenants(tiny_model, store):
-    test_purge.test_store_purge_by_tenant_and_age_leaves_other_tenants(tiny_model, store)
-
-
-def test_a_standing_max_age_expires_entries_on_read(tiny_model, store):
-    test_purge.test_a_standing_max_age_expires_entries_on_read(tiny_model, store)
-
-
-def test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store):
-    test_purge.test_a_horizon_in_the_future_is_refused_and_a_stored_one_ignored(tiny_model, store)
-
-
-def test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(tiny_model, store):
-    test_purge.test_an_engines_own_purge_by_age_reaches_its_next_load_despite_a_cached_horizon_reading(
-        tiny_model, store)
-
-
-def test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store):
-    test_purge.test_a_prefetch_loaded_before_a_purge_by_horizon_is_not_installed_after_it(tiny_model, store)
-
-
-def test_a_lost_expiry_horizon_fails_closed(tiny_model, store):
-    test_purge.test_a_lost_expiry_horizon_fails_closed(tiny_model, store)
-
-
-def test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_model, store):
-    test_purge.test_an_engines_own_purge_by_age_is_remembered_if_the_horizon_is_lost(tiny_model, store)
-
-
-def test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store):
-    test_purge.test_a_tiers_purge_returns_what_it_removed_and_hid(tiny_model, store)
-
-
-def test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, store):
-    test_purge.test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, store)
-
-
-def test_horizon_never_goes_back(store):
+def test_horizon_never_goes_back(mc_store):
     """Two slots: raising keeps the later value; a lower request leaves it; a reader sees the max."""
     from hybridkv.tiers.purge import raise_horizon, read_horizon
 
-    owner = test_purge.TENANT_A
+    store, owner = mc_store, test_purge.TENANT_A
     assert read_horizon(store, None, owner) is None
     assert raise_horizon(store, None, owner, 1000.0) == 1000.0
     assert raise_horizon(store, None, owner, 2000.0) == 2000.0
