@@ -27,7 +27,12 @@ Variants (``VARIANTS``; the device policy is the replay default unless named):
 * ``wt``: ``wb`` plus write-through of every page-aligned checkpoint the device policy creates.
 * ``dense``: ``default`` with ``host_interval=B``: a checkpoint at every block on the host.
 * ``dense2``: ``default`` with ``host_interval=2B``.
-* ``value``: ``default`` with ``value`` eviction in the device pool and the host tier.
+* ``value``: ``default`` with ``value`` eviction in the device pools (the host tier keeps
+  ``--host-eviction``'s order).
+
+``--eviction`` and ``--host-eviction`` (``lru`` / ``value``) set the device pools' and the host
+tier's eviction orders for every variant (a variant's own ``eviction`` wins for the device);
+unset, each is the replay default (``ReplayOptions``). Rows record both orders.
 """
 
 from __future__ import annotations
@@ -63,21 +68,29 @@ def baseline(trace: str | None, limit: int | None, block: int, console: Console)
 
 
 def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes: int, variant: str,
-         device: float, host: float, policy: str | None, console: Console) -> dict:
-    """One replay of ``variant`` with ``device`` and ``host`` fractions of ``peak`` checkpoint bytes."""
-    v = dict(VARIANTS[variant])
+         device: float, host: float, policy: str | None, console: Console,
+         eviction: str | None = None, host_eviction: str | None = None) -> dict:
+    """One replay of ``variant`` with ``device`` and ``host`` fractions of ``peak`` checkpoint bytes.
+
+    ``eviction`` / ``host_eviction``: the device pools' / host tier's order (``"lru"`` or
+    ``"value"``); ``None`` keeps the replay default (a variant's own ``eviction`` wins).
+    """
+    v = {**({"eviction": eviction} if eviction else {}), **dict(VARIANTS[variant])}
+    if host_eviction:
+        v["host_eviction"] = host_eviction
     if "host_interval" in v:
         v["host_interval"] *= block
     host_bytes = int(host * peak)
     if not host_bytes:            # no host tier: the write-through options have nowhere to go
-        v = {k: x for k, x in v.items() if k == "eviction"}
+        v = {k: x for k, x in v.items() if k in ("eviction", "host_eviction")}
     slots = max(8, math.ceil(device * peak / slot_bytes))
     t0 = time.perf_counter()
     r = run_replay(ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, block_tokens=block,
                                  policy=policy, num_checkpoint_slots=slots, host_bytes=host_bytes,
                                  host_groups=("kda",), **v), console)
     h = r.tiers["host"]
-    return {"variant": variant if host_bytes else "device only", "eviction": v.get("eviction", "lru"),
+    return {"variant": variant if host_bytes else "device only", "eviction": r.config["eviction"],
+            "host_eviction": r.config["host_eviction"],
             "policy": r.config["policy"], "device": device, "host": host, "slots": slots, "host_bytes": host_bytes,
             "oracle_fraction": r.oracle_fraction, "reused_tokens": r.reused_tokens,
             "device_peak": r.checkpoint_bytes_peak / peak, "host_peak": h["bytes_peak"] / peak,
@@ -92,7 +105,7 @@ def table(rows: list[dict]) -> str:
             "demotions | promotions | host evictions |"),
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['variant']} ({r['eviction']}) | {100 * r['device']:g}% | {100 * r['host']:g}% | "
+        out.append(f"| {r['variant']} ({r['eviction']}/{r.get('host_eviction', 'lru')}) | {100 * r['device']:g}% | {100 * r['host']:g}% | "
                    f"{100 * r['oracle_fraction']:.2f}% | {100 * r['device_peak']:.2f}% | "
                    f"{100 * r['host_peak']:.2f}% | {r['demotions']:,} | {r['promotions']:,} | "
                    f"{r['host_evictions']:,} |")
@@ -110,6 +123,10 @@ def main() -> None:
     p.add_argument("--policy", default=None, help="device checkpoint policy (default: the replay default)")
     p.add_argument("--peak", type=int, default=None,
                    help="P in bytes from an earlier baseline of the same trace and limit (skips the baseline run)")
+    p.add_argument("--eviction", choices=("lru", "value"), default=None,
+                   help="device pools' eviction order for every variant (default: the replay default)")
+    p.add_argument("--host-eviction", choices=("lru", "value"), default=None,
+                   help="host tier's eviction order (default: the replay default)")
     p.add_argument("--json", help="write baseline and rows here")
     args = p.parse_args()
     console = Console(stderr=True)
@@ -124,12 +141,13 @@ def main() -> None:
     for variant in args.variants:
         for d in args.device:
             for h in args.host:
-                key = ("device only", d) if h == 0 and VARIANTS[variant].get("eviction", "lru") == "lru" else None
+                dev_order = VARIANTS[variant].get("eviction", args.eviction)
+                key = ("device only", d, dev_order) if h == 0 else None
                 if key is not None and key in seen:
                     continue                  # no host: every lru variant is the same run
                 seen.add(key)
                 rows.append(cell(args.trace, args.limit, args.block, peak, slot_bytes, variant, d, h,
-                                 args.policy, console))
+                                 args.policy, console, args.eviction, args.host_eviction))
                 console.print(rows[-1])
                 if args.json:
                     with open(args.json, "w") as f:

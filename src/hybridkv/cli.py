@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
     r.add_argument("--eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the device pools: lru, or value "
-                        "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru")
+                        "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru "
+                        "(value measured no better at the frontier's target cell: docs/memory.md, "
+                        "'The default order')")
     r.add_argument("--host-eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the host tier (it holds the device's victims); default lru, "
                         "which measured better than value there (docs/memory.md)")
