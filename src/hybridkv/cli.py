@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
-    r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens")
+    r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens (default 0)")
     r.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(written through; not kept on the device); a multiple of --block-size; 0 = off; default "
                         "4 x --block-size with a host tier (docs/memory.md)")
     r.add_argument("--instances", type=positive_int, default=1,
-                   help="engine instances (own processes) sharing the store, requests dealt round-robin")
+                   help="engine instances (own processes) sharing the store, requests dealt round-robin (default 1)")
     r.add_argument("--timed", action="store_true",
                    help="honour the trace's arrival times: a router places requests on --instances instances "
                         "in this process, each on a virtual clock; the report adds TTFT, queue and end-to-end "
@@ -166,7 +166,7 @@ def _add_calibrate(sub) -> None:
     c.add_argument("--out", required=True, help="JSON file to write")
     c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
     c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="seed of the preset weights (default 0)")
     c.set_defaults(calibrate_func=cmd_calibrate)
 
 

@@ -280,7 +280,7 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     console = console or Console()
     table = Table(title="hybridkv replay", show_header=True, header_style="bold")
     table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", overflow="fold")          # wrap long values, never cut them
     r = report
     if r.mode is not None:
         table.add_row("mode", r.mode)
