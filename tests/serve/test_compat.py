@@ -135,7 +135,7 @@ def test_flush_cache_keeps_events_the_engine_published_after_the_purge():
     compat.flush_device = lambda handle: {"device_nodes": 0, "device_checkpoints": 0, "held_pages": 0}
     try:
         before = feed.epoch
-        asyncio.run(compat.CompatRoutes(server).flush_cache())
+        asyncio.run(compat.CompatRoutes(server).flush_cache(SimpleNamespace(headers={})))
     finally:
         compat.flush_device = real
     page = feed.page(None, -1)
@@ -165,7 +165,7 @@ def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatc
     server = SimpleNamespace(worker=w, events=feed, _check_alive=lambda: None)
 
     async def scenario():
-        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(body=body)))
+        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(body=body, headers={})))
         for _ in range(5):
             await asyncio.sleep(0)                      # the request waits on the engine thread now
         w._drain_inbox(block=False)                     # the engine thread: the purge...

@@ -221,3 +221,32 @@ def test_metrics_time_a_load_from_the_store(tiered):
         assert moved(f"{name}_count", store) >= 1, name
         assert moved(f"{name}_sum", store) > 0, name
     assert moved("hybridkv_saved_prefill_seconds_count") == 1
+
+
+def test_a_tenant_header_confines_invalidation_to_that_tenant(tiered):
+    """A request carrying ``X-Tenant: b`` (a gateway's tenant identity) may purge b's entries and
+    read b's counts only: another tenant's scope, ``all``, ``abi_version`` and ``/flush_cache``
+    are refused (403) and change nothing; without a tenant field the header's tenant is the scope."""
+    ids = prompt_ids(41, 300)
+    with httpx.Client(base_url=tiered.url, timeout=60) as c:
+        def cached(prompt, tenant) -> int:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            r = c.post("/v1/completions", json=body, headers={"X-Tenant": tenant})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(ids, "a") == 0 and cached(ids, "b") == 0
+        for body in ({"tenant": "a"}, {"all": True}, {"abi_version": 3}, {"tenant": "a", "cache_salt": ""}):
+            r = c.post("/admin/cache/invalidate", json=body, headers={"X-Tenant": "b"})
+            assert r.status_code == 403, (body, r.text)
+            err = r.json()["error"]
+            assert "X-Tenant" in err["message"] and "namespaces" not in r.text
+        r = c.post("/flush_cache", headers={"X-Tenant": "b"})
+        assert r.status_code == 403 and "X-Tenant" in r.json()["error"]["message"]
+        assert cached(ids + [9], "a") == 256 and cached(ids + [9], "b") == 256    # nothing was purged
+        counts = c.post("/admin/cache/invalidate", json={}, headers={"X-Tenant": "b"})
+        assert counts.status_code == 200, counts.text
+        assert counts.json()["namespaces"] == 1                                  # b's own, by the header
+        assert cached(ids + [9], "b") == 0 and cached(ids + [9], "a") == 256
+        r = c.post("/admin/cache/invalidate", json={"tenant": "b"}, headers={"X-Tenant": "b"})
+        assert r.status_code == 200, r.text

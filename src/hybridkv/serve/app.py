@@ -199,7 +199,15 @@ class Server:
     async def invalidate(self, request: Request) -> dict:
         """``POST /admin/cache/invalidate`` with ``{"tenant": T}``, ``{"cache_salt": S}`` (both:
         their intersection), ``{"all": true}`` or ``{"abi_version": N}`` (an older cache ABI's
-        store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier."""
+        store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier.
+
+        A request with an ``X-Tenant`` header is confined to that tenant (the scope when the body
+        names none; a ``cache_salt`` narrows it).
+
+        Raises:
+            APIError: 400 for a field of the wrong type or not exactly one scope; 403 when an
+                ``X-Tenant`` request names another tenant, ``all`` or ``abi_version``.
+        """
         from hybridkv.tiers.layout import ABI_VERSION
 
         body = _json_object(await request.body() or b"{}")
@@ -214,6 +222,13 @@ class Server:
             raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
                            f"{ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by tenant, cache_salt "
                            "or all)", "abi_version")
+        header = request.headers.get("x-tenant")
+        if header is not None:        # a gateway's tenant identity: that tenant's entries and counts only
+            if everything or abi is not None or (tenant is not None and tenant != header):
+                raise APIError(403, f"a request with the X-Tenant header {_shown(header)} may invalidate only "
+                                    "that tenant's entries (no other tenant, all or abi_version)", "tenant",
+                               "tenant_scope", "permission_error")
+            tenant = header
         if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
         self._check_alive()
@@ -271,6 +286,12 @@ def _json_object(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _shown(value: str) -> str:
+    """``repr(value)``, shortened to 60 characters (a huge header is not echoed whole)."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def _error_response(exc: APIError, metrics: ServeMetrics) -> JSONResponse:
