@@ -250,3 +250,31 @@ def test_a_tenant_header_confines_invalidation_to_that_tenant(tiered):
         assert cached(ids + [9], "b") == 0 and cached(ids + [9], "a") == 256
         r = c.post("/admin/cache/invalidate", json={"tenant": "b"}, headers={"X-Tenant": "b"})
         assert r.status_code == 200, r.text
+
+
+def test_invalidate_by_tenant_removes_what_an_earlier_server_process_stored(tmp_path):
+    """The ledger of a restarted server knows no tenant yet; ``{"tenant": T}`` (and with a
+    ``cache_salt``) still removes T's store entries an earlier process wrote, selected by the
+    namespace the tenant's requests use, so T gets no hit from them afterwards."""
+    store = f"disk://{tmp_path}"
+    ids = prompt_ids(42, 300)
+    body = {"model": "tiny", "max_tokens": 1}
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        for tenant, salt in (("x", ""), ("x", "s"), ("y", "")):
+            r = c.post("/v1/completions", json={**body, "prompt": ids, "cache_salt": salt}, headers={"X-Tenant": tenant})
+            assert r.status_code == 200, r.text
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        def cached(tenant, salt="") -> int:
+            r = c.post("/v1/completions", json={**body, "prompt": ids + [9], "cache_salt": salt},
+                       headers={"X-Tenant": tenant})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        counts = c.post("/admin/cache/invalidate", json={"tenant": "x"}).json()
+        assert counts["namespaces"] == 1 and counts["tier_entries"]["store"] > 0, counts
+        counts = c.post("/admin/cache/invalidate", json={"tenant": "x", "cache_salt": "s"}).json()
+        assert counts["namespaces"] == 1 and counts["tier_entries"]["store"] > 0, counts
+        assert cached("x") == 0 and cached("x", "s") == 0
+        assert cached("y") == 256                                   # another tenant's entries stay

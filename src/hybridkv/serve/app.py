@@ -232,7 +232,9 @@ class Server:
         if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
         self._check_alive()
-        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi))
+        # The scope's own namespace (no adapter), which a restarted server's ledger does not know yet.
+        known = frozenset({self.namespace(tenant, salt or "")}) if tenant is not None else frozenset()
+        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi, known))
         return asdict(counts)                 # the engine thread started the feed's new epoch (on_purge)
 
     async def cache_info(self) -> dict:
