@@ -121,3 +121,18 @@ def test_serve_names_a_port_outside_0_65535_in_one_line(port, capsys):
     err = capsys.readouterr().err
     assert f"argument --port: {port}" in err or f"argument --port: '{port}'" in err
     assert "Traceback" not in err
+
+
+def test_two_x_tenant_headers_are_refused_not_served_as_the_first(server):
+    """A request with two ``X-Tenant`` headers (a client's own and a gateway's appended one) names
+    no single tenant: it is refused (400, param ``tenant``) on completions, chat and invalidate,
+    never served in the first header's namespace."""
+    headers = [("X-Tenant", "victim"), ("X-Tenant", "me"), ("Content-Type", "application/json")]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", chat),
+                           ("/admin/cache/invalidate", {})):
+            r = c.post(path, content=json.dumps(body).encode(), headers=headers)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "tenant" and "X-Tenant" in err["message"] and "2" in err["message"]

@@ -25,7 +25,7 @@ from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
 from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
-from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts
+from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts, tenant_header
 from hybridkv.serve.run import Run
 from hybridkv.serve.tokenizer import Codec
 from hybridkv.serve.worker import EngineWorker
@@ -91,7 +91,7 @@ class Server:
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
         self._check_alive()
-        gen = parse_generation(body, request.headers.get("x-tenant"), self.settings.default_max_tokens, self.unit)
+        gen = parse_generation(body, tenant_header(request.headers), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
         return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version),
@@ -222,7 +222,7 @@ class Server:
             raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
                            f"{ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by tenant, cache_salt "
                            "or all)", "abi_version")
-        header = request.headers.get("x-tenant")
+        header = tenant_header(request.headers)
         if header is not None:        # a gateway's tenant identity: that tenant's entries and counts only
             if everything or abi is not None or (tenant is not None and tenant != header):
                 raise APIError(403, f"a request with the X-Tenant header {_shown(header)} may invalidate only "

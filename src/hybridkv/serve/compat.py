@@ -32,7 +32,7 @@ from hybridkv import __version__
 from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.build import EngineHandle
 from hybridkv.model.config import MODEL_TYPE
-from hybridkv.serve.protocol import APIError
+from hybridkv.serve.protocol import APIError, tenant_header
 from hybridkv.tiers.purge import purge as purge_tiers
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class CompatRoutes:
                 entries; a tenant purges its own with ``POST /admin/cache/invalidate``).
         """
         s = self.server
-        if request.headers.get("x-tenant") is not None:
+        if tenant_header(request.headers) is not None:
             raise APIError(403, "a request with the X-Tenant header may not flush every tenant's entries; "
                                 "POST /admin/cache/invalidate purges that tenant's", None, "tenant_scope",
                            "permission_error")

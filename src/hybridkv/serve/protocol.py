@@ -104,6 +104,20 @@ def _identifier(body: dict, name: str, header: str | None, default: str) -> str:
     return value if value is not None else header if header is not None else default
 
 
+def tenant_header(headers) -> str | None:
+    """The request's one ``X-Tenant`` header value, or ``None`` without one (``headers``: a
+    Starlette ``Headers``).
+
+    Raises:
+        APIError: 400 (param ``tenant``) for two or more ``X-Tenant`` headers: they name no single
+            tenant (a gateway appending its own after the client's would otherwise lose to it).
+    """
+    values = headers.getlist("x-tenant")
+    if len(values) > 1:
+        raise APIError(400, f"the request has {len(values)} X-Tenant headers; give one", "tenant")
+    return values[0] if values else None
+
+
 def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: int, unit: int) -> Generation:
     """Settings shared by completions and chat from ``body``.
 
