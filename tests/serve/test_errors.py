@@ -136,3 +136,25 @@ def test_two_x_tenant_headers_are_refused_not_served_as_the_first(server):
             assert r.status_code == 400, (path, r.text)
             err = r.json()["error"]
             assert err["param"] == "tenant" and "X-Tenant" in err["message"] and "2" in err["message"]
+
+
+def test_a_body_over_the_limit_is_refused_413_without_being_read_whole(server):
+    """A body larger than ``MAX_BODY_BYTES`` (64 MiB) is refused with a 413 naming the limit, whether
+    its length is declared or it comes chunked; the server still serves and has lost nothing."""
+    from hybridkv.serve.protocol import MAX_BODY_BYTES
+
+    ids = prompt_ids(22, 300)
+    big = b'{"model": "tiny", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        c.post("/v1/completions", json={**GOOD, "prompt": ids})
+        r = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:200]
+        assert str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+
+        def chunks():
+            for i in range(0, len(big), 1 << 20):
+                yield big[i:i + (1 << 20)]
+        r = c.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:200]
+        again = c.post("/v1/completions", json={**GOOD, "prompt": ids + [9]}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 256

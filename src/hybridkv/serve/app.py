@@ -25,7 +25,14 @@ from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
 from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
-from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts, tenant_header
+from hybridkv.serve.protocol import (
+    APIError,
+    check_ids,
+    parse_generation,
+    parse_prompts,
+    read_body,
+    tenant_header,
+)
 from hybridkv.serve.run import Run
 from hybridkv.serve.tokenizer import Codec
 from hybridkv.serve.worker import EngineWorker
@@ -70,7 +77,7 @@ class Server:
 
     # -- helpers ------------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
-        body = _json_object(await request.body())
+        body = _json_object(await read_body(request))
         model = body.get("model")
         if model != self.settings.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
@@ -210,7 +217,7 @@ class Server:
         """
         from hybridkv.tiers.layout import ABI_VERSION
 
-        body = _json_object(await request.body() or b"{}")
+        body = _json_object(await read_body(request) or b"{}")
         everything = body.get("all", False)
         tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
         if not isinstance(everything, bool):
