@@ -490,3 +490,13 @@ def test_two_x_tenant_headers_are_refused_by_the_router(workers):
         assert sum(w["routed"] for w in _stats(router)["workers"]) == 0
     finally:
         router.close()
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:8001", "127.0.0.1:8001", "http://", "http://127.0.0.1:notaport"])
+def test_a_worker_url_that_is_not_http_is_refused_naming_it(url):
+    """Before, the router started with such a worker, logged nothing and never had it in rotation."""
+    args = argparse.Namespace(worker=[url], policy="hybrid", model="tiny", cost_model=None, poll_interval=0.05,
+                              health_every=2)
+    with pytest.raises(ValueError, match="--worker") as info:
+        router_service(args)
+    assert repr(url) in str(info.value)
