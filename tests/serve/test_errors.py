@@ -158,3 +158,12 @@ def test_a_body_over_the_limit_is_refused_413_without_being_read_whole(server):
         assert r.status_code == 413, r.text[:200]
         again = c.post("/v1/completions", json={**GOOD, "prompt": ids + [9]}).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+
+
+@pytest.mark.parametrize(("query", "param"), [("after=abc", "after"), ("epoch=1.5", "epoch"), ("limit=x", "limit")])
+def test_a_query_parameter_of_the_wrong_type_is_an_openai_error_naming_it(server, query, param):
+    """FastAPI's own 422 ``{"detail": [...]}`` answered these; every refusal has the OpenAI body."""
+    r = httpx.get(f"{server.url}/v1/cache/events?{query}", timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and query.split("=")[1] in err["message"]

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -326,6 +327,16 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
         return _error_response(exc, server.metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
+        name = loc[-1] if loc else None
+        shown = repr(first.get("input"))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        message = f"{name}={shown}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
+        return _error_response(APIError(400, message, name), server.metrics)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, exc: HTTPException):
