@@ -161,12 +161,12 @@ def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatc
     w = worker_mod.EngineWorker(SimpleNamespace(), 4, on_purge=feed.reset)      # thread not started: driven here
 
     async def body():
-        return b'{"all": true}'
+        yield b'{"all": true}'
 
     server = SimpleNamespace(worker=w, events=feed, _check_alive=lambda: None)
 
     async def scenario():
-        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(body=body, headers=Headers())))
+        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(stream=body, headers=Headers())))
         for _ in range(5):
             await asyncio.sleep(0)                      # the request waits on the engine thread now
         w._drain_inbox(block=False)                     # the engine thread: the purge...
