@@ -40,6 +40,10 @@ BAD = [
      "stream_options", "include_usage='yes'"),
     ("seed beyond int64", {**GOOD, "temperature": 1, "seed": 2**64}, 400, "seed", f"seed={2**64}"),
     ("seed below int64", {**GOOD, "temperature": 1, "seed": -2**63 - 1}, 400, "seed", f"seed={-2**63 - 1}"),
+    # A lone surrogate escape is valid JSON but no Unicode text: the tokenizer and the namespace
+    # digest could not encode it (500 Internal Server Error before).
+    ("lone surrogate prompt", b'{"model": "tiny", "prompt": "a\\udc80b", "max_tokens": 1}', 400, None, "surrogate"),
+    ("lone surrogate salt", b'{"model": "tiny", "prompt": "ab", "cache_salt": "\\ud800"}', 400, None, "surrogate"),
 ]
 
 
@@ -167,3 +171,15 @@ def test_a_query_parameter_of_the_wrong_type_is_an_openai_error_naming_it(server
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and query.split("=")[1] in err["message"]
+
+
+def test_a_lone_surrogate_in_chat_or_invalidate_is_refused_and_a_pair_is_text(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for path, raw in (("/v1/chat/completions",
+                           b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc80"}], "max_tokens": 1}'),
+                          ("/admin/cache/invalidate", b'{"tenant": "\\udfff"}')):
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (path, r.text)
+        pair = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}'          # an emoji, escaped
+        r = c.post("/v1/completions", content=pair, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text
