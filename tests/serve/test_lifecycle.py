@@ -278,3 +278,12 @@ def test_invalidate_by_tenant_removes_what_an_earlier_server_process_stored(tmp_
         assert counts["namespaces"] == 1 and counts["tier_entries"]["store"] > 0, counts
         assert cached("x") == 0 and cached("x", "s") == 0
         assert cached("y") == 256                                   # another tenant's entries stay
+
+
+def test_an_invalidation_matching_nothing_still_names_the_servers_tiers(tiered):
+    """docs/serve.md: ``tier_entries`` names the tiers the server was started with; a scope that
+    matched no namespace answered ``{}`` as if there were none."""
+    r = httpx.post(f"{tiered.url}/admin/cache/invalidate", json={"cache_salt": "never used"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"namespaces": 0, "device_nodes": 0, "tier_entries": {"host": 0, "store": 0},
+                        "tier_bytes": {"host": 0, "store": 0}}

@@ -85,7 +85,9 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
         return counts                          # current entries are untouched: the ledger stays
     namespaces = set() if everything else ledger.matching(tenant, salt) | set(known)
     counts = PurgeCounts(namespaces=len(namespaces))
-    if not everything and not namespaces:
+    if not everything and not namespaces:          # nothing selected: every configured tier removed 0
+        names = [t.name for t in (handle.host_tier, handle.store_tier) if t is not None]
+        counts.tier_entries, counts.tier_bytes = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
         return counts
     if handle.engine.connector is not None:
         handle.engine.connector.drain(timeout_s=30.0)      # prefetches in flight end first
