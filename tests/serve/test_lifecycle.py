@@ -287,3 +287,13 @@ def test_an_invalidation_matching_nothing_still_names_the_servers_tiers(tiered):
     assert r.status_code == 200, r.text
     assert r.json() == {"namespaces": 0, "device_nodes": 0, "tier_entries": {"host": 0, "store": 0},
                         "tier_bytes": {"host": 0, "store": 0}}
+
+
+def test_a_tenant_header_cannot_read_the_cache_event_feed(tiered):
+    """``/v1/cache/events`` lists every tenant's entry keys (for ``hybridkv router``, which sends no
+    ``X-Tenant``): a request a gateway marked with a tenant is refused (403) rather than shown the
+    other tenants' keys, from which a guessed prompt's presence could be checked."""
+    r = httpx.get(f"{tiered.url}/v1/cache/events", headers={"X-Tenant": "b"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_scope", r.text
+    assert "events" not in r.json()
+    assert httpx.get(f"{tiered.url}/v1/cache/events", timeout=30).status_code == 200

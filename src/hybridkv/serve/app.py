@@ -255,10 +255,18 @@ class Server:
                 "binding": self.handle.backend.cache_binding().hex(), "prefix_match_unit": cfg.prefix_match_unit,
                 "block_size": cfg.block_size, "vocab_size": self.vocab_size, "store": self.events.store_info()}
 
-    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX,
-                           wait: float = 0.0) -> dict:
+    async def cache_events(self, request: Request, after: int = -1, epoch: int | None = None,
+                           limit: int = EVENT_PAGE_MAX, wait: float = 0.0) -> dict:
         """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N&wait=S`` (see :meth:`EventFeed.wait`;
-        ``wait`` seconds of long poll, 0: answer at once)."""
+        ``wait`` seconds of long poll, 0: answer at once).
+
+        Raises:
+            APIError: 403 for a request with an ``X-Tenant`` header: the feed holds every
+                tenant's entry keys (for ``hybridkv router``, which sends none).
+        """
+        if tenant_header(request.headers) is not None:
+            raise APIError(403, "a request with the X-Tenant header may not read the cache event feed (every "
+                                "tenant's entry keys)", None, "tenant_scope", "permission_error")
         try:
             return await self.events.wait(epoch, after, limit, wait)
         except ValueError as exc:
