@@ -57,6 +57,10 @@ BAD_LINES = [
     ("negative hash id", with_fields(hash_ids=[0, -4]), "negative_hash_id", "-4"),
     ("too few ids", with_fields(hash_ids=[0]), "hash_ids_length", "'hash_ids'"),
     ("too many ids", with_fields(hash_ids=[0, 1, 2]), "hash_ids_length", "600"),
+    # Beyond the integer range the replay computes with (a crash in the run, not a line error, before).
+    ("hash id over 64 bits", with_fields(hash_ids=[0, 2**64]), "out_of_range", "'hash_ids'[1]"),
+    ("huge output", with_fields(output_length=10**23), "out_of_range", "'output_length'"),
+    ("huge timestamp", with_fields(timestamp=10**400), "out_of_range", "'timestamp'"),
 ]
 
 

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 from serve_helpers import prompt_ids, wait_idle
+from starlette.datastructures import Headers
 
 from hybridkv.engine.build import load_model
 from hybridkv.serve.launch import RunningServer, ServeOptions
@@ -135,7 +136,7 @@ def test_flush_cache_keeps_events_the_engine_published_after_the_purge():
     compat.flush_device = lambda handle: {"device_nodes": 0, "device_checkpoints": 0, "held_pages": 0}
     try:
         before = feed.epoch
-        asyncio.run(compat.CompatRoutes(server).flush_cache())
+        asyncio.run(compat.CompatRoutes(server).flush_cache(SimpleNamespace(headers=Headers())))
     finally:
         compat.flush_device = real
     page = feed.page(None, -1)
@@ -160,12 +161,12 @@ def test_invalidate_keeps_events_the_engine_published_after_the_purge(monkeypatc
     w = worker_mod.EngineWorker(SimpleNamespace(), 4, on_purge=feed.reset)      # thread not started: driven here
 
     async def body():
-        return b'{"all": true}'
+        yield b'{"all": true}'
 
     server = SimpleNamespace(worker=w, events=feed, _check_alive=lambda: None)
 
     async def scenario():
-        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(body=body)))
+        task = asyncio.ensure_future(Server.invalidate(server, SimpleNamespace(stream=body, headers=Headers())))
         for _ in range(5):
             await asyncio.sleep(0)                      # the request waits on the engine thread now
         w._drain_inbox(block=False)                     # the engine thread: the purge...

@@ -40,6 +40,10 @@ BAD = [
      "stream_options", "include_usage='yes'"),
     ("seed beyond int64", {**GOOD, "temperature": 1, "seed": 2**64}, 400, "seed", f"seed={2**64}"),
     ("seed below int64", {**GOOD, "temperature": 1, "seed": -2**63 - 1}, 400, "seed", f"seed={-2**63 - 1}"),
+    # A lone surrogate escape is valid JSON but no Unicode text: the tokenizer and the namespace
+    # digest could not encode it (500 Internal Server Error before).
+    ("lone surrogate prompt", b'{"model": "tiny", "prompt": "a\\udc80b", "max_tokens": 1}', 400, None, "surrogate"),
+    ("lone surrogate salt", b'{"model": "tiny", "prompt": "ab", "cache_salt": "\\ud800"}', 400, None, "surrogate"),
 ]
 
 
@@ -121,3 +125,61 @@ def test_serve_names_a_port_outside_0_65535_in_one_line(port, capsys):
     err = capsys.readouterr().err
     assert f"argument --port: {port}" in err or f"argument --port: '{port}'" in err
     assert "Traceback" not in err
+
+
+def test_two_x_tenant_headers_are_refused_not_served_as_the_first(server):
+    """A request with two ``X-Tenant`` headers (a client's own and a gateway's appended one) names
+    no single tenant: it is refused (400, param ``tenant``) on completions, chat and invalidate,
+    never served in the first header's namespace."""
+    headers = [("X-Tenant", "victim"), ("X-Tenant", "me"), ("Content-Type", "application/json")]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", chat),
+                           ("/admin/cache/invalidate", {})):
+            r = c.post(path, content=json.dumps(body).encode(), headers=headers)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "tenant" and "X-Tenant" in err["message"] and "2" in err["message"]
+
+
+def test_a_body_over_the_limit_is_refused_413_without_being_read_whole(server):
+    """A body larger than ``MAX_BODY_BYTES`` (64 MiB) is refused with a 413 naming the limit, whether
+    its length is declared or it comes chunked; the server still serves and has lost nothing."""
+    from hybridkv.serve.protocol import MAX_BODY_BYTES
+
+    ids = prompt_ids(22, 300)
+    big = b'{"model": "tiny", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        c.post("/v1/completions", json={**GOOD, "prompt": ids})
+        r = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:200]
+        assert str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+
+        def chunks():
+            for i in range(0, len(big), 1 << 20):
+                yield big[i:i + (1 << 20)]
+        r = c.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:200]
+        again = c.post("/v1/completions", json={**GOOD, "prompt": ids + [9]}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+
+
+@pytest.mark.parametrize(("query", "param"), [("after=abc", "after"), ("epoch=1.5", "epoch"), ("limit=x", "limit")])
+def test_a_query_parameter_of_the_wrong_type_is_an_openai_error_naming_it(server, query, param):
+    """FastAPI's own 422 ``{"detail": [...]}`` answered these; every refusal has the OpenAI body."""
+    r = httpx.get(f"{server.url}/v1/cache/events?{query}", timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and query.split("=")[1] in err["message"]
+
+
+def test_a_lone_surrogate_in_chat_or_invalidate_is_refused_and_a_pair_is_text(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for path, raw in (("/v1/chat/completions",
+                           b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc80"}], "max_tokens": 1}'),
+                          ("/admin/cache/invalidate", b'{"tenant": "\\udfff"}')):
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], (path, r.text)
+        pair = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}'          # an emoji, escaped
+        r = c.post("/v1/completions", content=pair, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text

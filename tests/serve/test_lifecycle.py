@@ -221,3 +221,79 @@ def test_metrics_time_a_load_from_the_store(tiered):
         assert moved(f"{name}_count", store) >= 1, name
         assert moved(f"{name}_sum", store) > 0, name
     assert moved("hybridkv_saved_prefill_seconds_count") == 1
+
+
+def test_a_tenant_header_confines_invalidation_to_that_tenant(tiered):
+    """A request carrying ``X-Tenant: b`` (a gateway's tenant identity) may purge b's entries and
+    read b's counts only: another tenant's scope, ``all``, ``abi_version`` and ``/flush_cache``
+    are refused (403) and change nothing; without a tenant field the header's tenant is the scope."""
+    ids = prompt_ids(41, 300)
+    with httpx.Client(base_url=tiered.url, timeout=60) as c:
+        def cached(prompt, tenant) -> int:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            r = c.post("/v1/completions", json=body, headers={"X-Tenant": tenant})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(ids, "a") == 0 and cached(ids, "b") == 0
+        for body in ({"tenant": "a"}, {"all": True}, {"abi_version": 3}, {"tenant": "a", "cache_salt": ""}):
+            r = c.post("/admin/cache/invalidate", json=body, headers={"X-Tenant": "b"})
+            assert r.status_code == 403, (body, r.text)
+            err = r.json()["error"]
+            assert "X-Tenant" in err["message"] and "namespaces" not in r.text
+        r = c.post("/flush_cache", headers={"X-Tenant": "b"})
+        assert r.status_code == 403 and "X-Tenant" in r.json()["error"]["message"]
+        assert cached(ids + [9], "a") == 256 and cached(ids + [9], "b") == 256    # nothing was purged
+        counts = c.post("/admin/cache/invalidate", json={}, headers={"X-Tenant": "b"})
+        assert counts.status_code == 200, counts.text
+        assert counts.json()["namespaces"] == 1                                  # b's own, by the header
+        assert cached(ids + [9], "b") == 0 and cached(ids + [9], "a") == 256
+        r = c.post("/admin/cache/invalidate", json={"tenant": "b"}, headers={"X-Tenant": "b"})
+        assert r.status_code == 200, r.text
+
+
+def test_invalidate_by_tenant_removes_what_an_earlier_server_process_stored(tmp_path):
+    """The ledger of a restarted server knows no tenant yet; ``{"tenant": T}`` (and with a
+    ``cache_salt``) still removes T's store entries an earlier process wrote, selected by the
+    namespace the tenant's requests use, so T gets no hit from them afterwards."""
+    store = f"disk://{tmp_path}"
+    ids = prompt_ids(42, 300)
+    body = {"model": "tiny", "max_tokens": 1}
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        for tenant, salt in (("x", ""), ("x", "s"), ("y", "")):
+            r = c.post("/v1/completions", json={**body, "prompt": ids, "cache_salt": salt}, headers={"X-Tenant": tenant})
+            assert r.status_code == 200, r.text
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        def cached(tenant, salt="") -> int:
+            r = c.post("/v1/completions", json={**body, "prompt": ids + [9], "cache_salt": salt},
+                       headers={"X-Tenant": tenant})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        counts = c.post("/admin/cache/invalidate", json={"tenant": "x"}).json()
+        assert counts["namespaces"] == 1 and counts["tier_entries"]["store"] > 0, counts
+        counts = c.post("/admin/cache/invalidate", json={"tenant": "x", "cache_salt": "s"}).json()
+        assert counts["namespaces"] == 1 and counts["tier_entries"]["store"] > 0, counts
+        assert cached("x") == 0 and cached("x", "s") == 0
+        assert cached("y") == 256                                   # another tenant's entries stay
+
+
+def test_an_invalidation_matching_nothing_still_names_the_servers_tiers(tiered):
+    """docs/serve.md: ``tier_entries`` names the tiers the server was started with; a scope that
+    matched no namespace answered ``{}`` as if there were none."""
+    r = httpx.post(f"{tiered.url}/admin/cache/invalidate", json={"cache_salt": "never used"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"namespaces": 0, "device_nodes": 0, "tier_entries": {"host": 0, "store": 0},
+                        "tier_bytes": {"host": 0, "store": 0}}
+
+
+def test_a_tenant_header_cannot_read_the_cache_event_feed(tiered):
+    """``/v1/cache/events`` lists every tenant's entry keys (for ``hybridkv router``, which sends no
+    ``X-Tenant``): a request a gateway marked with a tenant is refused (403) rather than shown the
+    other tenants' keys, from which a guessed prompt's presence could be checked."""
+    r = httpx.get(f"{tiered.url}/v1/cache/events", headers={"X-Tenant": "b"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_scope", r.text
+    assert "events" not in r.json()
+    assert httpx.get(f"{tiered.url}/v1/cache/events", timeout=30).status_code == 200

@@ -474,3 +474,29 @@ def test_a_ticket_counts_waiting_and_decode_tokens_until_each_part_ends():
     b.done()                                         # done without a first byte returns both parts
     b.done()
     assert (w.load.waiting, w.load.decode_tokens, w.load.outstanding_tokens, w.load.in_flight) == (0, 0, 0, 0)
+
+
+def test_two_x_tenant_headers_are_refused_by_the_router(workers):
+    """The router hashed a request under its first ``X-Tenant`` and forwarded only the last one;
+    a request with two names no single tenant and is refused (400) before it reaches a worker."""
+    router = _router([w.url for w in workers], "prefix")
+    try:
+        _wait(lambda s: all(w["healthy"] for w in s["workers"]), router)
+        headers = [("X-Tenant", "victim"), ("X-Tenant", "me"), ("Content-Type", "application/json")]
+        r = httpx.post(f"{router.url}/v1/completions", timeout=60, headers=headers,
+                       content=json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 1}).encode())
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "tenant" and "X-Tenant" in r.json()["error"]["message"]
+        assert sum(w["routed"] for w in _stats(router)["workers"]) == 0
+    finally:
+        router.close()
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:8001", "127.0.0.1:8001", "http://", "http://127.0.0.1:notaport"])
+def test_a_worker_url_that_is_not_http_is_refused_naming_it(url):
+    """Before, the router started with such a worker, logged nothing and never had it in rotation."""
+    args = argparse.Namespace(worker=[url], policy="hybrid", model="tiny", cost_model=None, poll_interval=0.05,
+                              health_every=2)
+    with pytest.raises(ValueError, match="--worker") as info:
+        router_service(args)
+    assert repr(url) in str(info.value)

@@ -407,3 +407,20 @@ def test_remove_prefix_by_listing(tmp_path, kind):
     with pytest.raises(ValueError, match=r"'\*'"):
         store.remove_prefix("hkv4/m*/")
     store.close()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "value"])
+def test_empty_object_file_at_startup_is_absent_not_a_crash(tmp_path, eviction):
+    """A zero-length object file (a crash of the file system after the rename, before the data
+    reached the disk) must not stop the store from opening: it is a bad object, absent on read,
+    the key can be put again and the other objects stay readable."""
+    store = DiskStore(tmp_path, eviction=eviction)
+    store.put([("keep", b"kept bytes"), ("gone", b"payload" * 10)])
+    object_path(tmp_path, "gone").write_bytes(b"")
+
+    reopened = DiskStore(tmp_path, capacity_bytes=10_000, eviction=eviction)   # raised ValueError before
+    assert reopened.get(["keep", "gone"]) == [b"kept bytes", None]
+    assert reopened.bad_objects == 1
+    assert reopened.put([("gone", b"fresh")]) == [True]
+    assert reopened.get(["gone"]) == [b"fresh"]
+    reopened.check_invariants()

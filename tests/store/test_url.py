@@ -69,3 +69,15 @@ def test_mooncake_quota_from_the_url_or_the_config_default(mooncake_service):
     for query, default, want in cases:
         with open_store(url + query, quota=default) as s:
             assert s.quota_bytes == want, query
+
+
+@pytest.mark.parametrize(("url", "named"), [("memory://?capasity=10", "'capasity'"),
+                                            ("memory://?capacity=10&quota=0.5", "'quota'"),
+                                            ("memory://host/path", "'host/path'"),
+                                            ("memory://?capacity=-1", "capacity='-1'")])
+def test_a_memory_url_with_an_unknown_part_is_refused_naming_it(url, named):
+    """``memory://`` takes ``capacity`` only; anything else was accepted and ignored (a mistyped
+    capacity gave an unbounded store), as ``disk://`` refuses it."""
+    with pytest.raises(ValueError, match=named.replace("?", r"\?")) as info:
+        open_store(url)
+    assert repr(url) in str(info.value)

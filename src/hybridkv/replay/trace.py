@@ -29,6 +29,10 @@ TRACE_BLOCK_TOKENS = 512
 BUNDLED_TRACE = "conversation_trace.jsonl"
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+#: Largest value each integer field may hold: lengths in tokens (no model context is longer;
+#: the run sizes pools and loops by them), the arrival time in ms (it becomes a float of
+#: seconds), hash ids (written as 64-bit unsigned in cache keys). Beyond: reason ``out_of_range``.
+_MAX = {"timestamp": 2**63 - 1, "input_length": 2**31 - 1, "output_length": 2**31 - 1, "hash_ids": 2**64 - 1}
 
 
 class TraceError(ValueError):
@@ -80,6 +84,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _shown(value: int) -> str:
+    """``value`` in decimal, or its digit count when longer than 40 digits (not echoed whole)."""
+    text = str(value)
+    return text if len(text) <= 40 else f"a {len(text)}-digit integer"
+
+
 def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tuple[int, ...]]:
     try:
         obj = json.loads(raw)
@@ -96,6 +106,8 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
             raise _BadLine("wrong_type", f"field {name!r} must be an integer, got {value!r}")
         if value < 0:
             raise _BadLine("negative_value", f"field {name!r} is negative: {value!r}")
+        if value > _MAX[name]:
+            raise _BadLine("out_of_range", f"field {name!r} is {_shown(value)}; at most {_MAX[name]} is allowed")
     if obj["input_length"] == 0:
         raise _BadLine("negative_value", "field 'input_length' must be positive, got 0")
     hash_ids = obj["hash_ids"]
@@ -106,6 +118,9 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
             raise _BadLine("wrong_type", f"field 'hash_ids'[{pos}] must be an integer, got {hid!r}")
         if hid < 0:
             raise _BadLine("negative_hash_id", f"field 'hash_ids'[{pos}] is negative: {hid}")
+        if hid > _MAX["hash_ids"]:
+            raise _BadLine("out_of_range", f"field 'hash_ids'[{pos}] is {_shown(hid)}; hash ids must fit 64 bits "
+                                           f"(at most {_MAX['hash_ids']})")
     expected = -(-obj["input_length"] // trace_block_tokens)
     if len(hash_ids) != expected:
         raise _BadLine(

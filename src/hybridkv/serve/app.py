@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -25,7 +27,14 @@ from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
 from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
-from hybridkv.serve.protocol import APIError, check_ids, parse_generation, parse_prompts
+from hybridkv.serve.protocol import (
+    APIError,
+    check_ids,
+    parse_generation,
+    parse_prompts,
+    read_body,
+    tenant_header,
+)
 from hybridkv.serve.run import Run
 from hybridkv.serve.tokenizer import Codec
 from hybridkv.serve.worker import EngineWorker
@@ -70,7 +79,7 @@ class Server:
 
     # -- helpers ------------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
-        body = _json_object(await request.body())
+        body = _json_object(await read_body(request))
         model = body.get("model")
         if model != self.settings.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
@@ -91,7 +100,7 @@ class Server:
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
         self._check_alive()
-        gen = parse_generation(body, request.headers.get("x-tenant"), self.settings.default_max_tokens, self.unit)
+        gen = parse_generation(body, tenant_header(request.headers), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
         return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version),
@@ -199,10 +208,18 @@ class Server:
     async def invalidate(self, request: Request) -> dict:
         """``POST /admin/cache/invalidate`` with ``{"tenant": T}``, ``{"cache_salt": S}`` (both:
         their intersection), ``{"all": true}`` or ``{"abi_version": N}`` (an older cache ABI's
-        store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier."""
+        store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier.
+
+        A request with an ``X-Tenant`` header is confined to that tenant (the scope when the body
+        names none; a ``cache_salt`` narrows it).
+
+        Raises:
+            APIError: 400 for a field of the wrong type or not exactly one scope; 403 when an
+                ``X-Tenant`` request names another tenant, ``all`` or ``abi_version``.
+        """
         from hybridkv.tiers.layout import ABI_VERSION
 
-        body = _json_object(await request.body() or b"{}")
+        body = _json_object(await read_body(request) or b"{}")
         everything = body.get("all", False)
         tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
         if not isinstance(everything, bool):
@@ -214,10 +231,19 @@ class Server:
             raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
                            f"{ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by tenant, cache_salt "
                            "or all)", "abi_version")
+        header = tenant_header(request.headers)
+        if header is not None:        # a gateway's tenant identity: that tenant's entries and counts only
+            if everything or abi is not None or (tenant is not None and tenant != header):
+                raise APIError(403, f"a request with the X-Tenant header {_shown(header)} may invalidate only "
+                                    "that tenant's entries (no other tenant, all or abi_version)", "tenant",
+                               "tenant_scope", "permission_error")
+            tenant = header
         if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
             raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
         self._check_alive()
-        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi))
+        # The scope's own namespace (no adapter), which a restarted server's ledger does not know yet.
+        known = frozenset({self.namespace(tenant, salt or "")}) if tenant is not None else frozenset()
+        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi, known))
         return asdict(counts)                 # the engine thread started the feed's new epoch (on_purge)
 
     async def cache_info(self) -> dict:
@@ -229,10 +255,18 @@ class Server:
                 "binding": self.handle.backend.cache_binding().hex(), "prefix_match_unit": cfg.prefix_match_unit,
                 "block_size": cfg.block_size, "vocab_size": self.vocab_size, "store": self.events.store_info()}
 
-    async def cache_events(self, after: int = -1, epoch: int | None = None, limit: int = EVENT_PAGE_MAX,
-                           wait: float = 0.0) -> dict:
+    async def cache_events(self, request: Request, after: int = -1, epoch: int | None = None,
+                           limit: int = EVENT_PAGE_MAX, wait: float = 0.0) -> dict:
         """``GET /v1/cache/events?epoch=E&after=SEQ&limit=N&wait=S`` (see :meth:`EventFeed.wait`;
-        ``wait`` seconds of long poll, 0: answer at once)."""
+        ``wait`` seconds of long poll, 0: answer at once).
+
+        Raises:
+            APIError: 403 for a request with an ``X-Tenant`` header: the feed holds every
+                tenant's entry keys (for ``hybridkv router``, which sends none).
+        """
+        if tenant_header(request.headers) is not None:
+            raise APIError(403, "a request with the X-Tenant header may not read the cache event feed (every "
+                                "tenant's entry keys)", None, "tenant_scope", "permission_error")
         try:
             return await self.events.wait(epoch, after, limit, wait)
         except ValueError as exc:
@@ -259,18 +293,36 @@ async def _collect_while_connected(run: Run, request: Request):
     raise APIError(499, "the client closed the connection", None, "client_closed")
 
 
+#: A ``\\u`` escape of a UTF-16 surrogate: the only way a lone surrogate enters a decoded body.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _json_object(raw: bytes) -> dict:
     """The request body as a JSON object; a 400 :class:`APIError` for bad JSON (nesting too deep
-    for the decoder included) or another type."""
+    for the decoder included), a string holding a lone surrogate escape (valid JSON, but no
+    Unicode text: no tokenizer or namespace digest can encode it), or another type."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):          # pairs decode to one character; a lone one stays
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
+            raise APIError(400, f"the request body has a string with a lone surrogate {bad}, "
+                                "which is not Unicode text") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _shown(value: str) -> str:
+    """``repr(value)``, shortened to 60 characters (a huge header is not echoed whole)."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def _error_response(exc: APIError, metrics: ServeMetrics) -> JSONResponse:
@@ -296,6 +348,16 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
         return _error_response(exc, server.metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
+        name = loc[-1] if loc else None
+        shown = repr(first.get("input"))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        message = f"{name}={shown}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
+        return _error_response(APIError(400, message, name), server.metrics)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, exc: HTTPException):

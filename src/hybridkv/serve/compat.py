@@ -26,10 +26,13 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fastapi import Request
+
 from hybridkv import __version__
 from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.build import EngineHandle
 from hybridkv.model.config import MODEL_TYPE
+from hybridkv.serve.protocol import APIError, tenant_header
 from hybridkv.tiers.purge import purge as purge_tiers
 
 if TYPE_CHECKING:
@@ -99,9 +102,18 @@ class CompatRoutes:
         """``GET /get_load``: one entry (rank 0) of requests and tokens this worker has to do."""
         return [{"dp_rank": 0, **self.server.worker.load()}]
 
-    async def flush_cache(self) -> dict:
-        """``POST /flush_cache``: drop this worker's device entries (see the module docstring)."""
+    async def flush_cache(self, request: Request) -> dict:
+        """``POST /flush_cache``: drop this worker's device entries (see the module docstring).
+
+        Raises:
+            APIError: 403 for a request with an ``X-Tenant`` header (a flush drops every tenant's
+                entries; a tenant purges its own with ``POST /admin/cache/invalidate``).
+        """
         s = self.server
+        if tenant_header(request.headers) is not None:
+            raise APIError(403, "a request with the X-Tenant header may not flush every tenant's entries; "
+                                "POST /admin/cache/invalidate purges that tenant's", None, "tenant_scope",
+                           "permission_error")
         s._check_alive()
         events = s.events
 

@@ -179,6 +179,17 @@ class WorkerState:
                 "predicted_store_hit_tokens_routed": self.store_hit_tokens_routed, "last_error": self.last_error}
 
 
+def _check_worker_url(url: str) -> None:
+    """Raise ``ValueError`` naming ``url`` unless it is ``http(s)://HOST[:PORT]`` (a path is kept)."""
+    try:
+        parsed = httpx.URL(url)
+        parsed.port                                   # noqa: B018 - raises for a port that is not a number
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(f"--worker {url!r} is not a URL ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"--worker {url!r} must be http://HOST:PORT (or https://)")
+
+
 class Workers:
     """The workers, their views and the fleet identity, refreshed by :meth:`poll_forever`.
 
@@ -188,10 +199,12 @@ class Workers:
         health_every: polls between two ``/health`` checks of a healthy worker (>= 1).
 
     Raises:
-        ValueError: no URL, or a duplicate (named).
+        ValueError: no URL, a duplicate, or one that is not ``http(s)://HOST[:PORT]`` (named).
     """
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, health_every: int = 5) -> None:
+        for u in urls:
+            _check_worker_url(u)
         urls = [u.rstrip("/") for u in urls]
         if not urls:
             raise ValueError("at least one --worker URL is needed")

@@ -13,6 +13,10 @@ import torch
 
 MAX_STOP = 4
 MAX_ID_LEN = 256
+#: Largest request body read (bytes): a prompt of 65,536 ids written as JSON is under 1 MiB, a
+#: batch of 64 of them under 64 MiB; a larger body is refused (413) before it is parsed, so a
+#: huge one cannot exhaust the server's memory (a 20 MB text prompt took 245 MB of peak RSS).
+MAX_BODY_BYTES = 64 * 2**20
 
 
 class APIError(Exception):
@@ -102,6 +106,42 @@ def _identifier(body: dict, name: str, header: str | None, default: str) -> str:
     if header is not None and value is not None and header != value:
         raise APIError(400, f"{name} field and the X-Tenant header disagree", name)
     return value if value is not None else header if header is not None else default
+
+
+async def read_body(request) -> bytes:
+    """The body of ``request`` (a Starlette ``Request``), at most :data:`MAX_BODY_BYTES` bytes.
+
+    A longer body is read to its end and dropped (so the client gets the answer, not a reset
+    connection) without being kept.
+
+    Raises:
+        APIError: 413 naming the limit for a longer body.
+    """
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_BODY_BYTES:
+            parts.append(chunk)
+        elif parts:
+            parts.clear()
+    if size > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {size} bytes; at most {MAX_BODY_BYTES} are read", None,
+                       "request_too_large")
+    return b"".join(parts)
+
+
+def tenant_header(headers) -> str | None:
+    """The request's one ``X-Tenant`` header value, or ``None`` without one (``headers``: a
+    Starlette ``Headers``).
+
+    Raises:
+        APIError: 400 (param ``tenant``) for two or more ``X-Tenant`` headers: they name no single
+            tenant (a gateway appending its own after the client's would otherwise lose to it).
+    """
+    values = headers.getlist("x-tenant")
+    if len(values) > 1:
+        raise APIError(400, f"the request has {len(values)} X-Tenant headers; give one", "tenant")
+    return values[0] if values else None
 
 
 def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: int, unit: int) -> Generation:

@@ -59,11 +59,15 @@ class NamespaceLedger:
 
 
 def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, salt: str | None,
-          everything: bool, abi_version: int | None = None) -> PurgeCounts:
+          everything: bool, abi_version: int | None = None, known: frozenset[bytes] = frozenset()) -> PurgeCounts:
     """Remove the entries of the matching request namespaces (or, with ``everything``, of this
     server's model) from the device, the host tier and the store; with ``abi_version`` instead,
     the store objects of that older cache ABI (see the module docstring). Runs on the engine
     thread; safe while requests run.
+
+    ``known``: namespaces of the scope computed from its names (the tenant's with the given salt,
+    ``""`` when none, and no adapter), selected too: a restarted server's ledger has not seen
+    them, yet an earlier process stored their entries in a persistent store.
 
     Raises:
         ValueError: ``abi_version`` is not an older cache ABI version (:class:`PurgeSelector`).
@@ -79,9 +83,11 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
         counts.device_nodes, counts.tier_entries = done.device_nodes, dict(done.tier_entries)
         counts.tier_bytes = dict(done.tier_bytes)
         return counts                          # current entries are untouched: the ledger stays
-    namespaces = set() if everything else ledger.matching(tenant, salt)
+    namespaces = set() if everything else ledger.matching(tenant, salt) | set(known)
     counts = PurgeCounts(namespaces=len(namespaces))
-    if not everything and not namespaces:
+    if not everything and not namespaces:          # nothing selected: every configured tier removed 0
+        names = [t.name for t in (handle.host_tier, handle.store_tier) if t is not None]
+        counts.tier_entries, counts.tier_bytes = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
         return counts
     if handle.engine.connector is not None:
         handle.engine.connector.drain(timeout_s=30.0)      # prefetches in flight end first

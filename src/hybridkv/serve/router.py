@@ -44,7 +44,7 @@ from hybridkv.fleet.store import (
     StoreCost,
 )
 from hybridkv.serve.fleet_view import Workers, WorkerState
-from hybridkv.serve.protocol import APIError, parse_generation, parse_prompts
+from hybridkv.serve.protocol import APIError, parse_generation, parse_prompts, read_body, tenant_header
 from hybridkv.serve.tokenizer import Codec
 
 log = logging.getLogger("hybridkv.serve.router")
@@ -239,7 +239,11 @@ class RouterService:
         return await self._proxy(request, "/v1/chat/completions", chat=True)
 
     async def _proxy(self, request: Request, path: str, chat: bool):
-        raw = await request.body()
+        try:
+            tenant_header(request.headers)                 # two would hash under one, reach the worker as another
+            raw = await read_body(request)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):

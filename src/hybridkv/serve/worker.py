@@ -171,11 +171,12 @@ class EngineWorker:
         self._put("cancel", job)
 
     def invalidate(self, tenant: str | None, salt: str | None, everything: bool,
-                   abi_version: int | None = None) -> Future:
-        """Purge entries (see :func:`~hybridkv.serve.purge.purge`); a future of :class:`PurgeCounts`
-        (a ``RuntimeError`` once the engine thread has ended)."""
+                   abi_version: int | None = None, known: frozenset[bytes] = frozenset()) -> Future:
+        """Purge entries (see :func:`~hybridkv.serve.purge.purge`; ``known``: namespaces of the scope
+        the caller computed, selected whether or not the ledger saw them); a future of
+        :class:`PurgeCounts` (a ``RuntimeError`` once the engine thread has ended)."""
         fut: Future = Future()
-        self._put("purge", (fut, (tenant, salt, everything, abi_version)))
+        self._put("purge", (fut, (tenant, salt, everything, abi_version, known)))
         return fut
 
     def call(self, fn: Callable[[EngineHandle], object]) -> Future:
@@ -328,9 +329,9 @@ class EngineWorker:
 
     def _run_purges(self) -> None:
         purges, self._purges = self._purges, []
-        for fut, (tenant, salt, everything, abi_version) in purges:
+        for fut, (tenant, salt, everything, abi_version, known) in purges:
             try:
-                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything, abi_version)
+                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything, abi_version, known)
                 fut.set_result(counts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)

@@ -58,6 +58,7 @@ from typing import BinaryIO
 
 from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
 from hybridkv.store.disk_files import (
+    MIN_OBJECT_BYTES,
     NO_SPACE,
     BadObject,
     check_fanout_dir,
@@ -160,6 +161,8 @@ class DiskStore(ObjectStore):
         self._tmp_suffix = tmp_suffix()
         create_layout(self.root)
         for _, digest, size in scan_layout(self.root):  # oldest first; deletes stale temp files
+            if size < MIN_OBJECT_BYTES:
+                continue  # no object (e.g. zero-length after a crash): a bad object when read
             self._account(digest, size, *self._header_owner(digest))
         with self._lock:
             self._trim_quotas()  # other processes' puts may have left an owner over its quota

@@ -41,6 +41,9 @@ _OLEN = struct.Struct("<H")  # owner length
 OWNER_MAX = 256
 _HEAD = struct.Struct("<8sI")  # magic, key length
 _PLEN = struct.Struct("<Q")  # payload length
+#: Bytes of the shortest valid object file (magic, key length, payload length; empty key and
+#: payload): a shorter file (zero-length after a file-system crash) holds no object.
+MIN_OBJECT_BYTES = _HEAD.size + _PLEN.size
 TMP_PREFIX = ".tmp."
 #: A temp file older than this (seconds) is stale whoever wrote it.
 STALE_TMP_S = 3600.0

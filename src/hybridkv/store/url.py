@@ -26,8 +26,8 @@ def open_store(url: str, quota: float | None = None) -> ObjectStore | None:
     argument applies when the URL gives a capacity, as for ``disk``).
 
     Raises:
-        ValueError: unknown scheme or malformed URL, a parameter blank or given twice
-            (message names it).
+        ValueError: unknown scheme or malformed URL, a parameter blank, given twice or unknown to
+            the scheme (message names it).
         StoreUnavailable: the service cannot be reached.
     """
     if url in ("none", ""):
@@ -64,7 +64,16 @@ def open_store(url: str, quota: float | None = None) -> ObjectStore | None:
             raise ValueError(f"store URL {url!r}: capacity={query['capacity']!r} is not a byte count") from None
 
     if parsed.scheme == "memory":
-        return MemoryStore(capacity())
+        if parsed.netloc or parsed.path:
+            raise ValueError(f"store URL {url!r}: memory:// takes no host or path, got "
+                             f"{(parsed.netloc + parsed.path)!r}")
+        unknown = sorted(set(query) - {"capacity"})
+        if unknown:
+            raise ValueError(f"store URL {url!r}: unknown parameter {unknown[0]!r}; known: ['capacity']")
+        cap = capacity()
+        if cap is not None and cap < 0:
+            raise ValueError(f"store URL {url!r}: capacity={query['capacity']!r} is not a byte count >= 0")
+        return MemoryStore(cap)
     if parsed.scheme == "disk":
         if parsed.netloc or not parsed.path:
             raise ValueError(f"store URL {url!r}: use disk:///absolute/dir (three slashes, no host)")
