@@ -24,6 +24,7 @@ from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,
     chain_payloads,
+    PeriodicMemo,
     chain_periodic,
     chained_block_hashes,
 )
@@ -204,9 +205,10 @@ class HybridCacheCoordinator:
         return chain_payloads(bound, payloads)
 
     def chain_periodic_units(self, heads: list[bytes], tails: list[bytes], n: int,
-                             namespace: bytes | None = None) -> list[bytes]:
+                             namespace: bytes | None = None, memo: PeriodicMemo | None = None) -> list[bytes]:
         """:meth:`chain_units` over the ``n`` payloads ``heads[i % len(heads)] + tails[i // len(heads)]``
-        without making them (:func:`~hybridkv.cache.namespace.chain_periodic`): the same hashes.
+        without making them (:func:`~hybridkv.cache.namespace.chain_periodic`): the same hashes,
+        through ``memo`` (from :meth:`periodic_memo` with the same heads and namespace) when given.
 
         Raises:
             ValueError: as :func:`~hybridkv.cache.namespace.chain_periodic`.
@@ -215,7 +217,16 @@ class HybridCacheCoordinator:
         bound = self._bound.get(ns)
         if bound is None:
             bound = self._bound[ns] = bind_namespace(ns, self.binding)
-        return chain_periodic(bound, heads, tails, n)
+        return chain_periodic(bound, heads, tails, n, memo)
+
+    def periodic_memo(self, heads: list[bytes], namespace: bytes | None = None) -> PeriodicMemo:
+        """An empty :class:`~hybridkv.cache.namespace.PeriodicMemo` for :meth:`chain_periodic_units`
+        with these ``heads`` under ``namespace`` (default this cache's)."""
+        ns = namespace or self.namespace
+        bound = self._bound.get(ns)
+        if bound is None:
+            bound = self._bound[ns] = bind_namespace(ns, self.binding)
+        return PeriodicMemo(bound, heads)
 
     def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True,
                hashes: list[bytes] | None = None) -> MatchResult:

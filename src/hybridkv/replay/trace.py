@@ -352,6 +352,26 @@ class TraceUnits:
             return cache.chain_units(self.payloads(req))
         return cache.chain_periodic_units(*periodic)
 
+    def hashes_all(self, reqs: list[TraceRequest], cache) -> list[list[bytes]]:
+        """:meth:`hashes` of each of ``reqs``, in order (the same hashes), with whole blocks
+        chained once: a block after the same chained hash (a conversation's history, re-sent by
+        each turn) is taken from a :class:`~hybridkv.cache.namespace.PeriodicMemo` local to this
+        call, which holds at most the distinct whole blocks of ``reqs`` and is dropped on return.
+
+        Raises:
+            ValueError: as :meth:`hashes`.
+        """
+        if self.block_tokens % self.unit:
+            return [self.hashes(r, cache) for r in reqs]
+        out = []
+        memo = None
+        for r in reqs:
+            heads, tails, n = self.periodic(r)
+            if memo is None:
+                memo = cache.periodic_memo(heads)
+            out.append(cache.chain_periodic_units(heads, tails, n, memo=memo))
+        return out
+
     def _head(self) -> bytes:
         return b"T" + b"".join(v.to_bytes(8, "little", signed=True)
                                for v in (self.seed, self.block_tokens, self.vocab_size))
