@@ -163,27 +163,31 @@ def test_value_forgets_stale_reuse_and_keeps_a_conversations_newest_turn():
 
 
 def test_value_weight_halves_per_turnover_and_repeated_lookups_count_once():
-    """The order's clock counts turnovers (evicted bytes over the bytes it describes); an unused
-    item's weight halves per ``half_life`` turnovers; a repeated lookup refreshes without counting."""
+    """The order's clock counts turnovers of written content (each described item's bytes over
+    the most bytes described; evictions do not move it); an unused item's weight halves per
+    ``half_life`` turnovers; a repeated lookup refreshes without counting."""
     order = ValueOrder(half_life=1.0)
     for i in range(4):
         order.describe(i, nbytes=100, cost=10)
         order.add(i)
+    clock = 1 + 1 / 2 + 1 / 3 + 1 / 4                     # 100 bytes over 100, 200, 300, 400 described
+    assert order.clock == pytest.approx(clock, rel=FLOAT_TOL)
     order.hit(0)
     order.hit(0, count=False)                             # the same request looking up again: no new use
-    assert order.weight(0) == pytest.approx(2.0, rel=FLOAT_TOL)
-    assert order.pop() == 1                               # equal value: the earliest first; 0 is worth 2
+    w0 = 2 ** -(clock - 1) + 1
+    assert order.weight(0) == pytest.approx(w0, rel=FLOAT_TOL)
+    assert order.pop() == 1                               # the oldest unused first; 0 is worth more
     order.forget(1)
-    assert order.clock == pytest.approx(0.25, rel=FLOAT_TOL)            # 100 of 400 bytes
-    assert order.pop() == 2
-    order.forget(2)
-    clock = 0.25 + 1 / 3                                                # then 100 of 300 bytes
+    assert order.clock == pytest.approx(clock, rel=FLOAT_TOL)           # an eviction: no turnover
+    order.describe(4, nbytes=100, cost=10)
+    order.add(4)
+    clock += 100 / 400                                                   # the most described: 400 bytes
     assert order.clock == pytest.approx(clock, rel=FLOAT_TOL)
-    assert order.weight(0) == pytest.approx(2.0 * 2 ** -clock, rel=FLOAT_TOL)
-    assert order.weight(3) == pytest.approx(2 ** -clock, rel=FLOAT_TOL)
+    assert order.weight(0) == pytest.approx(w0 * 2 ** -0.25, rel=FLOAT_TOL)
+    assert order.weight(3) == pytest.approx(2 ** -0.25, rel=FLOAT_TOL)
     order.hit(0)                                          # a use: decayed weight plus one
-    assert order.weight(0) == pytest.approx(2.0 * 2 ** -clock + 1, rel=FLOAT_TOL)
-    assert order.victim() == 3
+    assert order.weight(0) == pytest.approx(w0 * 2 ** -0.25 + 1, rel=FLOAT_TOL)
+    assert order.victim() == 2
 
 
 def test_value_half_life_must_be_positive():

@@ -1,9 +1,11 @@
 """Eviction orders (lru, value): held items are never victims, value ranks by decayed uses times
-cost per byte, owners are counted, and the lazy heap agrees with a brute-force minimum; the disk
-store's capacity follows the order it was given."""
+cost per byte, owners are counted, and the lazy heap agrees with a brute-force minimum; the value
+order's shadows pick a short half-life where recency wins and a long one under scans past a hot
+set; the disk store's capacity follows the order it was given."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 
@@ -35,32 +37,35 @@ def test_lru_evicts_least_recently_added_or_hit_first():
 
 
 def test_value_keeps_the_reused_item_until_its_uses_decay():
-    """Three equal items; 0 is used four more times (w = 5). Each eviction advances the clock by
-    the victim's share of the described bytes; 0's weight halves per turnover, so after enough
-    turnovers a fresh item outranks it."""
+    """Three equal items; 0 is used four more times. Each write advances the clock by its bytes
+    over the most bytes described (1, then 1/2, 1/3: the write clock); 0's weight halves per
+    turnover, so after enough turnovers of fresh writes a fresh item outranks it."""
     order = ValueOrder(half_life=1.0)
     for i in range(3):
         order.describe(i, nbytes=100, cost=50)
         order.add(i)
+    assert order.clock == pytest.approx(1 + 1 / 2 + 1 / 3)
     for _ in range(4):
-        order.hit(0)                            # distinct uses at one clock reading: w = 1 + 4
-    assert order.weight(0) == pytest.approx(5.0) and order.weight(1) == pytest.approx(1.0)
-    assert order.priority(0) == pytest.approx(math.log2(5 * 50 / 100))
-    assert order.pop() == 1 and order.clock == pytest.approx(1 / 3)      # 100 of 300 described bytes
+        order.hit(0)                            # distinct uses at one clock reading: decayed 1, plus 4
+    assert order.weight(0) == pytest.approx(2 ** -(1 / 2 + 1 / 3) + 4)
+    assert order.weight(1) == pytest.approx(2 ** -(1 / 3)) and order.weight(2) == pytest.approx(1.0)
+    assert order.priority(0) == pytest.approx(math.log2((2 ** -(5 / 6) + 4) * 50 / 100) + order.clock)
+    clock = order.clock
+    assert order.pop() == 1 and order.clock == clock        # an eviction does not move the write clock
     order.forget(1)
-    clock, victims = 1 / 3, []
-    for k in range(3, 20):                      # a fresh item per eviction: 0's weight decays meanwhile
+    victims = []
+    for k in range(3, 30):                      # a fresh item per eviction: 0's weight decays meanwhile
         order.describe(k, nbytes=100, cost=50)
         order.add(k)
+        clock += 100 / 300                      # the most bytes described: three items
+        assert order.clock == pytest.approx(clock)
         w0 = order.weight(0)
         victims.append(order.pop())
-        clock += 100 / 300                      # three items described at each eviction
-        assert order.clock == pytest.approx(clock)
         order.forget(victims[-1])
         if victims[-1] == 0:
             break
     assert victims[-1] == 0 and 0 not in victims[:-1]
-    assert w0 < 1 and len(victims) > 3 * math.log2(5) - 1   # gone once below a single use: ~log2(5) turnovers
+    assert w0 < 1 and len(victims) > 3 * math.log2(4.5) - 1   # gone once below a fresh use: ~log2(4.56) turnovers
 
 
 def test_value_breaks_ties_deepest_first_and_weighs_cost_per_byte():
@@ -156,3 +161,78 @@ def test_lru_owner_victims_agree_with_the_order_whenever_first_asked():
                     want = next((m for m in members if order.info[m].owner == o), None)
                     assert order.victim(o) == want
                 assert order.victim() == (members[0] if members else None)
+
+
+class _Cache:
+    """A cache of ``capacity`` equal items over an order, as the pools drive it: a miss evicts
+    the order's victim when full and describes a new item under the content key."""
+
+    def __init__(self, order, capacity: int) -> None:
+        self.order, self.capacity, self.item, self.next = order, capacity, {}, 0
+        self.hits = 0
+
+    def access(self, name: str) -> None:
+        key = hashlib.sha256(name.encode()).digest()
+        item = self.item.get(key)
+        if item is not None:
+            self.hits += 1
+            self.order.hit(item)
+            return
+        while len(self.item) >= self.capacity:
+            victim = self.order.pop()
+            self.order.forget(victim)
+            del self.item[next(k for k, v in self.item.items() if v == victim)]
+        self.next += 1
+        self.item[key] = self.next
+        self.order.describe(self.next, nbytes=100, cost=64, key=key)
+        self.order.add(self.next)
+
+
+def test_value_shadows_pick_a_short_half_life_where_recency_wins():
+    """A hot set used 20 times, then never again, while fresh items are each reused once at a
+    distance of 0.8 capacity: a long memory keeps the stale hot set and misses the reuses, a
+    short one (LRU-like) hits them. The order, starting at ``h = 1``, moves to a short one."""
+    order = ValueOrder()
+    cache = _Cache(order, 64)
+    for r in range(20):
+        for i in range(32):
+            cache.access(f"hot{i}")
+    for j in range(3000):
+        cache.access(f"new{j}")
+        if j >= 51:
+            cache.access(f"new{j - 51}")        # its one reuse, 51 items (0.8 capacity) later
+    assert order.half_life <= 1 / 16 and order.switches >= 1
+    assert min(order.shadows, key=lambda s: s.h).score > max(order.shadows, key=lambda s: s.h).score
+
+
+def test_value_shadows_pick_a_long_half_life_under_scans_past_a_hot_set():
+    """A hot set of half the capacity used three times, then each item reused after 1.5
+    capacities of traffic (two one-off items per hot access): LRU (and the shortest half-life)
+    misses every reuse, a long memory keeps the hot set. The order keeps a long half-life and
+    hits every hot reuse (LRU holds none)."""
+    order = ValueOrder()
+    cache = _Cache(order, 64)
+    for r in range(3):
+        for i in range(32):
+            cache.access(f"hot{i}")
+    n, hits = 0, []
+    for r in range(40):
+        before = cache.hits
+        for i in range(32):
+            cache.access(f"hot{i}")
+            cache.access(f"scan{n}")
+            cache.access(f"scan{n + 1}")
+            n += 2
+        hits.append(cache.hits - before)
+    by_h = sorted(order.shadows, key=lambda s: s.h)
+    assert order.half_life >= 1.0 and by_h[0].score < 1e-6 * by_h[-1].score   # the shortest hits nothing
+    assert hits[-10:] == [32] * 10
+
+
+def test_value_grid_and_shadow_items_must_be_valid():
+    with pytest.raises(ValueError, match="grid"):
+        ValueOrder(grid=())
+    with pytest.raises(ValueError, match="shadow_items=0"):
+        ValueOrder(shadow_items=0)
+    with pytest.raises(ValueError, match="half_life=0"):
+        ValueOrder().set_half_life(0)

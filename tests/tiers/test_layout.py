@@ -66,3 +66,10 @@ def test_horizon_objects_round_up_to_the_millisecond_and_reject_junk():
         assert decode_horizon(junk) is None
     keys = reader_horizon_keys(b"m" * 32, b"o" * 32)
     assert len(keys) == 8 and len(set(keys)) == 8 and all(k.startswith("hkv4-horizon/") for k in keys)
+
+
+def test_the_abi_version_is_the_same_in_both_layers():
+    from hybridkv.cache import purge
+    from hybridkv.tiers import layout
+
+    assert purge.ABI_VERSION == layout.ABI_VERSION

@@ -103,7 +103,7 @@ class PrefixIndex:
     def _insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None, now: float) -> BlockNode:
         """A new child of ``parent`` (``key`` absent there) at ``page``; the pool is told first."""
         end = parent.end + self.unit
-        self.pages.add_node(page, end, owner)     # raises before the tree changes
+        self.pages.add_node(page, end, owner, key)     # raises before the tree changes
         node = BlockNode(key, parent, end, page, None, {}, owner, now)
         parent.children[key] = node
         nodes = self.by_page.get(page)
@@ -159,7 +159,7 @@ class PrefixIndex:
             j = i + 1
             while j < n and pages[j] == page:
                 j += 1
-            add_nodes(page, end + unit, own, j - i)   # raises before the tree changes
+            add_nodes(page, end + unit, own, j - i, keys[i])   # raises before the tree changes
             run = []
             for key in keys[i:j]:
                 end += unit
@@ -182,7 +182,7 @@ class PrefixIndex:
             raise RuntimeError(f"node at {node.end} already has a checkpoint")
         node.checkpoint = slot
         self.slot_node[slot] = node
-        self.checkpoints.publish(slot, node.end, node.owner)
+        self.checkpoints.publish(slot, node.end, node.owner, node.key)
 
     def detach_checkpoint(self, node: BlockNode) -> None:
         """Remove the node's checkpoint (eviction); the KV part stays."""

@@ -161,25 +161,26 @@ class PagePool(_RefcountedCache):
         self.refcount[page] = 1
         return page
 
-    def add_node(self, page: int, end: int = 0, owner=None) -> None:
+    def add_node(self, page: int, end: int = 0, owner=None, key: bytes | None = None) -> None:
         """An index node now points at ``page`` (its content is published).
 
         The first node describes the page to the eviction order: ``end`` (tokens, its
-        depth) and ``owner`` (the namespace whose quota it counts against)."""
+        depth), ``owner`` (the namespace whose quota it counts against) and ``key`` (the
+        chained hash of its first unit: its content, which the value order's shadows follow)."""
         if self.refcount[page] == 0 and self.node_count[page] == 0:
             raise RuntimeError(f"page {page} is free; publish it while a request holds it")
         if self.node_count[page] == 0:
-            self.order.describe(page, self.page_bytes, self.block_size, end, owner)
+            self.order.describe(page, self.page_bytes, self.block_size, end, owner, key)
         self.node_count[page] += 1
 
-    def add_nodes(self, page: int, end: int = 0, owner=None, count: int = 1) -> None:
+    def add_nodes(self, page: int, end: int = 0, owner=None, count: int = 1, key: bytes | None = None) -> None:
         """:meth:`add_node` ``count`` times for ``count`` nodes at ``page`` (``end``: the first's,
-        the shallowest), checked once; ``count`` must be >= 1."""
+        the shallowest; ``key``: the first's hash), checked once; ``count`` must be >= 1."""
         nc = self.node_count
         if nc[page] == 0:
             if self.refcount[page] == 0:
                 raise RuntimeError(f"page {page} is free; publish it while a request holds it")
-            self.order.describe(page, self.page_bytes, self.block_size, end, owner)
+            self.order.describe(page, self.page_bytes, self.block_size, end, owner, key)
         nc[page] += count
 
     def remove_node(self, page: int) -> None:
@@ -247,13 +248,14 @@ class CheckpointPool(_RefcountedCache):
             self.recurrent[slot].copy_(ckpt.recurrent)
             self.conv[slot].copy_(ckpt.conv)
 
-    def publish(self, slot: int, boundary: int = 0, owner=None) -> None:
+    def publish(self, slot: int, boundary: int = 0, owner=None, key: bytes | None = None) -> None:
         """Mark a written slot published (attached to an index node); it becomes evictable.
 
         ``boundary`` (tokens) is the prefill a hit on it saves (C of the value score) and
-        its depth; ``owner`` the namespace whose quota it counts against."""
+        its depth; ``owner`` the namespace whose quota it counts against; ``key`` the chained
+        hash of the unit ending at ``boundary`` (its content, for the value order's shadows)."""
         self.published[slot] = True
-        self.order.describe(slot, self.slot_bytes or 1, boundary, boundary, owner)
+        self.order.describe(slot, self.slot_bytes or 1, boundary, boundary, owner, key)
         self.order.add(slot)
 
     def read(self, slot: int, boundary: int) -> KDACheckpoint | None:

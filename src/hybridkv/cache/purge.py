@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from hybridkv.cache.index import BlockNode
 
 
+#: The cache ABI version of store keys (``hkv4/...``; docs/cache_abi.md); tiers.layout.ABI_VERSION is the same number, kept equal by tests/tiers/test_layout.py.
+ABI_VERSION = 4
+
 @dataclass(frozen=True, slots=True)
 class PurgeSelector:
     """Which entries a purge removes (criteria AND-ed; see the module docstring).
@@ -65,8 +68,6 @@ class PurgeSelector:
         if self.owners is None and self.models is None and self.created_before is None and self.abi_version is None:
             raise ValueError("a purge needs owners, models, created_before or abi_version; none was given")
         if self.abi_version is not None:
-            from hybridkv.tiers.layout import ABI_VERSION
-
             v = self.abi_version
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < ABI_VERSION:
                 raise ValueError(f"purge abi_version={v!r} must be an older cache ABI version: an integer from 1 "

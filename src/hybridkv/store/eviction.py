@@ -29,29 +29,45 @@ USENIX Symposium on Internet Technologies and Systems, 1997)::
 
 * ``p / T_residence`` — the chance of another hit per unit of time held — is
   estimated by ``w``: every use adds 1 and the sum halves every ``h`` turnovers
-  without one (``h = HALF_LIFE_TURNOVERS = 1``). An entry used often lately
-  ranks high; one used often long ago forgets it. (Counts that never decay —
-  GreedyDual-Size-Frequency, Cherkasova, HP Labs TR-98-69, 1998, this order's
-  previous form — kept stale shared pages over a conversation's newest turn and
-  lost to ``lru`` at 20% capacity. The decayed form wins there on each half of
-  the bundled trace but still loses on the whole trace: docs/memory.md.) A newly cached entry — a
-  conversation's newest turn, which its next turn continues — starts at
-  ``w = 1`` now: it outranks every entry whose decayed weight fell below one,
-  e.g. any entry used once more than a turnover ago.
-  Uses: the one that cached it; each lookup that matched it
-  (:meth:`EvictionOrder.hit`: a lookup touches every page of its matched path
-  and the checkpoint of its joint hit). A request waiting for admission looks
-  its prompt up again every engine step; those repeats are one use
-  (``count=False``: refreshed, not counted — the coordinator recognises them),
-  so a queued request is not credited once per step it waits.
-  The time a request holds an item is use, not idleness: when it becomes
-  evictable again (:meth:`~EvictionOrder.add`) its last use is now.
-* Time is counted in *turnovers*: each eviction advances the clock by the
-  victim's bytes over the bytes the order describes (at capacity: the tier's
-  capacity), so ``h`` means the same in a 1% and a 20% pool, the host tier and
-  the disk store, with no constant tuned to a pool size, and is deterministic
-  (no seconds). ``h = 1``: uses are forgotten at the rate the tier replaces its
-  content. Measured alternatives (``h`` = 0.5, 2) are in docs/memory.md.
+  without one. An entry used often lately ranks high; one used often long ago
+  forgets it. A newly cached entry — a conversation's newest turn, which its next
+  turn continues — starts at ``w = 1`` now. Uses: the one that cached it; each
+  lookup that matched it (:meth:`EvictionOrder.hit`: a lookup touches every page of
+  its matched path and the checkpoint of its joint hit). A request waiting for
+  admission looks its prompt up again every engine step; those repeats are one use
+  (``count=False``: refreshed, not counted — the coordinator recognises them). The
+  time a request holds an item is use, not idleness: when it becomes evictable again
+  (:meth:`~EvictionOrder.add`) its last use is now.
+* Time is counted in *turnovers of written content* (the write clock): each newly
+  described item advances the clock by its bytes over the most bytes the order has
+  described (once the tier has filled: its capacity), so ``h`` means the same in a 1%
+  and a 20% pool, the host tier and the disk store, and is deterministic (no
+  seconds). Evictions do not move it: entries freed with an evicted page's subtree or
+  superseded would otherwise leave the clock frozen (docs/memory.md, "write clock").
+* ``h`` — how long uses are remembered — is chosen online where the holder gives each
+  item's content key (the device page and checkpoint pools) by *miniature simulations*
+  (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
+  USENIX ATC 2017): five shadow caches, metadata only, each this order with a fixed
+  ``h`` from :data:`HALF_LIFE_GRID` = {1/64, 1/16, 1/4, 1, 4} turnovers (factor-4 steps
+  from 1/64, which ranks as ``lru`` does, past 1, to 4, close to LFU), fed the same
+  stream: every counted hit and every described item (a miss here, perhaps a hit
+  there), so each sees the whole prompt stream and recognises content across
+  evictions by its key. Keys are spatially sampled as in SHARDS (Waldspurger et al.,
+  "Efficient MRC Construction with SHARDS", FAST 2015): a key is sampled when its low
+  24 bits are below ``T``, rate ``R = T / 2^24 = min(1, SHADOW_ITEMS / most items
+  described)`` (fixed-size sampling: at most about 4,096 keys a shadow; rate 1, a full
+  simulation, for smaller tiers), only ever lowered, and a shadow holds ``R`` times the
+  most bytes described. Each shadow sums the tokens (``C``) its hits save in a window
+  halving per turnover, restarted at the tier's first eviction (before it every shadow
+  hits alike); every 1/16 turnover the order adopts the best shadow's ``h`` when it
+  beats the current ``h``'s shadow by more than 1/64 (hysteresis) and re-keys its heap.
+  It starts at ``h = HALF_LIFE_TURNOVERS = 1`` (a tier that is never told content keys
+  — the host tier, the disk store — keeps it). The shadows evict keys independently (no
+  prefix closure, nothing pinned); a lookup touches its whole path, so an ancestor's
+  weight is not below its descendants' and prefix closure holds approximately in them
+  as in the real order. Measured (docs/memory.md, "Sixth round"): within 0.3 point of
+  ``lru`` at 20% of the bundled trace, ahead of it at 1-10% and on the synthetic trace
+  except at 5% (−0.12); a fixed ``h`` cannot do both.
 * ``C`` — prefill saved by a hit — is the ``cost`` the holder gives, in
   tokens: a checkpoint's boundary depth (a hit on ``C(P_t)`` skips ``t``
   tokens of prefill); a KV page's own tokens (``block_size``); a disk object
@@ -86,6 +102,12 @@ from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "value")
 HALF_LIFE_TURNOVERS = 1.0       # value order: an unused item's weight halves per turnover (docs/memory.md)
+HALF_LIFE_GRID = (1 / 64, 1 / 16, 1 / 4, 1.0, 4.0)   # value order: the shadows' half-lives (turnovers)
+SHADOW_ITEMS = 4096             # value order: most sampled keys one shadow tracks (fixed-size sampling)
+SCORE_WINDOW_TURNOVERS = 1.0    # value order: half-life of a shadow's hit-value window (turnovers)
+SWITCH_MARGIN = 1 / 64          # value order: a shadow must beat the current h's by this share to switch
+CHOOSE_EVERY_TURNOVERS = 1 / 16 # value order: turnovers between choices of h
+_SAMPLE_SPACE = 1 << 24         # sample values of content keys: 0 .. 2^24 - 1
 
 
 @dataclass(slots=True)
@@ -123,8 +145,10 @@ class EvictionOrder(ABC):
 
     # -- descriptions ----------------------------------------------------
     def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
-                 owner: Hashable | None = None) -> None:
-        """Set what ``item`` holds (a new content: hits restart at 0).
+                 owner: Hashable | None = None, key: bytes | None = None) -> None:
+        """Set what ``item`` holds (a new content: hits restart at 0). ``key``: the content it
+        holds (a chained hash), which outlives the item id across evictions; the value order's
+        shadow caches follow content by it (``None``: no content key, e.g. the byte store).
 
         Raises:
             ValueError: ``nbytes`` is not positive or ``cost`` is negative.
@@ -197,7 +221,7 @@ class EvictionOrder(ABC):
         return item
 
     def evicted(self, item: Hashable) -> None:
-        """``item`` is being evicted (the value order advances its clock)."""
+        """``item`` is being evicted (the value order: the tier's fill is over)."""
 
 
 class LRUOrder(EvictionOrder):
@@ -274,45 +298,212 @@ class LRUOrder(EvictionOrder):
         return iter(list(self._q))
 
 
+class _Shadow:
+    """One miniature simulation: a metadata-only value cache of fixed half-life ``h`` over the
+    sampled content keys, of the sampled share of the real tier's bytes.
+
+    It ranks as :class:`ValueOrder` does (fixed key ``log2(C · w / M) + last / h``, lazy heap,
+    write clock: each inserted key advances its clock by its bytes over its capacity), holds
+    no references (nothing is pinned) and evicts keys independently (no prefix closure).
+    ``pending`` accumulates the tokens (``C``) its hits would have saved since the owner last
+    folded them into ``score``.
+    """
+
+    __slots__ = ("h", "clock", "nbytes", "items", "heap", "seq", "score", "pending")
+
+    def __init__(self, h: float) -> None:
+        self.h = h
+        self.clock = 0.0
+        self.nbytes = 0
+        self.items: dict[bytes, list] = {}      # key -> [weight, last, cost, nbytes, seq, sample]
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.score = 0.0
+        self.pending = 0.0
+
+    def access(self, key: bytes, cost: float, nbytes: int, sample: int, cap: float) -> None:
+        """``key`` was used (a hit of the real tier or content it wrote): a hit here adds
+        ``cost`` to ``pending`` and one use to the key's weight; a miss inserts it (``w = 1``)
+        and evicts the lowest keys while the shadow holds over ``cap`` bytes."""
+        ent = self.items.get(key)
+        self.seq += 1
+        if ent is not None:
+            self.pending += cost
+            ent[0] = ent[0] * 2.0 ** ((ent[1] - self.clock) / self.h) + 1.0
+            ent[1] = self.clock
+        else:
+            ent = self.items[key] = [1.0, self.clock, cost, nbytes, 0, sample]
+            self.nbytes += nbytes
+            self.clock += nbytes / cap
+        ent[4] = self.seq
+        d = ent[2] * ent[0] / ent[3]
+        heapq.heappush(self.heap, ((math.log2(d) if d > 0 else -math.inf) + ent[1] / self.h, self.seq, key))
+        if self.nbytes > cap:
+            self._trim(cap)
+        if len(self.heap) > 4 * len(self.items) + 64:
+            self.heap = [r for r in self.heap if self.items.get(r[2], (0,) * 5)[4] == r[1]]
+            heapq.heapify(self.heap)
+
+    def _trim(self, cap: float) -> None:
+        heap, items = self.heap, self.items
+        while self.nbytes > cap and heap:
+            _, seq, key = heapq.heappop(heap)
+            ent = items.get(key)
+            if ent is not None and ent[4] == seq:
+                del items[key]
+                self.nbytes -= ent[3]
+
+    def resample(self, threshold: int) -> None:
+        """Drop the keys whose sample value is no longer below ``threshold`` (a lower rate)."""
+        for key in [k for k, e in self.items.items() if e[5] >= threshold]:
+            self.nbytes -= self.items.pop(key)[3]
+
+
 class ValueOrder(EvictionOrder):
     """Lowest value density ``(C / M) · w`` first, ``w`` a hit weight that halves every
-    ``half_life`` turnovers without a use (see module docstring).
+    ``half_life`` turnovers without a use (see module docstring); ``half_life`` chosen online
+    from :data:`HALF_LIFE_GRID` by miniature simulations when the holder gives content keys.
 
-    Time is counted in *turnovers*: each eviction advances :attr:`clock` by the victim's
-    bytes over the bytes the order describes (members and held items: at capacity, the
-    tier's capacity), so one turnover is the eviction of one tier's worth of bytes. Ranking
+    Time is counted in *turnovers* of written content: each newly described item advances
+    :attr:`clock` by its bytes over the most bytes the order has described (at capacity, the
+    tier's capacity), so one turnover is the writing of one tier's worth of bytes. Ranking
     by ``(C / M) · w · 2^(-(clock - last) / half_life)`` is the same at every later time as
     ranking by the fixed key ``log2(C · w / M) + last / half_life`` (the decay factor is
     common to all items), so the members sit in heaps with O(log n) updates: each change
     pushes a fresh ``(key, -depth, seq, item)`` record; stale records (superseded ``seq``)
     are skipped when met and the heaps are rebuilt once they hold over four times the
-    members.
+    members. A change of ``half_life`` re-keys every member (O(n)).
 
     Args:
-        half_life: turnovers after which an unused item's weight halves (> 0).
+        half_life: turnovers after which an unused item's weight halves (> 0); ``None``
+            (default): adaptive, starting at :data:`HALF_LIFE_TURNOVERS`.
+        grid: the half-lives the shadows simulate (adaptive only; each > 0).
+        shadow_items: most sampled keys a shadow tracks (fixed-size sampling, >= 1).
 
     Raises:
-        ValueError: ``half_life`` is not positive.
+        ValueError: ``half_life`` or a grid entry is not positive, or ``shadow_items < 1``.
     """
 
     name = "value"
 
-    def __init__(self, half_life: float = HALF_LIFE_TURNOVERS) -> None:
-        if not half_life > 0:
+    def __init__(self, half_life: float | None = None, grid: tuple[float, ...] | None = None,
+                 shadow_items: int | None = None) -> None:
+        adaptive = half_life is None
+        h = HALF_LIFE_TURNOVERS if adaptive else half_life
+        if not h > 0:
             raise ValueError(f"value eviction half_life={half_life} must be positive (turnovers)")
+        grid = tuple(HALF_LIFE_GRID if grid is None else grid)
+        if adaptive and not (grid and all(g > 0 for g in grid)):
+            raise ValueError(f"value eviction grid={grid} must be non-empty half-lives > 0 (turnovers)")
+        shadow_items = SHADOW_ITEMS if shadow_items is None else shadow_items
+        if shadow_items < 1:
+            raise ValueError(f"value eviction shadow_items={shadow_items} must be >= 1")
         super().__init__()
-        self.half_life = float(half_life)
-        self.clock = 0.0                                   # turnovers elapsed (evicted bytes / described bytes)
+        self.half_life = float(h)
+        self.clock = 0.0                                   # turnovers written (described bytes / most described)
+        self.max_bytes = 0                                 # most bytes described at once (the tier's size, once full)
+        self._max_items = 0
         self._live: dict[Hashable, tuple] = {}             # member -> its current heap record
         self._heap: list[tuple] = []
         self._owner_heaps: dict[Hashable, list[tuple]] = {}
         self._seq = 0
+        self.shadows = [_Shadow(float(g)) for g in grid] if adaptive else []
+        self._shadow_items = shadow_items
+        self._keys: dict[Hashable, tuple[bytes, int]] = {}   # described item -> (content key, sample value)
+        self.threshold = _SAMPLE_SPACE                      # sampled iff sample value < threshold (rate 1)
+        self._folded = 0.0                                  # clock when the shadows' scores were last folded
+        self.switches = 0                                   # half-life changes made
+        self._evicting = False                              # the tier has evicted (its fill is over)
+        self._full = False                                  # the shadows' windows restarted after the fill
 
     def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
-                 owner: Hashable | None = None) -> None:
-        """Set what ``item`` holds; its weight starts at 1 (the use that cached it), now."""
+                 owner: Hashable | None = None, key: bytes | None = None) -> None:
+        """Set what ``item`` holds; its weight starts at 1 (the use that cached it), now; the
+        clock advances by its bytes over the most bytes described. With a ``key`` (adaptive
+        order) the write is an access of the shadows (a miss here, maybe a hit there)."""
         super().describe(item, nbytes, cost, depth, owner)
+        if self.total_bytes > self.max_bytes:
+            self.max_bytes = self.total_bytes
+        self.clock += nbytes / self.max_bytes
         self.info[item].last = self.clock
+        if key is not None and self.shadows:
+            n = len(self.info)
+            if n > self._max_items:
+                self._max_items = n
+                if n > self._shadow_items:
+                    self._resample()
+            sample = int.from_bytes(key[:4], "little") & (_SAMPLE_SPACE - 1) if isinstance(key, bytes) \
+                else hash(key) & (_SAMPLE_SPACE - 1)
+            self._keys[item] = (key, sample)
+            if sample < self.threshold:
+                self._shadow_access(key, float(cost), nbytes, sample)
+            if self.clock - self._folded >= CHOOSE_EVERY_TURNOVERS:
+                self._choose()
+
+    def forget(self, item: Hashable) -> None:
+        """The item's content is gone (its content key stays in the shadows)."""
+        if self._keys:
+            self._keys.pop(item, None)
+        super().forget(item)
+
+    def _resample(self) -> None:
+        """Fixed-size sampling (SHARDS): lower the rate so a shadow tracks about ``shadow_items``
+        keys of a tier holding ``_max_items``; only ever lowered, in steps of at least 1/16."""
+        want = int(_SAMPLE_SPACE * self._shadow_items / self._max_items)
+        if want < self.threshold * 15 // 16:
+            self.threshold = want
+            for sh in self.shadows:
+                sh.resample(want)
+
+    def _shadow_access(self, key: bytes, cost: float, nbytes: int, sample: int) -> None:
+        cap = self.max_bytes * self.threshold / _SAMPLE_SPACE
+        for sh in self.shadows:
+            sh.access(key, cost, nbytes, sample, cap)
+
+    def _choose(self) -> None:
+        """Fold each shadow's hit value into its decayed window (half-life
+        :data:`SCORE_WINDOW_TURNOVERS`; emptied once, at the first eviction: the fill's hits
+        are every shadow's alike and would only dilute their differences) and adopt the best
+        shadow's ``h`` when it beats the shadow of the current ``h`` by more than
+        :data:`SWITCH_MARGIN` (hysteresis)."""
+        if self._evicting and not self._full:
+            self._full = True                              # the fill's hits, equal in every shadow, go
+            for sh in self.shadows:
+                sh.score = sh.pending = 0.0
+        decay = 2.0 ** (-(self.clock - self._folded) / SCORE_WINDOW_TURNOVERS)
+        self._folded = self.clock
+        cur = best = None
+        for sh in self.shadows:
+            sh.score = sh.score * decay + sh.pending
+            sh.pending = 0.0
+            if best is None or sh.score > best.score:
+                best = sh
+            if sh.h == self.half_life:
+                cur = sh
+        if best is not None and best.h != self.half_life and \
+                (cur is None or best.score > cur.score * (1.0 + SWITCH_MARGIN)):
+            self.set_half_life(best.h)
+
+    def evicted(self, item: Hashable) -> None:
+        """The first eviction ends the fill (the shadows' windows restart then)."""
+        self._evicting = True
+
+    def set_half_life(self, h: float) -> None:
+        """Use half-life ``h`` (> 0) from now on: every member is re-keyed (weights and last
+        uses kept; later decay at ``h``).
+
+        Raises:
+            ValueError: ``h`` is not positive.
+        """
+        if not h > 0:
+            raise ValueError(f"value eviction half_life={h} must be positive (turnovers)")
+        if h == self.half_life:
+            return
+        self.half_life = float(h)
+        self.switches += 1
+        for it, rec in self._live.items():
+            self._live[it] = (self.priority(it), rec[1], rec[2], it)
+        self._rebuild()
 
     def weight(self, item: Hashable) -> float:
         """``w`` of ``item`` now: its weight at its last use, halved per ``half_life`` turnovers since."""
@@ -347,11 +538,16 @@ class ValueOrder(EvictionOrder):
 
     def hit(self, item: Hashable, count: bool = True) -> None:
         """A use (``count``): ``w := w · 2^(-(clock - last) / half_life) + 1``; a repeated use
-        (``not count``): ``w`` kept. Either way its last use is now; a member is re-scored."""
+        (``not count``): ``w`` kept. Either way its last use is now; a member is re-scored.
+        A counted use of an item with a sampled content key is an access of the shadows."""
         info = self._info(item)
         if count:
             info.hits += 1
             info.weight = self.weight(item) + 1.0
+            if self._keys:
+                ks = self._keys.get(item)
+                if ks is not None and ks[1] < self.threshold:
+                    self._shadow_access(ks[0], info.cost, info.nbytes, ks[1])
         info.last = self.clock
         if item in self._live:
             self._push(item, info)
@@ -365,12 +561,6 @@ class ValueOrder(EvictionOrder):
                 return rec[3]
             heapq.heappop(heap)
         return None
-
-    def evicted(self, item: Hashable) -> None:
-        """Advance the clock by the victim's share of the described bytes (a fraction of a turnover)."""
-        info = self.info.get(item)
-        if info is not None and self.total_bytes > 0:
-            self.clock += info.nbytes / self.total_bytes
 
     def _rebuild(self) -> None:
         self._heap = list(self._live.values())

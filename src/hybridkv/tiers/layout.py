@@ -38,7 +38,7 @@ import xxhash
 from hybridkv.cache.groups import DTYPE_BYTES, nbytes
 from hybridkv.model.state import KDACheckpoint
 
-ABI_VERSION = 4
+ABI_VERSION = 4  # the same as hybridkv.cache.purge.ABI_VERSION (the lower layer's copy; tests/tiers/test_layout.py)
 KEY_PREFIX = "hkv4"
 LAYOUT_VERSION = "hkv4-full-latents-f32+kda-rec-f32-conv-qkv"
 CHECKSUM = "xxh3_128"
