@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FULL, KDA, reuse_cap
@@ -30,6 +31,8 @@ from hybridkv.cache.namespace import (
 )
 from hybridkv.cache.pools import CheckpointPool, PagePool
 from hybridkv.model.state import KDACheckpoint
+
+_page_of = attrgetter("page")      # a node's page, read in C over a path (lookup, acquire)
 
 CopyPage = Callable[[int, int, int], None]
 """``copy_page(src_page, dst_page, num_tokens)`` copies KV latents of the first tokens."""
@@ -262,7 +265,7 @@ class HybridCacheCoordinator:
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
-            for page in dict.fromkeys(n.page for n in reversed(path)):   # deepest first: root end most recent
+            for page in dict.fromkeys(map(_page_of, reversed(path))):   # deepest first: root end most recent
                 self.pages.touch(page, count)
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
@@ -316,7 +319,7 @@ class HybridCacheCoordinator:
         self._last_lookup = None                            # admitted: the next lookup is another request's
         hit = match.hit
         path = match.path[: hit // g]
-        held = list(dict.fromkeys(n.page for n in path))    # every page on the hit path, before any eviction
+        held = list(dict.fromkeys(map(_page_of, path)))     # every page on the hit path, before any eviction
         for p in held:
             self.pages.ref(p)
         state = None

@@ -220,12 +220,8 @@ def _chain_periodic_memo(namespace: bytes, heads: list[bytes], tails: list[bytes
     for tail in tails[:full]:
         key = (prev, tail)
         done = get(key)
-        if done is None:
-            hs = []
-            for nh in joined:
-                prev = sha(prev + nh + tail).digest()
-                hs.append(prev)
-            done = blocks[key] = tuple(hs)
+        if done is None:                               # each unit chained on the one before it
+            done = blocks[key] = tuple([prev := sha(prev + nh + tail).digest() for nh in joined])
         extend(done)
         prev = done[-1]
     if rest:

@@ -111,10 +111,12 @@ class _RefcountedCache:
 
     def unref(self, i: int) -> None:
         """Drop a reference; an unreferenced item becomes MRU evictable if cached, else free."""
-        if self.refcount[i] <= 0:
+        rc = self.refcount
+        left = rc[i] - 1
+        if left < 0:
             raise RuntimeError(f"{type(self).__name__} item {i} refcount would go below zero")
-        self.refcount[i] -= 1
-        if self.refcount[i] == 0:
+        rc[i] = left
+        if left == 0:
             if self._cached(i):
                 self.order.add(i)
             else:
