@@ -466,8 +466,7 @@ class HybridCacheCoordinator:
             return
         parent = nodes[-1] if nodes else self.index.root
         table, per_page = alloc.block_table, b // g     # b is a multiple of g (CacheConfig)
-        self.index.extend(parent, hashes[k:n], [table[i // per_page] for i in range(k, n)], alloc.owner,
-                          self.clock(), out=nodes)
+        self.index.extend_table(parent, hashes[k:n], table, k, per_page, alloc.owner, self.clock(), out=nodes)
 
     def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
                             boundary: int, label: str = "") -> bool:
