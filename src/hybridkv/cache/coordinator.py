@@ -298,7 +298,8 @@ class HybridCacheCoordinator:
         fail in :meth:`acquire`, never the other way round).
         """
         g = self.config.prefix_match_unit
-        held = {n.page for n in match.path[: match.hit // g] if self.pages.refcount[n.page] > 0}
+        rc = self.pages.refcount                    # the hit's distinct pages first (read in C), then their counts
+        held = [p for p in dict.fromkeys(map(_page_of, match.path[: match.hit // g])) if rc[p] > 0]
         need = -(-num_tokens // self.config.block_size)
         return need <= self.pages.num_free + self.pages.num_evictable + len(held)
 
@@ -320,8 +321,7 @@ class HybridCacheCoordinator:
         hit = match.hit
         path = match.path[: hit // g]
         held = list(dict.fromkeys(map(_page_of, path)))     # every page on the hit path, before any eviction
-        for p in held:
-            self.pages.ref(p)
+        self.pages.ref_many(held)
         state = None
         if hit:                                              # copy the checkpoint out while it is held
             slot = path[-1].checkpoint
@@ -334,11 +334,10 @@ class HybridCacheCoordinator:
             fresh = self._take_pages(-(-num_tokens // b) - len(shared), match.namespace)
             if fresh is not None and cow_src is not None and self.copy_page is not None:
                 self.copy_page(cow_src, fresh[0], hit % b)
-            for p in shared if fresh is not None else ():
-                self.pages.ref(p)                            # the block table's own references
+            if fresh is not None:
+                self.pages.ref_many(shared)                  # the block table's own references
         finally:
-            for p in held:
-                self.pages.unref(p)
+            self.pages.unref_many(held)
         if fresh is None:
             return None
         self._note_peaks()
@@ -400,8 +399,7 @@ class HybridCacheCoordinator:
         Pages are released tail first, so the prefix end of the request's pages
         is the most recently used and an LRU eviction takes leaves before roots.
         """
-        for p in reversed(alloc.block_table):
-            self.pages.unref(p)
+        self.pages.unref_many(reversed(alloc.block_table))
         self.enforce_quota(alloc.owner)
         alloc.block_table = []
         alloc.nodes = []

@@ -109,6 +109,32 @@ class _RefcountedCache:
             self.order.discard(i)
         self.refcount[i] += 1
 
+    def ref_many(self, items) -> None:
+        """:meth:`ref` each of ``items`` in order (one call for a request's pages); raises as
+        :meth:`ref` does at the first bad item, the items before it referenced."""
+        rc, cached, discard = self.refcount, self._cached, self.order.discard
+        for i in items:
+            if rc[i] == 0:
+                if not cached(i):
+                    raise RuntimeError(f"{type(self).__name__} item {i} is not cached; it cannot be referenced")
+                discard(i)
+            rc[i] += 1
+
+    def unref_many(self, items) -> None:
+        """:meth:`unref` each of ``items`` in order (one call for a request's pages); raises as
+        :meth:`unref` does at the first bad item, the items before it released."""
+        rc, cached, add, freed = self.refcount, self._cached, self.order.add, self._freed
+        for i in items:
+            left = rc[i] - 1
+            if left < 0:
+                raise RuntimeError(f"{type(self).__name__} item {i} refcount would go below zero")
+            rc[i] = left
+            if left == 0:
+                if cached(i):
+                    add(i)
+                else:
+                    freed(i)
+
     def unref(self, i: int) -> None:
         """Drop a reference; an unreferenced item becomes MRU evictable if cached, else free."""
         rc = self.refcount

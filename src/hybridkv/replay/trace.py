@@ -76,6 +76,9 @@ class _BadLine(Exception):
         self.detail = detail
 
 
+_INT_ONLY = {int}
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -101,7 +104,10 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list):
         raise _BadLine("wrong_type", f"field 'hash_ids' must be a list, got {hash_ids!r:.60}")
-    for pos, hid in enumerate(hash_ids):
+    # JSON gives ints as exactly int: all ints and none negative is checked in C; otherwise the
+    # loop below finds the first bad id for the message
+    ok = not hash_ids or (set(map(type, hash_ids)) == _INT_ONLY and min(hash_ids) >= 0)
+    for pos, hid in enumerate(() if ok else hash_ids):
         if not _is_int(hid):
             raise _BadLine("wrong_type", f"field 'hash_ids'[{pos}] must be an integer, got {hid!r}")
         if hid < 0:
