@@ -347,12 +347,9 @@ class HybridRouter(Router):
         works: dict[tuple[int, int], float] = {}
         scored = {}
         live = fleet.live
-        first = hashes[0] if hashes else None      # a view without the first unit has no hit: (0, 0)
         for j in self._cool(live, [q[j] for j in live]):
             view = views[j]
-            if type(view) is InstanceView:
-                pair = view.hits(hashes, limit) if first in view.kv else _NO_HIT
-            elif type(view).match is InstanceView.match:
+            if type(view).match is InstanceView.match:
                 pair = view.hits(hashes, limit)
             else:
                 m = view.match(hashes, limit)
@@ -367,9 +364,6 @@ class HybridRouter(Router):
         top = max(scored.values())
         return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
 
-
-_NO_HIT = (0, 0)
-"""``(kv_hit, hit)`` of a view that holds none of the prompt."""
 
 ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
 """Names ``--router`` accepts."""
