@@ -496,3 +496,22 @@ def test_ref_many_and_unref_many_equal_one_call_per_page():
     assert _pool_state(one) == _pool_state(many)
     one.check_invariants()
     many.check_invariants()
+
+
+def test_touch_many_equals_one_touch_a_page():
+    """Cached and held pages are refreshed in the order given, free ones skipped, as by
+    :meth:`touch` once a page."""
+    pools = [PagePool(8), PagePool(8)]
+    for pool in pools:
+        pages = [pool.pop_free() for _ in range(5)]
+        for p in pages[:4]:
+            pool.add_node(p)
+        for p in pages[:3]:
+            pool.unref(p)                         # 0, 1, 2 evictable; 3 held and cached; 4 held
+    one, many = pools
+    for p in [2, 7, 0, 3, 4]:
+        one.touch(p)
+    many.touch_many([2, 7, 0, 3, 4])
+    assert _pool_state(one) == _pool_state(many)
+    assert list(many.order) == [1, 2, 0]
+    assert [many.order.info[p].hits for p in (0, 1, 2, 3)] == [1, 0, 1, 1]

@@ -265,8 +265,8 @@ class HybridCacheCoordinator:
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
-            for page in dict.fromkeys(map(_page_of, reversed(path))):   # deepest first: root end most recent
-                self.pages.touch(page, count)
+            # each page once, deepest first: the root end is the most recent
+            self.pages.touch_many(dict.fromkeys(map(_page_of, reversed(path))), count)
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,

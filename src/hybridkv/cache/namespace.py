@@ -175,9 +175,9 @@ def chain_periodic(namespace: bytes, heads: list[bytes], tails: list[bytes], n: 
     if n < 0 or (n and (not h or n > h * len(tails))):
         raise ValueError(f"{n} payloads from {h} heads and {len(tails)} tails")
     blocks = -(-n // h) if n else 0
-    first_of: dict[int, int] = {}                      # tail length -> first tail of that length
-    for b in range(blocks):
-        first_of.setdefault(len(tails[b]), b)
+    # tail length -> first tail of that length, built in C: over the tails last to first, the
+    # first tail of each length is the last one stored
+    first_of = dict(zip(map(len, reversed(tails[:blocks])), range(blocks - 1, -1, -1)))
     bad = [b * h + a for size, b in first_of.items() for a, head in enumerate(heads)
            if not (len(head) + size) & 7 and b * h + a < n]
     if bad:

@@ -97,6 +97,13 @@ class _RefcountedCache:
         if self._cached(i) or self.refcount[i]:
             self.order.hit(i, count)
 
+    def touch_many(self, items, count: bool = True) -> None:
+        """:meth:`touch` each of ``items`` in order (one call for a lookup's pages)."""
+        rc, cached, hit = self.refcount, self._cached, self.order.hit
+        for i in items:
+            if cached(i) or rc[i]:
+                hit(i, count)
+
     def _freed(self, i: int) -> None:
         self.order.forget(i)
         self._free.append(i)
