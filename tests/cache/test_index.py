@@ -79,7 +79,7 @@ def test_get_or_insert_creates_a_child_one_unit_deeper_on_the_given_page():
     assert node.key == k and node.parent is index.root and node.end == UNIT and node.page == page
     assert node.checkpoint is None and node.children == {}
     assert index.root.children == {k: node}
-    assert index.by_page == {page: {node}}
+    assert index.by_page == {page: [node]}
     assert index.pages.node_count[page] == 1 and index.num_nodes == 1
     check_all(index)
 

@@ -28,7 +28,7 @@ def _state(index: PrefixIndex, pool: PagePool):
     return sorted(nodes), list(pool.node_count), by_page, described, index.num_nodes
 
 
-def _build(batch: bool):
+def _build(mode: str):
     pool = PagePool(16)
     index = PrefixIndex(UNIT, pool, CheckpointPool(2))
     shared = _keys(b"s", 6)
@@ -36,8 +36,11 @@ def _build(batch: bool):
     for ks in chains:
         table = [pool.pop_free() for _ in range(-(-len(ks) // PER_PAGE))]
         pages = [table[i // PER_PAGE] for i in range(len(ks))]
-        if batch:
+        if mode == "extend":
             nodes = index.extend(index.root, ks, pages, owner=b"o", now=2.0)
+        elif mode == "table":          # in two calls, the second starting mid-page (unit 3)
+            nodes = index.extend_table(index.root, ks[:3], table, 0, PER_PAGE, owner=b"o", now=2.0)
+            index.extend_table(nodes[-1], ks[3:], table, 3, PER_PAGE, owner=b"o", now=2.0, out=nodes)
         else:
             parent, nodes = index.root, []
             for k, p in zip(ks, pages):
@@ -53,7 +56,21 @@ def _build(batch: bool):
 
 
 def test_extend_over_page_runs_equals_get_or_insert():
-    assert _build(batch=True) == _build(batch=False)
+    assert _build("extend") == _build("single")
+
+
+def test_extend_table_equals_get_or_insert():
+    assert _build("table") == _build("single")
+
+
+def test_extend_table_refuses_a_table_too_short_and_changes_nothing():
+    pool = PagePool(4)
+    index = PrefixIndex(UNIT, pool, CheckpointPool(2))
+    table = [pool.pop_free()]
+    with pytest.raises(ValueError, match="do not fit a table of 1 pages"):
+        index.extend_table(index.root, _keys(b"x", PER_PAGE), table, 1, PER_PAGE)
+    assert index.num_nodes == 0 and pool.node_count[table[0]] == 0
+    index.check_invariants()
 
 
 def test_extend_raises_on_a_free_page_after_inserting_the_keys_before_it():

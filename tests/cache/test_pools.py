@@ -462,3 +462,56 @@ def test_tensor_backed_pool_reads_back_a_private_copy_of_what_was_written():
     assert torch.equal(pool.read(slot, 64).recurrent, torch.arange(18, dtype=torch.float32).reshape(1, 2, 3, 3))
     other = 1 - slot
     assert not pool.recurrent[other].any()      # other slots untouched
+
+
+def _pool_state(pool: PagePool):
+    return list(pool.refcount), list(pool.order), list(pool._free), list(pool.node_count)
+
+
+def test_ref_many_and_unref_many_equal_one_call_per_page():
+    """The batch calls leave refcounts, the eviction order and the free queue as the per-page
+    calls do (cached pages become evictable in release order, uncached ones free), and raise at
+    the same page with the pages before it done."""
+    pools = [PagePool(8), PagePool(8)]
+    for pool in pools:
+        pages = [pool.pop_free() for _ in range(6)]
+        for p in pages[:4]:
+            pool.add_node(p)                      # cached: evictable when unreferenced
+    one, many = pools
+    for p in [5, 4, 3, 2, 1, 0]:
+        one.unref(p)
+    many.unref_many([5, 4, 3, 2, 1, 0])
+    assert _pool_state(one) == _pool_state(many)
+    for p in [2, 0, 3]:
+        one.ref(p)
+    many.ref_many([2, 0, 3])
+    assert _pool_state(one) == _pool_state(many)
+    with pytest.raises(RuntimeError, match="not cached"):
+        many.ref_many([1, 5])                     # 5 is free: 1 referenced first
+    one.ref(1)
+    assert _pool_state(one) == _pool_state(many)
+    with pytest.raises(RuntimeError, match="below zero"):
+        many.unref_many([1, 4])                   # 4 is free: 1 released first
+    one.unref(1)
+    assert _pool_state(one) == _pool_state(many)
+    one.check_invariants()
+    many.check_invariants()
+
+
+def test_touch_many_equals_one_touch_a_page():
+    """Cached and held pages are refreshed in the order given, free ones skipped, as by
+    :meth:`touch` once a page."""
+    pools = [PagePool(8), PagePool(8)]
+    for pool in pools:
+        pages = [pool.pop_free() for _ in range(5)]
+        for p in pages[:4]:
+            pool.add_node(p)
+        for p in pages[:3]:
+            pool.unref(p)                         # 0, 1, 2 evictable; 3 held and cached; 4 held
+    one, many = pools
+    for p in [2, 7, 0, 3, 4]:
+        one.touch(p)
+    many.touch_many([2, 7, 0, 3, 4])
+    assert _pool_state(one) == _pool_state(many)
+    assert list(many.order) == [1, 2, 0]
+    assert [many.order.info[p].hits for p in (0, 1, 2, 3)] == [1, 0, 1, 1]

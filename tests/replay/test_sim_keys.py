@@ -12,7 +12,13 @@ import pytest
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.index import PrefixIndex
-from hybridkv.cache.namespace import CacheIdentity, chain_payloads, chain_periodic, chained_block_hashes
+from hybridkv.cache.namespace import (
+    CacheIdentity,
+    PeriodicMemo,
+    chain_payloads,
+    chain_periodic,
+    chained_block_hashes,
+)
 from hybridkv.cache.pools import CheckpointPool, PagePool
 from hybridkv.engine.build import build_engine, model_config
 from hybridkv.engine.request import Request
@@ -66,6 +72,31 @@ def test_periodic_hashes_are_the_payload_chain(block_tokens, unit):
             heads, tails, n = periodic
             assert [heads[i % len(heads)] + tails[i // len(heads)] for i in range(n)] == units.payloads(r)
             assert chain_periodic(NS, heads, tails, n) == chain_payloads(NS, units.payloads(r))
+
+
+@pytest.mark.parametrize("block_tokens, unit", [(512, 64), (64, 64), (96, 64), (128, 32)])
+def test_memoised_hashes_equal_the_payload_chain(block_tokens, unit):
+    """hashes_all (whole blocks through a memo, the trace's requests twice so every block repeats)
+    gives chain_units' hashes for every request; a memo refuses other heads or namespaces."""
+    units = TraceUnits(block_tokens, unit, VOCAB, seed=3)
+    engine = build_engine(model_config("tiny"), _config(64), model_name="tiny").engine
+    reqs = trace_requests() * 2
+    got = units.hashes_all(reqs, engine.cache)
+    assert got == [engine.cache.chain_units(units.payloads(r)) for r in reqs]
+    if block_tokens % unit:                            # not periodic: hashes_all is hashes, no memo
+        return
+    memo = PeriodicMemo(NS, units.periodic(reqs[0])[0])
+    for r in reqs:
+        heads, tails, n = units.periodic(r)
+        assert chain_periodic(NS, heads, tails, n, memo) == chain_payloads(NS, units.payloads(r))
+    distinct = {(ks[i * len(heads) - 1] if i else b"hybridkv.root", r.hash_ids[i])
+                for r, ks in zip(reqs, (chain_periodic(NS, *units.periodic(r)) for r in reqs))
+                for i in range(len(ks) // len(heads))}
+    assert len(memo.blocks) == len(distinct)
+    with pytest.raises(ValueError, match="memo"):
+        chain_periodic(NS + b"x", heads, tails, n, memo)
+    with pytest.raises(ValueError, match="memo"):
+        chain_periodic(NS, heads[:-1] + [b"other"], tails, n, memo)
 
 
 def test_periodic_chains_name_bad_payloads_as_the_payload_chain_does():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FULL, KDA, reuse_cap
@@ -24,11 +25,14 @@ from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,
     chain_payloads,
+    PeriodicMemo,
     chain_periodic,
     chained_block_hashes,
 )
 from hybridkv.cache.pools import CheckpointPool, PagePool
 from hybridkv.model.state import KDACheckpoint
+
+_page_of = attrgetter("page")      # a node's page, read in C over a path (lookup, acquire)
 
 CopyPage = Callable[[int, int, int], None]
 """``copy_page(src_page, dst_page, num_tokens)`` copies KV latents of the first tokens."""
@@ -204,9 +208,10 @@ class HybridCacheCoordinator:
         return chain_payloads(bound, payloads)
 
     def chain_periodic_units(self, heads: list[bytes], tails: list[bytes], n: int,
-                             namespace: bytes | None = None) -> list[bytes]:
+                             namespace: bytes | None = None, memo: PeriodicMemo | None = None) -> list[bytes]:
         """:meth:`chain_units` over the ``n`` payloads ``heads[i % len(heads)] + tails[i // len(heads)]``
-        without making them (:func:`~hybridkv.cache.namespace.chain_periodic`): the same hashes.
+        without making them (:func:`~hybridkv.cache.namespace.chain_periodic`): the same hashes,
+        through ``memo`` (from :meth:`periodic_memo` with the same heads and namespace) when given.
 
         Raises:
             ValueError: as :func:`~hybridkv.cache.namespace.chain_periodic`.
@@ -215,7 +220,16 @@ class HybridCacheCoordinator:
         bound = self._bound.get(ns)
         if bound is None:
             bound = self._bound[ns] = bind_namespace(ns, self.binding)
-        return chain_periodic(bound, heads, tails, n)
+        return chain_periodic(bound, heads, tails, n, memo)
+
+    def periodic_memo(self, heads: list[bytes], namespace: bytes | None = None) -> PeriodicMemo:
+        """An empty :class:`~hybridkv.cache.namespace.PeriodicMemo` for :meth:`chain_periodic_units`
+        with these ``heads`` under ``namespace`` (default this cache's)."""
+        ns = namespace or self.namespace
+        bound = self._bound.get(ns)
+        if bound is None:
+            bound = self._bound[ns] = bind_namespace(ns, self.binding)
+        return PeriodicMemo(bound, heads)
 
     def lookup(self, token_ids, namespace: bytes | None = None, touch: bool = True,
                hashes: list[bytes] | None = None) -> MatchResult:
@@ -251,8 +265,8 @@ class HybridCacheCoordinator:
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
-            for page in dict.fromkeys(n.page for n in reversed(path)):   # deepest first: root end most recent
-                self.pages.touch(page, count)
+            # each page once, deepest first: the root end is the most recent
+            self.pages.touch_many(dict.fromkeys(map(_page_of, reversed(path))), count)
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
@@ -284,7 +298,8 @@ class HybridCacheCoordinator:
         fail in :meth:`acquire`, never the other way round).
         """
         g = self.config.prefix_match_unit
-        held = {n.page for n in match.path[: match.hit // g] if self.pages.refcount[n.page] > 0}
+        rc = self.pages.refcount                    # the hit's distinct pages first (read in C), then their counts
+        held = [p for p in dict.fromkeys(map(_page_of, match.path[: match.hit // g])) if rc[p] > 0]
         need = -(-num_tokens // self.config.block_size)
         return need <= self.pages.num_free + self.pages.num_evictable + len(held)
 
@@ -305,9 +320,8 @@ class HybridCacheCoordinator:
         self._last_lookup = None                            # admitted: the next lookup is another request's
         hit = match.hit
         path = match.path[: hit // g]
-        held = list(dict.fromkeys(n.page for n in path))    # every page on the hit path, before any eviction
-        for p in held:
-            self.pages.ref(p)
+        held = list(dict.fromkeys(map(_page_of, path)))     # every page on the hit path, before any eviction
+        self.pages.ref_many(held)
         state = None
         if hit:                                              # copy the checkpoint out while it is held
             slot = path[-1].checkpoint
@@ -320,11 +334,10 @@ class HybridCacheCoordinator:
             fresh = self._take_pages(-(-num_tokens // b) - len(shared), match.namespace)
             if fresh is not None and cow_src is not None and self.copy_page is not None:
                 self.copy_page(cow_src, fresh[0], hit % b)
-            for p in shared if fresh is not None else ():
-                self.pages.ref(p)                            # the block table's own references
+            if fresh is not None:
+                self.pages.ref_many(shared)                  # the block table's own references
         finally:
-            for p in held:
-                self.pages.unref(p)
+            self.pages.unref_many(held)
         if fresh is None:
             return None
         self._note_peaks()
@@ -386,8 +399,7 @@ class HybridCacheCoordinator:
         Pages are released tail first, so the prefix end of the request's pages
         is the most recently used and an LRU eviction takes leaves before roots.
         """
-        for p in reversed(alloc.block_table):
-            self.pages.unref(p)
+        self.pages.unref_many(reversed(alloc.block_table))
         self.enforce_quota(alloc.owner)
         alloc.block_table = []
         alloc.nodes = []
@@ -452,8 +464,7 @@ class HybridCacheCoordinator:
             return
         parent = nodes[-1] if nodes else self.index.root
         table, per_page = alloc.block_table, b // g     # b is a multiple of g (CacheConfig)
-        self.index.extend(parent, hashes[k:n], [table[i // per_page] for i in range(k, n)], alloc.owner,
-                          self.clock(), out=nodes)
+        self.index.extend_table(parent, hashes[k:n], table, k, per_page, alloc.owner, self.clock(), out=nodes)
 
     def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
                             boundary: int, label: str = "") -> bool:

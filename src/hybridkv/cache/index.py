@@ -67,7 +67,9 @@ class PrefixIndex:
         self.pages = pages
         self.checkpoints = checkpoints
         self.root = BlockNode(key=b"", parent=None, end=0, page=None)
-        self.by_page: dict[int, set[BlockNode]] = {}
+        # page -> the nodes pointing at it, in insertion order (a list: a page holds a few
+        # consecutive units of one chain, so a list is smaller and quicker to build than a set)
+        self.by_page: dict[int, list[BlockNode]] = {}
         self.slot_node: dict[int, BlockNode] = {}
         self.num_nodes = 0
 
@@ -75,11 +77,12 @@ class PrefixIndex:
         """Nodes matching ``hashes`` from the root, stopping at the first miss."""
         path: list[BlockNode] = []
         append, node = path.append, self.root
-        for key in hashes:
-            node = node.children.get(key)
-            if node is None:
-                break
-            append(node)
+        try:                    # a subscript a unit, the miss ends it (cheaper than .get and a test)
+            for key in hashes:
+                node = node.children[key]
+                append(node)
+        except KeyError:
+            pass
         return path
 
     def get_or_insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None = None,
@@ -108,9 +111,9 @@ class PrefixIndex:
         parent.children[key] = node
         nodes = self.by_page.get(page)
         if nodes is None:
-            self.by_page[page] = {node}
+            self.by_page[page] = [node]
         else:
-            nodes.add(node)
+            nodes.append(node)
         self.num_nodes += 1
         return node
 
@@ -136,42 +139,85 @@ class PrefixIndex:
         """
         if out is None:
             out = []
-        append = out.append
         n = min(len(keys), len(pages))
-        i = 0
-        while i < n:                                 # existing nodes: walk down
-            node = parent.children.get(keys[i])
-            if node is None:
-                break
-            append(node)
-            parent = node
-            i += 1
-        if i == n:
+        parent, i = self._walk_chain(parent, keys, n, out)
+        runs, j = [], i                              # (page, end of its run of keys)
+        while j < n:
+            page = pages[j]
+            j += 1
+            while j < n and pages[j] == page:
+                j += 1
+            runs.append((page, j))
+        return self._insert_runs(parent, keys, i, runs, owner, now, out)
+
+    def extend_table(self, parent: BlockNode, keys: list[bytes], table: list[int], first: int,
+                     per_page: int, owner: bytes | None = None, now: float = 0.0,
+                     out: list[BlockNode] | None = None) -> list[BlockNode]:
+        """:meth:`extend` with the pages given as a request's block table: ``keys[i]`` is unit
+        ``first + i`` of the prompt, on page ``table[(first + i) // per_page]`` (``per_page``:
+        units a page, ``block_size // prefix_match_unit``); no page list a unit is made.
+
+        Raises:
+            ValueError: ``table`` holds fewer than ``first + len(keys)`` units (nothing changes).
+            RuntimeError: as :meth:`extend`.
+        """
+        n = len(keys)
+        if first < 0 or per_page < 1 or first + n > len(table) * per_page:
+            raise ValueError(f"units {first}..{first + n} do not fit a table of {len(table)} pages "
+                             f"of {per_page} units")
+        if out is None:
+            out = []
+        parent, i = self._walk_chain(parent, keys, n, out)
+        runs, j = [], i                              # (page, end of its run of keys)
+        while j < n:
+            p = (first + j) // per_page
+            j = min(n, (p + 1) * per_page - first)
+            runs.append((table[p], j))
+        return self._insert_runs(parent, keys, i, runs, owner, now, out)
+
+    @staticmethod
+    def _walk_chain(parent: BlockNode, keys: list[bytes], n: int, out: list[BlockNode]) -> tuple[BlockNode, int]:
+        """Walk ``keys[:n]`` down from ``parent`` to the first miss, appending the nodes found to
+        ``out``; returns ``(deepest node found or parent, number found)``."""
+        append, i = out.append, 0
+        try:
+            while i < n:
+                node = parent.children[keys[i]]
+                append(node)
+                parent = node
+                i += 1
+        except KeyError:
+            pass
+        return parent, i
+
+    def _insert_runs(self, parent: BlockNode, keys: list[bytes], i: int, runs: list[tuple[int, int]],
+                     owner: bytes | None, now: float, out: list[BlockNode]) -> list[BlockNode]:
+        """Insert ``keys[i:]`` up to the last run's end as new nodes under ``parent`` (the node
+        of ``keys[i - 1]``), appending them to ``out``.
+
+        Every key from ``i`` on is new (its parent is new or has no child of that key), so this
+        is pure insertion; each run ``(page, j)`` covers the keys from the previous run's end
+        (``i`` for the first) to ``j``, all on ``page``, and tells the pool once (the
+        simulator's hot loop: about 150 new nodes a request)."""
+        if not runs:
             return out
-        # every key from ``i`` on is new (its parent is new or has no child of that key), so the
-        # rest is pure insertion; a run of keys on one page tells the pool once (the simulator's
-        # hot loop: about 150 new nodes a request)
+        append = out.append
         own = owner if owner is not None else parent.owner
         add_nodes, by_page, unit = self.pages.add_nodes, self.by_page, self.unit
         end = parent.end
-        while i < n:
-            page = pages[i]
-            j = i + 1
-            while j < n and pages[j] == page:
-                j += 1
+        for page, j in runs:
             add_nodes(page, end + unit, own, j - i, keys[i])   # raises before the tree changes
-            run = []
+            start = len(out)
             for key in keys[i:j]:
                 end += unit
                 node = parent.children[key] = BlockNode(key, parent, end, page, None, {}, own, now)
-                run.append(node)
+                append(node)
                 parent = node
-            out.extend(run)
             nodes = by_page.get(page)
             if nodes is None:
-                by_page[page] = set(run)
+                by_page[page] = out[start:]
             else:
-                nodes.update(run)
+                nodes.extend(out[start:])
             self.num_nodes += j - i
             i = j
         return out
@@ -204,7 +250,7 @@ class PrefixIndex:
             n.children = {}
             self.detach_checkpoint(n)
             nodes = self.by_page[n.page]
-            nodes.discard(n)
+            nodes.remove(n)                          # by identity (nodes compare by identity)
             if not nodes:
                 del self.by_page[n.page]
             self.pages.remove_node(n.page)

@@ -132,28 +132,62 @@ def chain_payloads(namespace: bytes, payloads: list[bytes]) -> list[bytes]:
     return out
 
 
-def chain_periodic(namespace: bytes, heads: list[bytes], tails: list[bytes], n: int) -> list[bytes]:
+class PeriodicMemo:
+    """Memo of :func:`chain_periodic`'s whole blocks for one namespace and one list of heads.
+
+    The ``H`` hashes of a whole block (payloads ``heads[a] + tail``, ``a < H``) depend only on the
+    chained hash before the block and the block's ``tail``, so a memo from ``(previous hash,
+    tail)`` to the block's tuple of hashes gives the same hashes with one dict probe per block
+    wherever a prefix repeats (a conversation's turns re-send their history). It holds one entry
+    per distinct ``(previous hash, tail)`` it was asked for, at most the whole blocks of the
+    prompts it chained (about 0.6 KB an entry with ``H = 8``: the key tuple, the hash tuple, and
+    the digests, which the returned lists share); drop it to free them.
+
+    Attributes:
+        namespace: the bound namespace its hashes are chained under.
+        heads: the heads (a unit's offset in its block) of every chain it serves, as a tuple.
+        blocks: ``(previous hash, tail) -> tuple of H hashes``.
+    """
+
+    __slots__ = ("namespace", "heads", "blocks")
+
+    def __init__(self, namespace: bytes, heads: list[bytes]) -> None:
+        self.namespace = namespace
+        self.heads = tuple(heads)
+        self.blocks: dict[tuple[bytes, bytes], tuple[bytes, ...]] = {}
+
+
+def chain_periodic(namespace: bytes, heads: list[bytes], tails: list[bytes], n: int,
+                   memo: PeriodicMemo | None = None) -> list[bytes]:
     """:func:`chain_payloads` over the ``n`` payloads ``heads[i % H] + tails[i // H]`` (``H =
     len(heads)``) without making them: the namespace is joined to each head once, so a unit costs
     one concatenation fewer (a trace's units: a few offsets in a block, then the block's ids).
+    With ``memo`` (made for this ``namespace`` and ``heads``), a whole block already chained
+    after the same hash is taken from it instead of hashed again, and new whole blocks are added
+    to it: the same hashes.
 
     Raises:
         ValueError: ``heads`` empty or fewer than ``n`` payloads described; a payload whose length
-            is a multiple of 8 (naming its index and length, as :func:`chain_payloads` does).
+            is a multiple of 8 (naming its index and length, as :func:`chain_payloads` does);
+            ``memo`` made for another namespace or other heads.
     """
     h = len(heads)
     if n < 0 or (n and (not h or n > h * len(tails))):
         raise ValueError(f"{n} payloads from {h} heads and {len(tails)} tails")
     blocks = -(-n // h) if n else 0
-    first_of: dict[int, int] = {}                      # tail length -> first tail of that length
-    for b in range(blocks):
-        first_of.setdefault(len(tails[b]), b)
+    # tail length -> first tail of that length, built in C: over the tails last to first, the
+    # first tail of each length is the last one stored
+    first_of = dict(zip(map(len, reversed(tails[:blocks])), range(blocks - 1, -1, -1)))
     bad = [b * h + a for size, b in first_of.items() for a, head in enumerate(heads)
            if not (len(head) + size) & 7 and b * h + a < n]
     if bad:
         i = min(bad)
         raise ValueError(f"unit payload {i} is {len(heads[i % h]) + len(tails[i // h])} bytes, a multiple of 8 "
                          "(reserved for token ids)")
+    if memo is not None:
+        if memo.namespace != namespace or memo.heads != tuple(heads):
+            raise ValueError("memo was made for another namespace or other heads")
+        return _chain_periodic_memo(namespace, heads, tails, n, memo.blocks)
     out: list[bytes] = []
     append = out.append
     prev = b"hybridkv.root"
@@ -169,4 +203,34 @@ def chain_periodic(namespace: bytes, heads: list[bytes], tails: list[bytes], n: 
         for nh in joined[:rest]:
             prev = sha(prev + nh + tail).digest()
             append(prev)
+    return out
+
+
+def _chain_periodic_memo(namespace: bytes, heads: list[bytes], tails: list[bytes], n: int,
+                         blocks: dict[tuple[bytes, bytes], tuple[bytes, ...]]) -> list[bytes]:
+    """:func:`chain_periodic`'s chain (arguments already checked) through the memo ``blocks``."""
+    out: list[bytes] = []
+    extend = out.extend
+    prev = b"hybridkv.root"
+    sha = hashlib.sha256
+    joined = [namespace + head for head in heads]
+    h = len(heads)
+    full, rest = divmod(n, h) if n else (0, 0)
+    get = blocks.get
+    for tail in tails[:full]:
+        key = (prev, tail)
+        done = get(key)
+        if done is None:                               # each unit chained on the one before it
+            done = blocks[key] = tuple([prev := sha(prev + nh + tail).digest() for nh in joined])
+        extend(done)
+        prev = done[-1]
+    if rest:
+        tail = tails[full]
+        done = get((prev, tail))
+        if done is not None:
+            extend(done[:rest])
+        else:
+            for nh in joined[:rest]:
+                prev = sha(prev + nh + tail).digest()
+                out.append(prev)
     return out

@@ -97,6 +97,13 @@ class _RefcountedCache:
         if self._cached(i) or self.refcount[i]:
             self.order.hit(i, count)
 
+    def touch_many(self, items, count: bool = True) -> None:
+        """:meth:`touch` each of ``items`` in order (one call for a lookup's pages)."""
+        rc, cached, hit = self.refcount, self._cached, self.order.hit
+        for i in items:
+            if cached(i) or rc[i]:
+                hit(i, count)
+
     def _freed(self, i: int) -> None:
         self.order.forget(i)
         self._free.append(i)
@@ -109,12 +116,40 @@ class _RefcountedCache:
             self.order.discard(i)
         self.refcount[i] += 1
 
+    def ref_many(self, items) -> None:
+        """:meth:`ref` each of ``items`` in order (one call for a request's pages); raises as
+        :meth:`ref` does at the first bad item, the items before it referenced."""
+        rc, cached, discard = self.refcount, self._cached, self.order.discard
+        for i in items:
+            if rc[i] == 0:
+                if not cached(i):
+                    raise RuntimeError(f"{type(self).__name__} item {i} is not cached; it cannot be referenced")
+                discard(i)
+            rc[i] += 1
+
+    def unref_many(self, items) -> None:
+        """:meth:`unref` each of ``items`` in order (one call for a request's pages); raises as
+        :meth:`unref` does at the first bad item, the items before it released."""
+        rc, cached, add, freed = self.refcount, self._cached, self.order.add, self._freed
+        for i in items:
+            left = rc[i] - 1
+            if left < 0:
+                raise RuntimeError(f"{type(self).__name__} item {i} refcount would go below zero")
+            rc[i] = left
+            if left == 0:
+                if cached(i):
+                    add(i)
+                else:
+                    freed(i)
+
     def unref(self, i: int) -> None:
         """Drop a reference; an unreferenced item becomes MRU evictable if cached, else free."""
-        if self.refcount[i] <= 0:
+        rc = self.refcount
+        left = rc[i] - 1
+        if left < 0:
             raise RuntimeError(f"{type(self).__name__} item {i} refcount would go below zero")
-        self.refcount[i] -= 1
-        if self.refcount[i] == 0:
+        rc[i] = left
+        if left == 0:
             if self._cached(i):
                 self.order.add(i)
             else:

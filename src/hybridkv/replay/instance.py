@@ -155,8 +155,8 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         if len(spec.trace) != len(requests):
             raise ValueError(f"instance {spec.instance_id}: {len(spec.trace)} trace requests for "
                              f"{len(requests)} prompts")
-        for r, t in zip(requests, spec.trace):
-            r.hashes = spec.units.hashes(t, engine.cache)
+        for r, hs in zip(requests, spec.units.hashes_all(spec.trace, engine.cache)):
+            r.hashes = hs
     t0 = time.perf_counter()
     interrupted = False
     try:

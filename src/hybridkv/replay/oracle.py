@@ -112,7 +112,9 @@ class _BlockRunTrie:
         n_trace = -(-n_blocks // per)                 # trace blocks the prompt's cache blocks touch
         walking = True
         while b < n_trace:
-            mine = min(per, n_blocks - b * per)       # cache blocks of trace block b
+            mine = n_blocks - b * per                 # cache blocks of trace block b (at most per)
+            if mine > per:
+                mine = per
             child = get((node, ids[b])) if walking else None
             if child is None:                         # new from here on
                 walking = False
@@ -121,7 +123,7 @@ class _BlockRunTrie:
                 cover.append(mine)
             else:
                 have = cover[child]
-                matched += min(have, mine)
+                matched += have if have < mine else mine
                 if have < mine:                       # nothing lies deeper (no prompt got past it)
                     cover[child] = mine
                     walking = False

@@ -186,8 +186,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
            for r, p, o in zip(reqs, prompts, output_lengths)]
     if units is not None:                              # every instance binds the same namespace
         cache = instances[0].handle.engine.cache
-        for fr, r in zip(frs, reqs):
-            fr.request.hashes = units.hashes(r, cache)
+        for fr, hs in zip(frs, units.hashes_all(reqs, cache)):
+            fr.request.hashes = hs
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
     threads = torch.get_num_threads()

@@ -80,6 +80,9 @@ class _BadLine(Exception):
         self.detail = detail
 
 
+_INT_ONLY = {int}
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -113,7 +116,10 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list):
         raise _BadLine("wrong_type", f"field 'hash_ids' must be a list, got {hash_ids!r:.60}")
-    for pos, hid in enumerate(hash_ids):
+    # JSON gives ints as exactly int: all ints and none negative is checked in C; otherwise the
+    # loop below finds the first bad id for the message
+    ok = not hash_ids or (set(map(type, hash_ids)) == _INT_ONLY and min(hash_ids) >= 0)
+    for pos, hid in enumerate(() if ok else hash_ids):
         if not _is_int(hid):
             raise _BadLine("wrong_type", f"field 'hash_ids'[{pos}] must be an integer, got {hid!r}")
         if hid < 0:
@@ -366,6 +372,26 @@ class TraceUnits:
         if periodic is None:
             return cache.chain_units(self.payloads(req))
         return cache.chain_periodic_units(*periodic)
+
+    def hashes_all(self, reqs: list[TraceRequest], cache) -> list[list[bytes]]:
+        """:meth:`hashes` of each of ``reqs``, in order (the same hashes), with whole blocks
+        chained once: a block after the same chained hash (a conversation's history, re-sent by
+        each turn) is taken from a :class:`~hybridkv.cache.namespace.PeriodicMemo` local to this
+        call, which holds at most the distinct whole blocks of ``reqs`` and is dropped on return.
+
+        Raises:
+            ValueError: as :meth:`hashes`.
+        """
+        if self.block_tokens % self.unit:
+            return [self.hashes(r, cache) for r in reqs]
+        out = []
+        memo = None
+        for r in reqs:
+            heads, tails, n = self.periodic(r)
+            if memo is None:
+                memo = cache.periodic_memo(heads)
+            out.append(cache.chain_periodic_units(heads, tails, n, memo=memo))
+        return out
 
     def _head(self) -> bytes:
         return b"T" + b"".join(v.to_bytes(8, "little", signed=True)

@@ -245,7 +245,10 @@ class LRUOrder(EvictionOrder):
             q.move_to_end(item)
         else:
             q[item] = None
-        owner = self._info(item).owner
+        info = self.info.get(item)           # :meth:`_info` inline: a page always has one here
+        if info is None:
+            info = self._info(item)
+        owner = info.owner
         if owner is not None and self._by_owner is not None:
             oq = self._by_owner.get(owner)
             if oq is None:
@@ -267,7 +270,10 @@ class LRUOrder(EvictionOrder):
 
     def hit(self, item: Hashable, count: bool = True) -> None:
         """Move a member to the most recent end (held items: no-op)."""
-        self._info(item).hits += count
+        info = self.info.get(item)
+        if info is None:
+            info = self._info(item)
+        info.hits += count
         if item in self._q:
             self.add(item)
 
