@@ -319,8 +319,8 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-def _shown(value: str) -> str:
-    """``repr(value)``, shortened to 60 characters (a huge header is not echoed whole)."""
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened to 60 characters (a huge header or field is not echoed whole)."""
     shown = repr(value)
     return shown if len(shown) <= 60 else shown[:57] + "..."
 
@@ -354,9 +354,8 @@ def create_app(server: Server) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
         name = loc[-1] if loc else None
-        shown = repr(first.get("input"))
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        message = f"{name}={shown}: {first.get('msg', 'invalid')}" if name else str(first.get("msg", "invalid request"))
+        msg = first.get("msg", "invalid request")
+        message = f"{name}={_shown(first.get('input'))}: {msg}" if name else str(msg)
         return _error_response(APIError(400, message, name), server.metrics)
 
     @app.exception_handler(HTTPException)
