@@ -14,6 +14,7 @@ from hybridkv.serve.tokenizer import (
     IM_START,
     ByteTokenizer,
     TextStream,
+    check_messages,
     load_codec,
 )
 
@@ -106,3 +107,17 @@ def test_text_stream_decodes_a_bounded_window_per_id():
     ids = tok.encode("日本語 and more text " * 500)                # 11,000 ids
     assert "".join(stream.push(i) for i in ids) == ByteTokenizer().decode(ids)
     assert Counting.longest <= 4                                   # a context id and one 3-byte character
+
+
+@pytest.mark.parametrize("content,named", [
+    ([{"type": "text", "text": 5}], "messages[0].content[0].text must be a string, got int"),
+    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}],
+     "messages[0].content[1] is a 'image_url' part"),
+    (["plain"], "messages[0].content[0] is a 'str' part"),
+])
+def test_a_bad_content_part_is_refused_naming_its_position_and_fault(content, named):
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        check_messages([{"role": "user", "content": content}])
+    assert check_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                        {"type": "text", "text": "b"}]}]) == [
+        {"role": "user", "content": "ab"}]

@@ -59,9 +59,13 @@ def check_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}].role is {role!r}; expected one of {', '.join(_ROLES)}")
         content = m.get("content", "")
         if isinstance(content, list):             # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise ValueError(f"messages[{i}].content[{j}] is a {kind!r} part; only text parts are supported")
+                if not isinstance(p.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}].text must be a string, "
+                                     f"got {type(p.get('text')).__name__}")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")  # noqa: TRY004
