@@ -168,12 +168,14 @@ class PrefixIndex:
         if out is None:
             out = []
         parent, i = self._walk_chain(parent, keys, n, out)
-        runs, j = [], i                              # (page, end of its run of keys)
-        while j < n:
-            p = (first + j) // per_page
-            j = min(n, (p + 1) * per_page - first)
-            runs.append((table[p], j))
-        return self._insert_runs(parent, keys, i, runs, owner, now, out)
+        if i >= n:
+            return out
+        # (page, end of its run of keys) for the pages p0..p1 of keys[i:], built in C: a page's
+        # run ends where the next page starts, the last at n
+        p0, p1 = (first + i) // per_page, (first + n - 1) // per_page
+        ends = list(range((p0 + 1) * per_page - first, n, per_page))
+        ends.append(n)
+        return self._insert_runs(parent, keys, i, list(zip(table[p0:p1 + 1], ends)), owner, now, out)
 
     @staticmethod
     def _walk_chain(parent: BlockNode, keys: list[bytes], n: int, out: list[BlockNode]) -> tuple[BlockNode, int]:
