@@ -568,3 +568,35 @@ class IndexAgainstDict(RuleBasedStateMachine):
 
 IndexAgainstDict.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
 TestIndexAgainstDict = IndexAgainstDict.TestCase
+
+
+def test_a_nodes_children_behave_as_one_dict_through_one_two_and_none():
+    """BlockNode keeps an only child inline and two or more in a dict: adding, looking up,
+    removing and dropping children give what one insertion-ordered dict gives, at every step."""
+    parent = BlockNode(b"", None, 0, None)
+    kids = {k: BlockNode(k, parent, UNIT, 0) for k in (b"a", b"b", b"c", b"d")}
+    model: dict[bytes, BlockNode] = {}
+
+    def same():
+        assert parent.children == model and list(parent.children) == list(model)
+        for k in kids:
+            assert parent.child(k) is model.get(k)
+
+    same()
+    for step in ["+a", "+b", "-a", "+c", "-b", "-c", "+d", "-d", "+b", "+a", "+c", "-a"]:
+        k = step[1:].encode()
+        if step[0] == "+":
+            parent._add_child(k, kids[k])
+            model[k] = kids[k]
+        else:
+            parent._remove_child(k)
+            del model[k]
+        same()
+    with pytest.raises(KeyError):
+        parent._remove_child(b"a")
+    assert parent._drop_children() == list(model.values()) == [kids[b"b"], kids[b"c"]]
+    assert parent.children == {} and parent.child(b"b") is None
+    with pytest.raises(KeyError):
+        parent._remove_child(b"b")
+    parent._add_child(b"a", kids[b"a"])
+    assert parent._drop_children() == [kids[b"a"]] and parent.children == {}

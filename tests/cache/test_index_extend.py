@@ -28,7 +28,7 @@ def _state(index: PrefixIndex, pool: PagePool):
     return sorted(nodes), list(pool.node_count), by_page, described, index.num_nodes
 
 
-def _build(mode: str):
+def _build(mode: str, split: int = 3):
     pool = PagePool(16)
     index = PrefixIndex(UNIT, pool, CheckpointPool(2))
     shared = _keys(b"s", 6)
@@ -38,9 +38,10 @@ def _build(mode: str):
         pages = [table[i // PER_PAGE] for i in range(len(ks))]
         if mode == "extend":
             nodes = index.extend(index.root, ks, pages, owner=b"o", now=2.0)
-        elif mode == "table":          # in two calls, the second starting mid-page (unit 3)
-            nodes = index.extend_table(index.root, ks[:3], table, 0, PER_PAGE, owner=b"o", now=2.0)
-            index.extend_table(nodes[-1], ks[3:], table, 3, PER_PAGE, owner=b"o", now=2.0, out=nodes)
+        elif mode == "table":          # in two calls, the second starting at unit ``split``
+            nodes = index.extend_table(index.root, ks[:split], table, 0, PER_PAGE, owner=b"o", now=2.0)
+            index.extend_table(nodes[-1] if nodes else index.root, ks[split:], table, min(split, len(ks)),
+                               PER_PAGE, owner=b"o", now=2.0, out=nodes)
         else:
             parent, nodes = index.root, []
             for k, p in zip(ks, pages):
@@ -59,8 +60,11 @@ def test_extend_over_page_runs_equals_get_or_insert():
     assert _build("extend") == _build("single")
 
 
-def test_extend_table_equals_get_or_insert():
-    assert _build("table") == _build("single")
+@pytest.mark.parametrize("split", range(0, 18))
+def test_extend_table_equals_get_or_insert(split):
+    """Whatever unit the second call starts at (mid-page, on a page boundary, past the end):
+    the same tree as one get_or_insert per key."""
+    assert _build("table", split) == _build("single")
 
 
 def test_extend_table_refuses_a_table_too_short_and_changes_nothing():

@@ -515,3 +515,46 @@ def test_touch_many_equals_one_touch_a_page():
     assert _pool_state(one) == _pool_state(many)
     assert list(many.order) == [1, 2, 0]
     assert [many.order.info[p].hits for p in (0, 1, 2, 3)] == [1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("case", ["lru", "lru_owner_queues", "value"])
+def test_page_batch_calls_equal_one_call_a_page_under_each_order(case):
+    """PagePool's touch_many / unref_many (an inline path under lru without per-owner queues,
+    the shared one otherwise) leave the order, its descriptions (hits, owner bytes), refcounts
+    and the free queue as touch / unref once a page do, with owned pages and a repeated page."""
+    pools = [PagePool(10, eviction="value" if case == "value" else "lru") for _ in range(2)]
+    for pool in pools:
+        pages = [pool.pop_free() for _ in range(8)]
+        for k, p in enumerate(pages[:6]):
+            pool.add_node(p, end=64 * (k + 1), owner=b"t%d" % (k % 2))
+        pool.ref(pages[1])                        # held twice: its first unref leaves it held
+        for p in pages[:3]:
+            pool.unref(p)
+        if case == "lru_owner_queues":
+            assert pool.next_victim(b"t0") == 0   # builds the per-owner queues
+    one, many = pools
+
+    def state(pool):
+        info = {p: (i.hits, i.owner) for p, i in pool.order.info.items()}
+        return _pool_state(pool), info, dict(pool.order.owner_bytes), pool.order.total_bytes
+
+    for p in [2, 9, 0, 3, 6, 0]:
+        one.touch(p)
+    many.touch_many([2, 9, 0, 3, 6, 0])
+    assert state(one) == state(many)
+    one.touch(1, count=False)                     # a refresh that counts no use
+    many.touch_many([1], count=False)
+    assert state(one) == state(many)
+    for p in [5, 1, 4, 6, 7, 3]:
+        one.unref(p)
+    many.unref_many([5, 1, 4, 6, 7, 3])
+    assert state(one) == state(many)
+    one.ref(0)
+    many.ref(0)
+    with pytest.raises(RuntimeError, match="below zero"):
+        many.unref_many([0, 7])                   # 7 is free now: 0 released first
+    one.unref(0)
+    assert state(one) == state(many)
+    assert [one.order.victim(), one.order.victim(b"t1")] == [many.order.victim(), many.order.victim(b"t1")]
+    one.check_invariants()
+    many.check_invariants()

@@ -18,6 +18,7 @@ from hybridkv.fleet.routers import (
     PrefixRouter,
     RouterConfig,
     RouteRequest,
+    least_loaded,
     make_router,
 )
 
@@ -158,3 +159,24 @@ def test_under_load_a_hit_is_worth_the_queue_it_shortens():
     s0, _ = router.score(req, state(8), 0, 0)
     s1, _ = router.score(req, state(8), 1, 0)
     assert s0 - s1 == pytest.approx(9 * saved - gap, rel=1e-9)
+
+
+def test_least_loaded_is_the_lightest_key_then_the_lowest_index():
+    """The lightest (outstanding tokens, in flight, routed), ties to the lowest index, among the
+    given indices in any order; a load class with its own key is ordered by that key."""
+    import itertools
+    values = [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0)]
+    loads = [InstanceLoad(outstanding_tokens=a, in_flight=b, routed=c) for a, b, c in values]
+    for among in itertools.permutations(range(5), 3):
+        want = min(among, key=lambda j: (values[j], j))
+        assert least_loaded(loads, list(among)) == want
+    assert least_loaded(loads) == 0
+    assert least_loaded(loads, (j for j in (4, 1))) == 4
+
+    class Reversed(InstanceLoad):
+        def key(self):
+            return (-self.routed,)
+    odd = [Reversed(routed=r) for r in (1, 3, 2)]
+    assert least_loaded(odd) == 1
+    with pytest.raises(ValueError):
+        least_loaded(loads, [])

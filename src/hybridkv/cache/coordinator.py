@@ -610,7 +610,7 @@ class HybridCacheCoordinator:
         """
         if any(self.pages.refcount) or any(self.checkpoints.refcount):
             raise RuntimeError("remove_prefix while requests hold references; release them first")
-        node = self.index.root.children.get(first_hash)
+        node = self.index.root.child(first_hash)
         return self.index.remove_subtree(node) if node is not None else 0
 
     # -- metrics and checks ---------------------------------------------

@@ -8,12 +8,9 @@ missing block; it never skips a hole.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hybridkv.cache.pools import CheckpointPool, PagePool
 
 
-@dataclass(slots=True, eq=False)
 class BlockNode:
     """One cached unit of a prefix.
 
@@ -24,20 +21,76 @@ class BlockNode:
         page: physical page holding this unit. Invariant: that page holds valid
             latents for every position from its page start up to ``end``.
         checkpoint: checkpoint-pool slot holding ``C(P_end)`` or ``None``.
-        children: key -> child node.
+        children: key -> child node (read-only: a new dict; :class:`PrefixIndex` changes them).
         owner: request namespace digest the prefix was cached under (quotas, purge); inherited
             from the parent, ``None`` when unknown (installed from a lower tier at the root).
         created: when the node was made, in seconds on the coordinator's clock (purge by age).
+
+    The children are held as ``one_key`` / ``one`` while there is one (nearly every node: a
+    chain's units each have one child, its next unit), as ``many`` (a dict of them all, the
+    first two and more) from the second on, so a new node allocates no dict. Nodes compare by
+    identity.
     """
 
-    key: bytes
-    parent: BlockNode | None
-    end: int
-    page: int | None
-    checkpoint: int | None = None
-    children: dict = field(default_factory=dict)
-    owner: bytes | None = None
-    created: float = 0.0
+    __slots__ = ("key", "parent", "end", "page", "checkpoint", "owner", "created", "one_key", "one", "many")
+
+    def __init__(self, key: bytes, parent: BlockNode | None, end: int, page: int | None,
+                 checkpoint: int | None = None, owner: bytes | None = None, created: float = 0.0) -> None:
+        self.key = key
+        self.parent = parent
+        self.end = end
+        self.page = page
+        self.checkpoint = checkpoint
+        self.owner = owner
+        self.created = created
+        self.one_key: bytes | None = None       # the only child's key (None: none, or many)
+        self.one: BlockNode | None = None
+        self.many: dict[bytes, BlockNode] | None = None
+
+    def __repr__(self) -> str:
+        return f"BlockNode(end={self.end}, page={self.page}, checkpoint={self.checkpoint})"
+
+    @property
+    def children(self) -> dict[bytes, BlockNode]:
+        """key -> child node, as a new dict."""
+        if self.one is not None:
+            return {self.one_key: self.one}
+        return dict(self.many) if self.many else {}
+
+    def child(self, key: bytes) -> BlockNode | None:
+        """The child with ``key`` or ``None``."""
+        if self.one_key == key:
+            return self.one
+        many = self.many
+        return many.get(key) if many else None
+
+    def _add_child(self, key: bytes, node: BlockNode) -> None:
+        """Hang ``node`` under ``key`` (absent)."""
+        if self.one is None and not self.many:
+            self.one_key, self.one = key, node
+            return
+        if self.one is not None:                 # the second child: both in a dict from now on
+            self.many = {self.one_key: self.one}
+            self.one_key = self.one = None
+        self.many[key] = node
+
+    def _remove_child(self, key: bytes) -> None:
+        """Unhang the child with ``key``; ``KeyError`` when there is none."""
+        if self.one is not None and self.one_key == key:
+            self.one_key = self.one = None
+            return
+        if not self.many:
+            raise KeyError(key)
+        del self.many[key]
+
+    def _drop_children(self) -> list[BlockNode]:
+        """Every child, unhung (the node keeps none)."""
+        if self.one is not None:
+            out = [self.one]
+            self.one_key = self.one = None
+            return out
+        many, self.many = self.many, None
+        return list(many.values()) if many else []
 
     @property
     def has_kv(self) -> bool:
@@ -77,12 +130,17 @@ class PrefixIndex:
         """Nodes matching ``hashes`` from the root, stopping at the first miss."""
         path: list[BlockNode] = []
         append, node = path.append, self.root
-        try:                    # a subscript a unit, the miss ends it (cheaper than .get and a test)
-            for key in hashes:
-                node = node.children[key]
-                append(node)
-        except KeyError:
-            pass
+        for key in hashes:      # the only child compared first (nearly every node has one)
+            if node.one_key == key:
+                node = node.one
+            else:
+                many = node.many
+                if many is None:
+                    break
+                node = many.get(key)
+                if node is None:
+                    break
+            append(node)
         return path
 
     def get_or_insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None = None,
@@ -98,7 +156,7 @@ class PrefixIndex:
         Raises:
             RuntimeError: ``page`` is free (no request holds it); the index is unchanged.
         """
-        node = parent.children.get(key)
+        node = parent.child(key)
         if node is not None:
             return node, False
         return self._insert(parent, key, page, owner if owner is not None else parent.owner, now), True
@@ -107,8 +165,8 @@ class PrefixIndex:
         """A new child of ``parent`` (``key`` absent there) at ``page``; the pool is told first."""
         end = parent.end + self.unit
         self.pages.add_node(page, end, owner, key)     # raises before the tree changes
-        node = BlockNode(key, parent, end, page, None, {}, owner, now)
-        parent.children[key] = node
+        node = BlockNode(key, parent, end, page, None, owner, now)
+        parent._add_child(key, node)
         nodes = self.by_page.get(page)
         if nodes is None:
             self.by_page[page] = [node]
@@ -168,26 +226,34 @@ class PrefixIndex:
         if out is None:
             out = []
         parent, i = self._walk_chain(parent, keys, n, out)
-        runs, j = [], i                              # (page, end of its run of keys)
-        while j < n:
-            p = (first + j) // per_page
-            j = min(n, (p + 1) * per_page - first)
-            runs.append((table[p], j))
-        return self._insert_runs(parent, keys, i, runs, owner, now, out)
+        if i >= n:
+            return out
+        # (page, end of its run of keys) for the pages p0..p1 of keys[i:], built in C: a page's
+        # run ends where the next page starts, the last at n
+        p0, p1 = (first + i) // per_page, (first + n - 1) // per_page
+        ends = list(range((p0 + 1) * per_page - first, n, per_page))
+        ends.append(n)
+        return self._insert_runs(parent, keys, i, list(zip(table[p0:p1 + 1], ends)), owner, now, out)
 
     @staticmethod
     def _walk_chain(parent: BlockNode, keys: list[bytes], n: int, out: list[BlockNode]) -> tuple[BlockNode, int]:
         """Walk ``keys[:n]`` down from ``parent`` to the first miss, appending the nodes found to
         ``out``; returns ``(deepest node found or parent, number found)``."""
         append, i = out.append, 0
-        try:
-            while i < n:
-                node = parent.children[keys[i]]
-                append(node)
-                parent = node
-                i += 1
-        except KeyError:
-            pass
+        while i < n:
+            key = keys[i]
+            if parent.one_key == key:
+                node = parent.one
+            else:
+                many = parent.many
+                if many is None:
+                    break
+                node = many.get(key)
+                if node is None:
+                    break
+            append(node)
+            parent = node
+            i += 1
         return parent, i
 
     def _insert_runs(self, parent: BlockNode, keys: list[bytes], i: int, runs: list[tuple[int, int]],
@@ -205,12 +271,20 @@ class PrefixIndex:
         own = owner if owner is not None else parent.owner
         add_nodes, by_page, unit = self.pages.add_nodes, self.by_page, self.unit
         end = parent.end
+        new = BlockNode
         for page, j in runs:
             add_nodes(page, end + unit, own, j - i, keys[i])   # raises before the tree changes
             start = len(out)
-            for key in keys[i:j]:
+            if i < j:                                # the first hangs under a node that may have children
                 end += unit
-                node = parent.children[key] = BlockNode(key, parent, end, page, None, {}, own, now)
+                node = new(keys[i], parent, end, page, None, own, now)
+                parent._add_child(keys[i], node)
+                append(node)
+                parent = node
+            for key in keys[i + 1:j]:                # the rest under a new node: its only child
+                end += unit
+                node = parent.one = new(key, parent, end, page, None, own, now)
+                parent.one_key = key
                 append(node)
                 parent = node
             nodes = by_page.get(page)
@@ -242,12 +316,11 @@ class PrefixIndex:
         """Remove ``node`` and all its descendants; returns the number removed."""
         if node.parent is None:
             raise RuntimeError("the root cannot be removed")
-        del node.parent.children[node.key]
+        node.parent._remove_child(node.key)
         stack, removed = [node], 0
         while stack:
             n = stack.pop()
-            stack.extend(n.children.values())
-            n.children = {}
+            stack.extend(n._drop_children())
             self.detach_checkpoint(n)
             nodes = self.by_page[n.page]
             nodes.remove(n)                          # by identity (nodes compare by identity)

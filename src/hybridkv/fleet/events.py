@@ -144,7 +144,7 @@ class InstanceView:
         if kind is EventKind.BLOCKS_STORED:
             self.kv.update(keys)
         elif kind is EventKind.CHECKPOINTS_STORED:
-            self.checkpoints.update(k for k in keys if k in self.kv)
+            self.checkpoints.update(filter(self.kv.__contains__, keys))
         elif kind is EventKind.BLOCKS_REMOVED:
             self.kv.difference_update(keys)
             self.checkpoints.difference_update(keys)

@@ -25,6 +25,8 @@ whole prompt decides, never its first message.
 from __future__ import annotations
 
 import itertools
+from itertools import takewhile
+from operator import attrgetter
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -94,9 +96,16 @@ class FleetState:
             self.live = list(range(len(self.loads)))
 
 
+_LOAD_KEY = attrgetter("outstanding_tokens", "in_flight", "routed")   # InstanceLoad.key
+_PLAIN_LOAD = {InstanceLoad}
+
+
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:
     """Index of the lightest :meth:`InstanceLoad.key` (then the lowest index) among ``among`` (default all)."""
-    among = range(len(loads)) if among is None else among
+    among = range(len(loads)) if among is None else list(among)
+    chosen = list(map(loads.__getitem__, among))
+    if {*map(type, chosen)} == _PLAIN_LOAD:     # InstanceLoad.key's tuple read in C (a router's ties)
+        return min(zip(map(_LOAD_KEY, chosen), among))[1]
     return min(among, key=lambda j: (loads[j].key(), j))
 
 
@@ -341,15 +350,34 @@ class HybridRouter(Router):
         prompt, or nothing)."""
         store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
-        q = [self.queue_seconds(ld) for ld in loads]
+        if type(self).queue_seconds is HybridRouter.queue_seconds and self.options.count_decode:
+            # queue_seconds' first case inline (an instance with a free slot or nothing to decode
+            # waits its queued prefill only); the others computed by it, the same values
+            s, qs = self.max_num_seqs, self.queue_seconds
+            q = [ld.queued_seconds if ld.in_flight < s or ld.decode_tokens <= 0 else qs(ld) for ld in loads]
+        else:
+            q = [self.queue_seconds(ld) for ld in loads]
         p0 = self.predicted_prefill(req, 0)
         weigh = self.options.weigh_waiting
         works: dict[tuple[int, int], float] = {}
         scored = {}
         live = fleet.live
+        plain, sliced, sliced_g = InstanceView, hashes, None
         for j in self._cool(live, [q[j] for j in live]):
             view = views[j]
-            if type(view).match is InstanceView.match:
+            if type(view) is plain and limit >= 0:
+                # InstanceView.hits inline (a call a view on every arrival), over one slice of
+                # the prompt's hashes shared by the views: the same run and deepest checkpoint
+                g = view.unit
+                if g != sliced_g:
+                    sliced, sliced_g = hashes[:limit // g], g
+                run = deepest = len(list(takewhile(view.kv.__contains__, sliced)))
+                if run:
+                    ck = view.checkpoints
+                    while deepest and sliced[deepest - 1] not in ck:
+                        deepest -= 1
+                pair = (run * g, deepest * g)
+            elif type(view).match is InstanceView.match:
                 pair = view.hits(hashes, limit)
             else:
                 m = view.match(hashes, limit)

@@ -197,7 +197,7 @@ class StoreView(InstanceView):
                 last.update(zip(new, repeat(self._stamp)))
                 self.bytes_held += (len(last) - before) * self._ckpt_bytes
                 if self.capacity_bytes is not None:
-                    self._uses.append((self._stamp, tuple((True, k) for k in new)))
+                    self._uses.append((self._stamp, tuple(zip(repeat(True), new))))
         else:
             return
         if self.capacity_bytes is not None:
