@@ -117,8 +117,7 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
     if not isinstance(hash_ids, list):
         raise _BadLine("wrong_type", f"field 'hash_ids' must be a list, got {hash_ids!r:.60}")
     # JSON gives ints as exactly int: all ints, none negative and none over 64 bits is checked in C;
-    # otherwise the
-    # loop below finds the first bad id for the message
+    # otherwise the loop below finds the first bad id for the message
     ok = not hash_ids or (set(map(type, hash_ids)) == _INT_ONLY and min(hash_ids) >= 0
                           and max(hash_ids) <= _MAX["hash_ids"])
     for pos, hid in enumerate(() if ok else hash_ids):
