@@ -129,18 +129,7 @@ class PrefixIndex:
     def walk(self, hashes: list[bytes]) -> list[BlockNode]:
         """Nodes matching ``hashes`` from the root, stopping at the first miss."""
         path: list[BlockNode] = []
-        append, node = path.append, self.root
-        for key in hashes:      # the only child compared first (nearly every node has one)
-            if node.one_key == key:
-                node = node.one
-            else:
-                many = node.many
-                if many is None:
-                    break
-                node = many.get(key)
-                if node is None:
-                    break
-            append(node)
+        self._walk_chain(self.root, hashes, len(hashes), path)
         return path
 
     def get_or_insert(self, parent: BlockNode, key: bytes, page: int, owner: bytes | None = None,
@@ -240,7 +229,7 @@ class PrefixIndex:
         """Walk ``keys[:n]`` down from ``parent`` to the first miss, appending the nodes found to
         ``out``; returns ``(deepest node found or parent, number found)``."""
         append, i = out.append, 0
-        while i < n:
+        while i < n:            # the only child compared first (nearly every node has one)
             key = keys[i]
             if parent.one_key == key:
                 node = parent.one

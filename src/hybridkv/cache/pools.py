@@ -23,7 +23,7 @@ from collections import deque
 import torch
 
 from hybridkv.model.state import KDACheckpoint
-from hybridkv.store.eviction import LRUOrder, make_order
+from hybridkv.store.eviction import make_order
 
 
 class _FreeQueue:
@@ -195,52 +195,6 @@ class PagePool(_RefcountedCache):
         page = self._free.popleft()
         self.refcount[page] = 1
         return page
-
-    def touch_many(self, items, count: bool = True) -> None:
-        """:meth:`_RefcountedCache.touch_many` for pages: under ``lru`` without per-owner queues
-        the order's :meth:`~hybridkv.store.eviction.LRUOrder.hit` and :meth:`_cached` are inline
-        (a lookup refreshes every page of its path); the same refreshes in the same order."""
-        order = self.order
-        if type(order) is not LRUOrder or order._by_owner is not None:
-            return super().touch_many(items, count)
-        rc, nc = self.refcount, self.node_count
-        q, get, describe = order._q, order.info.get, order._info
-        move = q.move_to_end
-        for i in items:
-            if nc[i] > 0 or rc[i]:
-                info = get(i)
-                if info is None:
-                    info = describe(i)
-                info.hits += count
-                if i in q:                           # a member: the most recent one
-                    move(i)
-
-    def unref_many(self, items) -> None:
-        """:meth:`_RefcountedCache.unref_many` for pages: under ``lru`` without per-owner queues
-        (no tenant has been over its quota) the order's :meth:`~hybridkv.store.eviction.LRUOrder.add`
-        and :meth:`_cached` are inline (a request's release unreferences every page it held);
-        the same transitions in the same order, raising at the same item."""
-        order = self.order
-        if type(order) is not LRUOrder or order._by_owner is not None:
-            return super().unref_many(items)
-        rc, nc, freed = self.refcount, self.node_count, self._freed
-        q, info, describe = order._q, order.info, order._info
-        move = q.move_to_end
-        for i in items:
-            left = rc[i] - 1
-            if left < 0:
-                raise RuntimeError(f"{type(self).__name__} item {i} refcount would go below zero")
-            rc[i] = left
-            if left == 0:
-                if nc[i] > 0:                        # cached: the most recent member
-                    if i in q:
-                        move(i)
-                    else:
-                        q[i] = None
-                    if i not in info:
-                        describe(i)
-                else:
-                    freed(i)
 
     def add_node(self, page: int, end: int = 0, owner=None, key: bytes | None = None) -> None:
         """An index node now points at ``page`` (its content is published).
