@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
+from hybridkv._torch import torch
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.eviction import make_order
 
@@ -245,7 +244,7 @@ class CheckpointPool(_RefcountedCache):
         recurrent_shape: ``(L_kda, H, K, V)`` of one checkpoint, or ``None`` for
             a bookkeeping-only pool (simulation).
         conv_shape: ``(L_kda, 3*H*K, kernel-1)``.
-        conv_dtype: dtype of the conv window (the model's compute dtype).
+        conv_dtype: torch dtype of the conv window (the model's compute dtype; ``None``: float32).
         slot_bytes: bytes of one checkpoint (used for metrics when tensor-less).
         device: torch device of the storage.
         eviction: ``lru`` or ``value`` (:func:`hybridkv.store.eviction.make_order`).
@@ -255,14 +254,14 @@ class CheckpointPool(_RefcountedCache):
     """
 
     def __init__(self, num_slots: int, *, recurrent_shape=None, conv_shape=None,
-                 conv_dtype=torch.float32, slot_bytes: int = 0, device="cpu", eviction: str = "lru") -> None:
+                 conv_dtype=None, slot_bytes: int = 0, device="cpu", eviction: str = "lru") -> None:
         super().__init__(num_slots, eviction)
         self.num_slots = num_slots
         self.published = [False] * num_slots   # owner: the index (attach/detach)
         self.recurrent = self.conv = None
         if recurrent_shape is not None:
             self.recurrent = torch.zeros((num_slots, *recurrent_shape), dtype=torch.float32, device=device)
-            self.conv = torch.zeros((num_slots, *conv_shape), dtype=conv_dtype, device=device)
+            self.conv = torch.zeros((num_slots, *conv_shape), dtype=conv_dtype or torch.float32, device=device)
             slot_bytes = (self.recurrent[0].numel() * 4 + self.conv[0].numel() * self.conv.element_size())
         self.slot_bytes = slot_bytes
 

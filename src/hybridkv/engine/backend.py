@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
+from hybridkv._torch import torch
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
 from hybridkv.cache.pools import CheckpointPool
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
@@ -24,7 +23,8 @@ class StepItem:
     """One sequence in one engine step.
 
     Attributes:
-        token_ids: ``int64[n]`` ids of positions ``[start, start + n)``.
+        token_ids: ``int64[n]`` ids of positions ``[start, start + n)``: a torch tensor for a
+            backend whose ``tensors`` is true, else a numpy array (the prompt's slice, no copy).
         start: first position computed.
         block_table: page ids covering ``start + n``.
         state: KDA working state at ``start`` (``None``: zeros or simulation).
@@ -64,6 +64,9 @@ class TorchBackend:
         model: a :class:`hybridkv.model.model.HybridModel`.
         num_pages, block_size: KV pool geometry (pages, tokens per page).
     """
+
+    tensors = True
+    """Step items carry their ids as torch tensors."""
 
     def __init__(self, model, num_pages: int, block_size: int) -> None:
         self.model = model
@@ -109,14 +112,14 @@ class TorchBackend:
         view = latents.reshape(latents.shape[0], len(pages), b, latents.shape[-1])
         self.kv_pool.latents[:, pages] = view.to(self.kv_pool.latents.dtype)
 
-    @torch.no_grad()
     def run(self, items: list[StepItem]) -> list[StepOutput]:
-        """One batched forward over every item."""
+        """One batched forward over every item (no autograd)."""
         reqs = [ForwardRequest(token_ids=it.token_ids, start=it.start,
                                page_table=torch.tensor(it.block_table, dtype=torch.long),
                                initial_state=it.state, capture=tuple(it.capture), all_logits=it.all_logits)
                 for it in items]
-        outs = self.model.forward_paged(reqs, self.kv_pool)
+        with torch.no_grad():
+            outs = self.model.forward_paged(reqs, self.kv_pool)
         return [StepOutput(next_token=int(o.logits[-1].argmax()), logits=o.logits, end_state=o.end_state,
                            checkpoints=dict(o.checkpoints)) for o in outs]
 
@@ -136,6 +139,9 @@ class SimulatedBackend:
         step_cost: ``step_cost(items) -> seconds`` of one step, replacing the
             per-token rates (e.g. :class:`hybridkv.fleet.costmodel.StepCostModel`).
     """
+
+    tensors = False
+    """Step items carry their ids as numpy arrays (no torch on the simulated path)."""
 
     def __init__(self, full_spec: FullAttentionSpec, kda_spec: KDASpec,
                  prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005,

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
@@ -18,10 +18,12 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import SimulatedBackend, StepItem, TorchBackend
 from hybridkv.engine.engine import CacheListener, Engine
 from hybridkv.model.config import PRESETS, HybridConfig
-from hybridkv.model.model import HybridModel
 from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.store_tier import StoreTier
+
+if TYPE_CHECKING:                 # imported where a model is loaded: it imports torch
+    from hybridkv.model.model import HybridModel
 
 log = logging.getLogger("hybridkv.engine.build")
 
@@ -52,6 +54,8 @@ def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:
         ValueError: unknown preset, or a bad config / missing or misshaped tensor (named).
         FileNotFoundError: a directory without config or weights.
     """
+    from hybridkv.model.model import HybridModel          # here: it imports torch
+
     path = Path(name)
     model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(str(name), seed=seed)
     return model.eval()

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-import torch
 
+from hybridkv._torch import torch
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
@@ -323,21 +323,24 @@ class Engine:
         if not chunks:
             return []
         mechanism = self.config.mechanism
+        tensors = self.backend.tensors          # else the ids stay numpy (a simulation imports no torch)
         items = []
         for c in chunks:
             r = c.request
             if r.status == Status.DECODE:
-                ids = torch.tensor([r.output[-1]], dtype=torch.long)
+                ids = (torch.tensor([r.output[-1]], dtype=torch.long) if tensors
+                       else np.array([r.output[-1]], dtype=np.int64))
             else:
                 ids = r.prompt[c.start:c.end]
-                # torch wants a writable array: a read-only prompt (kept uncopied) is copied per chunk
-                ids = torch.from_numpy(ids if ids.flags.writeable else ids.copy())
+                if tensors:
+                    # torch wants a writable array: a read-only prompt (kept uncopied) is copied per chunk
+                    ids = torch.from_numpy(ids if ids.flags.writeable else ids.copy())
             items.append(StepItem(ids, c.start, r.alloc.block_table, r.alloc.state,
                                   mechanism.backend_captures(c.capture), r.record_logits))
         t0 = time.perf_counter()
         outs = self.backend.run(items)
         # the rate a load is weighed against, and that prices a hit's saved prefill
-        self.compute_rate.note(sum(int(it.token_ids.numel()) for it in items), time.perf_counter() - t0)
+        self.compute_rate.note(sum(len(it.token_ids) for it in items), time.perf_counter() - t0)
         self.stats.steps += 1
         finished = []
         for c, out in zip(chunks, outs):

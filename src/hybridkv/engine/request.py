@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
+from hybridkv._torch import torch
 from hybridkv.cache.coordinator import Allocation, MatchResult
 
 

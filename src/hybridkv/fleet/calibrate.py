@@ -24,8 +24,8 @@ import sys
 import time
 
 import numpy as np
-import torch
 
+from hybridkv._torch import torch
 from hybridkv.engine.backend import StepItem, TorchBackend
 from hybridkv.engine.build import load_model
 from hybridkv.fleet.costmodel import StepCostModel

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
+from hybridkv._torch import torch
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
+from hybridkv._torch import torch
 from hybridkv.cache.config import CacheConfig
 from hybridkv.engine.build import EngineHandle, build_engine, load_model, model_config
 from hybridkv.engine.engine import Engine
@@ -134,12 +134,12 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     so instances see each other's store entries exactly as a single ordered
     replay would. An instance that fails sets ``turn = -1`` and the others stop. Without
     it, requests run concurrently up to ``max_num_seqs``.
-    ``threads`` sets torch's intra-op threads of this process. A ``KeyboardInterrupt``
+    ``threads`` sets torch's intra-op threads of this process (not when simulating: no torch runs). A ``KeyboardInterrupt``
     (Ctrl-C in-process, or ``stop`` set by the runner) while requests run ends the run
     early: the result holds what ran until then, with ``interrupted`` set (and no
     verification).
     """
-    if threads is not None:
+    if threads is not None and not spec.simulate:
         torch.set_num_threads(threads)
     host = {"host_bytes": spec.host_bytes, "host_groups": spec.host_groups,
             "host_write_through": spec.host_write_through and spec.host_bytes > 0}
@@ -201,9 +201,14 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
     return res
 
 
-@torch.no_grad()
 def _verify(model, requests: list[Request], res: InstanceResult) -> None:
-    """Re-run each request's tokens with no cache; compare every computed position."""
+    """Re-run each request's tokens with no cache (no autograd); compare every computed position."""
+    with torch.no_grad():
+        _verify_requests(model, requests, res)
+
+
+def _verify_requests(model, requests: list[Request], res: InstanceResult) -> None:
+    """:func:`_verify`'s work."""
     for r in requests:
         if r.status != Status.FINISHED:
             continue

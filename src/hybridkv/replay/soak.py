@@ -35,16 +35,16 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from hybridkv._torch import torch
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.build import EngineHandle, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.model.model import HybridModel
 from hybridkv.replay.args import non_negative_int, positive_float, positive_int
 from hybridkv.replay.soak_check import Reference, check_request
 from hybridkv.replay.soak_report import (
@@ -67,6 +67,9 @@ from hybridkv.store.disk import DiskStore
 from hybridkv.store.faults import FaultyStore
 from hybridkv.store.memory import MemoryStore
 from hybridkv.tiers.connector import host_tier_for, tier_for
+
+if TYPE_CHECKING:                 # imported where a model is loaded: it imports torch
+    from hybridkv.model.model import HybridModel
 
 PRESET = "tiny"
 """The model every soak runs on (preset weights from seed 0)."""

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from hybridkv._torch import torch
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
 from hybridkv.engine.build import build_engine, load_model, model_config
@@ -190,8 +189,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
             fr.request.hashes = hs
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
-    threads = torch.get_num_threads()
-    if not setup.simulate:
+    threads = None if setup.simulate else torch.get_num_threads()    # a simulation runs no torch
+    if threads is not None:
         torch.set_num_threads(setup.threads)
     for j, at in setup.restarts:
         fleet.schedule_restart(j, at)
@@ -209,7 +208,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
             results.append(collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
                                           inst.stats.busy_seconds))
     finally:
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
     for res, inst in zip(results, instances):
         if sim_store is not None:                      # loads the fleet made, not a store tier; the one
             first = inst.index == 0                    # shared store's writes and peak are counted once:

@@ -14,14 +14,13 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
+from hybridkv._torch import torch
 from hybridkv.cache.groups import FULL, KDA, EntryPresence, joint_hit, nbytes
 from hybridkv.tiers.layout import entry_key
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable", "expired")
 
-Entry = tuple[bytes, bytes | None, str, int, dict[str, torch.Tensor]]
+Entry = tuple[bytes, bytes | None, str, int, dict[str, "torch.Tensor"]]
 """An entry to save: ``(chain_hash, parent_hash, group, boundary, tensors)``."""
 
 

@@ -43,13 +43,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import torch
-
+from hybridkv._torch import torch
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.cache.groups import FULL, KDA
 from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier, TierPurge
-from hybridkv.tiers.layout import DTYPES
+from hybridkv.tiers.layout import torch_dtype
 
 
 @dataclass(slots=True)
@@ -74,7 +73,7 @@ class HostTier(Tier):
         capacity_bytes: payload bytes this tier may hold (> 0).
         namespace, unit, alignment, shapes, name, write_through: see :class:`Tier`.
         pin_memory: pinned host buffers and async copies; default: when CUDA
-            is available.
+            is available (without ``payload``: off unless given).
         eviction: ``lru`` or ``value``.
         quota_bytes: payload bytes one request namespace (``owner`` of a save) may hold;
             a save over it evicts that owner's own entries first. ``None``: no quota.
@@ -116,11 +115,15 @@ class HostTier(Tier):
         if quota_bytes is not None and (not isinstance(quota_bytes, int) or quota_bytes <= 0):
             raise ValueError(f"host tier quota_bytes={quota_bytes!r} must be a positive integer or None")
         self.quota_bytes = quota_bytes
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._entries: dict[tuple[bytes, str], _HostEntry] = {}
         self._order = make_order(eviction)        # members: the keys of _entries not on probation
-        self._expected = {grp: {n: (DTYPES[d], torch.Size(shape)) for n, (d, shape) in comps.items()}
-                          for grp, comps in shapes.items()}
+        if self.payload:                          # what an entry's tensors must be
+            self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+            self._expected = {grp: {n: (torch_dtype(d), torch.Size(shape)) for n, (d, shape) in comps.items()}
+                              for grp, comps in shapes.items()}
+        else:                                     # bytes only: no tensor is checked or copied (no torch)
+            self.pin_memory = bool(pin_memory)
+            self._expected = {}
         self._bytes = 0
         share = probation_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:

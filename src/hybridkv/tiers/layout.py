@@ -32,9 +32,9 @@ import json
 import math
 from dataclasses import dataclass
 
-import torch
 import xxhash
 
+from hybridkv._torch import torch
 from hybridkv.cache.groups import DTYPE_BYTES, nbytes
 from hybridkv.model.state import KDACheckpoint
 
@@ -47,8 +47,20 @@ CHECKSUM = "xxh3_128"
 #: manifest into a slot of this size in the same batched get as the components.
 MANIFEST_MAX_BYTES = 16 << 10
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""torch dtype of each component dtype name (:data:`hybridkv.cache.groups.DTYPE_BYTES` gives sizes)."""
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+"""Component dtype names (:data:`hybridkv.cache.groups.DTYPE_BYTES` gives sizes; :func:`torch_dtype`
+the torch dtype of each)."""
+
+
+def torch_dtype(name: str):
+    """The torch dtype of component dtype ``name`` (one of :data:`DTYPES`).
+
+    Raises:
+        KeyError: another name.
+    """
+    if name not in DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 class EntryError(ValueError):
@@ -186,7 +198,7 @@ def checksum(data) -> str:
 def view_tensor(buffer, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``buffer[offset:]``: no copy when ``buffer`` is writable (it must
     stay alive then), a private copy when it is read-only (``bytes``)."""
-    tdt = DTYPES[dtype]
+    tdt = torch_dtype(dtype)
     if memoryview(buffer).readonly:
         buffer = bytearray(buffer)
     numel = nbytes(dtype, shape) // DTYPE_BYTES[dtype]
