@@ -12,11 +12,13 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from hybridkv._torch import torch
 from hybridkv.cache.groups import FULL, KDA, EntryPresence, joint_hit, nbytes
 from hybridkv.tiers.layout import entry_key
+
+if TYPE_CHECKING:                       # annotations only: a simulated run imports no torch
+    import torch
 
 MISS_REASONS = ("absent", "evicted", "checksum", "incomplete", "unreachable", "expired")
 
