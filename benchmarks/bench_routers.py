@@ -2,7 +2,9 @@
 
 For 8 and 32 instances and the trace's own arrival rate, 2x and 4x it (time scale 1, 0.5,
 0.25), each router's TTFT p50 / p99, load skew (max / mean busy seconds), fraction of the
-oracle reused and bytes loaded from the simulated shared store. Writes
+oracle reused, bytes loaded from the simulated shared store and the least busy instance's
+share (``load_min_share``: min / mean busy seconds), plus a lower bound on TTFT per column
+(:func:`idle_oracle_ttft`: oracle reuse on an idle instance). Writes
 ``OUT.json`` (every run's figures, rewritten as each run ends), ``OUT_table.md`` (a markdown
 table; not ``OUT.md``, which with ``--out docs/routing`` is the routing document itself) and
 ``OUT.png`` (TTFT CDF per router, one panel per fleet size and rate).
@@ -20,11 +22,59 @@ from pathlib import Path
 
 from rich.console import Console
 
+import numpy as np
+
+from hybridkv.fleet.costmodel import StepCostModel, cost_model, h200_kimi_linear_48b
 from hybridkv.fleet.routers import ROUTER_NAMES
+from hybridkv.replay.oracle import oracle_from_trace
 from hybridkv.replay.runner import ReplayOptions, run_replay
+from hybridkv.replay.trace import load_trace
 
 SIZES = (8, 32)
 RATES = (1, 2, 4)
+
+
+def idle_oracle_ttft(prompt_lengths: list[int], reused: list[int], cost: StepCostModel,
+                     chunk_tokens: int) -> list[float]:
+    """Per request, a lower bound on its TTFT in seconds: prefill of tokens
+    ``[reused[i], prompt_lengths[i])`` alone on an idle instance, in chunks of at most
+    ``chunk_tokens`` (the engine's ``max_num_batched_tokens``), each chunk one step priced by
+    ``cost.step_seconds([(start, n)])`` (overhead plus roofline; no decoders, no other request).
+
+    With ``reused`` the oracle's reuse (the longest prefix any earlier request left, never
+    evicted), no router can do better: it ignores queueing, decode batches sharing a step, store
+    transfer time and any eviction. A fully reused prompt still computes its last token (the
+    oracle caps reuse at ``T - 1``). Raises ``ValueError`` if the lists differ in length, a
+    reuse is outside ``[0, length)`` or ``chunk_tokens < 1``.
+    """
+    if len(prompt_lengths) != len(reused):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths but {len(reused)} reuse counts")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    out = []
+    for length, hit in zip(prompt_lengths, reused):
+        if not 0 <= hit < length:
+            raise ValueError(f"reuse {hit} outside [0, {length}) for a {length}-token prompt")
+        t, start = 0.0, hit
+        while start < length:
+            n = min(chunk_tokens, length - start)
+            t += cost.step_seconds([(start, n)])
+            start += n
+        out.append(t)
+    return out
+
+
+def bound_row(limit: int | None, cost_name: str | None) -> dict:
+    """:func:`idle_oracle_ttft` over the trace as the replay sees it (512 tokens per hash id, the
+    oracle at the engine's 64-token match unit, 8,192-token chunks): ``{"p50", "p99", "mean"}``
+    in seconds. The same in every column: it depends on neither fleet size nor rate."""
+    opts = ReplayOptions(limit=limit, simulate=True)
+    reqs = load_trace(opts.trace, limit=limit).requests
+    oracle = oracle_from_trace(reqs, 512, opts.prefix_match_unit)
+    cost = cost_model(cost_name) if cost_name else h200_kimi_linear_48b()
+    t = idle_oracle_ttft(list(oracle.prompt_lengths), list(oracle.per_request), cost, opts.max_num_batched_tokens)
+    return {"p50": float(np.percentile(t, 50)), "p99": float(np.percentile(t, 99)), "mean": float(np.mean(t)),
+            "requests": len(t)}
 
 
 def run_one(job: tuple[int, int, str, int | None, str | None, float | None]) -> dict:
@@ -38,7 +88,8 @@ def run_one(job: tuple[int, int, str, int | None, str | None, float | None]) -> 
     wall = time.perf_counter() - t0
     return {"instances": n, "rate": rate, "router": router, "requests": rep.requests,
             "ttft": rep.ttft_seconds, "ttft_cdf": rep.ttft_cdf_seconds, "queue": rep.queue_seconds,
-            "load_skew": rep.load_skew, "oracle_fraction": rep.oracle_fraction,
+            "load_skew": rep.load_skew, "load_min_share": _min_share(rep.instances),
+            "oracle_fraction": rep.oracle_fraction,
             "store_bytes": rep.tiers["store"]["bytes_loaded"] if rep.tiers else 0,
             "store_capacity_bytes": rep.store.get("capacity_bytes"), "store_peak_bytes": rep.store.get("bytes_peak"),
             "store_evicted_bytes": rep.store.get("evicted_bytes"),
@@ -46,10 +97,19 @@ def run_one(job: tuple[int, int, str, int | None, str | None, float | None]) -> 
             "requests_per_second": round(rep.requests / wall, 1)}
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown table; the best TTFT p50 / p99 of each (instances, rate) in bold."""
-    lines = [("| instances | rate | router | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | load skew | "
-              "oracle fraction | store GB loaded | sim wall (s) |"), "|---|---|---|---|---|---|---|---|---|---|"]
+def _min_share(instances: list[dict] | None) -> float | None:
+    """Least busy instance's busy seconds over the mean (``None``: no per-instance figures)."""
+    busy = [i["busy_seconds"] for i in instances or []]
+    mean = sum(busy) / len(busy) if busy else 0.0
+    return min(busy) / mean if mean > 0 else None
+
+
+def table(rows: list[dict], bound: dict | None = None) -> str:
+    """Markdown table; the best TTFT p50 / p99 of each (instances, rate) in bold (the bound row
+    is not a router and is left out of the comparison)."""
+    lines = [("| instances | rate | router | TTFT p50 (s) | TTFT p99 (s) | TTFT mean (s) | load skew (max / mean) | "
+              "least busy / mean | oracle fraction | store GB loaded | sim wall (s) |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in sorted({r["instances"] for r in rows}):
         for rate in sorted({r["rate"] for r in rows}):
             group = [r for r in rows if r["instances"] == n and r["rate"] == rate]
@@ -59,9 +119,13 @@ def table(rows: list[dict]) -> str:
             for r in group:
                 cell = {q: (f"**{r['ttft'][q]:.3f}**" if round(r["ttft"][q], 3) == best[q] else f"{r['ttft'][q]:.3f}")
                         for q in best}
+                share = r.get("load_min_share")
                 lines.append(f"| {n} | {rate}x | {r['router']} | {cell['p50']} | {cell['p99']} | {cell['mean']} | "
-                             f"{r['load_skew']:.2f} | {r['oracle_fraction']:.3f} | {r['store_bytes'] / 1e9:.1f} | "
-                             f"{r['wall_seconds']:.0f} |")
+                             f"{r['load_skew']:.2f} | {'-' if share is None else f'{share:.2f}'} | "
+                             f"{r['oracle_fraction']:.3f} | {r['store_bytes'] / 1e9:.1f} | {r['wall_seconds']:.0f} |")
+            if bound:
+                lines.append(f"| {n} | {rate}x | bound (idle, oracle reuse) | {bound['p50']:.3f} | {bound['p99']:.3f} | "
+                             f"{bound['mean']:.3f} | - | - | 1.000 | 0.0 | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -112,6 +176,9 @@ def main() -> None:
             for n in sizes for rate in rates for router in args.routers.split(",")]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    bound = bound_row(args.limit, args.cost_model)
+    print(json.dumps({"bound": bound}), flush=True)
+    out.with_name(out.name + "_bound.json").write_text(json.dumps(bound, indent=1) + "\n")
     if args.replot:                                    # table and plot from an earlier run's JSON
         rows = json.loads(out.with_suffix(".json").read_text())
     else:
@@ -121,9 +188,9 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "ttft_cdf"}), flush=True)
                 out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")   # as runs end
-    out.with_name(out.name + "_table.md").write_text(table(rows))
+    out.with_name(out.name + "_table.md").write_text(table(rows, bound))
     plot(rows, out.with_suffix(".png"))
-    print(table(rows))
+    print(table(rows, bound))
 
 
 if __name__ == "__main__":
