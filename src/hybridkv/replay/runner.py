@@ -191,6 +191,15 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         return _replay(opts, console)
 
 
+def resolved_block_tokens(opts: ReplayOptions) -> int:
+    """Tokens per trace hash id of a replay: ``opts.block_tokens``, or when it is ``None`` 512 (the
+    trace's own block, Mooncake FAST'25 release) when simulating and 64 (lengths scaled 1/8 so the
+    CPU models can run them) otherwise."""
+    if opts.block_tokens is not None:
+        return opts.block_tokens
+    return 512 if opts.simulate else 64
+
+
 def _cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and of its children reaped so far
     (``getrusage``: an untimed replay with ``--instances > 1`` runs each instance in a child)."""
@@ -204,8 +213,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     load = load_trace(opts.trace, limit=opts.limit, skip_bad=opts.skip_bad)
     reqs = load.requests
-    if opts.block_tokens is None:     # real lengths when simulating; scaled 1/8 for CPU model runs
-        opts = replace(opts, block_tokens=512 if opts.simulate else 64)
+    opts = replace(opts, block_tokens=resolved_block_tokens(opts))
     if opts.max_output_tokens is None and not opts.simulate:
         opts = replace(opts, max_output_tokens=4)
     if opts.block_size is None:       # pages follow the trace's sharing granularity
