@@ -45,7 +45,7 @@ CASES = {
     "t8_hybrid_crash": ["--timed", "--instances", "8", "--router", "hybrid", *K48, "--limit", "1500",
                         "--time-scale", "0.5", "--crash", "0@100", "--restart", "3@200"],
 }
-DROPPED = {"wall_seconds", "requests_per_second", "store_path", "scratch_store"}
+DROPPED = {"wall_seconds", "cpu_seconds", "requests_per_second", "requests_per_cpu_second", "store_path", "scratch_store"}
 """Keys removed before comparing (machine-dependent)."""
 
 

@@ -39,6 +39,17 @@ def test_simulate_has_same_fields_without_verify(tmp_path):
     assert set(rep["checkpoints_created"]) == {"branch", "tail", "interval"}
 
 
+RATE_TOL = 0.05 + 1e-9
+"""Rates are rounded to 0.1 request/s in the report."""
+
+
+def test_report_gives_cpu_seconds_and_request_rates(tmp_path):
+    rep = _replay(tmp_path, "--simulate", "--limit", "200")
+    assert rep["cpu_seconds"] > 0 and rep["wall_seconds"] > 0
+    assert abs(rep["requests_per_second"] - 200 / rep["wall_seconds"]) <= RATE_TOL
+    assert abs(rep["requests_per_cpu_second"] - 200 / rep["cpu_seconds"]) <= RATE_TOL
+
+
 def test_two_instances_share_a_store(tmp_path):
     store = tmp_path / "store"
     rep = _replay(tmp_path, "--limit", "40", "--model", "tiny", "--instances", "2", "--verify", "4",

@@ -41,7 +41,8 @@ TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds"
 """Keys only a timed replay sets (:func:`hybridkv.fleet.simulator.timing_summary`)."""
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
-                 "warm_start_reused_tokens", "evictions", "reused_histogram") + TIMED_KEYS + ("interrupted",)
+                 "warm_start_reused_tokens", "evictions", "reused_histogram") + TIMED_KEYS + (
+                     "interrupted", "cpu_seconds", "requests_per_second", "requests_per_cpu_second")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
 REUSE_BUCKET_EDGES = (1, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -110,7 +111,8 @@ class ReplayReport:
     checkpoint_bytes_peak: peak resident bytes of KDA checkpoints, bytes.
     kv_bytes_peak: peak resident bytes of full-attention KV pages, bytes.
     verify: the exactness check, or ``None`` (null) in simulate mode.
-    wall_seconds: wall-clock time of the replay, seconds.
+    wall_seconds: wall-clock time of the replay, seconds (from the trace load to the report;
+        interpreter start-up and imports excluded).
     prefill_tokens_per_second: ``computed_prompt_tokens`` per second of engine time
         (the slowest instance's time running its requests, not the wall time, which
         also loads the model and the trace), tokens/s. In simulate mode the seconds
@@ -150,6 +152,10 @@ class ReplayReport:
         (asked for, when it happened, when the instance was back, requests it lost).
     requeued: timed only: ``{requests, times, ttft_seconds}``: requests a crash sent back to the
         router, how many times in all, and their TTFT from the original arrival.
+    cpu_seconds: CPU seconds (user + system, ``getrusage``) over the span of ``wall_seconds``, of
+        the replaying process and of the instance processes it ran (untimed ``--instances > 1``).
+    requests_per_second, requests_per_cpu_second: ``requests`` per ``wall_seconds`` and per
+        ``cpu_seconds`` (the simulator's speed figure of issue 9 item 4 is the second).
     """
 
     requests: int
@@ -192,6 +198,9 @@ class ReplayReport:
     restarts: list[dict[str, Any]] | None = None
     crashes: list[dict[str, Any]] | None = None
     requeued: dict[str, Any] | None = None
+    cpu_seconds: float | None = None
+    requests_per_second: float | None = None
+    requests_per_cpu_second: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -341,6 +350,10 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
     _timed_rows(r, table)
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
+    if r.cpu_seconds is not None:
+        table.add_row("CPU time", f"{r.cpu_seconds:,.2f} s")
+    if r.requests_per_second is not None and r.requests_per_cpu_second is not None:
+        table.add_row("requests per wall / CPU second", f"{r.requests_per_second:,.1f} / {r.requests_per_cpu_second:,.1f}")
     tps = r.prefill_tokens_per_second
     label = "prefill throughput (cost model)" if r.mode == "simulate" else "prefill throughput (engine time)"
     table.add_row(label, "-" if tps is None else f"{tps:,.0f} tok/s")

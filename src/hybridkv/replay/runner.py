@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import resource
 import shutil
 import signal
 import tempfile
@@ -190,14 +191,29 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         return _replay(opts, console)
 
 
+def resolved_block_tokens(opts: ReplayOptions) -> int:
+    """Tokens per trace hash id of a replay: ``opts.block_tokens``, or when it is ``None`` 512 (the
+    trace's own block, Mooncake FAST'25 release) when simulating and 64 (lengths scaled 1/8 so the
+    CPU models can run them) otherwise."""
+    if opts.block_tokens is not None:
+        return opts.block_tokens
+    return 512 if opts.simulate else 64
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children reaped so far
+    (``getrusage``: an untimed replay with ``--instances > 1`` runs each instance in a child)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     """:func:`run_replay`'s work."""
     console = console or Console(stderr=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     load = load_trace(opts.trace, limit=opts.limit, skip_bad=opts.skip_bad)
     reqs = load.requests
-    if opts.block_tokens is None:     # real lengths when simulating; scaled 1/8 for CPU model runs
-        opts = replace(opts, block_tokens=512 if opts.simulate else 64)
+    opts = replace(opts, block_tokens=resolved_block_tokens(opts))
     if opts.max_output_tokens is None and not opts.simulate:
         opts = replace(opts, max_output_tokens=4)
     if opts.block_size is None:       # pages follow the trace's sharing granularity
@@ -261,6 +277,10 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                 shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
     report = _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    report.cpu_seconds = round(_cpu_seconds() - cpu0, 3)
+    for key, seconds in (("requests_per_second", report.wall_seconds), ("requests_per_cpu_second", report.cpu_seconds)):
+        rate = ratio(report.requests, seconds)
+        setattr(report, key, None if rate is None else round(rate, 1))
     if timed is not None:
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
