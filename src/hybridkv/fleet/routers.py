@@ -284,8 +284,9 @@ class PrefixRouter(Router):
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         n, o, live = len(fleet.loads), self.options, fleet.live
         while len(self.trees) < n:
-            self._rank.append(_mix(o.seed, b"tenant-size", len(self.trees)))
             self.trees.append(InstanceView(self.unit))
+        while len(self._rank) < len(self.trees):
+            self._rank.append(_mix(o.seed, b"tenant-size", len(self._rank)))
         loads = fleet.loads
         flight = [loads[i].in_flight for i in live]
         hi, lo = max(flight), min(flight)
@@ -340,11 +341,12 @@ class KVOverlapRouter(Router):
         self.overlap_weight = overlap_weight
         self._rng = random.Random(seed)
 
-    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+    def logits(self, req: RouteRequest, fleet: FleetState) -> dict[int, float]:
+        """``logit_j`` of every live instance (blocks; lower is better)."""
         b, w, t = self.block_size, self.overlap_weight, req.prompt_tokens
         hashes, views, loads = req.hashes, fleet.views, fleet.loads
         partial = 1 if t % b else 0
-        best, tied = None, []
+        out = {}
         keys, unit = None, None
         for j in fleet.live:
             view, ld = views[j], loads[j]
@@ -355,13 +357,16 @@ class KVOverlapRouter(Router):
             pages = ld.pages
             # pages already held by requests in flight here: a prefix of ``keys`` (chained keys)
             shared = bisect_left(range(len(keys)), True, key=lambda k: keys[k] not in pages) if pages else 0
-            logit = w * ((ld.prefill_tokens + t - overlap * b) / b) + (ld.active_pages + len(keys) - shared + partial)
-            if best is None or logit < best:
-                best, tied = logit, [j]
-            elif logit == best:
-                tied.append(j)
+            out[j] = w * ((ld.prefill_tokens + t - overlap * b) / b) + (ld.active_pages + len(keys) - shared + partial)
+        return out
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        logits = self.logits(req, fleet)
+        best = min(logits.values())
+        tied = [j for j, v in logits.items() if v == best]
         if len(tied) == 1:
             return tied[0]
+        views = fleet.views
         size = min(len(views[j].kv) for j in tied)
         tied = [j for j in tied if len(views[j].kv) == size]
         return tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
