@@ -16,6 +16,7 @@ from hybridkv.fleet.routers import (
     PrefixOptions,
     PrefixRouter,
     RouteRequest,
+    SMGPrefixRouter,
     kv_admission,
     page_keys,
 )
@@ -116,6 +117,38 @@ def test_prefix_misses_go_to_the_smallest_tree_whatever_its_queue():
     that instance has the most requests in flight (while the load stays balanced)."""
     r = prefix_router([set(chain("a", 20)), set(chain("b", 2)), set(chain("c", 9))])
     assert r.route(req(chain("new", 10), 640), empty_fleet(3, in_flight=[0, 40, 0])) == 1
+
+
+# -- SGLang's successor SMG (the extra prefix-smg) ------------------------------------------------
+
+def smg_router(trees: list[set[bytes]]) -> SMGPrefixRouter:
+    r = SMGPrefixRouter(UNIT)
+    for keys in trees:
+        t = InstanceView(UNIT)
+        t.kv.update(keys)
+        r.trees.append(t)
+    return r
+
+
+def loads_fleet(in_flight, routed) -> FleetState:
+    return FleetState([InstanceView(UNIT) for _ in in_flight],
+                      [InstanceLoad(in_flight=f, routed=r) for f, r in zip(in_flight, routed)])
+
+
+def test_smg_sends_a_miss_to_the_least_loaded_then_least_routed():
+    r = smg_router([set(chain("a", 30)), set(), set()])
+    # in flight 2, 1, 1; routed 0, 5, 3: instances 1 and 2 tie on load, 2 was routed fewer
+    assert r.route(req(chain("new", 10), 640), loads_fleet([2, 1, 1], [0, 5, 3])) == 2
+
+
+def test_smg_sends_a_hit_to_the_least_loaded_holder_unless_the_gate_spills_it():
+    p = chain("p", 10)
+    assert smg_router([set(p), set(p), set()]).route(req(p, 640), loads_fleet([3, 1, 0], [0, 0, 0])) == 1
+    # the one holder has 100 in flight, the mean is 25: 100 > 1.5 * 25 and 100 > 25 + 64, so it spills
+    # to the least loaded (instances 1-3 tie at 0 in flight and 0 routed: the lowest index)
+    assert smg_router([set(p), set(), set(), set()]).route(req(p, 640), loads_fleet([100, 0, 0, 0], [0] * 4)) == 1
+    # 80 in flight, mean 20: 80 > 30 but not 80 > 84, so the holder keeps it
+    assert smg_router([set(p), set(), set(), set()]).route(req(p, 640), loads_fleet([80, 0, 0, 0], [0] * 4)) == 0
 
 
 # -- Dynamo DefaultWorkerSelector -----------------------------------------------------------------

@@ -16,6 +16,9 @@ whole prompt decides, never its first message.
   by a pseudorandom order fixed per matched prefix (SGLang takes the first tenant of the
   matched tree node's hash map), and a poor match goes to the instance with the smallest
   tree (as SGLang did, whatever its queue; ties in one fixed pseudorandom order).
+* ``prefix-smg`` (an extra, for comparison): the same policy as SGLang's successor SMG runs it
+  now: misses and spills to the least loaded, a per-request spill gate instead of the
+  fleet-wide imbalance test (:class:`SMGPrefixRouter`).
 * ``kv-overlap``: Dynamo's KV-router cost at its defaults (``overlap_score_weight`` 1,
   ``router_temperature`` 0): ``w * prefill_blocks + decode_blocks``, with ``prefill_blocks`` the
   prompt tokens it would have to prefill (this request's, net of its page-aligned KV overlap,
@@ -309,6 +312,52 @@ class PrefixRouter(Router):
         return j
 
 
+class SMGPrefixRouter(PrefixRouter):
+    """SGLang's ``cache_aware`` as its successor SMG runs it at its launch defaults (text
+    tree; its backend KV-usage triggers, overlap decay and selection temperature off), the
+    same trees and thresholds as :class:`PrefixRouter`, with ``flight`` the requests in flight
+    and ``mean`` their mean over the live instances:
+
+    1. ``matched / prompt_tokens > cache_threshold``: of the instances holding the longest
+       match, the fewest in flight, uniformly at random among equals (seeded); but if that
+       one has ``flight > balance_rel_threshold * mean`` and ``flight > mean +
+       balance_abs_threshold``, the least loaded instead (the spill gate, per request).
+    2. Otherwise (a poor match) the least loaded: fewest in flight, then fewest routed, then
+       the lowest index. There is no fleet-wide imbalance test.
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        options: thresholds and seed.
+    """
+
+    name = "prefix-smg"
+
+    def __init__(self, unit: int, options: PrefixOptions = PrefixOptions()) -> None:
+        super().__init__(unit, options)
+        self._rng = random.Random(options.seed)
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        n, o, live, loads = len(fleet.loads), self.options, fleet.live, fleet.loads
+        while len(self.trees) < n:
+            self.trees.append(InstanceView(self.unit))
+        mean = sum(loads[i].in_flight for i in live) / len(live)
+        least = min(live, key=lambda i: (loads[i].in_flight, loads[i].routed, i))
+        limit = len(req.hashes) * self.unit
+        matched = {i: self.trees[i].kv_run(req.hashes, limit) for i in live}
+        top = max(matched.values())
+        if req.prompt_tokens and top / req.prompt_tokens > o.cache_threshold:
+            holders = [i for i in live if matched[i] == top]
+            fewest = min(loads[i].in_flight for i in holders)
+            holders = [i for i in holders if loads[i].in_flight == fewest]
+            j = holders[self._rng.randrange(len(holders))] if len(holders) > 1 else holders[0]
+            if fewest > o.balance_rel_threshold * mean and fewest > mean + o.balance_abs_threshold:
+                j = least
+        else:
+            j = least
+        self.trees[j].kv.update(req.hashes)
+        return j
+
+
 class KVOverlapRouter(Router):
     """Dynamo's KV router (``DefaultWorkerSelector`` at its defaults): the lowest
     ``logit_j = w * prefill_blocks_j + decode_blocks_j`` wins (``router_temperature`` 0).
@@ -550,8 +599,8 @@ class HybridRouter(Router):
         return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
 
 
-ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
-"""Names ``--router`` accepts."""
+ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid", "prefix-smg")
+"""Names ``--router`` accepts (``prefix-smg``: :class:`SMGPrefixRouter`, an extra one for comparison)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,7 +612,7 @@ class RouterConfig:
         unit: ``prefix_match_unit`` (tokens).  block_size: KV page size (tokens).
         cost: the step cost model (prices prefill for ``hybrid``).
         store: store transfer cost or ``None``.
-        prefix: ``prefix`` thresholds.  hybrid: ``hybrid`` guard.
+        prefix: ``prefix`` and ``prefix-smg`` thresholds.  hybrid: ``hybrid`` guard.
         max_num_seqs: sequence slots of each instance (``hybrid``'s wait for a slot).
         seed: seeds ``kv-overlap``'s random tie-break.
     """
@@ -591,6 +640,8 @@ def make_router(cfg: RouterConfig) -> Router:
         return LeastLoad()
     if cfg.name == "prefix":
         return PrefixRouter(cfg.unit, cfg.prefix)
+    if cfg.name == "prefix-smg":
+        return SMGPrefixRouter(cfg.unit, cfg.prefix)
     if cfg.name == "kv-overlap":
         return KVOverlapRouter(cfg.block_size, seed=cfg.seed)
     if cfg.name == "hybrid":
