@@ -188,9 +188,13 @@ def least_loaded(loads: list[InstanceLoad], among=None) -> int:
 
 
 class Router(ABC):
-    """Picks an instance for each request; may keep state of its own decisions."""
+    """Picks an instance for each request; may keep state of its own decisions.
+
+    ``uses_pages``: it reads :attr:`InstanceLoad.prefill_tokens` and the page counts, so the
+    load's owner must keep them (:func:`kv_admission`); others leave them at zero."""
 
     name: str
+    uses_pages: bool = False
 
     @abstractmethod
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
@@ -384,6 +388,7 @@ class KVOverlapRouter(Router):
     """
 
     name = "kv-overlap"
+    uses_pages = True
 
     def __init__(self, block_size: int, overlap_weight: float = 1.0, seed: int = 0) -> None:
         self.block_size = block_size

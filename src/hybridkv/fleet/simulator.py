@@ -104,7 +104,8 @@ class Fleet:
         view = self.state.views[j]
         hit = view.match(hashes, rr.limit).hit
         inst = self.instances[j]
-        fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)
+        if self.router.uses_pages:
+            fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)
         idle = not inst.has_work
         inst.enqueue(fr, now, self.estimate.prefill_seconds(hit, r.prompt_len))
         if idle:

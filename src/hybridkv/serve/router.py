@@ -153,7 +153,8 @@ class RouterService:
         self.retries = 0
         self.unroutable = 0
         self.split_batches = 0
-        self._config(1, 1)                     # an unknown policy fails now, not at the first request
+        # an unknown policy fails now, not at the first request; kv-overlap's page counts are kept only for it
+        self._uses_pages = make_router(self._config(1, 1)).uses_pages
         self._tasks: list[asyncio.Task] = []
 
     def _config(self, unit: int, block_size: int, store: dict | None = None) -> RouterConfig:
@@ -276,7 +277,7 @@ class RouterService:
             w = self.workers.states[i]
             fleet = self.workers.fleet
             pages = (kv_admission(w.view, req.hashes, req.prompt_tokens, fleet.block_size)
-                     if req.hashes and fleet is not None else ((), False, 0))
+                     if req.hashes and fleet is not None and self._uses_pages else ((), False, 0))
             ticket = _Ticket(w, req.prompt_tokens, req.output_tokens, seconds, pages)
             try:
                 upstream = await self.proxy.send(self.proxy.build_request("POST", w.url + path, content=raw,
