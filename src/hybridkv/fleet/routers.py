@@ -165,7 +165,7 @@ def page_keys(hashes: list[bytes], unit: int, block_size: int) -> list[bytes]:
 
 def kv_admission(view: InstanceView, hashes: list[bytes], prompt_tokens: int,
                  block_size: int) -> tuple[list[bytes], bool, int]:
-    """What a request routed to the instance ``view`` describes adds to Dynamo's load counts
+    """What a request routed to the instance that ``view`` describes adds to Dynamo's load counts
     (:meth:`InstanceLoad.hold`): ``(page keys, ends in a partial page, prefill tokens)``, the
     prefill tokens being ``prompt_tokens - overlap * block_size`` with ``overlap`` the whole
     pages of its KV run there (the blocks Dynamo's indexer would match)."""
@@ -236,7 +236,7 @@ class PrefixOptions:
             the best-matching instance wins.
         balance_abs_threshold, balance_rel_threshold: the load (requests in flight) is
             imbalanced when ``max - min > abs`` and ``max > rel * min`` (both strict).
-        seed: seeds the pseudorandom orders that stand for the Rust hash maps' iteration
+        seed: (0 or more) seeds the pseudorandom orders that stand for the Rust hash maps' iteration
             order (tie-breaks), so runs are reproducible.
     """
 
