@@ -32,6 +32,8 @@ from hybridkv.replay.trace import load_trace
 
 SIZES = (8, 32)
 RATES = (1, 2, 4)
+DEFAULT_ROUTERS = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
+"""The issue's routers (``--routers`` may name the extra ``prefix-smg`` too)."""
 
 
 def idle_oracle_ttft(prompt_lengths: list[int], reused: list[int], cost: StepCostModel,
@@ -162,7 +164,7 @@ def main() -> None:
     ap.add_argument("--cost-model", default=None, help="as replay --cost-model (default: the H200 model)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="instance counts, comma-separated")
     ap.add_argument("--rates", default=",".join(map(str, RATES)), help="rate multipliers, comma-separated")
-    ap.add_argument("--routers", default=",".join(ROUTER_NAMES), help="routers, comma-separated")
+    ap.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="routers, comma-separated")
     ap.add_argument("--store-gib", type=float, default=None,
                     help="simulated store capacity in GiB (default: the replay's, 0: unlimited)")
     ap.add_argument("--replot", action="store_true", help="only rewrite OUT_table.md and OUT.png from OUT.json")

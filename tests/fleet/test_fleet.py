@@ -343,6 +343,8 @@ def test_a_crash_requeues_what_it_held_and_its_lost_cache_attracts_nothing():
     for fr in frs:                                                    # every request ends, none refused
         assert fr.finished is not None and not fr.rejected and fr.first_token is not None
         assert fr.arrival <= fr.ttft_end <= fr.finished
+    for inst in instances:                     # kv-overlap's page counts came back to zero through the crash
+        assert inst.load.pages == {} and inst.load.partial_pages == 0 and inst.load.prefill_tokens == 0
     for fr in requeued + [fr for fr in frs if fr.arrival >= crash["at"]]:
         assert fr.instance == 1                                       # nothing goes to an instance that is down
     view = fleet.state.views[0]

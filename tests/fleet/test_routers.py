@@ -47,7 +47,7 @@ def view(epoch: int = 0, kv=(), checkpoints=(), instance: int = 0) -> InstanceVi
 
 
 def fleet(views, outstanding) -> FleetState:
-    return FleetState(views=views, loads=[InstanceLoad(outstanding_tokens=n, queued_seconds=n * 1e-5)
+    return FleetState(views=views, loads=[InstanceLoad(outstanding_tokens=n, prefill_tokens=n, queued_seconds=n * 1e-5)
                                           for n in outstanding])
 
 
@@ -105,9 +105,10 @@ def test_the_whole_prompt_decides_not_its_first_message():
             assert router.route(request(asked), state) == 1, router.name
     prefix = PrefixRouter(UNIT)
     empty = fleet([view(), view()], outstanding=[0, 0])
-    assert prefix.route(request(one), empty) == 0
-    assert prefix.route(request(two), empty) == 1       # 2 of 8 units < cache_threshold: the smaller tree
-    assert prefix.route(request(asked), empty) == 1
+    first_home = prefix.route(request(one), empty)     # empty trees: the tenant map's first
+    second_home = prefix.route(request(two), empty)    # 2 of 8 units < cache_threshold: the smaller tree
+    assert second_home == 1 - first_home
+    assert prefix.route(request(asked), empty) == second_home
 
 
 def test_kv_only_overlap_is_not_a_hybrid_hit():

@@ -474,6 +474,13 @@ def test_a_ticket_counts_waiting_and_decode_tokens_until_each_part_ends():
     b.done()                                         # done without a first byte returns both parts
     b.done()
     assert (w.load.waiting, w.load.decode_tokens, w.load.outstanding_tokens, w.load.in_flight) == (0, 0, 0, 0)
+    # kv-overlap's counts: two whole pages and a partial one held until done, 513 prefill tokens until the first byte
+    c = _Ticket(w, 1025, 1, 0.0, ([b"page1", b"page2"], True, 513))
+    assert (w.load.prefill_tokens, w.load.active_pages) == (513, 3)
+    c.first_byte()
+    assert (w.load.prefill_tokens, w.load.active_pages) == (0, 3)
+    c.done()
+    assert (w.load.prefill_tokens, w.load.active_pages, w.load.pages) == (0, 0, {})
 
 
 def test_two_x_tenant_headers_are_refused_by_the_router(workers):

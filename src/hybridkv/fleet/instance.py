@@ -64,6 +64,8 @@ class FleetRequest:
         decode_left: tokens still to generate after the first (counted in the instance's
             :attr:`~hybridkv.fleet.routers.InstanceLoad.decode_tokens` until generated).
         hashes: chained unit hashes of the prompt (set when routed).
+        pages: what it adds to its instance's page counts (:func:`~hybridkv.fleet.routers.kv_admission`:
+            page keys, partial last page, prefill tokens net of the KV overlap; set when routed).
         requeues: times a crash of its instance sent it back to the router (:meth:`requeue`).
         earlier_first_token: the first token of an attempt lost in a crash (the user saw it, so
             its TTFT counts from it); ``None``: no attempt that got one was lost.
@@ -81,6 +83,7 @@ class FleetRequest:
     predicted_s: float = 0.0
     decode_left: int = 0
     hashes: list[bytes] = field(default_factory=list, repr=False)
+    pages: tuple[list[bytes], bool, int] = field(default=((), False, 0), repr=False)
     requeues: int = 0
     earlier_first_token: float | None = None
 
@@ -213,6 +216,7 @@ class FleetInstance:
         ld.in_flight += 1
         ld.in_flight_tokens += fr.request.prompt_len + fr.output_tokens
         ld.routed += 1
+        ld.hold(*fr.pages)
         self.stats.queue_peak = max(self.stats.queue_peak, len(self.queue))
 
     def restart(self) -> None:
@@ -254,9 +258,7 @@ class FleetInstance:
         self.publisher.restart()
         self.handle = self._build(self.publisher, self._price if self.cost is not None else None)
         self._wrap_backend()
-        ld = self.load
-        ld.outstanding_tokens = ld.in_flight = ld.in_flight_tokens = ld.waiting = ld.decode_tokens = 0
-        ld.queued_seconds = 0.0
+        self.load.clear()
         self.clock = max(self.clock, now) + cold_start_s
         for fr in lost:
             fr.requeue()
@@ -455,6 +457,7 @@ class FleetInstance:
         self.load.outstanding_tokens -= fr.request.prompt_len
         self.load.waiting -= 1
         self.load.queued_seconds = max(0.0, self.load.queued_seconds - fr.predicted_s)
+        self.load.prefill_tokens -= fr.pages[2]
 
     def _finish(self, fr: FleetRequest, end: float) -> None:
         fr.finished = end
@@ -462,6 +465,7 @@ class FleetInstance:
         fr.decode_left = 0
         self.load.in_flight -= 1
         self.load.in_flight_tokens -= fr.request.prompt_len + fr.output_tokens
+        self.load.release(fr.pages[0], fr.pages[1])
 
 
 def _no_tensors(pages) -> None:

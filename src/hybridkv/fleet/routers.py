@@ -7,15 +7,24 @@ instance's :class:`InstanceLoad`. A request is its whole prompt's unit hashes, s
 whole prompt decides, never its first message.
 
 * ``round-robin``; ``least-load``: fewest outstanding prompt tokens.
-* ``prefix``: the behaviour of SGLang's ``cache_aware`` policy in our own code: an
-  approximate per-instance tree of the prompts routed there; the longest match wins when
-  its match ratio reaches ``cache_threshold``, unless the load is imbalanced
-  (``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold * min`` in
-  requests in flight), when the least loaded wins; a poor match goes to the instance
-  with the smallest tree (as SGLang does, whatever its queue).
-* ``kv-overlap``: Dynamo's KV-router cost over KV blocks only:
-  ``w * prefill_blocks + active_blocks`` (blocks to prefill here, given the KV overlap,
-  plus blocks of work already queued; blocks held by requests in flight).
+* ``prefix``: the behaviour of SGLang's ``cache_aware`` policy (sgl-router, before its
+  2025-12-08 change of the miss rule) in our own code: an approximate per-instance tree of
+  the prompts routed there. When the load is imbalanced (``max - min > balance_abs_threshold``
+  and ``max > balance_rel_threshold * min``, requests in flight) the fewest requests in flight
+  win (lowest index among equals); otherwise the longest match wins when its match ratio
+  exceeds ``cache_threshold`` (strictly), ties among the instances holding that match broken
+  by a pseudorandom order fixed per matched prefix (SGLang takes the first tenant of the
+  matched tree node's hash map), and a poor match goes to the instance with the smallest
+  tree (as SGLang did, whatever its queue; ties in one fixed pseudorandom order).
+* ``prefix-smg`` (an extra, for comparison): the same policy as SGLang's successor SMG runs it
+  now: misses and spills to the least loaded, a per-request spill gate instead of the
+  fleet-wide imbalance test (:class:`SMGPrefixRouter`).
+* ``kv-overlap``: Dynamo's KV-router cost at its defaults (``overlap_score_weight`` 1,
+  ``router_temperature`` 0): ``w * prefill_blocks + decode_blocks``, with ``prefill_blocks`` the
+  prompt tokens it would have to prefill (this request's, net of its page-aligned KV overlap,
+  plus those of its requests without a first token) over the page size, and
+  ``decode_blocks`` the unique KV pages its requests in flight hold plus this prompt's new
+  ones; ties to the smallest tree (KV the instance holds), then at random (seeded).
 * ``hybrid``: lowest ``T_queue + (1 + waiting) * (T_prefill + T_transfer + T_cold)`` in seconds,
   the seed's ``score = T_saved - T_queue - T_transfer - T_cold`` (DESIGN §7) with the work also
   charged to the requests that will wait behind it; hits are *joint* hits (KV contiguous plus a
@@ -24,7 +33,10 @@ whole prompt decides, never its first message.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import random
+from bisect import bisect_left
 from itertools import takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
@@ -48,6 +60,13 @@ class InstanceLoad:
         routed: requests ever routed here (the last tie-break, so idle instances share misses).
         waiting: requests routed here without a first token yet (queued or in prefill).
         decode_tokens: tokens still to generate after their first by requests routed here.
+        prefill_tokens: prompt tokens still to compute of the requests routed here without a
+            first token, each net of its page-aligned KV run on this instance when routed
+            (Dynamo's active prefill tokens; :func:`kv_admission`).
+        pages: whole prompt KV pages of the requests in flight here, each counted once, with
+            the number of those requests holding it (Dynamo's unique active blocks).
+        partial_pages: requests in flight here whose prompt ends inside a page (one page of
+            their own each).
     """
 
     outstanding_tokens: int = 0
@@ -57,6 +76,41 @@ class InstanceLoad:
     routed: int = 0
     waiting: int = 0
     decode_tokens: int = 0
+    prefill_tokens: int = 0
+    pages: dict[bytes, int] = field(default_factory=dict, repr=False)
+    partial_pages: int = 0
+
+    @property
+    def active_pages(self) -> int:
+        """KV pages the requests in flight hold: unique whole pages plus one per partial page."""
+        return len(self.pages) + self.partial_pages
+
+    def hold(self, keys: list[bytes], partial: bool, prefill_tokens: int) -> None:
+        """Count a routed request: its whole pages ``keys`` (:func:`page_keys`), whether its
+        prompt ends in a partial page, and the tokens it has to prefill."""
+        pages = self.pages
+        for k in keys:
+            pages[k] = pages.get(k, 0) + 1
+        self.partial_pages += partial
+        self.prefill_tokens += prefill_tokens
+
+    def release(self, keys: list[bytes], partial: bool) -> None:
+        """Forget a finished request's pages (its prefill tokens leave at its first token)."""
+        pages = self.pages
+        for k in keys:
+            n = pages[k] - 1
+            if n:
+                pages[k] = n
+            else:
+                del pages[k]
+        self.partial_pages -= partial
+
+    def clear(self) -> None:
+        """Zero every count but ``routed`` (the instance lost all its requests)."""
+        self.outstanding_tokens = self.in_flight = self.in_flight_tokens = self.waiting = 0
+        self.decode_tokens = self.prefill_tokens = self.partial_pages = 0
+        self.queued_seconds = 0.0
+        self.pages.clear()
 
     def key(self) -> tuple[int, int, int]:
         """Lighter first: outstanding prompt tokens, then requests in flight, then requests routed."""
@@ -96,6 +150,30 @@ class FleetState:
             self.live = list(range(len(self.loads)))
 
 
+def page_keys(hashes: list[bytes], unit: int, block_size: int) -> list[bytes]:
+    """Keys of a prompt's whole KV pages of ``block_size`` tokens: the chained unit hash
+    (``unit`` tokens each) at the end of each page, which names the page and all before it.
+
+    Raises:
+        ValueError: ``block_size`` not a positive multiple of ``unit``.
+    """
+    if unit <= 0 or block_size <= 0 or block_size % unit:
+        raise ValueError(f"block_size={block_size!r} must be a positive multiple of unit={unit!r}")
+    r = block_size // unit
+    return hashes[r - 1::r]
+
+
+def kv_admission(view: InstanceView, hashes: list[bytes], prompt_tokens: int,
+                 block_size: int) -> tuple[list[bytes], bool, int]:
+    """What a request routed to the instance that ``view`` describes adds to Dynamo's load counts
+    (:meth:`InstanceLoad.hold`): ``(page keys, ends in a partial page, prefill tokens)``, the
+    prefill tokens being ``prompt_tokens - overlap * block_size`` with ``overlap`` the whole
+    pages of its KV run there (the blocks Dynamo's indexer would match)."""
+    keys = page_keys(hashes, view.unit, block_size)
+    overlap = view.kv_run(hashes, len(hashes) * view.unit) // block_size
+    return keys, prompt_tokens % block_size != 0, prompt_tokens - overlap * block_size
+
+
 _LOAD_KEY = attrgetter("outstanding_tokens", "in_flight", "routed")   # InstanceLoad.key
 _PLAIN_LOAD = {InstanceLoad}
 
@@ -110,9 +188,13 @@ def least_loaded(loads: list[InstanceLoad], among=None) -> int:
 
 
 class Router(ABC):
-    """Picks an instance for each request; may keep state of its own decisions."""
+    """Picks an instance for each request; may keep state of its own decisions.
+
+    ``uses_pages``: it reads :attr:`InstanceLoad.prefill_tokens` and the page counts, so the
+    load's owner must keep them (:func:`kv_admission`); others leave them at zero."""
 
     name: str
+    uses_pages: bool = False
 
     @abstractmethod
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
@@ -147,20 +229,55 @@ class LeastLoad(Router):
 
 @dataclass(frozen=True, slots=True)
 class PrefixOptions:
-    """SGLang ``cache_aware`` thresholds: match ratio (0..1), absolute and relative imbalance
-    (requests in flight)."""
+    """SGLang ``cache_aware`` settings (sgl-router's launch defaults).
+
+    Attributes:
+        cache_threshold: a match ratio (matched / prompt tokens, 0..1) above which (strictly)
+            the best-matching instance wins.
+        balance_abs_threshold, balance_rel_threshold: the load (requests in flight) is
+            imbalanced when ``max - min > abs`` and ``max > rel * min`` (both strict).
+        seed: (0 or more) seeds the pseudorandom orders that stand for the Rust hash maps' iteration
+            order (tie-breaks), so runs are reproducible.
+    """
 
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
+    seed: int = 0
+
+
+def _mix(seed: int, key: bytes, j: int) -> bytes:
+    """A pseudorandom rank of instance ``j`` for ``key`` (8 bytes of BLAKE2b): one fixed order
+    of the instances per key, independent across keys."""
+    return hashlib.blake2b(key + j.to_bytes(4, "little"), digest_size=8,
+                           key=seed.to_bytes(8, "little")).digest()
 
 
 class PrefixRouter(Router):
-    """Longest prefix over a per-instance tree of routed prompts (approximate: no events).
+    """SGLang's ``cache_aware``: longest prefix over a per-instance tree of routed prompts
+    (approximate: built from its own decisions, no events).
+
+    Per request, with ``flight`` the requests in flight on each live instance:
+
+    1. ``max(flight) - min(flight) > balance_abs_threshold`` and ``max(flight) >
+       balance_rel_threshold * min(flight)``: the fewest in flight wins (lowest index among
+       equals: Rust's ``min_by_key`` keeps the first).
+    2. Otherwise ``matched`` is the longest run of the prompt's units in any tree (tokens); if
+       ``matched / prompt_tokens > cache_threshold`` an instance whose tree holds that run wins;
+       among several, the first in a pseudorandom order fixed per matched prefix (SGLang's
+       tree keeps each node's tenants in a hash map with its own random hasher and takes the
+       first it iterates).
+    3. Else the instance with the smallest tree (units held) wins; ties in one pseudorandom
+       order fixed for the router (SGLang iterates one tenant-size map, first strict minimum).
+
+    The chosen instance's tree then takes the whole prompt. The trees are never evicted:
+    SGLang evicts a tenant's least recently used leaves only past ``max_tree_size`` (2**26
+    characters per tenant at its launch default), which the bundled trace does not reach
+    (docs/routing.md).
 
     Args:
         unit: ``prefix_match_unit`` in tokens.
-        options: thresholds.
+        options: thresholds and seed.
     """
 
     name = "prefix"
@@ -169,50 +286,144 @@ class PrefixRouter(Router):
         self.options = options
         self.unit = unit
         self.trees: list[InstanceView] = []
+        self._rank: list[bytes] = []        # the tenant-size map's fixed order (smallest-tree ties)
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         n, o, live = len(fleet.loads), self.options, fleet.live
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
-        flight = [fleet.loads[i].in_flight for i in live]
-        if max(flight) - min(flight) > o.balance_abs_threshold and max(flight) > o.balance_rel_threshold * min(flight):
-            j = least_loaded(fleet.loads, live)
+        while len(self._rank) < len(self.trees):
+            self._rank.append(_mix(o.seed, b"tenant-size", len(self._rank)))
+        loads = fleet.loads
+        flight = [loads[i].in_flight for i in live]
+        hi, lo = max(flight), min(flight)
+        if hi - lo > o.balance_abs_threshold and hi > o.balance_rel_threshold * lo:
+            j = live[flight.index(lo)]
         else:
-            matched = {i: self.trees[i].kv_run(req.hashes, len(req.hashes) * self.unit) for i in live}
-            best = max(live, key=lambda i: (matched[i], -i))
-            if req.prompt_tokens and matched[best] / req.prompt_tokens >= o.cache_threshold:
-                j = best
+            limit = len(req.hashes) * self.unit
+            matched = {i: self.trees[i].kv_run(req.hashes, limit) for i in live}
+            top = max(matched.values())
+            if req.prompt_tokens and top / req.prompt_tokens > o.cache_threshold:
+                holders = [i for i in live if matched[i] == top]
+                if len(holders) == 1:
+                    j = holders[0]
+                else:
+                    node = req.hashes[top // self.unit - 1]
+                    j = min(holders, key=lambda i: _mix(o.seed, node, i))
             else:
-                j = min(live, key=lambda i: (len(self.trees[i].kv), i))
+                j = min(live, key=lambda i: (len(self.trees[i].kv), self._rank[i]))
+        self.trees[j].kv.update(req.hashes)
+        return j
+
+
+class SMGPrefixRouter(PrefixRouter):
+    """SGLang's ``cache_aware`` as its successor SMG runs it at its launch defaults (text
+    tree; its backend KV-usage triggers, overlap decay and selection temperature off), the
+    same trees and thresholds as :class:`PrefixRouter`, with ``flight`` the requests in flight
+    and ``mean`` their mean over the live instances:
+
+    1. ``matched / prompt_tokens > cache_threshold``: of the instances holding the longest
+       match, the fewest in flight, uniformly at random among equals (seeded); but if that
+       one has ``flight > balance_rel_threshold * mean`` and ``flight > mean +
+       balance_abs_threshold``, the least loaded instead (the spill gate, per request).
+    2. Otherwise (a poor match) the least loaded: fewest in flight, then fewest routed, then
+       the lowest index. There is no fleet-wide imbalance test.
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        options: thresholds and seed.
+    """
+
+    name = "prefix-smg"
+
+    def __init__(self, unit: int, options: PrefixOptions = PrefixOptions()) -> None:
+        super().__init__(unit, options)
+        self._rng = random.Random(options.seed)
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        n, o, live, loads = len(fleet.loads), self.options, fleet.live, fleet.loads
+        while len(self.trees) < n:
+            self.trees.append(InstanceView(self.unit))
+        mean = sum(loads[i].in_flight for i in live) / len(live)
+        least = min(live, key=lambda i: (loads[i].in_flight, loads[i].routed, i))
+        limit = len(req.hashes) * self.unit
+        matched = {i: self.trees[i].kv_run(req.hashes, limit) for i in live}
+        top = max(matched.values())
+        if req.prompt_tokens and top / req.prompt_tokens > o.cache_threshold:
+            holders = [i for i in live if matched[i] == top]
+            fewest = min(loads[i].in_flight for i in holders)
+            holders = [i for i in holders if loads[i].in_flight == fewest]
+            j = holders[self._rng.randrange(len(holders))] if len(holders) > 1 else holders[0]
+            if fewest > o.balance_rel_threshold * mean and fewest > mean + o.balance_abs_threshold:
+                j = least
+        else:
+            j = least
         self.trees[j].kv.update(req.hashes)
         return j
 
 
 class KVOverlapRouter(Router):
-    """Dynamo-like: minimise ``w * prefill_blocks + active_blocks`` from KV overlap alone.
+    """Dynamo's KV router (``DefaultWorkerSelector`` at its defaults): the lowest
+    ``logit_j = w * prefill_blocks_j + decode_blocks_j`` wins (``router_temperature`` 0).
+
+    * ``prefill_blocks_j = (prefill_tokens_j + T - overlap_j * B) / B`` (a float): the prompt
+      tokens instance ``j`` would have to prefill with this request, its own net of its KV
+      overlap (``overlap_j``: whole pages of the KV run its view shows, :func:`kv_admission`);
+      ``prefill_tokens_j`` (:attr:`InstanceLoad.prefill_tokens`) drops a request's share at
+      its first token.
+    * ``decode_blocks_j``: the KV pages ``j``'s requests in flight hold, each whole page once
+      (:attr:`InstanceLoad.active_pages`), plus this prompt's whole pages not among them and
+      its partial last page. Output tokens are not counted (Dynamo's
+      ``router_track_output_blocks`` defaults to off).
+    * Equal logits: the smallest tree (units of KV the view holds), then uniformly at random
+      (a seeded generator, so runs are reproducible).
+
+    Only KV counts: a KV overlap without a checkpoint at or below it saves a hybrid model
+    nothing, and this router does not know it.
 
     Args:
-        block_size: KV page size in tokens (the block the cost counts).
-        overlap_weight: ``w`` (Dynamo's default 1.0).
+        block_size: KV page size in tokens (``B``, the block the cost counts).
+        overlap_weight: ``w`` (Dynamo's ``overlap_score_weight``, default 1.0).
+        seed: seeds the tie-break generator.
     """
 
     name = "kv-overlap"
+    uses_pages = True
 
-    def __init__(self, block_size: int, overlap_weight: float = 1.0) -> None:
+    def __init__(self, block_size: int, overlap_weight: float = 1.0, seed: int = 0) -> None:
         self.block_size = block_size
         self.overlap_weight = overlap_weight
+        self._rng = random.Random(seed)
+
+    def logits(self, req: RouteRequest, fleet: FleetState) -> dict[int, float]:
+        """``logit_j`` of every live instance (blocks; lower is better)."""
+        b, w, t = self.block_size, self.overlap_weight, req.prompt_tokens
+        hashes, views, loads = req.hashes, fleet.views, fleet.loads
+        partial = 1 if t % b else 0
+        out = {}
+        keys, unit = None, None
+        for j in fleet.live:
+            view, ld = views[j], loads[j]
+            if keys is None or view.unit != unit:
+                unit = view.unit
+                keys = page_keys(hashes, unit, b)
+            overlap = view.kv_run(hashes, len(hashes) * unit) // b
+            pages = ld.pages
+            # pages already held by requests in flight here: a prefix of ``keys`` (chained keys)
+            shared = bisect_left(range(len(keys)), True, key=lambda k: keys[k] not in pages) if pages else 0
+            out[j] = w * ((ld.prefill_tokens + t - overlap * b) / b) + (ld.active_pages + len(keys) - shared + partial)
+        return out
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        b = self.block_size
-
-        def cost(j: int) -> tuple:
-            overlap = fleet.views[j].kv_run(req.hashes, req.limit)
-            ld = fleet.loads[j]
-            prefill = (req.prompt_tokens - overlap + ld.outstanding_tokens) / b
-            active = (ld.in_flight_tokens + req.prompt_tokens + req.output_tokens) / b
-            return self.overlap_weight * prefill + active, ld.key(), j
-
-        return min(fleet.live, key=cost)
+        logits = self.logits(req, fleet)
+        best = min(logits.values())
+        tied = [j for j, v in logits.items() if v == best]
+        if len(tied) == 1:
+            return tied[0]
+        views = fleet.views
+        size = min(len(views[j].kv) for j in tied)
+        tied = [j for j in tied if len(views[j].kv) == size]
+        return tied[self._rng.randrange(len(tied))] if len(tied) > 1 else tied[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,8 +604,8 @@ class HybridRouter(Router):
         return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
 
 
-ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid")
-"""Names ``--router`` accepts."""
+ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid", "prefix-smg")
+"""Names ``--router`` accepts (``prefix-smg``: :class:`SMGPrefixRouter`, an extra one for comparison)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,8 +617,9 @@ class RouterConfig:
         unit: ``prefix_match_unit`` (tokens).  block_size: KV page size (tokens).
         cost: the step cost model (prices prefill for ``hybrid``).
         store: store transfer cost or ``None``.
-        prefix: ``prefix`` thresholds.  hybrid: ``hybrid`` guard.
+        prefix: ``prefix`` and ``prefix-smg`` thresholds.  hybrid: ``hybrid`` guard.
         max_num_seqs: sequence slots of each instance (``hybrid``'s wait for a slot).
+        seed: seeds ``kv-overlap``'s random tie-break.
     """
 
     name: str
@@ -418,6 +630,7 @@ class RouterConfig:
     prefix: PrefixOptions = PrefixOptions()
     hybrid: HybridOptions = HybridOptions()
     max_num_seqs: int = 1
+    seed: int = 0
 
 
 def make_router(cfg: RouterConfig) -> Router:
@@ -432,8 +645,10 @@ def make_router(cfg: RouterConfig) -> Router:
         return LeastLoad()
     if cfg.name == "prefix":
         return PrefixRouter(cfg.unit, cfg.prefix)
+    if cfg.name == "prefix-smg":
+        return SMGPrefixRouter(cfg.unit, cfg.prefix)
     if cfg.name == "kv-overlap":
-        return KVOverlapRouter(cfg.block_size)
+        return KVOverlapRouter(cfg.block_size, seed=cfg.seed)
     if cfg.name == "hybrid":
         return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs)
     raise ValueError(f"unknown router {cfg.name!r}; choose one of {', '.join(ROUTER_NAMES)}")

@@ -24,7 +24,7 @@ from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import CacheEvent, InstanceView
 from hybridkv.fleet.instance import FleetInstance, FleetRequest
-from hybridkv.fleet.routers import FleetState, Router, RouteRequest
+from hybridkv.fleet.routers import FleetState, Router, RouteRequest, kv_admission
 from hybridkv.fleet.store import StoreView
 
 
@@ -67,6 +67,7 @@ class Fleet:
                                 store=store)
         self._events = _EventQueue()
         self._hash = instances[0].handle.engine.cache.hash_prompt
+        self._block_size = instances[0].handle.engine.cache.config.block_size
         self._busy: list[tuple[float, int]] = []
         self._restarts: list[tuple[float, int]] = []      # (not before, instance), not yet done
         self.restarts_done: list[dict] = []
@@ -100,8 +101,11 @@ class Fleet:
             j = min(range(len(self.instances)), key=lambda k: (self.instances[k].clock, k))
         if not 0 <= j < len(self.instances):
             raise RuntimeError(f"router {self.router.name} chose instance {j} of {len(self.instances)}")
-        hit = self.state.views[j].match(hashes, rr.limit).hit
+        view = self.state.views[j]
+        hit = view.match(hashes, rr.limit).hit
         inst = self.instances[j]
+        if self.router.uses_pages:
+            fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)
         idle = not inst.has_work
         inst.enqueue(fr, now, self.estimate.prefill_seconds(hit, r.prompt_len))
         if idle:

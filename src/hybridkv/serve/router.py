@@ -36,6 +36,7 @@ from hybridkv.fleet.routers import (
     Router,
     RouterConfig,
     RouteRequest,
+    kv_admission,
     make_router,
 )
 from hybridkv.fleet.store import (
@@ -90,12 +91,16 @@ class _Ticket:
     """One proxied request's share of a worker's load, returned exactly once per part: waiting
     (``InstanceLoad.waiting``, ``outstanding_tokens``, ``queued_seconds``) until its first byte,
     and its ``output - 1`` tokens after the first (``decode_tokens``) until it is done (the
-    router does not count streamed tokens, so a decode counts whole until it ends)."""
+    router does not count streamed tokens, so a decode counts whole until it ends); ``pages``
+    (:func:`~hybridkv.fleet.routers.kv_admission`) are held until it is done, their prefill
+    tokens until its first byte."""
 
-    def __init__(self, w: WorkerState, tokens: int, output: int, seconds: float) -> None:
-        self.w, self.tokens, self.output, self.seconds = w, tokens, output, seconds
+    def __init__(self, w: WorkerState, tokens: int, output: int, seconds: float,
+                 pages: tuple = ((), False, 0)) -> None:
+        self.w, self.tokens, self.output, self.seconds, self.pages = w, tokens, output, seconds, pages
         self.waiting, self.closed = True, False
         ld = w.load
+        ld.hold(*pages)
         ld.outstanding_tokens += tokens
         ld.queued_seconds += seconds
         ld.in_flight += 1
@@ -110,6 +115,7 @@ class _Ticket:
             self.w.load.outstanding_tokens -= self.tokens
             self.w.load.queued_seconds = max(0.0, self.w.load.queued_seconds - self.seconds)
             self.w.load.waiting -= 1
+            self.w.load.prefill_tokens -= self.pages[2]
 
     def done(self) -> None:
         if self.closed:
@@ -119,6 +125,7 @@ class _Ticket:
         self.w.load.in_flight -= 1
         self.w.load.in_flight_tokens -= self.tokens + self.output
         self.w.load.decode_tokens -= max(self.output - 1, 0)
+        self.w.load.release(self.pages[0], self.pages[1])
 
 
 class RouterService:
@@ -146,7 +153,8 @@ class RouterService:
         self.retries = 0
         self.unroutable = 0
         self.split_batches = 0
-        self._config(1, 1)                     # an unknown policy fails now, not at the first request
+        # an unknown policy fails now, not at the first request; kv-overlap's page counts are kept only for it
+        self._uses_pages = make_router(self._config(1, 1)).uses_pages
         self._tasks: list[asyncio.Task] = []
 
     def _config(self, unit: int, block_size: int, store: dict | None = None) -> RouterConfig:
@@ -267,7 +275,10 @@ class RouterService:
             if i is None:
                 break
             w = self.workers.states[i]
-            ticket = _Ticket(w, req.prompt_tokens, req.output_tokens, seconds)
+            fleet = self.workers.fleet
+            pages = (kv_admission(w.view, req.hashes, req.prompt_tokens, fleet.block_size)
+                     if req.hashes and fleet is not None and self._uses_pages else ((), False, 0))
+            ticket = _Ticket(w, req.prompt_tokens, req.output_tokens, seconds, pages)
             try:
                 upstream = await self.proxy.send(self.proxy.build_request("POST", w.url + path, content=raw,
                                                                           headers=headers), stream=True)
