@@ -40,6 +40,7 @@ from bisect import bisect_left
 from itertools import takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 
 from hybridkv.fleet.costmodel import StepCostModel
@@ -443,6 +444,10 @@ class HybridOptions:
         count_decode: ``T_queue`` includes the wait for a sequence slot held by decoding
             requests (:meth:`HybridRouter.queue_seconds`); ``False``: queued prefill seconds
             alone (the seed's, kept for comparison).
+        count_routed: an instance's hit also counts the prompts this router sent it that have
+            no first token yet (:class:`RoutedPrompts`): their entries are not published yet,
+            but a request queued behind them finds them cached when it runs; ``False``: the
+            events alone (kept for comparison).
     """
 
     hot_relative: float = 2.0
@@ -450,6 +455,96 @@ class HybridOptions:
     tie_relative: float = 0.1
     weigh_waiting: bool = True
     count_decode: bool = True
+    count_routed: bool = True
+
+
+class RoutedPrompts:
+    """The prompts a router sent one instance that have no first token yet: what the instance
+    will have cached when a request routed now runs, before any event says so.
+
+    Under load a request waits seconds to minutes before its prefill, and only then do its
+    entries reach the router's view (:class:`~hybridkv.fleet.events.InstanceView`); the next turn
+    of its conversation, arriving meanwhile, would see no hit anywhere and go to the least
+    loaded instance, which computes the conversation from zero. SGLang's cache_aware router
+    avoids that by inserting each prompt into its per-worker tree when it routes it; this is the
+    same record, kept only until the events catch up.
+
+    ``kv`` maps each unit hash of those prompts (beyond what the view already held when routed)
+    to the sequence number of the last prompt that brought it, ``checkpoints`` likewise for the
+    boundary where each prompt's tail checkpoint will land (its last whole ``tail_tokens``
+    block within the reuse cap: the replay's ``tail=B`` policy, :func:`~hybridkv.replay.runner.default_policy`).
+    :meth:`trim` keeps the sequence numbers of the ``waiting`` newest prompts (first come, first
+    served: the oldest get their first token first) and forgets everything once nothing waits
+    or the instance's epoch changes (a restart or crash lost what it had). Entries of prompts
+    that got their first token stay until the instance next has nothing waiting, or until
+    ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts (then those
+    older than the oldest waiting prompt are dropped); by then they are published, so the view
+    holds them as well, unless evicted meanwhile.
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        tail_tokens: block where a prompt's tail checkpoint lands, tokens (a multiple of ``unit``).
+    """
+
+    PRUNE_FACTOR = 4
+
+    __slots__ = ("unit", "tail_units", "kv", "checkpoints", "seqs", "epoch", "_held")
+
+    def __init__(self, unit: int, tail_tokens: int) -> None:
+        self.unit, self.tail_units = unit, max(1, tail_tokens // unit)
+        self.kv: dict[bytes, int] = {}
+        self.checkpoints: dict[bytes, int] = {}
+        self.seqs: deque[tuple[int, int]] = deque()   # (sequence number, units it added), oldest first
+        self.epoch = -1
+        self._held = 0                                # units added by the prompts in seqs
+
+    def trim(self, waiting: int, epoch: int) -> None:
+        """Keep the ``waiting`` newest prompts; all forgotten when none waits or ``epoch`` (the
+        view's) is not the one they were routed under."""
+        seqs = self.seqs
+        if waiting <= 0 or epoch != self.epoch:
+            if seqs or self.kv:
+                seqs.clear()
+                self.kv.clear()
+                self.checkpoints.clear()
+                self._held = 0
+            self.epoch = epoch
+            return
+        while len(seqs) > waiting:
+            self._held -= seqs.popleft()[1]
+        if len(self.kv) > self.PRUNE_FACTOR * max(self._held, 1):
+            floor = seqs[0][0]
+            self.kv = {h: q for h, q in self.kv.items() if q >= floor}
+            self.checkpoints = {h: q for h, q in self.checkpoints.items() if q >= floor}
+
+    def add(self, seq: int, units: list[bytes], known: int, limit: int) -> None:
+        """Record a prompt routed here: ``units`` its unit hashes within the reuse cap,
+        ``known`` how many of them (from the start) the view already held, ``limit`` the cap
+        (tokens)."""
+        new = units[known:]
+        self.kv.update(dict.fromkeys(new, seq))
+        tail = (limit // self.unit) // self.tail_units * self.tail_units
+        if tail:
+            self.checkpoints[units[tail - 1]] = seq
+        self.seqs.append((seq, len(new)))
+        self._held += len(new)
+
+    def extend(self, units: list[bytes], view, pair: tuple[int, int]) -> tuple[int, int]:
+        """``(kv_hit, hit)`` (tokens) over the view's entries and these prompts together, from
+        the view's ``pair``: the KV run continued through units either holds, and the deepest
+        boundary on it with a checkpoint in either."""
+        g, kv, vkv = self.unit, self.kv, view.kv
+        run = pair[0] // g
+        while True:
+            more = len(list(takewhile(kv.__contains__, units[run:])))
+            more += len(list(takewhile(vkv.__contains__, units[run + more:])))
+            if not more:
+                break
+            run += more
+        deepest, ck, vck, floor = run, self.checkpoints, view.checkpoints, pair[1] // g
+        while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
+            deepest -= 1
+        return run * g, max(deepest, floor) * g
 
 
 class HybridRouter(Router):
@@ -492,13 +587,28 @@ class HybridRouter(Router):
     name = "hybrid"
 
     def __init__(self, cost: StepCostModel, store: StoreCost | None = None,
-                 options: HybridOptions = HybridOptions(), max_num_seqs: int = 1) -> None:
+                 options: HybridOptions = HybridOptions(), max_num_seqs: int = 1,
+                 tail_tokens: int | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} must be at least 1")
+        if tail_tokens is not None and tail_tokens < 1:
+            raise ValueError(f"tail_tokens={tail_tokens!r} must be at least 1 (or None: one unit)")
         self.cost = cost
         self.store = store
         self.options = options
         self.max_num_seqs = max_num_seqs
+        self.tail_tokens = tail_tokens
+        self.routed: list[RoutedPrompts] = []      # per instance, when options.count_routed
+        self._seq = itertools.count()
+
+    def _routed(self, fleet: FleetState, unit: int) -> list[RoutedPrompts]:
+        """The :class:`RoutedPrompts` of every instance, trimmed to what waits there now."""
+        routed, loads, views = self.routed, fleet.loads, fleet.views
+        while len(routed) < len(loads):
+            routed.append(RoutedPrompts(unit, self.tail_tokens or unit))
+        for j, rp in enumerate(routed):
+            rp.trim(loads[j].waiting, views[j].epoch)
+        return routed
 
     def queue_seconds(self, ld: InstanceLoad) -> float:
         """Predicted seconds before a request sent to an instance with load ``ld`` starts.
@@ -525,8 +635,14 @@ class HybridRouter(Router):
     def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int) -> tuple[float, int]:
         """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``; the score is
         ``T_prefill(0) - cost_j`` (higher is better; the seed's score when nothing waits)."""
-        m = fleet.views[j].match(req.hashes, req.limit)
-        work, hit = self._work(req, m.kv_hit, m.hit, store_hit)
+        view = fleet.views[j]
+        m = view.match(req.hashes, req.limit)
+        pair = (m.kv_hit, m.hit)
+        if self.options.count_routed and isinstance(view, InstanceView) and req.limit >= 0:
+            rp = self._routed(fleet, view.unit)[j]
+            if rp.kv:
+                pair = rp.extend(req.hashes[:req.limit // view.unit], view, pair)
+        work, hit = self._work(req, pair[0], pair[1], store_hit)
         ld = fleet.loads[j]
         weight = 1 + ld.waiting if self.options.weigh_waiting else 1
         return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
@@ -574,6 +690,10 @@ class HybridRouter(Router):
         scored = {}
         live = fleet.live
         plain, sliced, sliced_g = InstanceView, hashes, None
+        count_routed = self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView)
+        if count_routed:
+            unit = views[live[0]].unit
+            routed, units, known = self._routed(fleet, unit), hashes[:limit // unit], {}
         for j in self._cool(live, [q[j] for j in live]):
             view = views[j]
             if type(view) is plain and limit >= 0:
@@ -593,6 +713,10 @@ class HybridRouter(Router):
             else:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
+            if count_routed:
+                known[j] = pair[0] // unit
+                if routed[j].kv:
+                    pair = routed[j].extend(units, view, pair)
             work = works.get(pair)
             if work is None:
                 work = works[pair] = self._work(req, pair[0], pair[1], store_hit)[0]
@@ -601,7 +725,10 @@ class HybridRouter(Router):
             scored[j] = p0 - q[j] - weight * work
         tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
-        return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
+        j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
+        if count_routed:
+            routed[j].add(next(self._seq), units, known[j], limit)
+        return j
 
 
 ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid", "prefix-smg")
@@ -650,5 +777,5 @@ def make_router(cfg: RouterConfig) -> Router:
     if cfg.name == "kv-overlap":
         return KVOverlapRouter(cfg.block_size, seed=cfg.seed)
     if cfg.name == "hybrid":
-        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs)
+        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs, cfg.block_size)
     raise ValueError(f"unknown router {cfg.name!r}; choose one of {', '.join(ROUTER_NAMES)}")
