@@ -135,55 +135,13 @@ class StoreView(InstanceView):
         self.evicted_bytes = 0
 
     def _evict_to_fit(self) -> None:
-        """Evict from the least recently used end until ``bytes_held <= capacity_bytes``.
-
-        The order is the one described in ``__init__``: an entry goes when its occurrence is
-        reached in ``_uses`` and it still holds that use's stamp (superseded occurrences are
-        skipped). A use's run of units (a stored event's keys, a load's units before its
-        checkpoint) is consumed in chunks: a chunk of ``ceil(excess / unit bytes)`` entries holds
-        at most the units that must go (each frees at least a unit's bytes), its live units are
-        found in one pass, and the first of them whose bytes (with their checkpoints') cover the
-        excess is where eviction stops, as one entry at a time would stop there."""
         uses, kv, ck, ck_last = self._uses, self.kv, self.checkpoints, self._ck_last
         held, evicted, cap = self.bytes_held, self.evicted_bytes, self.capacity_bytes
         unit_b, ck_b = self._unit_bytes, self._ckpt_bytes
-        kv_get, kv_del = kv.get, kv.__delitem__
         i = self._head
         while held > cap and (kv or ck_last):
             stamp, entries = uses[0]
             n = len(entries)
-            # units first: a stored event's keys are all units, a load's units come before its
-            # checkpoint (the only ``(True, key)`` entry of a use that starts with a unit)
-            nb = (n - 1 if type(entries[-1]) is tuple else n) if n and type(entries[0]) is not tuple else 0
-            while i < nb and held > cap:
-                need = held - cap
-                chunk = entries[i:min(i + -(-need // unit_b), nb)]
-                live = [k for k in chunk if kv_get(k) == stamp]
-                cks = ck.intersection(live) if live else None
-                if cks:                                    # some take a checkpoint's bytes too
-                    freed, t = 0, 0
-                    for k in live:
-                        freed += unit_b + ck_b if k in cks and k in ck_last else unit_b
-                        t += 1
-                        if freed >= need:
-                            break
-                    if t < len(live):
-                        del live[t:]
-                else:
-                    freed = len(live) * unit_b
-                if freed >= need:                          # stops at its last unit taken
-                    i += chunk.index(live[-1]) + 1
-                else:
-                    i += len(chunk)
-                list(map(kv_del, live))
-                held -= len(live) * unit_b
-                evicted += len(live) * unit_b
-                if cks:
-                    for k in cks.intersection(live):       # a unit takes its checkpoint with it
-                        ck.discard(k)
-                        if ck_last.pop(k, None) is not None:
-                            held -= ck_b
-                            evicted += ck_b
             while i < n and held > cap:
                 key = entries[i]
                 i += 1
@@ -219,9 +177,7 @@ class StoreView(InstanceView):
             keys, kv = event.keys, self.kv
             before = len(kv)
             self._stamp += 1
-            # the keys of one event are distinct (one chain); a dict of them merged in (dict to dict,
-            # each key's stored hash reused) costs less than pairs zipped into the view's table
-            kv.update(dict.fromkeys(keys, self._stamp))
+            kv.update(zip(keys, repeat(self._stamp)))      # the keys of one event are distinct (one chain)
             if self._track:
                 self.bytes_held += (len(kv) - before) * self._unit_bytes
             if self.capacity_bytes is not None:           # without a capacity nothing is evicted
@@ -238,7 +194,7 @@ class StoreView(InstanceView):
                 last = self._ck_last
                 before = len(last)
                 self._stamp += 1
-                last.update(dict.fromkeys(new, self._stamp))
+                last.update(zip(new, repeat(self._stamp)))
                 self.bytes_held += (len(last) - before) * self._ckpt_bytes
                 if self.capacity_bytes is not None:
                     self._uses.append((self._stamp, tuple(zip(repeat(True), new))))
