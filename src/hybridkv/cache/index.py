@@ -29,7 +29,8 @@ class BlockNode:
     The children are held as ``one_key`` / ``one`` while there is one (nearly every node: a
     chain's units each have one child, its next unit), as ``many`` (a dict of them all, the
     first two and more) from the second on, so a new node allocates no dict. Nodes compare by
-    identity.
+    identity. :meth:`PrefixIndex._insert_runs` makes most nodes without ``__init__`` (it sets
+    every slot itself): a slot added here must be set there too.
     """
 
     __slots__ = ("key", "parent", "end", "page", "checkpoint", "owner", "created", "one_key", "one", "many")
