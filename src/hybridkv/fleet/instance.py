@@ -367,12 +367,12 @@ class FleetInstance:
 
     def _decode_steps(self, horizon: float) -> tuple[int, float]:
         """Decode-only steps to run at once (until a decoder ends or ``horizon``), and their seconds."""
-        b = len(self.decoding)
-        one = self.cost.step_seconds([], b, self._decode_context())
+        b, context = len(self.decoding), self._decode_context()
+        one = self.cost.step_seconds([], b, context)
         k = min(fr.decode_left for fr in self.decoding)
         if math.isfinite(horizon) and one > 0:
             k = max(1, min(k, int((horizon - self.clock) / one)))
-        return k, self.cost.step_seconds([], b, self._decode_context() + b * (k - 1) // 2) * k
+        return k, self.cost.step_seconds([], b, context + b * (k - 1) // 2) * k
 
     def step(self, horizon: float = math.inf) -> list[FleetRequest]:
         """Advance by one engine step (or, with only modelled decoders, by as many decode steps

@@ -264,9 +264,9 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         task = bar.add_task("requests", total=len(reqs))
         timed = None
         try:
-            if opts.timed:
+            if opts.timed:                   # no progress bar: no call a step (tens of thousands a run)
                 timed = run_timed(_timed_setup(opts, store_url), cfg, reqs, prompts, out_lens, verify_ids,
-                                  lambda k: bar.advance(task, k), units)
+                                  (lambda k: bar.advance(task, k)) if opts.progress else None, units)
                 results = timed.results
             elif n == 1:
                 results = [run_instance(specs[0], lambda k: bar.advance(task, k), threads=opts.threads)]
