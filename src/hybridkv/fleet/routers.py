@@ -571,17 +571,25 @@ class HybridRouter(Router):
       ``score_j = T_saved,j - T_queue,j - T_transfer,j - T_cold,j`` (DESIGN §7; ``score_j =
       T_prefill(0) - cost_j``); under overload the saving is multiplied by the queue it
       shortens, so reuse (less total work) wins over spreading the present queue.
+    * ``h_j`` also counts the prompts this router sent ``j`` that have no first token yet
+      (:class:`RoutedPrompts`, ``options.count_routed``): under load a conversation's next turn
+      arrives before its first turn's entries are published, and would otherwise be a miss
+      everywhere. Their checkpoints are assumed only at each prompt's tail block
+      (``tail_tokens``), so a KV run alone still saves nothing.
     * Ties (costs within ``tie_relative`` of the full prefill; misses everywhere) go to the
       least loaded.
 
     Args:
         cost: prices prefill (:meth:`StepCostModel.prefill_seconds`).
         store: store transfer cost, or ``None`` (no shared store).
-        options: hot-spot guard, tie band, ``weigh_waiting``, ``count_decode``.
+        options: hot-spot guard, tie band, ``weigh_waiting``, ``count_decode``, ``count_routed``.
         max_num_seqs: sequence slots of each instance (prefill and decode together).
+        tail_tokens: the block at whose last whole boundary within the reuse cap an instance
+            places a prompt's tail checkpoint, tokens (:func:`make_router` passes the KV page
+            size, the replay's ``tail=B`` block); ``None``: one ``prefix_match_unit``.
 
     Raises:
-        ValueError: ``max_num_seqs`` below 1.
+        ValueError: ``max_num_seqs`` or ``tail_tokens`` below 1.
     """
 
     name = "hybrid"
