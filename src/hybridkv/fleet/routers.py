@@ -201,6 +201,12 @@ class Router(ABC):
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         """Index of the instance that serves ``req``."""
 
+    def expected_hit(self) -> int | None:
+        """Tokens the last :meth:`route` expected the chosen instance to reuse, or ``None``
+        when the router makes no such estimate (the fleet then prices the queued prefill
+        from the view's joint hit)."""
+        return None
+
 
 class RoundRobin(Router):
     """Instances in turn."""
@@ -608,6 +614,12 @@ class HybridRouter(Router):
         self.tail_tokens = tail_tokens
         self.routed: list[RoutedPrompts] = []      # per instance, when options.count_routed
         self._seq = itertools.count()
+        self._expected: int | None = None
+
+    def expected_hit(self) -> int | None:
+        """The hit (tokens) the last :meth:`route` priced on the instance it chose: its view's
+        joint hit, the prompts routed there and waiting, or the store's, whichever is deepest."""
+        return self._expected
 
     def _routed(self, fleet: FleetState, unit: int) -> list[RoutedPrompts]:
         """The :class:`RoutedPrompts` of every instance, trimmed to what waits there now."""
@@ -695,7 +707,7 @@ class HybridRouter(Router):
         p0 = self.predicted_prefill(req, 0)
         weigh = self.options.weigh_waiting
         works: dict[tuple[int, int], float] = {}
-        scored = {}
+        scored, hits = {}, {}
         live = fleet.live
         plain, sliced, sliced_g = InstanceView, hashes, None
         count_routed = self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView)
@@ -725,6 +737,7 @@ class HybridRouter(Router):
                 known[j] = pair[0] // unit
                 if routed[j].kv:
                     pair = routed[j].extend(units, view, pair)
+            hits[j] = pair
             work = works.get(pair)
             if work is None:
                 work = works[pair] = self._work(req, pair[0], pair[1], store_hit)[0]
@@ -734,6 +747,7 @@ class HybridRouter(Router):
         tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
         j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
+        self._expected = self._work(req, *hits[j], store_hit)[1]
         if count_routed:
             routed[j].add(next(self._seq), units, known[j], limit)
         return j
