@@ -57,7 +57,9 @@ def test_the_next_turn_follows_its_first_turn_while_that_one_waits():
     for r in (counted, events_only):
         assert r.route(request(FIRST), before) == 1
     assert counted.route(request(next_turn()), after) == 1
+    assert counted.expected_hit() == 16 * UNIT        # the first turn's tail block, priced
     assert events_only.route(request(next_turn()), after) == 0
+    assert events_only.expected_hit() == 0
 
 
 def test_the_hit_counted_is_the_first_turns_tail_block():
