@@ -80,12 +80,12 @@ def test_the_hit_counted_is_the_first_turns_tail_block():
 def test_the_record_ends_when_nothing_waits_or_the_epoch_changes():
     rp = RoutedPrompts(UNIT, TAIL)
     rp.trim(1, 0)
-    rp.add(0, FIRST, 0, 16 * UNIT)
+    rp.add(0, FIRST, 0, 16 * UNIT, 0)
     rp.trim(1, 0)
     assert set(rp.kv) == set(FIRST) and set(rp.checkpoints) == {FIRST[15]}
     rp.trim(1, 1)                                   # a restart: the view is in a new epoch
     assert not rp.kv and not rp.checkpoints and not rp.seqs
-    rp.add(1, FIRST, 0, 16 * UNIT)
+    rp.add(1, FIRST, 0, 16 * UNIT, 1)
     rp.trim(0, 1)                                   # nothing waits: all got their first token
     assert not rp.kv and not rp.seqs
 
@@ -95,7 +95,7 @@ def test_only_the_newest_waiting_prompts_are_kept_and_old_entries_pruned():
     rp.trim(5, 0)
     prompts = [chain(*(f"p{k}-{i}" for i in range(8))) for k in range(6)]
     for k, p in enumerate(prompts):
-        rp.add(k, p, 0, 8 * UNIT)
+        rp.add(k, p, 0, 8 * UNIT, 0)
     rp.trim(1, 0)                                   # one still waits: the newest
     assert [q for q, _ in rp.seqs] == [5]
     # 48 units recorded, 8 held by the waiting prompt: over PRUNE_FACTOR (4) times, so pruned
@@ -105,7 +105,7 @@ def test_only_the_newest_waiting_prompts_are_kept_and_old_entries_pruned():
 def test_units_the_view_held_are_not_recorded():
     rp = RoutedPrompts(UNIT, TAIL)
     rp.trim(1, 0)
-    rp.add(0, FIRST, 10, 16 * UNIT)
+    rp.add(0, FIRST, 10, 16 * UNIT, 0)
     assert set(rp.kv) == set(FIRST[10:])
 
 

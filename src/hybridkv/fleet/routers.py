@@ -523,10 +523,12 @@ class RoutedPrompts:
             self.kv = {h: q for h, q in self.kv.items() if q >= floor}
             self.checkpoints = {h: q for h, q in self.checkpoints.items() if q >= floor}
 
-    def add(self, seq: int, units: list[bytes], known: int, limit: int) -> None:
+    def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int) -> None:
         """Record a prompt routed here: ``units`` its unit hashes within the reuse cap,
         ``known`` how many of them (from the start) the view already held, ``limit`` the cap
-        (tokens)."""
+        (tokens), ``epoch`` the view's (a record holding nothing starts in it)."""
+        if not self.seqs:
+            self.epoch = epoch
         new = units[known:]
         self.kv.update(dict.fromkeys(new, seq))
         tail = (limit // self.unit) // self.tail_units * self.tail_units
@@ -614,6 +616,7 @@ class HybridRouter(Router):
         self.tail_tokens = tail_tokens
         self.routed: list[RoutedPrompts] = []      # per instance, when options.count_routed
         self._seq = itertools.count()
+        self._active: set[int] = set()              # instances whose RoutedPrompts hold any
         self._expected: int | None = None
 
     def expected_hit(self) -> int | None:
@@ -622,12 +625,16 @@ class HybridRouter(Router):
         return self._expected
 
     def _routed(self, fleet: FleetState, unit: int) -> list[RoutedPrompts]:
-        """The :class:`RoutedPrompts` of every instance, trimmed to what waits there now."""
-        routed, loads, views = self.routed, fleet.loads, fleet.views
+        """The :class:`RoutedPrompts` of every instance, trimmed to what waits there now (only
+        those holding any are visited: at low load most hold none)."""
+        routed, loads, views, active = self.routed, fleet.loads, fleet.views, self._active
         while len(routed) < len(loads):
             routed.append(RoutedPrompts(unit, self.tail_tokens or unit))
-        for j, rp in enumerate(routed):
+        for j in [*active]:
+            rp = routed[j]
             rp.trim(loads[j].waiting, views[j].epoch)
+            if not rp.seqs:
+                active.discard(j)
         return routed
 
     def queue_seconds(self, ld: InstanceLoad) -> float:
@@ -749,7 +756,8 @@ class HybridRouter(Router):
         j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
         self._expected = self._work(req, *hits[j], store_hit)[1]
         if count_routed:
-            routed[j].add(next(self._seq), units, known[j], limit)
+            routed[j].add(next(self._seq), units, known[j], limit, views[j].epoch)
+            self._active.add(j)
         return j
 
 
