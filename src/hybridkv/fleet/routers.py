@@ -713,7 +713,7 @@ class HybridRouter(Router):
             q = [self.queue_seconds(ld) for ld in loads]
         p0 = self.predicted_prefill(req, 0)
         weigh = self.options.weigh_waiting
-        works: dict[tuple[int, int], float] = {}
+        works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         scored, hits = {}, {}
         live = fleet.live
         plain, sliced, sliced_g = InstanceView, hashes, None
@@ -745,16 +745,17 @@ class HybridRouter(Router):
                 if routed[j].kv:
                     pair = routed[j].extend(units, view, pair)
             hits[j] = pair
-            work = works.get(pair)
-            if work is None:
-                work = works[pair] = self._work(req, pair[0], pair[1], store_hit)[0]
+            priced = works.get(pair)
+            if priced is None:
+                priced = works[pair] = self._work(req, pair[0], pair[1], store_hit)
+            work = priced[0]
             ld = loads[j]
             weight = 1 + ld.waiting if weigh else 1
             scored[j] = p0 - q[j] - weight * work
         tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
         j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
-        self._expected = self._work(req, *hits[j], store_hit)[1]
+        self._expected = works[hits[j]][1]
         if count_routed:
             routed[j].add(next(self._seq), units, known[j], limit, views[j].epoch)
             self._active.add(j)
