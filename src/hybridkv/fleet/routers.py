@@ -494,34 +494,63 @@ class RoutedPrompts:
 
     PRUNE_FACTOR = 4
 
-    __slots__ = ("unit", "tail_units", "kv", "checkpoints", "seqs", "epoch", "_held")
+    __slots__ = ("unit", "tail_units", "_kv", "_checkpoints", "seqs", "epoch", "_held", "_unfolded")
 
     def __init__(self, unit: int, tail_tokens: int) -> None:
         self.unit, self.tail_units = unit, max(1, tail_tokens // unit)
-        self.kv: dict[bytes, int] = {}
-        self.checkpoints: dict[bytes, int] = {}
+        self._kv: dict[bytes, int] = {}
+        self._checkpoints: dict[bytes, int] = {}
         self.seqs: deque[tuple[int, int]] = deque()   # (sequence number, units it added), oldest first
         self.epoch = -1
         self._held = 0                                # units added by the prompts in seqs
+        # prompts recorded but not yet folded into the tables, oldest first: (seq, new units,
+        # tail unit or None); folded on the first query, so a prompt that gets its first token
+        # before any query (an instance at low load) costs no table writes
+        self._unfolded: deque[tuple[int, list[bytes], bytes | None]] = deque()
+
+    @property
+    def kv(self) -> dict[bytes, int]:
+        """Unit hash -> sequence number of the last recorded prompt bringing it."""
+        self._fold()
+        return self._kv
+
+    @property
+    def checkpoints(self) -> dict[bytes, int]:
+        """Tail-checkpoint unit hash -> sequence number of its prompt."""
+        self._fold()
+        return self._checkpoints
+
+    def _fold(self) -> None:
+        kv, ck, todo = self._kv, self._checkpoints, self._unfolded
+        while todo:
+            seq, new, tail = todo.popleft()
+            kv.update(dict.fromkeys(new, seq))
+            if tail is not None:
+                ck[tail] = seq
 
     def trim(self, waiting: int, epoch: int) -> None:
         """Keep the ``waiting`` newest prompts; all forgotten when none waits or ``epoch`` (the
         view's) is not the one they were routed under."""
         seqs = self.seqs
         if waiting <= 0 or epoch != self.epoch:
-            if seqs or self.kv:
+            if seqs or self._kv:
                 seqs.clear()
-                self.kv.clear()
-                self.checkpoints.clear()
+                self._unfolded.clear()
+                self._kv.clear()
+                self._checkpoints.clear()
                 self._held = 0
             self.epoch = epoch
             return
+        todo = self._unfolded
         while len(seqs) > waiting:
-            self._held -= seqs.popleft()[1]
-        if len(self.kv) > self.PRUNE_FACTOR * max(self._held, 1):
+            seq, n = seqs.popleft()
+            self._held -= n
+            if todo and todo[0][0] == seq:            # never folded: nothing to forget
+                todo.popleft()
+        if len(self._kv) > self.PRUNE_FACTOR * max(self._held, 1):
             floor = seqs[0][0]
-            self.kv = {h: q for h, q in self.kv.items() if q >= floor}
-            self.checkpoints = {h: q for h, q in self.checkpoints.items() if q >= floor}
+            self._kv = {h: q for h, q in self._kv.items() if q >= floor}
+            self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
 
     def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int) -> None:
         """Record a prompt routed here: ``units`` its unit hashes within the reuse cap,
@@ -530,10 +559,8 @@ class RoutedPrompts:
         if not self.seqs:
             self.epoch = epoch
         new = units[known:]
-        self.kv.update(dict.fromkeys(new, seq))
         tail = (limit // self.unit) // self.tail_units * self.tail_units
-        if tail:
-            self.checkpoints[units[tail - 1]] = seq
+        self._unfolded.append((seq, new, units[tail - 1] if tail else None))
         self.seqs.append((seq, len(new)))
         self._held += len(new)
 
@@ -541,7 +568,8 @@ class RoutedPrompts:
         """``(kv_hit, hit)`` (tokens) over the view's entries and these prompts together, from
         the view's ``pair``: the KV run continued through units either holds, and the deepest
         boundary on it with a checkpoint in either."""
-        g, kv, vkv = self.unit, self.kv, view.kv
+        self._fold()
+        g, kv, vkv = self.unit, self._kv, view.kv
         run = pair[0] // g
         while True:
             more = len(list(takewhile(kv.__contains__, units[run:])))
@@ -549,7 +577,7 @@ class RoutedPrompts:
             if not more:
                 break
             run += more
-        deepest, ck, vck, floor = run, self.checkpoints, view.checkpoints, pair[1] // g
+        deepest, ck, vck, floor = run, self._checkpoints, view.checkpoints, pair[1] // g
         while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
             deepest -= 1
         return run * g, max(deepest, floor) * g
@@ -667,7 +695,7 @@ class HybridRouter(Router):
         pair = (m.kv_hit, m.hit)
         if self.options.count_routed and isinstance(view, InstanceView) and req.limit >= 0:
             rp = self._routed(fleet, view.unit)[j]
-            if rp.kv:
+            if rp.seqs:
                 pair = rp.extend(req.hashes[:req.limit // view.unit], view, pair)
         work, hit = self._work(req, pair[0], pair[1], store_hit)
         ld = fleet.loads[j]
@@ -742,7 +770,7 @@ class HybridRouter(Router):
                 pair = (m.kv_hit, m.hit)
             if count_routed:
                 known[j] = pair[0] // unit
-                if routed[j].kv:
+                if routed[j].seqs:
                     pair = routed[j].extend(units, view, pair)
             hits[j] = pair
             priced = works.get(pair)
