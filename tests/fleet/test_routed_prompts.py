@@ -121,3 +121,18 @@ def test_a_view_in_a_new_epoch_drops_the_record_in_the_router():
 def test_tail_tokens_must_be_positive():
     with pytest.raises(ValueError, match="tail_tokens=0"):
         HybridRouter(h200_kimi_linear_48b(), tail_tokens=0)
+
+
+def test_a_routed_tail_checkpoint_counts_on_kv_the_view_already_holds():
+    """The view holds the first turn's KV (published by an earlier prompt) but no checkpoint at
+    its tail; the waiting first turn will place one there: the hit is the tail, not 0."""
+    rp = RoutedPrompts(UNIT, TAIL)
+    rp.trim(1, 0)
+    rp.add(0, FIRST, 16, 16 * UNIT, 0)               # the view held all 16 units: none recorded
+    v = view(kv=FIRST)
+    assert not rp.kv
+    assert rp.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 16 * UNIT)
+    other = RoutedPrompts(UNIT, TAIL)                # a record of another conversation only
+    other.trim(1, 0)
+    other.add(0, chain("z0", "z1"), 0, 2 * UNIT, 0)
+    assert other.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 0)

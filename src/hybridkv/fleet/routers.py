@@ -37,7 +37,7 @@ import hashlib
 import itertools
 import random
 from bisect import bisect_left
-from itertools import takewhile
+from itertools import islice, takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
 from collections import deque
@@ -571,9 +571,11 @@ class RoutedPrompts:
         self._fold()
         g, kv, vkv = self.unit, self._kv, view.kv
         run = pair[0] // g
-        while True:
-            more = len(list(takewhile(kv.__contains__, units[run:])))
-            more += len(list(takewhile(vkv.__contains__, units[run + more:])))
+        if (run >= len(units) or units[run] not in kv) and pair[0] == pair[1]:
+            return pair             # most records: another conversation, and no KV past the checkpoint
+        while run < len(units) and units[run] in kv:
+            more = len(list(takewhile(kv.__contains__, islice(units, run, None))))
+            more += len(list(takewhile(vkv.__contains__, islice(units, run + more, None))))
             if not more:
                 break
             run += more
