@@ -153,10 +153,18 @@ def test_under_load_a_hit_is_worth_the_queue_it_shortens():
             InstanceLoad(outstanding_tokens=9000, queued_seconds=1.0 + gap, waiting=waiting),
             InstanceLoad(outstanding_tokens=1000, queued_seconds=1.0, waiting=waiting)])
 
-    router, seed = HybridRouter(cost), HybridRouter(cost, options=HybridOptions(weigh_waiting=False))
-    assert router.route(req, state(0)) == 1 and seed.route(req, state(0)) == 1
-    assert router.route(req, state(8)) == 0                  # (1 + 8) savings outweigh a gap of 3
-    assert seed.route(req, state(8)) == 1                    # the seed's score ignores who waits
+    # a fresh router for each decision: one that routed this prompt already counts it as waiting
+    # where it went (RoutedPrompts), which is not the situation tested here
+    def router():
+        return HybridRouter(cost)
+
+    def seed():
+        return HybridRouter(cost, options=HybridOptions(weigh_waiting=False))
+
+    assert router().route(req, state(0)) == 1 and seed().route(req, state(0)) == 1
+    assert router().route(req, state(8)) == 0                # (1 + 8) savings outweigh a gap of 3
+    assert seed().route(req, state(8)) == 1                  # the seed's score ignores who waits
+    router = router()
     s0, _ = router.score(req, state(8), 0, 0)
     s1, _ = router.score(req, state(8), 1, 0)
     assert s0 - s1 == pytest.approx(9 * saved - gap, rel=1e-9)

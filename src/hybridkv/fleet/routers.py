@@ -37,9 +37,10 @@ import hashlib
 import itertools
 import random
 from bisect import bisect_left
-from itertools import takewhile
+from itertools import islice, takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 
 from hybridkv.fleet.costmodel import StepCostModel
@@ -199,6 +200,12 @@ class Router(ABC):
     @abstractmethod
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         """Index of the instance that serves ``req``."""
+
+    def expected_hit(self) -> int | None:
+        """Tokens the last :meth:`route` expected the chosen instance to reuse, or ``None``
+        when the router makes no such estimate (the fleet then prices the queued prefill
+        from the view's joint hit)."""
+        return None
 
 
 class RoundRobin(Router):
@@ -443,6 +450,10 @@ class HybridOptions:
         count_decode: ``T_queue`` includes the wait for a sequence slot held by decoding
             requests (:meth:`HybridRouter.queue_seconds`); ``False``: queued prefill seconds
             alone (the seed's, kept for comparison).
+        count_routed: an instance's hit also counts the prompts this router sent it that have
+            no first token yet (:class:`RoutedPrompts`): their entries are not published yet,
+            but a request queued behind them finds them cached when it runs; ``False``: the
+            events alone (kept for comparison).
     """
 
     hot_relative: float = 2.0
@@ -450,6 +461,128 @@ class HybridOptions:
     tie_relative: float = 0.1
     weigh_waiting: bool = True
     count_decode: bool = True
+    count_routed: bool = True
+
+
+class RoutedPrompts:
+    """The prompts a router sent one instance that have no first token yet: what the instance
+    will have cached when a request routed now runs, before any event says so.
+
+    Under load a request waits seconds to minutes before its prefill, and only then do its
+    entries reach the router's view (:class:`~hybridkv.fleet.events.InstanceView`); the next turn
+    of its conversation, arriving meanwhile, would see no hit anywhere and go to the least
+    loaded instance, which computes the conversation from zero. SGLang's cache_aware router
+    avoids that by inserting each prompt into its per-worker tree when it routes it; this is the
+    same record, kept only until the events catch up.
+
+    ``kv`` maps each unit hash of those prompts (beyond what the view already held when routed)
+    to the sequence number of the last prompt that brought it, ``checkpoints`` likewise for the
+    boundary where each prompt's tail checkpoint will land (its last whole ``tail_tokens``
+    block within the reuse cap: the replay's ``tail=B`` policy, :func:`~hybridkv.replay.runner.default_policy`).
+    :meth:`trim` keeps the sequence numbers of the ``waiting`` newest prompts (first come, first
+    served: the oldest get their first token first) and forgets everything once nothing waits
+    or the instance's epoch changes (a restart or crash lost what it had). Entries of prompts
+    that got their first token stay until the instance next has nothing waiting, or until
+    ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts (then those
+    older than the oldest waiting prompt are dropped); by then they are published, so the view
+    holds them as well, unless evicted meanwhile.
+
+    Args:
+        unit: ``prefix_match_unit`` in tokens.
+        tail_tokens: block where a prompt's tail checkpoint lands, tokens (a multiple of ``unit``).
+    """
+
+    PRUNE_FACTOR = 4
+
+    __slots__ = ("unit", "tail_units", "_kv", "_checkpoints", "seqs", "epoch", "_held", "_unfolded")
+
+    def __init__(self, unit: int, tail_tokens: int) -> None:
+        self.unit, self.tail_units = unit, max(1, tail_tokens // unit)
+        self._kv: dict[bytes, int] = {}
+        self._checkpoints: dict[bytes, int] = {}
+        self.seqs: deque[tuple[int, int]] = deque()   # (sequence number, units it added), oldest first
+        self.epoch = -1
+        self._held = 0                                # units added by the prompts in seqs
+        # prompts recorded but not yet folded into the tables, oldest first: (seq, new units,
+        # tail unit or None); folded on the first query, so a prompt that gets its first token
+        # before any query (an instance at low load) costs no table writes
+        self._unfolded: deque[tuple[int, list[bytes], bytes | None]] = deque()
+
+    @property
+    def kv(self) -> dict[bytes, int]:
+        """Unit hash -> sequence number of the last recorded prompt bringing it."""
+        self._fold()
+        return self._kv
+
+    @property
+    def checkpoints(self) -> dict[bytes, int]:
+        """Tail-checkpoint unit hash -> sequence number of its prompt."""
+        self._fold()
+        return self._checkpoints
+
+    def _fold(self) -> None:
+        kv, ck, todo = self._kv, self._checkpoints, self._unfolded
+        while todo:
+            seq, new, tail = todo.popleft()
+            kv.update(dict.fromkeys(new, seq))
+            if tail is not None:
+                ck[tail] = seq
+
+    def trim(self, waiting: int, epoch: int) -> None:
+        """Keep the ``waiting`` newest prompts; all forgotten when none waits or ``epoch`` (the
+        view's) is not the one they were routed under."""
+        seqs = self.seqs
+        if waiting <= 0 or epoch != self.epoch:
+            if seqs or self._kv:
+                seqs.clear()
+                self._unfolded.clear()
+                self._kv.clear()
+                self._checkpoints.clear()
+                self._held = 0
+            self.epoch = epoch
+            return
+        todo = self._unfolded
+        while len(seqs) > waiting:
+            seq, n = seqs.popleft()
+            self._held -= n
+            if todo and todo[0][0] == seq:            # never folded: nothing to forget
+                todo.popleft()
+        if len(self._kv) > self.PRUNE_FACTOR * max(self._held, 1):
+            floor = seqs[0][0]
+            self._kv = {h: q for h, q in self._kv.items() if q >= floor}
+            self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
+
+    def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int) -> None:
+        """Record a prompt routed here: ``units`` its unit hashes within the reuse cap,
+        ``known`` how many of them (from the start) the view already held, ``limit`` the cap
+        (tokens), ``epoch`` the view's (a record holding nothing starts in it)."""
+        if not self.seqs:
+            self.epoch = epoch
+        new = units[known:]
+        tail = (limit // self.unit) // self.tail_units * self.tail_units
+        self._unfolded.append((seq, new, units[tail - 1] if tail else None))
+        self.seqs.append((seq, len(new)))
+        self._held += len(new)
+
+    def extend(self, units: list[bytes], view, pair: tuple[int, int]) -> tuple[int, int]:
+        """``(kv_hit, hit)`` (tokens) over the view's entries and these prompts together, from
+        the view's ``pair``: the KV run continued through units either holds, and the deepest
+        boundary on it with a checkpoint in either."""
+        self._fold()
+        g, kv, vkv = self.unit, self._kv, view.kv
+        run = pair[0] // g
+        if (run >= len(units) or units[run] not in kv) and pair[0] == pair[1]:
+            return pair             # most records: another conversation, and no KV past the checkpoint
+        while run < len(units) and units[run] in kv:
+            more = len(list(takewhile(kv.__contains__, islice(units, run, None))))
+            more += len(list(takewhile(vkv.__contains__, islice(units, run + more, None))))
+            if not more:
+                break
+            run += more
+        deepest, ck, vck, floor = run, self._checkpoints, view.checkpoints, pair[1] // g
+        while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
+            deepest -= 1
+        return run * g, max(deepest, floor) * g
 
 
 class HybridRouter(Router):
@@ -476,29 +609,63 @@ class HybridRouter(Router):
       ``score_j = T_saved,j - T_queue,j - T_transfer,j - T_cold,j`` (DESIGN §7; ``score_j =
       T_prefill(0) - cost_j``); under overload the saving is multiplied by the queue it
       shortens, so reuse (less total work) wins over spreading the present queue.
+    * ``h_j`` also counts the prompts this router sent ``j`` that have no first token yet
+      (:class:`RoutedPrompts`, ``options.count_routed``): under load a conversation's next turn
+      arrives before its first turn's entries are published, and would otherwise be a miss
+      everywhere. Their checkpoints are assumed only at each prompt's tail block
+      (``tail_tokens``), so a KV run alone still saves nothing.
     * Ties (costs within ``tie_relative`` of the full prefill; misses everywhere) go to the
       least loaded.
 
     Args:
         cost: prices prefill (:meth:`StepCostModel.prefill_seconds`).
         store: store transfer cost, or ``None`` (no shared store).
-        options: hot-spot guard, tie band, ``weigh_waiting``, ``count_decode``.
+        options: hot-spot guard, tie band, ``weigh_waiting``, ``count_decode``, ``count_routed``.
         max_num_seqs: sequence slots of each instance (prefill and decode together).
+        tail_tokens: the block at whose last whole boundary within the reuse cap an instance
+            places a prompt's tail checkpoint, tokens (:func:`make_router` passes the KV page
+            size, the replay's ``tail=B`` block); ``None``: one ``prefix_match_unit``.
 
     Raises:
-        ValueError: ``max_num_seqs`` below 1.
+        ValueError: ``max_num_seqs`` or ``tail_tokens`` below 1.
     """
 
     name = "hybrid"
 
     def __init__(self, cost: StepCostModel, store: StoreCost | None = None,
-                 options: HybridOptions = HybridOptions(), max_num_seqs: int = 1) -> None:
+                 options: HybridOptions = HybridOptions(), max_num_seqs: int = 1,
+                 tail_tokens: int | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} must be at least 1")
+        if tail_tokens is not None and tail_tokens < 1:
+            raise ValueError(f"tail_tokens={tail_tokens!r} must be at least 1 (or None: one unit)")
         self.cost = cost
         self.store = store
         self.options = options
         self.max_num_seqs = max_num_seqs
+        self.tail_tokens = tail_tokens
+        self.routed: list[RoutedPrompts] = []      # per instance, when options.count_routed
+        self._seq = itertools.count()
+        self._active: set[int] = set()              # instances whose RoutedPrompts hold any
+        self._expected: int | None = None
+
+    def expected_hit(self) -> int | None:
+        """The hit (tokens) the last :meth:`route` priced on the instance it chose: its view's
+        joint hit, the prompts routed there and waiting, or the store's, whichever is deepest."""
+        return self._expected
+
+    def _routed(self, fleet: FleetState, unit: int) -> list[RoutedPrompts]:
+        """The :class:`RoutedPrompts` of every instance, trimmed to what waits there now (only
+        those holding any are visited: at low load most hold none)."""
+        routed, loads, views, active = self.routed, fleet.loads, fleet.views, self._active
+        while len(routed) < len(loads):
+            routed.append(RoutedPrompts(unit, self.tail_tokens or unit))
+        for j in [*active]:
+            rp = routed[j]
+            rp.trim(loads[j].waiting, views[j].epoch)
+            if not rp.seqs:
+                active.discard(j)
+        return routed
 
     def queue_seconds(self, ld: InstanceLoad) -> float:
         """Predicted seconds before a request sent to an instance with load ``ld`` starts.
@@ -525,8 +692,14 @@ class HybridRouter(Router):
     def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int) -> tuple[float, int]:
         """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``; the score is
         ``T_prefill(0) - cost_j`` (higher is better; the seed's score when nothing waits)."""
-        m = fleet.views[j].match(req.hashes, req.limit)
-        work, hit = self._work(req, m.kv_hit, m.hit, store_hit)
+        view = fleet.views[j]
+        m = view.match(req.hashes, req.limit)
+        pair = (m.kv_hit, m.hit)
+        if self.options.count_routed and isinstance(view, InstanceView) and req.limit >= 0:
+            rp = self._routed(fleet, view.unit)[j]
+            if rp.seqs:
+                pair = rp.extend(req.hashes[:req.limit // view.unit], view, pair)
+        work, hit = self._work(req, pair[0], pair[1], store_hit)
         ld = fleet.loads[j]
         weight = 1 + ld.waiting if self.options.weigh_waiting else 1
         return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
@@ -570,10 +743,14 @@ class HybridRouter(Router):
             q = [self.queue_seconds(ld) for ld in loads]
         p0 = self.predicted_prefill(req, 0)
         weigh = self.options.weigh_waiting
-        works: dict[tuple[int, int], float] = {}
-        scored = {}
+        works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
+        scored, hits = {}, {}
         live = fleet.live
         plain, sliced, sliced_g = InstanceView, hashes, None
+        count_routed = self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView)
+        if count_routed:
+            unit = views[live[0]].unit
+            routed, units, known = self._routed(fleet, unit), hashes[:limit // unit], {}
         for j in self._cool(live, [q[j] for j in live]):
             view = views[j]
             if type(view) is plain and limit >= 0:
@@ -593,15 +770,26 @@ class HybridRouter(Router):
             else:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
-            work = works.get(pair)
-            if work is None:
-                work = works[pair] = self._work(req, pair[0], pair[1], store_hit)[0]
+            if count_routed:
+                known[j] = pair[0] // unit
+                if routed[j].seqs:
+                    pair = routed[j].extend(units, view, pair)
+            hits[j] = pair
+            priced = works.get(pair)
+            if priced is None:
+                priced = works[pair] = self._work(req, pair[0], pair[1], store_hit)
+            work = priced[0]
             ld = loads[j]
             weight = 1 + ld.waiting if weigh else 1
             scored[j] = p0 - q[j] - weight * work
         tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
-        return least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
+        j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
+        self._expected = works[hits[j]][1]
+        if count_routed:
+            routed[j].add(next(self._seq), units, known[j], limit, views[j].epoch)
+            self._active.add(j)
+        return j
 
 
 ROUTER_NAMES = ("round-robin", "least-load", "prefix", "kv-overlap", "hybrid", "prefix-smg")
@@ -650,5 +838,5 @@ def make_router(cfg: RouterConfig) -> Router:
     if cfg.name == "kv-overlap":
         return KVOverlapRouter(cfg.block_size, seed=cfg.seed)
     if cfg.name == "hybrid":
-        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs)
+        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs, cfg.block_size)
     raise ValueError(f"unknown router {cfg.name!r}; choose one of {', '.join(ROUTER_NAMES)}")

@@ -102,7 +102,9 @@ class Fleet:
         if not 0 <= j < len(self.instances):
             raise RuntimeError(f"router {self.router.name} chose instance {j} of {len(self.instances)}")
         view = self.state.views[j]
-        hit = view.match(hashes, rr.limit).hit
+        hit = self.router.expected_hit() if self.state.live else None   # the router's own estimate
+        if hit is None:
+            hit = view.match(hashes, rr.limit).hit
         inst = self.instances[j]
         if self.router.uses_pages:
             fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)

@@ -1,0 +1,138 @@
+"""The hybrid router counts prompts it routed that have no first token yet (RoutedPrompts):
+the next turn of a conversation queued behind its first turn goes where that turn will be
+cached, before any event says so; the record ends when nothing waits or the epoch changes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from hybridkv.fleet.costmodel import h200_kimi_linear_48b
+from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
+from hybridkv.fleet.routers import FleetState, HybridOptions, HybridRouter, InstanceLoad, RoutedPrompts
+
+from test_routers import UNIT, chain, request, view
+
+TAIL = 512
+"""Tail checkpoint block (tokens): 8 units."""
+
+FIRST = chain(*(f"u{i}" for i in range(16)))            # two whole 512-token blocks
+
+
+def next_turn(extra_units: int = 6) -> list[bytes]:
+    """The second turn: the first turn's 16 units, then its answer and a new question."""
+    out, prev = list(FIRST), FIRST[-1]
+    for i in range(extra_units):
+        prev = hashlib.sha256(prev + f"w{i}".encode()).digest()
+        out.append(prev)
+    return out
+
+
+def busy_fleet(waiting0: int, waiting1: int) -> FleetState:
+    """Two instances with the same queue; instance 1 the lighter by outstanding tokens (the
+    least loaded), nothing of either prompt in their views."""
+    return FleetState(views=[view(), view(instance=1)], loads=[
+        InstanceLoad(outstanding_tokens=5000, queued_seconds=2.0, waiting=waiting0),
+        InstanceLoad(outstanding_tokens=4000, queued_seconds=2.0, waiting=waiting1)])
+
+
+def routers():
+    cost = h200_kimi_linear_48b()
+    return (HybridRouter(cost, tail_tokens=TAIL),
+            HybridRouter(cost, options=HybridOptions(count_routed=False), tail_tokens=TAIL))
+
+
+def test_the_next_turn_follows_its_first_turn_while_that_one_waits():
+    """The first turn goes to the lighter instance (1). While it waits there (no first token,
+    nothing published), the next turn arrives and instance 0 has become the lighter: counting
+    the routed prompt it follows the first turn (1); on the events alone it is a miss
+    everywhere and goes to the least loaded (0), which would compute the conversation again."""
+    views = [view(), view(instance=1)]
+    before = FleetState(views=views, loads=[InstanceLoad(outstanding_tokens=5000, queued_seconds=2.0),
+                                            InstanceLoad(outstanding_tokens=3000, queued_seconds=2.0)])
+    after = FleetState(views=views, loads=[InstanceLoad(outstanding_tokens=3000, queued_seconds=2.0, waiting=1),
+                                           InstanceLoad(outstanding_tokens=5000, queued_seconds=2.0, waiting=1)])
+    counted, events_only = routers()
+    for r in (counted, events_only):
+        assert r.route(request(FIRST), before) == 1
+    assert counted.route(request(next_turn()), after) == 1
+    assert counted.expected_hit() == 16 * UNIT        # the first turn's tail block, priced
+    assert events_only.route(request(next_turn()), after) == 0
+    assert events_only.expected_hit() == 0
+
+
+def test_the_hit_counted_is_the_first_turns_tail_block():
+    """The first turn's 16 units give a KV run of 16 units and a checkpoint at its last whole
+    512-token block (unit 16); a prompt sharing 12 of them gets the KV run 12 and the hit at
+    the block below (unit 8) -- no checkpoint is assumed where none will be."""
+    counted, _ = routers()
+    counted.route(request(FIRST), busy_fleet(0, 0))
+    rp = counted._routed(busy_fleet(0, 1), UNIT)[1]
+    v = InstanceView(UNIT)
+    assert rp.extend(next_turn(), v, (0, 0)) == (16 * UNIT, 16 * UNIT)
+    branch = FIRST[:12] + [hashlib.sha256(FIRST[11] + b"other").digest()]
+    assert rp.extend(branch, v, (0, 0)) == (12 * UNIT, 0)    # no checkpoint on the first 12 units
+    rp.checkpoints[FIRST[7]] = 0                               # an interval checkpoint at unit 8
+    assert rp.extend(branch, v, (0, 0)) == (12 * UNIT, 8 * UNIT)
+
+
+def test_the_record_ends_when_nothing_waits_or_the_epoch_changes():
+    rp = RoutedPrompts(UNIT, TAIL)
+    rp.trim(1, 0)
+    rp.add(0, FIRST, 0, 16 * UNIT, 0)
+    rp.trim(1, 0)
+    assert set(rp.kv) == set(FIRST) and set(rp.checkpoints) == {FIRST[15]}
+    rp.trim(1, 1)                                   # a restart: the view is in a new epoch
+    assert not rp.kv and not rp.checkpoints and not rp.seqs
+    rp.add(1, FIRST, 0, 16 * UNIT, 1)
+    rp.trim(0, 1)                                   # nothing waits: all got their first token
+    assert not rp.kv and not rp.seqs
+
+
+def test_only_the_newest_waiting_prompts_are_kept_and_old_entries_pruned():
+    rp = RoutedPrompts(UNIT, TAIL)
+    rp.trim(5, 0)
+    prompts = [chain(*(f"p{k}-{i}" for i in range(8))) for k in range(6)]
+    for k, p in enumerate(prompts):
+        rp.add(k, p, 0, 8 * UNIT, 0)
+    rp.trim(1, 0)                                   # one still waits: the newest
+    assert [q for q, _ in rp.seqs] == [5]
+    # 48 units recorded, 8 held by the waiting prompt: over PRUNE_FACTOR (4) times, so pruned
+    assert set(rp.kv) == set(prompts[5]) and set(rp.checkpoints) == {prompts[5][-1]}
+
+
+def test_units_the_view_held_are_not_recorded():
+    rp = RoutedPrompts(UNIT, TAIL)
+    rp.trim(1, 0)
+    rp.add(0, FIRST, 10, 16 * UNIT, 0)
+    assert set(rp.kv) == set(FIRST[10:])
+
+
+def test_a_view_in_a_new_epoch_drops_the_record_in_the_router():
+    counted, _ = routers()
+    counted.route(request(FIRST), busy_fleet(0, 0))
+    restarted = busy_fleet(1, 1)
+    restarted.views[1].apply(CacheEvent(1, 1, 2, EventKind.ALL_CLEARED, ()))
+    counted._routed(restarted, UNIT)
+    assert not counted.routed[1].kv
+
+
+def test_tail_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="tail_tokens=0"):
+        HybridRouter(h200_kimi_linear_48b(), tail_tokens=0)
+
+
+def test_a_routed_tail_checkpoint_counts_on_kv_the_view_already_holds():
+    """The view holds the first turn's KV (published by an earlier prompt) but no checkpoint at
+    its tail; the waiting first turn will place one there: the hit is the tail, not 0."""
+    rp = RoutedPrompts(UNIT, TAIL)
+    rp.trim(1, 0)
+    rp.add(0, FIRST, 16, 16 * UNIT, 0)               # the view held all 16 units: none recorded
+    v = view(kv=FIRST)
+    assert not rp.kv
+    assert rp.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 16 * UNIT)
+    other = RoutedPrompts(UNIT, TAIL)                # a record of another conversation only
+    other.trim(1, 0)
+    other.add(0, chain("z0", "z1"), 0, 2 * UNIT, 0)
+    assert other.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 0)
