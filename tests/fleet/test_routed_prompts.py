@@ -178,3 +178,40 @@ def test_a_record_ends_with_its_prompts_first_token_though_other_prompts_wait_th
     fleet = FleetState([w.view for w in states], [w.load for w in states])
     assert a.score(request(next_turn()), fleet, 0, 0)[1] == 0     # nothing of the first turn on worker 0
     assert not a.routed[0].seqs
+
+
+def test_the_tables_stay_bounded_while_prompts_wait_without_a_pause():
+    """A server never idle (two prompts always waiting) whose prompts' KV the view holds whole
+    (a repeated document, its own question cached too): no prompt adds a unit, each adds its
+    tail checkpoint. Before, the checkpoints were pruned only with the units (never here: none
+    added), one per prompt routed in the busy spell (2,000 after 2,000 prompts); after, both
+    tables keep at most PRUNE_FACTOR times what the waiting prompts hold."""
+    rp = RoutedPrompts(UNIT, TAIL)
+    for k in range(2000):
+        units = chain(*(f"doc{k}-{i}" for i in range(16)))
+        rp.trim(2, 0, max(0, k - 2))                    # k routed before, 2 of them waiting
+        rp.add(k, units, len(units), 16 * UNIT, 0, ahead=k)
+        assert len(rp.checkpoints) <= RoutedPrompts.PRUNE_FACTOR * max(len(rp.seqs), 1)
+        assert len(rp.kv) <= RoutedPrompts.PRUNE_FACTOR * max(rp._held, 1)
+    assert [q for q, _, _ in rp.seqs] == [1997, 1998, 1999]
+
+
+def test_a_routed_prompt_gives_no_hit_to_the_same_prompt_of_another_namespace():
+    """Hashes are bound to the request's namespace (tenant, adapter, salt): tenant A's waiting
+    prompt makes its own next turn a hit on its instance and the same tokens under tenant B a
+    miss there (no unit hash in common)."""
+    import numpy as np
+
+    from hybridkv.fleet.events import EventPublisher
+    from test_fleet import builder, config
+
+    cache = builder(config())(EventPublisher(0), None).engine.cache
+    tokens = np.arange(16 * UNIT + 100) % 997
+    ns_a, ns_b = hashlib.sha256(b"tenant-a").digest(), hashlib.sha256(b"tenant-b").digest()
+    a, b = cache.hash_prompt(tokens, ns_a), cache.hash_prompt(tokens, ns_b)
+    assert len(a) == len(b) == 17 and not set(a) & set(b)
+    counted, _ = routers()
+    assert counted.route(request(a[:16]), busy_fleet(0, 0)) == 1         # the lighter
+    waiting = busy_fleet(0, 1)
+    assert counted.score(request(a), waiting, 1, 0)[1] == 16 * UNIT      # A's own next turn: the tail
+    assert counted.score(request(b), waiting, 1, 0)[1] == 0              # B: nothing

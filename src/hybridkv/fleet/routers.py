@@ -486,8 +486,9 @@ class RoutedPrompts:
     router's several routers on the same workers do), and forgets everything once nothing waits
     or the instance's epoch changes (a restart or crash lost what it had). Entries of prompts
     that got their first token stay until the instance next has nothing waiting, or until
-    ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts (then those
-    older than the oldest waiting prompt are dropped); by then they are published, so the view
+    ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts, or
+    ``checkpoints`` that many times their number (then those older than the oldest waiting
+    prompt are dropped, from both tables or from ``checkpoints``); by then they are published, so the view
     holds them as well, unless evicted meanwhile.
 
     Args:
@@ -557,9 +558,12 @@ class RoutedPrompts:
         if not seqs:
             self.trim(0, epoch)
             return
+        floor = seqs[0][0]
         if len(self._kv) > self.PRUNE_FACTOR * max(self._held, 1):
-            floor = seqs[0][0]
             self._kv = {h: q for h, q in self._kv.items() if q >= floor}
+            self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
+        elif len(self._checkpoints) > self.PRUNE_FACTOR * len(seqs):
+            # at most one a prompt: bounded on its own, as prompts the view held whole add no unit
             self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
 
     def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int, ahead: int = 0) -> None:
