@@ -445,3 +445,31 @@ def test_a_crash_not_done_because_the_instance_was_down_is_warned_of_with_that_r
     (crash,) = rep["crashes"]
     assert crash["requested"] == 20.0 and rep["makespan_seconds"] > 21.0
     assert "--crash 1@21 not done: instance 1 was down then" in err and "work ended" not in err
+
+
+@pytest.mark.parametrize("router", ["hybrid", "kv-overlap"])
+def test_a_request_queued_while_every_instance_is_down_is_priced_on_an_empty_cache(router):
+    """One instance serves a prompt, then crashes (back 5 s later with an empty cache); the same
+    prompt arriving while it is down queues on it. Its view still shows the lost cache until the
+    return (``all_cleared`` is heard then), so pricing from it gave a hit the new engine does not
+    have: a queued prefill of the prompt net of the lost KV (and, for kv-overlap, prefill tokens
+    net of that overlap). It is priced as what it is: the whole prompt from zero."""
+    cfg, cost = config(), h200_kimi_linear_48b()
+    instances = [FleetInstance(0, builder(cfg), cost, cfg.max_num_seqs)]
+    chosen = HybridRouter(cost) if router == "hybrid" else KVOverlapRouter(cfg.block_size)
+    fleet = Fleet(instances, chosen, UNIT, cost)
+    prompt = np.arange(2000) % 997
+    first = fleet_requests([prompt], 0.0)
+    fleet.run(first)
+    assert fleet.state.views[0].match(first[0].hashes, reuse_cap(len(prompt), UNIT)).hit > 0   # the view holds it
+    down_at = first[0].finished + 1.0
+    fleet.schedule_crash(0, down_at, cold_start_s=5.0)
+    again = fleet_requests([prompt], 0.0)
+    again[0].arrival = down_at + 0.5                                   # while the only instance is down
+    fleet.run(again)
+    assert fleet.crashes_done and not fleet.crashes_done[0]["requeued"]
+    assert again[0].instance == 0 and again[0].requeues == 0
+    assert again[0].predicted_s == pytest.approx(cost.prefill_seconds(0, len(prompt)))   # set when queued
+    if router == "kv-overlap":
+        assert again[0].pages[2] == len(prompt)                         # every prompt token to prefill
+    assert again[0].request.reused == 0                                 # as it happened: the cache was empty

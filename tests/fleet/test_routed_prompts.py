@@ -97,7 +97,7 @@ def test_only_the_newest_waiting_prompts_are_kept_and_old_entries_pruned():
     for k, p in enumerate(prompts):
         rp.add(k, p, 0, 8 * UNIT, 0)
     rp.trim(1, 0)                                   # one still waits: the newest
-    assert [q for q, _ in rp.seqs] == [5]
+    assert [q for q, _, _ in rp.seqs] == [5]
     # 48 units recorded, 8 held by the waiting prompt: over PRUNE_FACTOR (4) times, so pruned
     assert set(rp.kv) == set(prompts[5]) and set(rp.checkpoints) == {prompts[5][-1]}
 
@@ -136,3 +136,82 @@ def test_a_routed_tail_checkpoint_counts_on_kv_the_view_already_holds():
     other.trim(1, 0)
     other.add(0, chain("z0", "z1"), 0, 2 * UNIT, 0)
     assert other.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 0)
+
+
+def test_a_record_ends_with_its_prompts_first_token_though_other_prompts_wait_there():
+    """The HTTP router keeps one hybrid router per set of workers in rotation, all on the same
+    workers' loads. Router A (workers 0, 1, 2) sends the first turn to worker 0; worker 2 leaves,
+    and router B (0, 1) sends other requests, two of them to worker 0, while the first turn gets
+    its first token and ends (its KV then evicted: the view holds none of it). Worker 2 returns:
+    router A routes the next turn. Two requests wait on worker 0, none of them A's: before, A kept
+    its record as one of the 2 newest waiting there and priced the first turn's tail as a hit on
+    worker 0 (16 units), which it does not hold; after, a record ends once as many requests as were
+    routed there up to it have had their first token (the instance serves first come, first served)."""
+    from hybridkv.fleet.events import InstanceView as View
+    from hybridkv.fleet.routers import RouteRequest
+    from hybridkv.serve.fleet_view import FleetIdentity
+    from hybridkv.serve.router import RouterService, RouterSettings, _Ticket
+    from hybridkv.serve.tokenizer import load_codec
+
+    service = RouterService([f"http://127.0.0.1:{p}" for p in (1, 2, 3)], load_codec("tiny", 512),
+                            RouterSettings("hybrid", h200_kimi_linear_48b(), store_bytes_per_s=0))
+    service.workers.fleet = FleetIdentity((), b"", UNIT, TAIL, 512)
+    states = service.workers.states
+    for w in states:
+        w.healthy, w.view = True, View(UNIT)
+
+    def send(hashes: list[bytes], exclude: set[int] = frozenset()) -> tuple[int, _Ticket]:
+        req = RouteRequest(hashes, len(hashes) * UNIT + 1, len(hashes) * UNIT, 64)
+        i = service.pick(req, set(exclude))
+        return i, _Ticket(states[i], req.prompt_tokens, req.output_tokens, 0.5)
+
+    i, first = send(FIRST)
+    assert i == 0
+    states[2].healthy = False                              # worker 2 out: router B from now on
+    others = [send(chain(*(f"o{k}-{u}" for u in range(16)))) for k in range(4)]
+    assert [j for j, _ in others] == [1, 0, 1, 0]
+    first.first_byte()
+    first.done()
+    assert states[0].load.waiting == 2
+    states[2].healthy = True                               # back: router A again
+    a = service._routers[((0, 1, 2), None)]
+    fleet = FleetState([w.view for w in states], [w.load for w in states])
+    assert a.score(request(next_turn()), fleet, 0, 0)[1] == 0     # nothing of the first turn on worker 0
+    assert not a.routed[0].seqs
+
+
+def test_the_tables_stay_bounded_while_prompts_wait_without_a_pause():
+    """A server never idle (two prompts always waiting) whose prompts' KV the view holds whole
+    (a repeated document, its own question cached too): no prompt adds a unit, each adds its
+    tail checkpoint. Before, the checkpoints were pruned only with the units (never here: none
+    added), one per prompt routed in the busy spell (2,000 after 2,000 prompts); after, both
+    tables keep at most PRUNE_FACTOR times what the waiting prompts hold."""
+    rp = RoutedPrompts(UNIT, TAIL)
+    for k in range(2000):
+        units = chain(*(f"doc{k}-{i}" for i in range(16)))
+        rp.trim(2, 0, max(0, k - 2))                    # k routed before, 2 of them waiting
+        rp.add(k, units, len(units), 16 * UNIT, 0, ahead=k)
+        assert len(rp.checkpoints) <= RoutedPrompts.PRUNE_FACTOR * max(len(rp.seqs), 1)
+        assert len(rp.kv) <= RoutedPrompts.PRUNE_FACTOR * max(rp._held, 1)
+    assert [q for q, _, _ in rp.seqs] == [1997, 1998, 1999]
+
+
+def test_a_routed_prompt_gives_no_hit_to_the_same_prompt_of_another_namespace():
+    """Hashes are bound to the request's namespace (tenant, adapter, salt): tenant A's waiting
+    prompt makes its own next turn a hit on its instance and the same tokens under tenant B a
+    miss there (no unit hash in common)."""
+    import numpy as np
+
+    from hybridkv.fleet.events import EventPublisher
+    from test_fleet import builder, config
+
+    cache = builder(config())(EventPublisher(0), None).engine.cache
+    tokens = np.arange(16 * UNIT + 100) % 997
+    ns_a, ns_b = hashlib.sha256(b"tenant-a").digest(), hashlib.sha256(b"tenant-b").digest()
+    a, b = cache.hash_prompt(tokens, ns_a), cache.hash_prompt(tokens, ns_b)
+    assert len(a) == len(b) == 17 and not set(a) & set(b)
+    counted, _ = routers()
+    assert counted.route(request(a[:16]), busy_fleet(0, 0)) == 1         # the lighter
+    waiting = busy_fleet(0, 1)
+    assert counted.score(request(a), waiting, 1, 0)[1] == 16 * UNIT      # A's own next turn: the tail
+    assert counted.score(request(b), waiting, 1, 0)[1] == 0              # B: nothing

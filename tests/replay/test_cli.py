@@ -50,6 +50,19 @@ def test_report_gives_cpu_seconds_and_request_rates(tmp_path):
     assert abs(rep["requests_per_cpu_second"] - 200 / rep["cpu_seconds"]) <= RATE_TOL
 
 
+def test_request_rates_count_the_requests_served(tmp_path):
+    """18 of 20 requests rejected (4 KV pages): the rates are of the 2 served; all 20 rejected
+    (1 page): the replay exits 1 and reports rates of 0.0, not an error or a null."""
+    rep = _replay(tmp_path, "--simulate", "--limit", "20", "--kv-pages", "4")
+    assert rep["requests"] + rep["rejected"]["requests"] == 20 and rep["rejected"]["requests"] > 0
+    assert abs(rep["requests_per_cpu_second"] - rep["requests"] / rep["cpu_seconds"]) <= RATE_TOL
+    out = tmp_path / "none.json"
+    assert main(["replay", "--no-progress", "--json", str(out), "--simulate", "--limit", "20", "--kv-pages", "1"]) == 1
+    none = json.loads(out.read_text())
+    assert none["requests"] == 0 and none["rejected"]["requests"] == 20
+    assert none["requests_per_second"] == none["requests_per_cpu_second"] == 0.0 and none["cpu_seconds"] >= 0
+
+
 def test_two_instances_share_a_store(tmp_path):
     store = tmp_path / "store"
     rep = _replay(tmp_path, "--limit", "40", "--model", "tiny", "--instances", "2", "--verify", "4",

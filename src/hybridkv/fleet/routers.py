@@ -479,12 +479,16 @@ class RoutedPrompts:
     to the sequence number of the last prompt that brought it, ``checkpoints`` likewise for the
     boundary where each prompt's tail checkpoint will land (its last whole ``tail_tokens``
     block within the reuse cap: the replay's ``tail=B`` policy, :func:`~hybridkv.replay.runner.default_policy`).
-    :meth:`trim` keeps the sequence numbers of the ``waiting`` newest prompts (first come, first
-    served: the oldest get their first token first) and forgets everything once nothing waits
+    :meth:`trim` keeps the ``waiting`` newest prompts, and of those only the ones not yet served
+    by the count of first tokens on the instance (first come, first served: a prompt that had
+    ``ahead`` requests routed there before it has its first token once more than ``ahead`` of
+    them have; the count is the instance's, so it holds whoever routed the others, as the HTTP
+    router's several routers on the same workers do), and forgets everything once nothing waits
     or the instance's epoch changes (a restart or crash lost what it had). Entries of prompts
     that got their first token stay until the instance next has nothing waiting, or until
-    ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts (then those
-    older than the oldest waiting prompt are dropped); by then they are published, so the view
+    ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts, or
+    ``checkpoints`` that many times their number (then those older than the oldest waiting
+    prompt are dropped, from both tables or from ``checkpoints``); by then they are published, so the view
     holds them as well, unless evicted meanwhile.
 
     Args:
@@ -500,7 +504,8 @@ class RoutedPrompts:
         self.unit, self.tail_units = unit, max(1, tail_tokens // unit)
         self._kv: dict[bytes, int] = {}
         self._checkpoints: dict[bytes, int] = {}
-        self.seqs: deque[tuple[int, int]] = deque()   # (sequence number, units it added), oldest first
+        # (sequence number, units it added, requests routed to the instance before it), oldest first
+        self.seqs: deque[tuple[int, int, int]] = deque()
         self.epoch = -1
         self._held = 0                                # units added by the prompts in seqs
         # prompts recorded but not yet folded into the tables, oldest first: (seq, new units,
@@ -528,8 +533,11 @@ class RoutedPrompts:
             if tail is not None:
                 ck[tail] = seq
 
-    def trim(self, waiting: int, epoch: int) -> None:
-        """Keep the ``waiting`` newest prompts; all forgotten when none waits or ``epoch`` (the
+    def trim(self, waiting: int, epoch: int, started: int = 0) -> None:
+        """Keep the ``waiting`` newest prompts, less those with fewer than ``started`` requests
+        routed to the instance before them (``started``: requests routed there that have had
+        their first token or ended, ``InstanceLoad.routed - InstanceLoad.waiting``; 0: not
+        known, the ``waiting`` newest kept); all forgotten when none waits or ``epoch`` (the
         view's) is not the one they were routed under."""
         seqs = self.seqs
         if waiting <= 0 or epoch != self.epoch:
@@ -542,26 +550,34 @@ class RoutedPrompts:
             self.epoch = epoch
             return
         todo = self._unfolded
-        while len(seqs) > waiting:
-            seq, n = seqs.popleft()
+        while seqs and (len(seqs) > waiting or seqs[0][2] < started):
+            seq, n, _ = seqs.popleft()
             self._held -= n
             if todo and todo[0][0] == seq:            # never folded: nothing to forget
                 todo.popleft()
+        if not seqs:
+            self.trim(0, epoch)
+            return
+        floor = seqs[0][0]
         if len(self._kv) > self.PRUNE_FACTOR * max(self._held, 1):
-            floor = seqs[0][0]
             self._kv = {h: q for h, q in self._kv.items() if q >= floor}
             self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
+        elif len(self._checkpoints) > self.PRUNE_FACTOR * len(seqs):
+            # at most one a prompt: bounded on its own, as prompts the view held whole add no unit
+            self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
 
-    def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int) -> None:
+    def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int, ahead: int = 0) -> None:
         """Record a prompt routed here: ``units`` its unit hashes within the reuse cap,
         ``known`` how many of them (from the start) the view already held, ``limit`` the cap
-        (tokens), ``epoch`` the view's (a record holding nothing starts in it)."""
+        (tokens), ``epoch`` the view's (a record holding nothing starts in it), ``ahead`` the
+        requests routed to the instance before it (``InstanceLoad.routed`` when it is routed;
+        :meth:`trim`)."""
         if not self.seqs:
             self.epoch = epoch
         new = units[known:]
         tail = (limit // self.unit) // self.tail_units * self.tail_units
         self._unfolded.append((seq, new, units[tail - 1] if tail else None))
-        self.seqs.append((seq, len(new)))
+        self.seqs.append((seq, len(new), ahead))
         self._held += len(new)
 
     def extend(self, units: list[bytes], view, pair: tuple[int, int]) -> tuple[int, int]:
@@ -662,7 +678,8 @@ class HybridRouter(Router):
             routed.append(RoutedPrompts(unit, self.tail_tokens or unit))
         for j in [*active]:
             rp = routed[j]
-            rp.trim(loads[j].waiting, views[j].epoch)
+            ld = loads[j]
+            rp.trim(ld.waiting, views[j].epoch, ld.routed - ld.waiting)
             if not rp.seqs:
                 active.discard(j)
         return routed
@@ -787,7 +804,7 @@ class HybridRouter(Router):
         j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
         self._expected = works[hits[j]][1]
         if count_routed:
-            routed[j].add(next(self._seq), units, known[j], limit, views[j].epoch)
+            routed[j].add(next(self._seq), units, known[j], limit, views[j].epoch, loads[j].routed)
             self._active.add(j)
         return j
 

@@ -86,7 +86,8 @@ class Fleet:
     def route(self, fr: FleetRequest, now: float | None = None) -> int:
         """Route one request at ``now`` (default its arrival; later for one requeued after a
         crash) and queue it on the chosen instance. With every instance down it goes to the
-        one back first."""
+        one back first, its queued prefill (and ``kv-overlap``'s page counts) priced on the empty
+        cache it comes back with: the whole prompt."""
         now = fr.arrival if now is None else now
         self.deliver(now)
         r = fr.request
@@ -101,10 +102,15 @@ class Fleet:
             j = min(range(len(self.instances)), key=lambda k: (self.instances[k].clock, k))
         if not 0 <= j < len(self.instances):
             raise RuntimeError(f"router {self.router.name} chose instance {j} of {len(self.instances)}")
-        view = self.state.views[j]
-        hit = self.router.expected_hit() if self.state.live else None   # the router's own estimate
-        if hit is None:
-            hit = view.match(hashes, rr.limit).hit
+        if self.state.live:
+            view = self.state.views[j]
+            hit = self.router.expected_hit()     # the router's own estimate, else the view's joint hit
+            if hit is None:
+                hit = view.match(hashes, rr.limit).hit
+        else:
+            # every instance is down: ``j`` comes back with an empty cache, while its view still
+            # shows the lost one until the return (``all_cleared`` is heard then); priced from zero
+            view, hit = InstanceView(self.unit), 0
         inst = self.instances[j]
         if self.router.uses_pages:
             fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)

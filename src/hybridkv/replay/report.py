@@ -154,8 +154,10 @@ class ReplayReport:
         router, how many times in all, and their TTFT from the original arrival.
     cpu_seconds: CPU seconds (user + system, ``getrusage``) over the span of ``wall_seconds``, of
         the replaying process and of the instance processes it ran (untimed ``--instances > 1``).
-    requests_per_second, requests_per_cpu_second: ``requests`` per ``wall_seconds`` and per
-        ``cpu_seconds`` (the simulator's speed figure of issue 9 item 4 is the second).
+    requests_per_second, requests_per_cpu_second: ``requests`` (those served: rejected requests
+        are not counted; those run before Ctrl-C in an interrupted run) per ``wall_seconds`` and
+        per ``cpu_seconds``, requests/s (0.0 when every request was rejected; the simulator's
+        speed figure of issue 9 item 4 is the second).
     """
 
     requests: int
