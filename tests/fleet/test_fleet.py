@@ -473,3 +473,86 @@ def test_a_request_queued_while_every_instance_is_down_is_priced_on_an_empty_cac
     if router == "kv-overlap":
         assert again[0].pages[2] == len(prompt)                         # every prompt token to prefill
     assert again[0].request.reused == 0                                 # as it happened: the cache was empty
+
+
+class _LRUStoreModel:
+    """The store view's capacity rule written plainly, to check the lazy one against: every
+    entry (a unit's KV, ``("u", key)``, or a checkpoint, ``("c", key)``) in one OrderedDict
+    moved to the end on each use; the oldest evicted first, a unit taking its checkpoint."""
+
+    def __init__(self, unit: int, alignment: int, cap: int, unit_bytes: int, ckpt_bytes: int) -> None:
+        from collections import OrderedDict
+        self.unit, self.alignment, self.cap = unit, alignment, cap
+        self.unit_bytes, self.ckpt_bytes = unit_bytes, ckpt_bytes
+        self.order: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self.held = self.peak = self.evicted = 0
+
+    def _use(self, entry: tuple[str, bytes]) -> bool:
+        new = entry not in self.order
+        self.order[entry] = None
+        self.order.move_to_end(entry)
+        return new
+
+    def stored(self, keys) -> None:
+        self.held += sum(self._use(("u", k)) for k in keys) * self.unit_bytes
+        self._evict()
+
+    def checkpoints_stored(self, keys, boundaries) -> None:
+        new = [k for k, b in zip(keys, boundaries) if b % self.alignment == 0 and ("u", k) in self.order]
+        self.held += sum(self._use(("c", k)) for k in new) * self.ckpt_bytes
+        self._evict()
+
+    def touch(self, hashes, end: int) -> None:
+        for k in hashes[:end // self.unit]:
+            if ("u", k) in self.order:
+                self._use(("u", k))
+        if end and ("c", hashes[end // self.unit - 1]) in self.order:
+            self._use(("c", hashes[end // self.unit - 1]))
+
+    def _evict(self) -> None:
+        while self.held > self.cap and self.order:
+            (kind, key), _ = self.order.popitem(last=False)
+            self.held -= self.unit_bytes if kind == "u" else self.ckpt_bytes
+            self.evicted += self.unit_bytes if kind == "u" else self.ckpt_bytes
+            if kind == "u" and self.order.pop(("c", key), 0) is None:
+                self.held -= self.ckpt_bytes
+                self.evicted += self.ckpt_bytes
+        self.peak = max(self.peak, self.held)
+
+    def units(self) -> set[bytes]:
+        return {k for kind, k in self.order if kind == "u"}
+
+    def checkpoints(self) -> set[bytes]:
+        return {k for kind, k in self.order if kind == "c"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_store_view_evicts_as_a_plain_lru_of_its_entries_would(seed):
+    rng = np.random.default_rng(seed)
+    unit_bytes, ckpt_bytes, alignment = UNIT * 100, 1500, 2 * UNIT
+    cap = int(rng.integers(6, 40)) * unit_bytes + int(rng.integers(0, 5)) * ckpt_bytes
+    v = StoreView(UNIT, alignment, capacity_bytes=cap, kv_bytes_per_token=100, checkpoint_bytes=ckpt_bytes)
+    ref = _LRUStoreModel(UNIT, alignment, cap, unit_bytes, ckpt_bytes)
+    # chains of unit keys: a few roots, prompts extending them (a key names its whole prefix)
+    chains = [[bytes([seed, r, 0, i]) * 8 for i in range(int(rng.integers(4, 30)))] for r in range(6)]
+    for step in range(400):
+        hs = chains[int(rng.integers(len(chains)))]
+        op = rng.random()
+        if op < 0.45:                                                     # a stored run [a, b) of one chain
+            a = int(rng.integers(0, len(hs)))
+            b = int(rng.integers(a + 1, len(hs) + 1))
+            v.apply(CacheEvent(0, 0, step, EventKind.BLOCKS_STORED, tuple(hs[a:b])))
+            ref.stored(hs[a:b])
+        elif op < 0.75:                                                   # checkpoints, some off the entries
+            idx = sorted({int(i) for i in rng.integers(0, len(hs), int(rng.integers(1, 4)))})
+            keys, bounds = tuple(hs[i] for i in idx), tuple((i + 1) * UNIT for i in idx)
+            v.apply(CacheEvent(0, 0, step, EventKind.CHECKPOINTS_STORED, keys, bounds))
+            ref.checkpoints_stored(keys, bounds)
+        else:                                                             # a load read [0, end)
+            end = int(rng.integers(0, len(hs) + 1)) * UNIT
+            v.touch(hs, end)
+            ref.touch(hs, end)
+        assert set(v.kv) == ref.units(), step
+        assert v.checkpoints == ref.checkpoints(), step
+        assert (v.bytes_held, v.bytes_peak, v.evicted_bytes) == (ref.held, ref.peak, ref.evicted), step
+    assert ref.evicted > 0                                                 # the capacity was reached
