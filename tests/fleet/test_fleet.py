@@ -556,3 +556,38 @@ def test_the_store_view_evicts_as_a_plain_lru_of_its_entries_would(seed):
         assert v.checkpoints == ref.checkpoints(), step
         assert (v.bytes_held, v.bytes_peak, v.evicted_bytes) == (ref.held, ref.peak, ref.evicted), step
     assert ref.evicted > 0                                                 # the capacity was reached
+
+
+@pytest.mark.parametrize("bytes_per_s, loads", [(1e12, True), (1e6, False)])
+def test_a_store_hits_queued_seconds_include_the_load(bytes_per_s, loads):
+    """A request sent where only the store holds its prefix books as its queued seconds the
+    prefill past the store's hit plus the store load when loading pays (priced_prefill, the
+    instance's own rule), else the whole prefill; the hybrid router books the work it priced."""
+    from hybridkv.fleet.routers import FleetState, InstanceLoad, RouteRequest, priced_prefill
+
+    fleet, instances = store_fleet(bytes_per_s)
+    store = fleet.store_cost = instances[0].store.cost
+    prompt = np.arange(4000) % 991
+    frs = fleet_requests([prompt, prompt], 1.0)            # round-robin: the second goes to the other instance
+    fleet.run(frs)
+    cost = fleet.estimate
+    assert frs[1].instance == 1 and instances[1].stats.store_hit_tokens == (3584 if loads else 0)
+    if loads:
+        want = cost.prefill_seconds(3584, 4000) + store.transfer_seconds(0, 3584) + store.latency_seconds(0, 3584)
+        assert want > cost.prefill_seconds(3584, 4000) + 2 * 8 * store.latency_s * (1 - 1e-9)
+    else:
+        want = cost.prefill_seconds(0, 4000)
+    assert frs[1].predicted_s == pytest.approx(want, rel=1e-12)
+    assert frs[0].predicted_s == pytest.approx(cost.prefill_seconds(0, 4000), rel=1e-12)
+
+    hashes = frs[1].hashes
+    sview = StoreView(UNIT, 512)
+    sview.apply(CacheEvent(0, 0, 0, EventKind.BLOCKS_STORED, tuple(hashes[:56])))
+    sview.apply(CacheEvent(0, 0, 1, EventKind.CHECKPOINTS_STORED, (hashes[55],), (3584,)))
+    state = FleetState(views=[InstanceView(UNIT), InstanceView(UNIT)], loads=[InstanceLoad(), InstanceLoad()],
+                       store=sview)
+    router = HybridRouter(cost, store)
+    router.route(RouteRequest(hashes=hashes, prompt_tokens=4000, limit=reuse_cap(4000, UNIT)), state)
+    assert router.expected_hit() == (3584 if loads else 0)
+    assert router.expected_seconds() == priced_prefill(cost, store, 4000, 0, 0, 3584)[0]
+    assert router.expected_seconds() == pytest.approx(want, rel=1e-12)

@@ -29,10 +29,11 @@ def next_turn(extra_units: int = 6) -> list[bytes]:
     return out
 
 
-def busy_fleet(waiting0: int, waiting1: int) -> FleetState:
+def busy_fleet(waiting0: int, waiting1: int, views: list[InstanceView] | None = None) -> FleetState:
     """Two instances with the same queue; instance 1 the lighter by outstanding tokens (the
-    least loaded), nothing of either prompt in their views."""
-    return FleetState(views=[view(), view(instance=1)], loads=[
+    least loaded), nothing of either prompt in their views (``views``: those of an earlier
+    call, the same caches; new ones are new caches, which no record outlives)."""
+    return FleetState(views=views or [view(), view(instance=1)], loads=[
         InstanceLoad(outstanding_tokens=5000, queued_seconds=2.0, waiting=waiting0),
         InstanceLoad(outstanding_tokens=4000, queued_seconds=2.0, waiting=waiting1)])
 
@@ -67,8 +68,9 @@ def test_the_hit_counted_is_the_first_turns_tail_block():
     512-token block (unit 16); a prompt sharing 12 of them gets the KV run 12 and the hit at
     the block below (unit 8) -- no checkpoint is assumed where none will be."""
     counted, _ = routers()
-    counted.route(request(FIRST), busy_fleet(0, 0))
-    rp = counted._routed(busy_fleet(0, 1), UNIT)[1]
+    first = busy_fleet(0, 0)
+    counted.route(request(FIRST), first)
+    rp = counted._routed(busy_fleet(0, 1, first.views), UNIT)[1]
     v = InstanceView(UNIT)
     assert rp.extend(next_turn(), v, (0, 0)) == (16 * UNIT, 16 * UNIT)
     branch = FIRST[:12] + [hashlib.sha256(FIRST[11] + b"other").digest()]
@@ -77,13 +79,13 @@ def test_the_hit_counted_is_the_first_turns_tail_block():
     assert rp.extend(branch, v, (0, 0)) == (12 * UNIT, 8 * UNIT)
 
 
-def test_the_record_ends_when_nothing_waits_or_the_epoch_changes():
+def test_the_record_ends_when_nothing_waits_or_the_generation_changes():
     rp = RoutedPrompts(UNIT, TAIL)
     rp.trim(1, 0)
     rp.add(0, FIRST, 0, 16 * UNIT, 0)
     rp.trim(1, 0)
     assert set(rp.kv) == set(FIRST) and set(rp.checkpoints) == {FIRST[15]}
-    rp.trim(1, 1)                                   # a restart: the view is in a new epoch
+    rp.trim(1, 1)                                   # a restart: the view is in a new generation
     assert not rp.kv and not rp.checkpoints and not rp.seqs
     rp.add(1, FIRST, 0, 16 * UNIT, 1)
     rp.trim(0, 1)                                   # nothing waits: all got their first token
@@ -111,8 +113,9 @@ def test_units_the_view_held_are_not_recorded():
 
 def test_a_view_in_a_new_epoch_drops_the_record_in_the_router():
     counted, _ = routers()
-    counted.route(request(FIRST), busy_fleet(0, 0))
-    restarted = busy_fleet(1, 1)
+    first = busy_fleet(0, 0)
+    counted.route(request(FIRST), first)
+    restarted = busy_fleet(1, 1, first.views)
     restarted.views[1].apply(CacheEvent(1, 1, 2, EventKind.ALL_CLEARED, ()))
     counted._routed(restarted, UNIT)
     assert not counted.routed[1].kv
@@ -211,7 +214,75 @@ def test_a_routed_prompt_gives_no_hit_to_the_same_prompt_of_another_namespace():
     a, b = cache.hash_prompt(tokens, ns_a), cache.hash_prompt(tokens, ns_b)
     assert len(a) == len(b) == 17 and not set(a) & set(b)
     counted, _ = routers()
-    assert counted.route(request(a[:16]), busy_fleet(0, 0)) == 1         # the lighter
-    waiting = busy_fleet(0, 1)
+    first = busy_fleet(0, 0)
+    assert counted.route(request(a[:16]), first) == 1                    # the lighter
+    waiting = busy_fleet(0, 1, first.views)
     assert counted.score(request(a), waiting, 1, 0)[1] == 16 * UNIT      # A's own next turn: the tail
     assert counted.score(request(b), waiting, 1, 0)[1] == 0              # B: nothing
+
+
+def test_a_prompt_routed_before_the_views_first_event_outlives_that_event():
+    """A view that has heard nothing adopts the first epoch it hears without forgetting (it knew
+    nothing to forget), so what the router recorded before it stays; a newer epoch after that,
+    an ``all_cleared`` or a new view object each start a new generation, and the record ends."""
+    v = InstanceView(UNIT)
+    rp = RoutedPrompts(UNIT, TAIL)
+    rp.add(0, FIRST, 0, 16 * UNIT, v.generation, 1)
+    before = v.generation
+    v.apply(CacheEvent(0, 7, 0, EventKind.BLOCKS_STORED, tuple(FIRST[:4])))    # the first event: epoch 7
+    assert v.generation == before and v.epoch == 7
+    rp.trim(1, v.generation)
+    assert set(rp.kv) == set(FIRST) and [q for q, _, _ in rp.seqs] == [0]
+    v.apply(CacheEvent(0, 8, 0, EventKind.BLOCKS_STORED, tuple(FIRST[:2])))    # a restart
+    assert v.generation != before
+    rp.trim(1, v.generation)
+    assert not rp.kv and not rp.seqs
+    rp.add(1, FIRST, 0, 16 * UNIT, v.generation, 1)
+    cleared = v.generation
+    v.apply(CacheEvent(0, 8, 1, EventKind.ALL_CLEARED, ()))
+    assert v.generation != cleared
+    rp.trim(1, v.generation)
+    assert not rp.seqs
+    assert InstanceView(UNIT).generation not in (before, cleared, v.generation)
+
+
+def test_the_hybrid_router_records_a_prompt_routed_before_any_event_and_keeps_it():
+    """Two turns of one conversation arrive before the instance has said anything: the second
+    goes where the first went, and the first event heard (epoch 0) does not erase the record."""
+    cost = h200_kimi_linear_48b()
+    router = HybridRouter(cost, tail_tokens=TAIL)
+    views = [InstanceView(UNIT), InstanceView(UNIT)]
+    loads = [InstanceLoad(), InstanceLoad()]
+    state = FleetState(views=views, loads=loads)
+    j = router.route(request(FIRST), state)
+    loads[j].waiting, loads[j].routed, loads[j].queued_seconds = 1, 1, 1e-3
+    views[j].apply(CacheEvent(j, 0, 0, EventKind.BLOCKS_STORED, tuple(FIRST[:2])))   # its first event
+    assert router.route(request(next_turn()), state) == j
+    assert router.expected_hit() == 16 * UNIT
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "least-load"])
+def test_the_http_router_books_the_prefill_past_the_workers_hit(policy):
+    """The HTTP router's queued-seconds share of a request is the prefill past the hit on the
+    worker it picked (the hybrid router's own price, or priced from the worker's view for a
+    router that prices none), not the whole prompt's prefill (before: always from token 0)."""
+    from hybridkv.fleet.events import InstanceView as View
+    from hybridkv.fleet.routers import RouteRequest
+    from hybridkv.serve.fleet_view import FleetIdentity
+    from hybridkv.serve.router import RouterService, RouterSettings
+    from hybridkv.serve.tokenizer import load_codec
+
+    cost = h200_kimi_linear_48b()
+    service = RouterService([f"http://127.0.0.1:{p}" for p in (1, 2)], load_codec("tiny", 512),
+                            RouterSettings(policy, cost, store_bytes_per_s=0))
+    service.workers.fleet = FleetIdentity((), b"", UNIT, TAIL, 512)
+    for w in service.workers.states:
+        w.healthy = True
+    service.workers.states[0].view = view(kv=FIRST, checkpoints=FIRST[7:8])       # 8 units with a checkpoint
+    service.workers.states[1].view = View(UNIT)
+    service.workers.states[1].load.outstanding_tokens = 10_000                  # least-load picks worker 0
+    t = len(FIRST) * UNIT + 1
+    i, seconds = service._pick(RouteRequest(FIRST, t, len(FIRST) * UNIT, 16), set())
+    assert i == 0
+    assert seconds == pytest.approx(cost.prefill_seconds(8 * UNIT, t), rel=1e-12)
+    assert seconds < cost.prefill_seconds(0, t)

@@ -15,6 +15,7 @@ shows only how many keys it carries, and nothing here logs them.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
 
@@ -113,11 +114,22 @@ class EventPublisher:
         return out
 
 
+_GENERATIONS = itertools.count()
+"""Source of :attr:`InstanceView.generation` tokens, unique in the process."""
+
+
 class InstanceView:
     """What a router knows of one instance's cache: the keys with KV and those with a
     checkpoint, from events only.
 
     Invariant: every key in ``checkpoints`` is in ``kv`` (a checkpoint hangs on a cached unit).
+
+    ``generation`` names the cache the view describes: a token unique in the process, new on
+    every view and whenever the instance is known to have lost its cache (an event of a newer
+    epoch than one already heard, or ``all_cleared``). The first epoch a fresh view hears is
+    adopted without a new generation, since a view that has heard nothing has forgotten nothing:
+    what a router recorded of the instance before its first event (prompts routed there,
+    :class:`~hybridkv.fleet.routers.RoutedPrompts`) stays valid. ``epoch`` is ``-1`` until then.
 
     Args:
         unit: ``prefix_match_unit`` in tokens (the spacing of the keys).
@@ -129,6 +141,7 @@ class InstanceView:
         self.kv: set[bytes] = set()
         self.checkpoints: set[bytes] = set()
         self.stale_dropped = 0          # events of an older epoch, ignored
+        self.generation = next(_GENERATIONS)
 
     def apply(self, event: CacheEvent) -> None:
         """Update the view; an event of an older epoch is dropped, one of a newer epoch first
@@ -137,6 +150,8 @@ class InstanceView:
             self.stale_dropped += 1
             return
         if event.epoch > self.epoch:
+            if self.epoch >= 0:                  # a restart: the cache known of the old epoch is gone
+                self.generation = next(_GENERATIONS)
             self.epoch = event.epoch
             self.kv.clear()
             self.checkpoints.clear()
@@ -151,6 +166,7 @@ class InstanceView:
         elif kind is EventKind.CHECKPOINTS_REMOVED:
             self.checkpoints.difference_update(keys)
         else:
+            self.generation = next(_GENERATIONS)
             self.kv.clear()
             self.checkpoints.clear()
 

@@ -179,6 +179,27 @@ _LOAD_KEY = attrgetter("outstanding_tokens", "in_flight", "routed")   # Instance
 _PLAIN_LOAD = {InstanceLoad}
 
 
+def priced_prefill(cost: StepCostModel, store: StoreCost | None, prompt_tokens: int, kv_hit: int, hit: int,
+                   store_hit: int) -> tuple[float, int]:
+    """``(seconds, tokens reused)`` before a prompt of ``prompt_tokens`` on an instance whose own
+    KV run is ``kv_hit`` and joint hit ``hit`` (tokens) has its prefill done: the prefill of
+    ``[hit, T)`` (``cost.prefill_seconds``), or, when the shared store's joint hit ``store_hit``
+    lies deeper (and ``store`` prices it) and loading pays, the prefill of ``[store_hit, T)`` plus
+    the store load of ``[load_start(kv_hit, store_hit, alignment), store_hit)``: bytes over the
+    bandwidth and the per-object latency (:meth:`~hybridkv.fleet.store.StoreCost.load_seconds`),
+    the seed's ``T_transfer + T_lookup``. Loading pays when it takes less than computing
+    ``[hit, store_hit)``, the rule a simulated instance applies before it loads (issue 9 item 3;
+    :meth:`~hybridkv.fleet.instance.FleetInstance._fetch`). The hybrid router's work term, and
+    the queued seconds the fleet books for a routed request."""
+    transfer = latency = 0.0
+    if store is not None and store_hit > hit:
+        start = load_start(kv_hit, store_hit, store.alignment)
+        t, lat = store.transfer_seconds(start, store_hit), store.latency_seconds(start, store_hit)
+        if t + lat < cost.prefill_seconds(hit, store_hit):
+            transfer, latency, hit = t, lat, store_hit
+    return cost.prefill_seconds(hit, prompt_tokens) + transfer + latency, hit
+
+
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:
     """Index of the lightest :meth:`InstanceLoad.key` (then the lowest index) among ``among`` (default all)."""
     among = range(len(loads)) if among is None else list(among)
@@ -205,6 +226,12 @@ class Router(ABC):
         """Tokens the last :meth:`route` expected the chosen instance to reuse, or ``None``
         when the router makes no such estimate (the fleet then prices the queued prefill
         from the view's joint hit)."""
+        return None
+
+    def expected_seconds(self) -> float | None:
+        """Seconds of prefill (and store load) the last :meth:`route` priced on the chosen
+        instance (:func:`priced_prefill`), or ``None`` when the router prices none (the fleet
+        then prices it from the views)."""
         return None
 
 
@@ -484,7 +511,9 @@ class RoutedPrompts:
     ``ahead`` requests routed there before it has its first token once more than ``ahead`` of
     them have; the count is the instance's, so it holds whoever routed the others, as the HTTP
     router's several routers on the same workers do), and forgets everything once nothing waits
-    or the instance's epoch changes (a restart or crash lost what it had). Entries of prompts
+    or the view's :attr:`~hybridkv.fleet.events.InstanceView.generation` changes (a restart or
+    crash lost what it had; a view's first event is no change, so prompts routed before the
+    instance said anything are kept). Entries of prompts
     that got their first token stay until the instance next has nothing waiting, or until
     ``kv`` outgrows :data:`PRUNE_FACTOR` times the units of the waiting prompts, or
     ``checkpoints`` that many times their number (then those older than the oldest waiting
@@ -498,7 +527,7 @@ class RoutedPrompts:
 
     PRUNE_FACTOR = 4
 
-    __slots__ = ("unit", "tail_units", "_kv", "_checkpoints", "seqs", "epoch", "_held", "_unfolded")
+    __slots__ = ("unit", "tail_units", "_kv", "_checkpoints", "seqs", "generation", "_held", "_unfolded")
 
     def __init__(self, unit: int, tail_tokens: int) -> None:
         self.unit, self.tail_units = unit, max(1, tail_tokens // unit)
@@ -506,7 +535,7 @@ class RoutedPrompts:
         self._checkpoints: dict[bytes, int] = {}
         # (sequence number, units it added, requests routed to the instance before it), oldest first
         self.seqs: deque[tuple[int, int, int]] = deque()
-        self.epoch = -1
+        self.generation = -1                          # the view's generation the records were made in
         self._held = 0                                # units added by the prompts in seqs
         # prompts recorded but not yet folded into the tables, oldest first: (seq, new units,
         # tail unit or None); folded on the first query, so a prompt that gets its first token
@@ -533,21 +562,22 @@ class RoutedPrompts:
             if tail is not None:
                 ck[tail] = seq
 
-    def trim(self, waiting: int, epoch: int, started: int = 0) -> None:
+    def trim(self, waiting: int, generation: int, started: int = 0) -> None:
         """Keep the ``waiting`` newest prompts, less those with fewer than ``started`` requests
         routed to the instance before them (``started``: requests routed there that have had
         their first token or ended, ``InstanceLoad.routed - InstanceLoad.waiting``; 0: not
-        known, the ``waiting`` newest kept); all forgotten when none waits or ``epoch`` (the
-        view's) is not the one they were routed under."""
+        known, the ``waiting`` newest kept); all forgotten when none waits or ``generation``
+        (the view's, :attr:`~hybridkv.fleet.events.InstanceView.generation`) is not the one
+        they were routed under."""
         seqs = self.seqs
-        if waiting <= 0 or epoch != self.epoch:
+        if waiting <= 0 or generation != self.generation:
             if seqs or self._kv:
                 seqs.clear()
                 self._unfolded.clear()
                 self._kv.clear()
                 self._checkpoints.clear()
                 self._held = 0
-            self.epoch = epoch
+            self.generation = generation
             return
         todo = self._unfolded
         while seqs and (len(seqs) > waiting or seqs[0][2] < started):
@@ -556,7 +586,7 @@ class RoutedPrompts:
             if todo and todo[0][0] == seq:            # never folded: nothing to forget
                 todo.popleft()
         if not seqs:
-            self.trim(0, epoch)
+            self.trim(0, generation)
             return
         floor = seqs[0][0]
         if len(self._kv) > self.PRUNE_FACTOR * max(self._held, 1):
@@ -566,14 +596,14 @@ class RoutedPrompts:
             # at most one a prompt: bounded on its own, as prompts the view held whole add no unit
             self._checkpoints = {h: q for h, q in self._checkpoints.items() if q >= floor}
 
-    def add(self, seq: int, units: list[bytes], known: int, limit: int, epoch: int, ahead: int = 0) -> None:
+    def add(self, seq: int, units: list[bytes], known: int, limit: int, generation: int, ahead: int = 0) -> None:
         """Record a prompt routed here: ``units`` its unit hashes within the reuse cap,
         ``known`` how many of them (from the start) the view already held, ``limit`` the cap
-        (tokens), ``epoch`` the view's (a record holding nothing starts in it), ``ahead`` the
+        (tokens), ``generation`` the view's (a record holding nothing starts in it), ``ahead`` the
         requests routed to the instance before it (``InstanceLoad.routed`` when it is routed;
         :meth:`trim`)."""
         if not self.seqs:
-            self.epoch = epoch
+            self.generation = generation
         new = units[known:]
         tail = (limit // self.unit) // self.tail_units * self.tail_units
         self._unfolded.append((seq, new, units[tail - 1] if tail else None))
@@ -664,11 +694,17 @@ class HybridRouter(Router):
         self._seq = itertools.count()
         self._active: set[int] = set()              # instances whose RoutedPrompts hold any
         self._expected: int | None = None
+        self._expected_s: float | None = None
 
     def expected_hit(self) -> int | None:
         """The hit (tokens) the last :meth:`route` priced on the instance it chose: its view's
         joint hit, the prompts routed there and waiting, or the store's, whichever is deepest."""
         return self._expected
+
+    def expected_seconds(self) -> float | None:
+        """The work (seconds: prefill, store transfer and latency) the last :meth:`route` priced
+        on the instance it chose."""
+        return self._expected_s
 
     def _routed(self, fleet: FleetState, unit: int) -> list[RoutedPrompts]:
         """The :class:`RoutedPrompts` of every instance, trimmed to what waits there now (only
@@ -679,7 +715,7 @@ class HybridRouter(Router):
         for j in [*active]:
             rp = routed[j]
             ld = loads[j]
-            rp.trim(ld.waiting, views[j].epoch, ld.routed - ld.waiting)
+            rp.trim(ld.waiting, views[j].generation, ld.routed - ld.waiting)
             if not rp.seqs:
                 active.discard(j)
         return routed
@@ -724,12 +760,7 @@ class HybridRouter(Router):
     def _work(self, req: RouteRequest, kv_hit: int, hit: int, store_hit: int) -> tuple[float, int]:
         """``(seconds of prefill, transfer and store latency, tokens reused)`` for an instance
         whose own KV run is ``kv_hit`` and joint hit ``hit`` (tokens)."""
-        transfer, cold = 0.0, 0.0
-        if self.store is not None and store_hit > hit:
-            start = load_start(kv_hit, store_hit, self.store.alignment)
-            hit = store_hit
-            transfer, cold = self.store.transfer_seconds(start, hit), self.store.latency_seconds(start, hit)
-        return self.predicted_prefill(req, hit) + transfer + cold, hit
+        return priced_prefill(self.cost, self.store, req.prompt_tokens, kv_hit, hit, store_hit)
 
     def candidates(self, fleet: FleetState) -> list[int]:
         """Live instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
@@ -802,9 +833,9 @@ class HybridRouter(Router):
         tie = self.options.tie_relative * p0 + 1e-9
         top = max(scored.values())
         j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
-        self._expected = works[hits[j]][1]
+        self._expected_s, self._expected = works[hits[j]]
         if count_routed:
-            routed[j].add(next(self._seq), units, known[j], limit, views[j].epoch, loads[j].routed)
+            routed[j].add(next(self._seq), units, known[j], limit, views[j].generation, loads[j].routed)
             self._active.add(j)
         return j
 

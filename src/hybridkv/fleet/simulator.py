@@ -24,8 +24,8 @@ from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import CacheEvent, InstanceView
 from hybridkv.fleet.instance import FleetInstance, FleetRequest
-from hybridkv.fleet.routers import FleetState, Router, RouteRequest, kv_admission
-from hybridkv.fleet.store import StoreView
+from hybridkv.fleet.routers import FleetState, Router, RouteRequest, kv_admission, priced_prefill
+from hybridkv.fleet.store import StoreCost, StoreView
 
 
 @dataclass(slots=True)
@@ -53,16 +53,20 @@ class Fleet:
         unit: ``prefix_match_unit`` in tokens.
         estimate: prices the prefill a routed request will need (its queued-seconds load).
         store: the shared store's view (fed by every instance's events), or ``None``.
+        store_cost: prices a load from the store in that queued-seconds load when the router
+            makes no estimate of its own (:func:`~hybridkv.fleet.routers.priced_prefill`);
+            ``None``: a store hit's queued prefill is priced without the load.
     """
 
     def __init__(self, instances: list[FleetInstance], router: Router, unit: int, estimate: StepCostModel,
-                 store: StoreView | None = None) -> None:
+                 store: StoreView | None = None, store_cost: StoreCost | None = None) -> None:
         if not instances:
             raise ValueError("a fleet needs at least one instance")
         self.instances = instances
         self.router = router
         self.unit = unit
         self.estimate = estimate
+        self.store_cost = store_cost
         self.state = FleetState(views=[InstanceView(unit) for _ in instances], loads=[i.load for i in instances],
                                 store=store)
         self._events = _EventQueue()
@@ -85,7 +89,10 @@ class Fleet:
 
     def route(self, fr: FleetRequest, now: float | None = None) -> int:
         """Route one request at ``now`` (default its arrival; later for one requeued after a
-        crash) and queue it on the chosen instance. With every instance down it goes to the
+        crash) and queue it on the chosen instance. Its queued seconds are the router's own
+        price (:meth:`~hybridkv.fleet.routers.Router.expected_seconds`: prefill past the hit,
+        plus the store load when the hit is the store's), else priced the same way from the
+        chosen instance's view and the store's. With every instance down it goes to the
         one back first, its queued prefill (and ``kv-overlap``'s page counts) priced on the empty
         cache it comes back with: the whole prompt."""
         now = fr.arrival if now is None else now
@@ -102,23 +109,33 @@ class Fleet:
             j = min(range(len(self.instances)), key=lambda k: (self.instances[k].clock, k))
         if not 0 <= j < len(self.instances):
             raise RuntimeError(f"router {self.router.name} chose instance {j} of {len(self.instances)}")
+        seconds = None
         if self.state.live:
             view = self.state.views[j]
-            hit = self.router.expected_hit()     # the router's own estimate, else the view's joint hit
-            if hit is None:
-                hit = view.match(hashes, rr.limit).hit
+            seconds = self.router.expected_seconds()     # the router's own price, else the views'
+            if seconds is None:
+                seconds = self._priced(view, hashes, rr.limit, r.prompt_len)
         else:
             # every instance is down: ``j`` comes back with an empty cache, while its view still
             # shows the lost one until the return (``all_cleared`` is heard then); priced from zero
-            view, hit = InstanceView(self.unit), 0
+            view = InstanceView(self.unit)
+            seconds = self.estimate.prefill_seconds(0, r.prompt_len)
         inst = self.instances[j]
         if self.router.uses_pages:
             fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)
         idle = not inst.has_work
-        inst.enqueue(fr, now, self.estimate.prefill_seconds(hit, r.prompt_len))
+        inst.enqueue(fr, now, seconds)
         if idle:
             heapq.heappush(self._busy, (inst.clock, j))
         return j
+
+    def _priced(self, view: InstanceView, hashes: list[bytes], limit: int, prompt_len: int) -> float:
+        """Queued seconds of a prompt routed to the instance of ``view`` by a router that prices
+        none: :func:`~hybridkv.fleet.routers.priced_prefill` over the view's hits and the store's."""
+        kv_hit, hit = view.hits(hashes, limit)
+        store = self.state.store
+        store_hit = store.match(hashes, limit).hit if store is not None and self.store_cost is not None else 0
+        return priced_prefill(self.estimate, self.store_cost, prompt_len, kv_hit, hit, store_hit)[0]
 
     def _step_next(self, horizon: float) -> int:
         _, j = heapq.heappop(self._busy)

@@ -188,7 +188,7 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
         for fr, hs in zip(frs, units.hashes_all(reqs, cache)):
             fr.request.hashes = hs
     frs.sort(key=lambda fr: fr.arrival)
-    fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view)
+    fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view, store_cost)
     threads = None if setup.simulate else torch.get_num_threads()    # a simulation runs no torch
     if threads is not None:
         torch.set_num_threads(setup.threads)

@@ -38,6 +38,7 @@ from hybridkv.fleet.routers import (
     RouteRequest,
     kv_admission,
     make_router,
+    priced_prefill,
 )
 from hybridkv.fleet.store import (
     MOONCAKE_GET_LATENCY_S,
@@ -150,6 +151,7 @@ class RouterService:
                                        limits=httpx.Limits(keepalive_expiry=PROXY_KEEPALIVE_S))
         self.workers = Workers(urls, self.control, settings.health_every)
         self._routers: dict[tuple[int, ...], Router] = {}
+        self._store_costs: dict[tuple[int, ...], StoreCost | None] = {}     # the same keys: each router's store
         self.retries = 0
         self.unroutable = 0
         self.split_batches = 0
@@ -216,6 +218,15 @@ class RouterService:
         Each set of workers in rotation (with or without a store they all share) has its own
         router, so a router's own state (round-robin turn, ``prefix`` trees) stays indexed
         consistently while a worker is away."""
+        picked = self._pick(req, exclude)
+        return None if picked is None else picked[0]
+
+    def _pick(self, req: RouteRequest, exclude: set[int]) -> tuple[int, float] | None:
+        """:meth:`pick`, with the seconds of prefill the request will queue on the worker (its
+        ``queued_seconds`` share): the router's own price
+        (:meth:`~hybridkv.fleet.routers.Router.expected_seconds`), else the prefill past the
+        worker's joint hit, or past the shared store's plus its load when that lies deeper
+        (:func:`~hybridkv.fleet.routers.priced_prefill`)."""
         live = self.workers.healthy(exclude)
         if not live:
             return None
@@ -225,17 +236,24 @@ class RouterService:
         router = self._routers.get(key)
         if router is None:
             fleet = self.workers.fleet
-            router = self._routers[key] = make_router(self._config(fleet.unit if fleet else 1,
-                                                                    fleet.block_size if fleet else 1, store_info))
+            cfg = self._config(fleet.unit if fleet else 1, fleet.block_size if fleet else 1, store_info)
+            router = self._routers[key] = make_router(cfg)
+            self._store_costs[key] = cfg.store
         states = [self.workers.states[i] for i in live]
         j = router.route(req, FleetState([w.view for w in states], [w.load for w in states], store_view))
         w = states[j]
+        seconds = router.expected_seconds()
         if req.hashes:
-            local = w.view.match(req.hashes, req.limit).hit
+            kv_hit, local = w.view.hits(req.hashes, req.limit)
             w.hit_tokens_routed += local
-            if store_view is not None:
-                w.store_hit_tokens_routed += max(0, store_view.match(req.hashes, req.limit).hit - local)
-        return live[j]
+            store_hit = store_view.match(req.hashes, req.limit).hit if store_view is not None else 0
+            w.store_hit_tokens_routed += max(0, store_hit - local)
+            if seconds is None:
+                seconds = priced_prefill(self.settings.cost, self._store_costs[key], req.prompt_tokens, kv_hit, local,
+                                         store_hit)[0]
+        elif seconds is None:
+            seconds = self.settings.cost.prefill_seconds(0, req.prompt_tokens) if req.prompt_tokens else 0.0
+        return live[j], seconds
 
     # -- handlers --------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -268,12 +286,12 @@ class RouterService:
         """Route ``req`` and send ``raw`` to its worker (one retry elsewhere on a refused
         connection): the worker's streamed answer and the request's load ticket, or the error
         answer (502, 503) for the client."""
-        seconds = self.settings.cost.prefill_seconds(0, req.prompt_tokens) if req.prompt_tokens else 0.0
         tried: set[int] = set()
         for _attempt in range(2):
-            i = self.pick(req, tried)
-            if i is None:
+            picked = self._pick(req, tried)
+            if picked is None:
                 break
+            i, seconds = picked
             w = self.workers.states[i]
             fleet = self.workers.fleet
             pages = (kv_admission(w.view, req.hashes, req.prompt_tokens, fleet.block_size)
