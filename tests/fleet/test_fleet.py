@@ -224,17 +224,18 @@ def test_a_store_with_a_capacity_evicts_the_least_recently_used():
     v = StoreView(UNIT, 128, capacity_bytes=8 * unit_bytes + 3 * ckpt_bytes, kv_bytes_per_token=100,
                   checkpoint_bytes=ckpt_bytes)
     for seq, hs in enumerate((a, b)):
-        v.apply(CacheEvent(0, 0, 2 * seq, EventKind.BLOCKS_STORED, tuple(hs)))
+        v.apply(CacheEvent(0, 0, 2 * seq, EventKind.BLOCKS_STORED, tuple(hs), first_unit=0))   # entries hs[1], hs[3]
         v.apply(CacheEvent(0, 0, 2 * seq + 1, EventKind.CHECKPOINTS_STORED, (hs[3],)))
     assert v.match(a, 256).hit == 256 and v.match(b, 256).hit == 256 and v.evicted_bytes == 0
     v.touch(a, 256)                                               # a load read a: b is now the oldest
     c = [bytes([3, i]) * 16 for i in range(2)]
-    v.apply(CacheEvent(0, 0, 4, EventKind.BLOCKS_STORED, tuple(c)))
+    v.apply(CacheEvent(0, 0, 4, EventKind.BLOCKS_STORED, tuple(c), first_unit=0))
     v.apply(CacheEvent(0, 0, 5, EventKind.CHECKPOINTS_STORED, (c[1],)))
     assert v.match(a, 256).hit == 256 and v.match(c, 128).hit == 128
-    assert v.match(b, 256).hit == 0                               # b's first units went first
+    assert v.match(b, 256).hit == 0                               # b's first entry went first
     assert v.bytes_held <= v.capacity_bytes and v.bytes_peak <= v.capacity_bytes
-    assert v.evicted_bytes == 2 * unit_bytes + 0 * ckpt_bytes
+    assert v.evicted_bytes == 2 * unit_bytes + 0 * ckpt_bytes     # one entry of 2 units
+    assert set(v.kv) == {a[1], a[3], b[3], c[1]}
     assert v.checkpoints <= v.kv.keys()
     with pytest.raises(ValueError, match="capacity_bytes=0"):
         StoreView(UNIT, 128, capacity_bytes=0, kv_bytes_per_token=100, checkpoint_bytes=1)
@@ -247,11 +248,11 @@ def test_the_store_view_holds_and_charges_only_checkpoints_on_entry_boundaries()
     hashes = [bytes([4, i]) * 16 for i in range(8)]                # 8 units of 64; entries of 256
     v = StoreView(UNIT, 256, kv_bytes_per_token=100, checkpoint_bytes=ckpt_bytes)
     pub = EventPublisher(0)
-    pub.stored(hashes, [hashes[1], hashes[3], hashes[6], hashes[7]], [], [128, 256, 448, 512])
+    pub.stored(hashes, [hashes[1], hashes[3], hashes[6], hashes[7]], [], [128, 256, 448, 512], 0)
     for ev in pub.drain():
         v.apply(ev)
     assert v.bytes_held == 8 * unit_bytes + 2 * ckpt_bytes       # 128 and 448 are not entry boundaries
-    assert v.checkpoints == {hashes[3], hashes[7]}
+    assert v.checkpoints == {hashes[3], hashes[7]} and set(v.kv) == {hashes[3], hashes[7]}
     assert v.match(hashes, 512).hit == 512
     with pytest.raises(ValueError, match="2 checkpoint boundaries for 1 checkpoint keys"):
         pub.stored(hashes, [hashes[3]], [], [256, 512])
@@ -477,8 +478,9 @@ def test_a_request_queued_while_every_instance_is_down_is_priced_on_an_empty_cac
 
 class _LRUStoreModel:
     """The store view's capacity rule written plainly, to check the lazy one against: every
-    entry (a unit's KV, ``("u", key)``, or a checkpoint, ``("c", key)``) in one OrderedDict
-    moved to the end on each use; the oldest evicted first, a unit taking its checkpoint."""
+    entry (a KV entry keyed by the unit hash ending it, ``("u", key)``, or a checkpoint,
+    ``("c", key)``) in one OrderedDict moved to the end on each use; the oldest evicted first,
+    an entry taking its checkpoint."""
 
     def __init__(self, unit: int, alignment: int, cap: int, unit_bytes: int, ckpt_bytes: int) -> None:
         from collections import OrderedDict
@@ -493,8 +495,11 @@ class _LRUStoreModel:
         self.order.move_to_end(entry)
         return new
 
-    def stored(self, keys) -> None:
-        self.held += sum(self._use(("u", k)) for k in keys) * self.unit_bytes
+    def stored(self, keys, first: int) -> None:
+        """Units ``first, first + 1, ...`` of a prompt: those ending an entry are held."""
+        step = self.alignment // self.unit
+        ends = [k for i, k in enumerate(keys, first + 1) if i % step == 0]
+        self.held += sum(self._use(("u", k)) for k in ends) * self.unit_bytes
         self._evict()
 
     def checkpoints_stored(self, keys, boundaries) -> None:
@@ -529,10 +534,10 @@ class _LRUStoreModel:
 @pytest.mark.parametrize("seed", range(6))
 def test_the_store_view_evicts_as_a_plain_lru_of_its_entries_would(seed):
     rng = np.random.default_rng(seed)
-    unit_bytes, ckpt_bytes, alignment = UNIT * 100, 1500, 2 * UNIT
-    cap = int(rng.integers(6, 40)) * unit_bytes + int(rng.integers(0, 5)) * ckpt_bytes
+    entry_bytes, ckpt_bytes, alignment = 2 * UNIT * 100, 1500, 2 * UNIT
+    cap = int(rng.integers(3, 20)) * entry_bytes + int(rng.integers(0, 5)) * ckpt_bytes
     v = StoreView(UNIT, alignment, capacity_bytes=cap, kv_bytes_per_token=100, checkpoint_bytes=ckpt_bytes)
-    ref = _LRUStoreModel(UNIT, alignment, cap, unit_bytes, ckpt_bytes)
+    ref = _LRUStoreModel(UNIT, alignment, cap, entry_bytes, ckpt_bytes)
     # chains of unit keys: a few roots, prompts extending them (a key names its whole prefix)
     chains = [[bytes([seed, r, 0, i]) * 8 for i in range(int(rng.integers(4, 30)))] for r in range(6)]
     for step in range(400):
@@ -541,8 +546,8 @@ def test_the_store_view_evicts_as_a_plain_lru_of_its_entries_would(seed):
         if op < 0.45:                                                     # a stored run [a, b) of one chain
             a = int(rng.integers(0, len(hs)))
             b = int(rng.integers(a + 1, len(hs) + 1))
-            v.apply(CacheEvent(0, 0, step, EventKind.BLOCKS_STORED, tuple(hs[a:b])))
-            ref.stored(hs[a:b])
+            v.apply(CacheEvent(0, 0, step, EventKind.BLOCKS_STORED, tuple(hs[a:b]), first_unit=a))
+            ref.stored(hs[a:b], a)
         elif op < 0.75:                                                   # checkpoints, some off the entries
             idx = sorted({int(i) for i in rng.integers(0, len(hs), int(rng.integers(1, 4)))})
             keys, bounds = tuple(hs[i] for i in idx), tuple((i + 1) * UNIT for i in idx)

@@ -54,10 +54,11 @@ class CacheListener(Protocol):
     """
 
     def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
-               checkpoint_boundaries: list[int] = ()) -> None:
+               checkpoint_boundaries: list[int] = (), first_unit: int | None = None) -> None:
         """Units whose KV is now cached, boundaries whose checkpoint was published, and
         boundaries whose checkpoint was retired (``supersede``), in that order of effect;
-        ``checkpoint_boundaries`` gives each published checkpoint's boundary in tokens."""
+        ``checkpoint_boundaries`` gives each published checkpoint's boundary in tokens and
+        ``first_unit`` the index in the prompt of the first unit of ``unit_keys`` (consecutive)."""
 
     def evicted(self, entries: list[EvictedEntry]) -> None:
         """Entries about to be evicted (KV with its subtree, or a checkpoint alone)."""
@@ -247,7 +248,7 @@ class Engine:
         created = [b for b, _ in published.created]
         self.listener.stored(hashes[start // g: min(len(hashes), end // g)],
                              [hashes[b // g - 1] for b in created],
-                             [hashes[b // g - 1] for b in published.retired], created)
+                             [hashes[b // g - 1] for b in published.retired], created, start // g)
 
     def prefetch(self) -> None:
         """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests

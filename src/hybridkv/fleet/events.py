@@ -47,6 +47,10 @@ class CacheEvent:
             checkpoint at key ``i`` is ``C(P_boundaries[i])``), so a consumer can tell which lie
             on a store's entry boundaries; empty when the emitter does not say (then a
             consumer must treat every checkpoint as possibly anywhere).
+        first_unit: for ``BLOCKS_STORED``, the index of the first key's unit in its prompt (key
+            ``i`` is the chained hash of ``[0, (first_unit + i + 1) * prefix_match_unit)``), so a
+            consumer can tell which keys end a store entry; ``None`` when the emitter does not
+            say.
     """
 
     instance: int
@@ -55,6 +59,7 @@ class CacheEvent:
     kind: EventKind
     keys: tuple[bytes, ...] = field(repr=False)
     boundaries: tuple[int, ...] = field(default=(), repr=False)
+    first_unit: int | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return (f"CacheEvent(instance={self.instance}, epoch={self.epoch}, seq={self.seq}, "
@@ -76,24 +81,28 @@ class EventPublisher:
         self._seq = 0
         self._buffer: list[CacheEvent] = []
 
-    def _emit(self, kind: EventKind, keys, boundaries=()) -> None:
+    def _emit(self, kind: EventKind, keys, boundaries=(), first_unit: int | None = None) -> None:
         if keys or kind is EventKind.ALL_CLEARED:
             self._buffer.append(CacheEvent(self.instance, self.epoch, self._seq, kind, tuple(keys),
-                                           tuple(boundaries)))
+                                           tuple(boundaries), first_unit))
             self._seq += 1
 
     def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
-               checkpoint_boundaries: list[int] = ()) -> None:
-        """KV units cached, checkpoints published (at ``checkpoint_boundaries``, tokens, one per
-        key, when known), tail checkpoints retired (one publish call).
+               checkpoint_boundaries: list[int] = (), first_unit: int | None = None) -> None:
+        """KV units cached (``unit_keys``, consecutive units of one prompt from unit index
+        ``first_unit`` on, when known), checkpoints published (at ``checkpoint_boundaries``,
+        tokens, one per key, when known), tail checkpoints retired (one publish call).
 
         Raises:
-            ValueError: boundaries given that do not pair one-to-one with ``checkpoint_keys``.
+            ValueError: boundaries given that do not pair one-to-one with ``checkpoint_keys``;
+                a negative ``first_unit``.
         """
         if checkpoint_boundaries and len(checkpoint_boundaries) != len(checkpoint_keys):
             raise ValueError(f"{len(checkpoint_boundaries)} checkpoint boundaries for "
                              f"{len(checkpoint_keys)} checkpoint keys")
-        self._emit(EventKind.BLOCKS_STORED, unit_keys)
+        if first_unit is not None and first_unit < 0:
+            raise ValueError(f"first_unit={first_unit!r} must be >= 0 (or None: not known)")
+        self._emit(EventKind.BLOCKS_STORED, unit_keys, (), first_unit)
         self._emit(EventKind.CHECKPOINTS_STORED, checkpoint_keys, checkpoint_boundaries)
         self._emit(EventKind.CHECKPOINTS_REMOVED, retired_keys)
 

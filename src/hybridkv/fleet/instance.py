@@ -325,7 +325,7 @@ class FleetInstance:
         if not cache.install_checkpoint(fr.hashes, None, got):
             return 0.0
         g = cache.config.prefix_match_unit
-        self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[got // g - 1]], [], [got])
+        self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[got // g - 1]], [], [got], start // g)
         self.store.view.touch(fr.hashes, got)
         st = self.stats
         st.store_hit_tokens += got - local.hit

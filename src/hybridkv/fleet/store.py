@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat, takewhile
 
 from hybridkv.cache.groups import FULL, KDA, JointHit
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
@@ -76,15 +76,22 @@ class StoreView(InstanceView):
     """Entries of the shared store, from every instance's stored events; a hit only at
     ``alignment`` boundaries.
 
-    With ``capacity_bytes`` the store holds at most that many bytes: each unit's KV
-    (``unit * kv_bytes_per_token``) and each checkpoint (``checkpoint_bytes``) is charged
-    when stored, and the least recently used is evicted first (a unit takes its checkpoint
-    with it; a load touches what it read, :meth:`touch`). Only checkpoints on entry
-    boundaries (multiples of ``alignment``) are held and charged, as the store tier writes
-    only those; the events' ``boundaries`` say where each lies (an event without them, from
-    an emitter that does not say, is taken whole: held and charged wherever it lies). A unit
-    whose ancestor was evicted stays until it ages out, unreachable (lookups stop at the
-    first missing unit), as in a key-value store without a tree.
+    The store holds what the store tier writes through: whole KV entries (the ``alignment``
+    tokens ending at each aligned boundary, keyed by the unit hash ending there) and
+    checkpoints at those boundaries. ``kv`` holds the entry keys: of a ``BLOCKS_STORED``
+    event's units, those ending on a multiple of ``alignment`` (its ``first_unit`` says where
+    they lie; an event without it, from an emitter that does not say, is taken whole: each key
+    held and charged as an entry), so the KV of units past a prompt's last whole entry is
+    neither held nor charged, as the store tier does not write it. Only checkpoints on entry
+    boundaries are held and charged, for the same reason; the events' ``boundaries`` say where
+    each lies (an event without them is taken whole likewise).
+
+    With ``capacity_bytes`` the store holds at most that many bytes: each KV entry
+    (``alignment * kv_bytes_per_token``) and each checkpoint (``checkpoint_bytes``) is charged
+    when stored, and the least recently used is evicted first (an entry takes its checkpoint
+    with it; a load touches what it read, :meth:`touch`). An entry whose predecessor was
+    evicted stays until it ages out, unreachable (lookups stop at the first missing entry), as
+    in a key-value store without a tree.
 
     Args:
         unit: ``prefix_match_unit`` in tokens.
@@ -112,18 +119,19 @@ class StoreView(InstanceView):
         super().__init__(unit)
         self.alignment = alignment
         self.capacity_bytes = capacity_bytes
-        self._unit_bytes = unit * kv_bytes_per_token
+        self._step = alignment // unit                # units an entry
+        self._entry_bytes = alignment * kv_bytes_per_token   # bytes an entry (held per entry key)
         self._ckpt_bytes = checkpoint_bytes
         self._track = kv_bytes_per_token > 0 and checkpoint_bytes > 0          # bytes counted (and evicted)
         # Least recently used order, lazily: ``kv`` (a dict here, not the set of an InstanceView)
-        # maps each held unit to the stamp of its last use and ``_ck_last`` each held checkpoint
+        # maps each held entry key to the stamp of its last use and ``_ck_last`` each held checkpoint
         # to its own, and ``_uses`` holds every use in order as ``(stamp, entries)``, one per
         # stored event or load, sharing the event's key tuple (a checkpoint appears there as
         # ``(True, key)``). An entry's place in the order is its occurrence in the use whose stamp
         # it holds (later occurrences supersede earlier ones, which are skipped when reached):
         # the order an OrderedDict moved to the end on each use would have, at one dict store per
-        # entry and use (the unit's key set and its stamps are one dict: the view's largest table
-        # is written once a stored unit, not twice). ``_head`` is how far the oldest use has been
+        # entry and use (the entries' key set and their stamps are one dict: the view's largest
+        # table is written once a stored entry, not twice). ``_head`` is how far the oldest use has been
         # consumed.
         self.kv: dict[bytes, int] = {}
         self._ck_last: dict[bytes, int] = {}
@@ -137,7 +145,7 @@ class StoreView(InstanceView):
     def _evict_to_fit(self) -> None:
         uses, kv, ck, ck_last = self._uses, self.kv, self.checkpoints, self._ck_last
         held, evicted, cap = self.bytes_held, self.evicted_bytes, self.capacity_bytes
-        unit_b, ck_b = self._unit_bytes, self._ckpt_bytes
+        entry_b, ck_b = self._entry_bytes, self._ckpt_bytes
         i = self._head
         while held > cap and (kv or ck_last):
             stamp, entries = uses[0]
@@ -157,9 +165,9 @@ class StoreView(InstanceView):
                 if kv.get(key) != stamp:                   # used again later: not its place
                     continue
                 del kv[key]
-                held -= unit_b
-                evicted += unit_b
-                if key in ck:                              # a unit takes its checkpoint with it
+                held -= entry_b
+                evicted += entry_b
+                if key in ck:                              # an entry takes its checkpoint with it
                     ck.discard(key)
                     if ck_last.pop(key, None) is not None:
                         held -= ck_b
@@ -174,12 +182,16 @@ class StoreView(InstanceView):
         """Add what was stored (evicting the least recently used beyond the capacity);
         removals, clears and epochs do not reach the store."""
         if event.kind is EventKind.BLOCKS_STORED:
-            keys, kv = event.keys, self.kv
+            keys, kv, step = event.keys, self.kv, self._step
+            if event.first_unit is not None and step > 1:     # the keys ending an entry
+                keys = keys[-(event.first_unit + 1) % step::step]
+                if not keys:
+                    return
             before = len(kv)
             self._stamp += 1
             kv.update(zip(keys, repeat(self._stamp)))      # the keys of one event are distinct (one chain)
             if self._track:
-                self.bytes_held += (len(kv) - before) * self._unit_bytes
+                self.bytes_held += (len(kv) - before) * self._entry_bytes
             if self.capacity_bytes is not None:           # without a capacity nothing is evicted
                 self._uses.append((self._stamp, keys))
         elif event.kind is EventKind.CHECKPOINTS_STORED:
@@ -209,7 +221,7 @@ class StoreView(InstanceView):
         if not self._track:
             return
         kv, ck_last = self.kv, self._ck_last
-        used = [k for k in hashes[: end // self.unit] if k in kv]
+        used = [k for k in hashes[: end // self.unit] if k in kv]      # entry keys (any key of an event taken whole)
         top = hashes[end // self.unit - 1] if end else None
         if top is not None and top in ck_last:
             used.append((True, top))
@@ -226,13 +238,15 @@ class StoreView(InstanceView):
             self._uses.append((stamp, tuple(used)))
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
-        """The joint hit over whole store entries (boundaries at multiples of ``alignment``)."""
-        g, a, ck = self.unit, self.alignment, self.checkpoints
-        run = self.kv_run(hashes, limit)
-        # joint_hit over the entries [EntryPresence(e, True, C(P_e) held) for e = a, 2a, ... <= run]
-        # (run <= limit), computed directly: every entry has its KV, so the full group's hit is the
-        # last entry, the KDA group's the deepest with a checkpoint, and they agree at the latter
-        top = run // a * a
+        """The joint hit over whole store entries (boundaries at multiples of ``alignment``):
+        the entries held from token 0 on, within ``limit`` tokens, up to the deepest checkpoint."""
+        g, a, ck, step = self.unit, self.alignment, self.checkpoints, self._step
+        # the entry keys of the prompt within the limit: units step-1, 2 step-1, ..., counted
+        # from the first while held (in C: no copy of the prompt's hashes)
+        top = len(list(takewhile(self.kv.__contains__, islice(hashes, step - 1, limit // g, step)))) * a
+        # joint_hit over the entries [EntryPresence(e, True, C(P_e) held) for e = a, 2a, ... <= top]
+        # computed directly: every entry has its KV, so the full group's hit is the last entry, the
+        # KDA group's the deepest with a checkpoint, and they agree at the latter
         hit = top
         while hit and hashes[hit // g - 1] not in ck:
             hit -= a

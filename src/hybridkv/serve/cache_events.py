@@ -120,10 +120,10 @@ class EventFeed:
 
     # -- the engine thread (CacheListener) ------------------------------------------
     def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
-               checkpoint_boundaries: list[int] = ()) -> None:
+               checkpoint_boundaries: list[int] = (), first_unit: int | None = None) -> None:
         """KV units cached, checkpoints published and retired (see ``EventPublisher.stored``)."""
         with self._lock:
-            self._publisher.stored(unit_keys, checkpoint_keys, retired_keys, checkpoint_boundaries)
+            self._publisher.stored(unit_keys, checkpoint_keys, retired_keys, checkpoint_boundaries, first_unit)
             self._take()
 
     def evicted(self, entries) -> None:
