@@ -596,3 +596,32 @@ def test_a_store_hits_queued_seconds_include_the_load(bytes_per_s, loads):
     assert router.expected_hit() == (3584 if loads else 0)
     assert router.expected_seconds() == priced_prefill(cost, store, 4000, 0, 0, 3584)[0]
     assert router.expected_seconds() == pytest.approx(want, rel=1e-12)
+
+
+def test_a_store_load_reads_whole_entries_priced_as_the_router_prices_them():
+    """With store entries (1024 tokens) larger than pages (512), an instance holding part of
+    an entry locally still reads that whole entry: the load is priced and counted from the entry
+    boundary, the start ``priced_prefill`` uses, while pages are installed from the page boundary
+    (before: priced from the page boundary, so router and instance could disagree on whether
+    loading pays)."""
+    from hybridkv.fleet.store import load_start
+
+    cfg = CacheConfig(block_size=512, prefix_match_unit=UNIT, num_kv_pages=512, num_checkpoint_slots=64,
+                      policy=CheckpointPolicy.parse("branch+tail=1024"), max_num_seqs=4, store_alignment=1024)
+    cost = h200_kimi_linear_48b()
+    store = StoreCost(bytes_per_s=1e12, latency_s=1e-4, alignment=1024, kv_bytes_per_token=16_128,
+                      checkpoint_bytes=1 << 20)
+    view = StoreView(UNIT, 1024, kv_bytes_per_token=16_128, checkpoint_bytes=1 << 20)
+    instances = [FleetInstance(k, builder(cfg), cost, 4, SimulatedStore(view, store)) for k in range(2)]
+    fleet = Fleet(instances, RoundRobin(), UNIT, cost, view, store)
+    prompt = np.arange(4000) % 991
+    other = (np.arange(3000) * 7) % 983 + 1
+    frs = fleet_requests([prompt, prompt[:600], other, prompt], 1.0)        # round-robin: 0, 1, 0, 1
+    fleet.run(frs)
+    st, last = instances[1].stats, frs[3]
+    assert last.instance == 1 and st.store_loads == 1
+    got = st.store_hit_tokens                  # no local checkpoint: the local joint hit is 0, its KV run 576
+    assert got == 3072
+    assert load_start(576, got, 1024) == 0 < load_start(576, got, 512) == 512
+    assert st.store_bytes_loaded == store.load_bytes(0, got)
+    assert st.store_seconds == pytest.approx(store.load_seconds(0, got), rel=1e-12)

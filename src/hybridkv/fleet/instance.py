@@ -313,8 +313,11 @@ class FleetInstance:
         local = cache.lookup(r.prompt, r.namespace, touch=False, hashes=fr.hashes)
         if got <= local.hit:
             return 0.0
-        start = load_start(local.kv_hit, got, cache.config.block_size)
-        seconds = self.store.cost.load_seconds(start, got)
+        start = load_start(local.kv_hit, got, cache.config.block_size)     # the pages installed
+        # the store is read in whole entries: from the entry boundary at or below the local KV run
+        # (priced as the router prices it, routers.priced_prefill), which lies at or below ``start``
+        read = load_start(local.kv_hit, got, self.store.cost.alignment)
+        seconds = self.store.cost.load_seconds(read, got)
         if seconds >= self.cost.prefill_seconds(local.hit, got):
             self.stats.store_declined += 1                # recomputing is faster than loading
             return 0.0
@@ -329,7 +332,7 @@ class FleetInstance:
         self.store.view.touch(fr.hashes, got)
         st = self.stats
         st.store_hit_tokens += got - local.hit
-        st.store_bytes_loaded += self.store.cost.load_bytes(start, got)
+        st.store_bytes_loaded += self.store.cost.load_bytes(read, got)
         st.store_seconds += seconds
         st.store_loads += 1
         return seconds
