@@ -36,7 +36,7 @@ from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import EventPublisher
 from hybridkv.fleet.routers import InstanceLoad
 from hybridkv.fleet.steplog import RecordingBackend, StepRecord
-from hybridkv.fleet.store import StoreCost, StoreView, load_start
+from hybridkv.fleet.store import StoreCost, StoreView, load_start, paying_load
 
 STEP_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """How a real engine step is timed (``FleetInstance(step_clock=...)``)."""
@@ -313,14 +313,16 @@ class FleetInstance:
         local = cache.lookup(r.prompt, r.namespace, touch=False, hashes=fr.hashes)
         if got <= local.hit:
             return 0.0
-        start = load_start(local.kv_hit, got, cache.config.block_size)     # the pages installed
-        # the store is read in whole entries: from the entry boundary at or below the local KV run
-        # (priced as the router prices it, routers.priced_prefill), which lies at or below ``start``
-        read = load_start(local.kv_hit, got, self.store.cost.alignment)
-        seconds = self.store.cost.load_seconds(read, got)
-        if seconds >= self.cost.prefill_seconds(local.hit, got):
+        # the store is read in whole entries, from the entry boundary at or below the local KV run,
+        # and only when that pays: the router's rule (store.paying_load); pages installed from the
+        # page boundary, at or above where the read starts
+        load = paying_load(self.cost, self.store.cost, local.kv_hit, local.hit, got)
+        if load is None:
             self.stats.store_declined += 1                # recomputing is faster than loading
             return 0.0
+        transfer, latency, read = load
+        seconds = transfer + latency
+        start = load_start(local.kv_hit, got, cache.config.block_size)     # the pages installed
         # owned by the request's namespace (the engine's when it gave none), as the store tier's
         # installs are (TierConnector passes MatchResult.namespace): quotas and purges by owner reach them
         if start < got and not cache.install_kv(fr.hashes, start, got, _no_tensors, local.namespace):

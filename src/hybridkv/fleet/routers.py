@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
-from hybridkv.fleet.store import StoreCost, load_start
+from hybridkv.fleet.store import StoreCost, paying_load
 
 
 @dataclass(slots=True)
@@ -191,13 +191,10 @@ def priced_prefill(cost: StepCostModel, store: StoreCost | None, prompt_tokens: 
     ``[hit, store_hit)``, the rule a simulated instance applies before it loads (issue 9 item 3;
     :meth:`~hybridkv.fleet.instance.FleetInstance._fetch`). The hybrid router's work term, and
     the queued seconds the fleet books for a routed request."""
-    transfer = latency = 0.0
-    if store is not None and store_hit > hit:
-        start = load_start(kv_hit, store_hit, store.alignment)
-        t, lat = store.transfer_seconds(start, store_hit), store.latency_seconds(start, store_hit)
-        if t + lat < cost.prefill_seconds(hit, store_hit):
-            transfer, latency, hit = t, lat, store_hit
-    return cost.prefill_seconds(hit, prompt_tokens) + transfer + latency, hit
+    load = paying_load(cost, store, kv_hit, hit, store_hit) if store is not None else None
+    if load is None:
+        return cost.prefill_seconds(hit, prompt_tokens), hit
+    return cost.prefill_seconds(store_hit, prompt_tokens) + load[0] + load[1], store_hit
 
 
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:

@@ -72,6 +72,22 @@ def load_start(kv_hit: int, store_hit: int, granularity: int) -> int:
     return min(kv_hit // granularity * granularity, store_hit)
 
 
+def paying_load(cost, store: StoreCost, kv_hit: int, hit: int, store_hit: int) -> tuple[float, float, int] | None:
+    """``(transfer seconds, latency seconds, read start in tokens)`` of loading ``[start,
+    store_hit)`` from the store (``start``: the local KV run ``kv_hit`` rounded down to whole
+    entries, :func:`load_start`) when that takes less than computing ``[hit, store_hit)`` with
+    ``cost`` (a :class:`~hybridkv.fleet.costmodel.StepCostModel`); ``None`` when it does not pay
+    or the store's hit is not deeper than ``hit``. The one rule of issue 9 item 3 that the router
+    (``routers.priced_prefill``) and a simulated instance (``FleetInstance._fetch``) both apply."""
+    if store_hit <= hit:
+        return None
+    start = load_start(kv_hit, store_hit, store.alignment)
+    transfer, latency = store.transfer_seconds(start, store_hit), store.latency_seconds(start, store_hit)
+    if transfer + latency < cost.prefill_seconds(hit, store_hit):
+        return transfer, latency, start
+    return None
+
+
 class StoreView(InstanceView):
     """Entries of the shared store, from every instance's stored events; a hit only at
     ``alignment`` boundaries.
