@@ -21,9 +21,10 @@ UNIT, BLOCK = 64, 128
 
 
 def make_cache(*, pages: int = 16, slots: int = 8, policy: str = "branch+tail", block_size: int = BLOCK,
-               unit: int = UNIT, on_evict=None, pool: CheckpointPool | None = None) -> HybridCacheCoordinator:
+               unit: int = UNIT, on_evict=None, pool: CheckpointPool | None = None,
+               hold_all: bool = False) -> HybridCacheCoordinator:
     cfg = CacheConfig(block_size=block_size, prefix_match_unit=unit, num_kv_pages=pages, num_checkpoint_slots=slots,
-                      policy=CheckpointPolicy.parse(policy))
+                      policy=CheckpointPolicy.parse(policy), kv_pages_hold_all=hold_all)
     pool = pool if pool is not None else CheckpointPool(slots, slot_bytes=1000)
     return HybridCacheCoordinator(cfg, NS, pool, page_bytes=4096, copy_page=None, on_evict=on_evict)
 
@@ -158,6 +159,56 @@ def test_a_full_checkpoint_pool_evicts_its_least_recently_used_slot():
     assert result.created == [(128, "tail")] and cache.evicted_checkpoints == 1
     assert cache.lookup(a).checkpoint_hit == 0 and cache.lookup(b).checkpoint_hit == 128
     assert_idle(cache)
+
+
+def test_a_page_pool_sized_to_hold_every_page_raises_when_short_and_keeps_what_it_holds():
+    """``kv_pages_hold_all`` (the replay's default pool): no eviction order, so running short is
+    an error naming the pool, not an eviction; the entries already cached stay, every reference
+    taken for the failed request is returned."""
+    cache = make_cache(pages=4, hold_all=True)
+    a, b = tokens(12, 200), tokens(13, 200)
+    serve(cache, a, checkpoints=[128])
+    serve(cache, b, checkpoints=[128])                   # 2 pages each (200 + 8 tokens of 128)
+    assert cache.pages.num_free == 0 and cache.pages.num_evictable == 4
+    with pytest.raises(RuntimeError, match="page pool of 4 pages was sized to hold every page"):
+        cache.acquire(cache.lookup(tokens(14, 200)), 208)
+    assert cache.lookup(a).hit == 128 and cache.lookup(b).hit == 128 and cache.evicted_pages == 0
+    assert_idle(cache)
+    assert cache.clear() == 4 and cache.pages.num_free == 4          # a purge still empties it
+    assert_idle(cache)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from([0, 128, 192, 256, 300, 512, 640]), st.integers(0, 2),
+                              st.integers(1, 256), st.booleans()), min_size=5, max_size=25))
+def test_a_pool_holding_every_page_hits_as_an_lru_pool_that_never_evicts(ops):
+    """The same requests against a ``kv_pages_hold_all`` pool and an ``lru`` pool of the same,
+    sufficient size: the same hits, pages and free counts after every request (the order only
+    matters for victims, and neither pool ever needs one)."""
+    caches = [make_cache(pages=256, slots=64), make_cache(pages=256, slots=64, hold_all=True)]
+    assert caches[1].pages.order.name == "none"
+    held: list[list] = [[], []]
+    for cut, branch, tail, keep in ops:
+        prompt = np.concatenate([STEM[:cut], BRANCHES[branch][:tail]])
+        seen = []
+        for cache, running in zip(caches, held):
+            m = cache.lookup(prompt)
+            alloc = cache.acquire(m, len(prompt) + 4)
+            end = len(prompt) // UNIT * UNIT
+            cache.publish(alloc, m.hashes, len(prompt), {end: (None, "tail")} if end > m.hit else {})
+            if keep:
+                running.append(alloc)
+            else:
+                cache.release(alloc)
+            cache.check_invariants()
+            seen.append((m.hit, m.kv_hit, alloc.block_table, cache.pages.num_free, cache.pages.num_evictable,
+                         cache.index.num_nodes))
+        assert seen[0] == seen[1]
+    for cache, running in zip(caches, held):
+        for alloc in running:
+            cache.release(alloc)
+        assert_idle(cache)
+        assert cache.evicted_pages == 0
 
 
 # -- supersede -------------------------------------------------------------------------------------

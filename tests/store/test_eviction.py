@@ -236,3 +236,23 @@ def test_value_grid_and_shadow_items_must_be_valid():
         ValueOrder(shadow_items=0)
     with pytest.raises(ValueError, match="half_life=0"):
         ValueOrder().set_half_life(0)
+
+
+def test_no_eviction_order_knows_its_members_and_keeps_nothing_else():
+    """``make_order("none")`` (a holder sized to keep everything): exact membership, no ranking,
+    no descriptions or owner counts; a purge's victim is the member added longest ago."""
+    order = make_order("none")
+    assert order.name == "none" and order.victim() is None
+    for i in range(4):
+        order.describe(i, nbytes=10, cost=1, owner=b"t")
+        order.add(i)
+    order.hit(0)                                 # no ranking: nothing moves
+    order.discard(1)                             # a request references it
+    order.add(2)                                 # re-added: still one member
+    assert list(order) == [0, 2, 3] and len(order) == 3 and 1 not in order and 2 in order
+    assert order.owner_bytes == {} and order.total_bytes == 0 and order.info == {}
+    assert order.victim() == 0 and order.victim(owner=b"t") is None
+    order.forget(0)                              # its content is gone
+    assert order.pop() == 2 and list(order) == [3]
+    with pytest.raises(ValueError, match="'lfu' must be one of"):
+        make_order("lfu")

@@ -37,7 +37,7 @@ import hashlib
 import itertools
 import random
 from bisect import bisect_left
-from itertools import islice, takewhile
+from itertools import compress, islice, takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
 from collections import deque
@@ -204,6 +204,25 @@ def least_loaded(loads: list[InstanceLoad], among=None) -> int:
     if {*map(type, chosen)} == _PLAIN_LOAD:     # InstanceLoad.key's tuple read in C (a router's ties)
         return min(zip(map(_LOAD_KEY, chosen), among))[1]
     return min(among, key=lambda j: (loads[j].key(), j))
+
+
+def least_loaded_index(loads: list[InstanceLoad], among: list[int], keep: list[bool]) -> int:
+    """Position in ``among`` of :func:`least_loaded` over the instances ``among[k]`` with
+    ``keep[k]`` true (at least one)."""
+    ks = list(compress(range(len(among)), keep))
+    if len(ks) == 1:
+        return ks[0]
+    js = list(map(among.__getitem__, ks))
+    chosen = list(map(loads.__getitem__, js))
+    if {*map(type, chosen)} == _PLAIN_LOAD:     # InstanceLoad.key's tuple read in C
+        return min(zip(map(_LOAD_KEY, chosen), js, ks))[2]
+    return min(zip(chosen, js, ks), key=lambda t: (t[0].key(), t[1]))[2]
+
+
+_NO_HIT = (0, 0)
+"""``(kv_hit, hit)`` of a view holding nothing of the prompt."""
+_PLAIN_VIEW = {InstanceView}
+_UNIT = attrgetter("unit")
 
 
 class Router(ABC):
@@ -787,53 +806,59 @@ class HybridRouter(Router):
         else:
             q = [self.queue_seconds(ld) for ld in loads]
         p0 = self.predicted_prefill(req, 0)
+        live = fleet.live
+        cool = self._cool(live, q if len(live) == len(q) else [q[j] for j in live])   # live: ascending
+        # views of one kind and unit (a fleet's): InstanceView.hits inline below, over one slice of
+        # the prompt's hashes shared by the views (a call a view on every arrival otherwise)
+        plain = limit >= 0 and {*map(type, views)} == _PLAIN_VIEW and len({*map(_UNIT, views)}) == 1
+        g = views[live[0]].unit if plain else 0
+        units = hashes[:limit // g] if plain else hashes
+        active = ()
+        if self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView):
+            unit = views[live[0]].unit
+            routed, active, cunits = self._routed(fleet, unit), self._active, hashes[:limit // unit]
+        first = units[0] if units else None
+        guess, head = 0, ()
         weigh = self.options.weigh_waiting
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
-        scored, hits = {}, {}
-        live = fleet.live
-        plain, sliced, sliced_g = InstanceView, hashes, None
-        count_routed = self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView)
-        if count_routed:
-            unit = views[live[0]].unit
-            routed, units, known = self._routed(fleet, unit), hashes[:limit // unit], {}
-        for j in self._cool(live, [q[j] for j in live]):
+        pairs, scores = [], []                                   # per instance of ``cool``, in order
+        for j in cool:
             view = views[j]
-            if type(view) is plain and limit >= 0:
-                # InstanceView.hits inline (a call a view on every arrival), over one slice of
-                # the prompt's hashes shared by the views: the same run and deepest checkpoint
-                g = view.unit
-                if g != sliced_g:
-                    sliced, sliced_g = hashes[:limit // g], g
-                run = deepest = len(list(takewhile(view.kv.__contains__, sliced)))
-                if run:
-                    ck = view.checkpoints
-                    while deepest and sliced[deepest - 1] not in ck:
-                        deepest -= 1
-                pair = (run * g, deepest * g)
-            elif type(view).match is InstanceView.match:
-                pair = view.hits(hashes, limit)
-            else:
+            if not plain:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
-            if count_routed:
-                known[j] = pair[0] // unit
-                if routed[j].seqs:
-                    pair = routed[j].extend(units, view, pair)
-            hits[j] = pair
+            elif first in view.kv:
+                kv = view.kv
+                # the run: most views hold the same few units of a prompt (a shared first block),
+                # so the last run found is checked whole (in C) before a unit-by-unit walk
+                if guess and kv.issuperset(head):
+                    run = guess
+                    if run < len(units) and units[run] in kv:
+                        run += len(list(takewhile(kv.__contains__, islice(units, run, None))))
+                else:
+                    run = len(list(takewhile(kv.__contains__, units)))
+                    guess, head = run, units[:run]
+                deepest, ck = run, view.checkpoints
+                while deepest and units[deepest - 1] not in ck:
+                    deepest -= 1
+                pair = (run * g, deepest * g)
+            else:
+                pair = _NO_HIT
+            if j in active:
+                pair = routed[j].extend(cunits, view, pair)
+            pairs.append(pair)
             priced = works.get(pair)
             if priced is None:
                 priced = works[pair] = self._work(req, pair[0], pair[1], store_hit)
-            work = priced[0]
-            ld = loads[j]
-            weight = 1 + ld.waiting if weigh else 1
-            scored[j] = p0 - q[j] - weight * work
-        tie = self.options.tie_relative * p0 + 1e-9
-        top = max(scored.values())
-        j = least_loaded(loads, [j for j, s in scored.items() if s >= top - tie])
-        self._expected_s, self._expected = works[hits[j]]
-        if count_routed:
-            routed[j].add(next(self._seq), units, known[j], limit, views[j].generation, loads[j].routed)
-            self._active.add(j)
+            scores.append(p0 - q[j] - (1 + loads[j].waiting if weigh else 1) * priced[0])
+        floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
+        k = least_loaded_index(loads, cool, [sc >= floor for sc in scores])
+        j = cool[k]
+        self._expected_s, self._expected = works[pairs[k]]
+        if active is self._active:
+            known = views[j].match(hashes, limit).kv_hit // unit     # the view's own run, before the records
+            routed[j].add(next(self._seq), cunits, known, limit, views[j].generation, loads[j].routed)
+            active.add(j)
         return j
 
 

@@ -304,6 +304,57 @@ class LRUOrder(EvictionOrder):
         return iter(list(self._q))
 
 
+class NoEviction(EvictionOrder):
+    """The order of a holder sized to keep everything it will ever cache (``make_order("none")``;
+    the replay's default device page pool, :attr:`~hybridkv.cache.config.CacheConfig.kv_pages_hold_all`).
+    It knows its members, so the holder's counts and invariants read as with any order, but
+    keeps no ranking, descriptions or hit counts: such a holder never asks for a capacity
+    victim, and the upkeep of an order it would never consult (a description and a queue move
+    for every page published, used or released) is skipped.
+
+    :meth:`victim` returns the member added longest ago that is still one, for a purge that
+    evicts every member (any order will do there); a holder that needs a victim for capacity
+    was not sized to keep everything, and must say so rather than evict (the coordinator
+    raises). Owners are not counted (``owner_bytes`` stays empty), so it serves no quotas.
+    """
+
+    name = "none"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._members: dict[Hashable, None] = {}
+
+    def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
+                 owner: Hashable | None = None, key: bytes | None = None) -> None:
+        """Nothing is kept of the description."""
+
+    def forget(self, item: Hashable) -> None:
+        self._members.pop(item, None)
+
+    def add(self, item: Hashable) -> None:
+        self._members[item] = None
+
+    def discard(self, item: Hashable) -> None:
+        self._members.pop(item, None)
+
+    def hit(self, item: Hashable, count: bool = True) -> None:
+        """No ranking: nothing to refresh."""
+
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """A member (the one added longest ago) or ``None``; with ``owner``, ``None``
+        (owners are not known)."""
+        return None if owner is not None else next(iter(self._members), None)
+
+    def __contains__(self, item: Hashable) -> bool:
+        return item in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self):
+        return iter(list(self._members))
+
+
 class _Shadow:
     """One miniature simulation: a metadata-only value cache of fixed half-life ``h`` over the
     sampled content keys, of the sampled share of the real tier's bytes.
@@ -590,13 +641,17 @@ class ValueOrder(EvictionOrder):
 
 
 def make_order(policy: str) -> EvictionOrder:
-    """A fresh order for ``policy`` (``"lru"`` or ``"value"``).
+    """A fresh order for ``policy``: ``"lru"`` or ``"value"`` (:data:`EVICTION_POLICIES`, the
+    choices offered to users), or ``"none"`` (:class:`NoEviction`, for a holder sized to keep
+    everything it will cache).
 
     Raises:
-        ValueError: ``policy`` is neither.
+        ValueError: ``policy`` is none of them.
     """
     if policy == "lru":
         return LRUOrder()
     if policy == "value":
         return ValueOrder()
+    if policy == "none":
+        return NoEviction()
     raise ValueError(f"eviction policy {policy!r} must be one of {list(EVICTION_POLICIES)}")
