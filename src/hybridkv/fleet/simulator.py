@@ -30,18 +30,24 @@ from hybridkv.fleet.store import StoreCost, StoreView
 
 @dataclass(slots=True)
 class _EventQueue:
-    """Events waiting for their delivery time (seconds), in order."""
+    """Events waiting for their delivery time (seconds), in order: one heap entry a batch
+    (the events of one step, in their order), batches due at the same time in push order."""
 
     heap: list = field(default_factory=list)
     seq: itertools.count = field(default_factory=itertools.count)
 
     def push(self, at: float, events: list[CacheEvent]) -> None:
-        for ev in events:
-            heapq.heappush(self.heap, (at, next(self.seq), ev))
+        if events:
+            heapq.heappush(self.heap, (at, next(self.seq), events))
+
+    def due(self, now: float) -> bool:
+        """Some event is due by ``now``."""
+        return bool(self.heap) and self.heap[0][0] <= now
 
     def pop_until(self, now: float):
-        while self.heap and self.heap[0][0] <= now:
-            yield heapq.heappop(self.heap)[2]
+        heap = self.heap
+        while heap and heap[0][0] <= now:
+            yield from heapq.heappop(heap)[2]
 
 
 class Fleet:
@@ -81,9 +87,11 @@ class Fleet:
 
     def deliver(self, now: float) -> None:
         """Apply every event due by ``now`` (seconds) to the router's views."""
-        store = self.state.store
+        if not self._events.due(now):
+            return
+        views, store = self.state.views, self.state.store
         for ev in self._events.pop_until(now):
-            self.state.views[ev.instance].apply(ev)
+            views[ev.instance].apply(ev)
             if store is not None:
                 store.apply(ev)
 
