@@ -264,16 +264,17 @@ class PrefixIndex:
         # nodes are made as BlockNode(key, parent, end, page, None, own, now) would make them,
         # with the slots set here (no __init__ frame a node: 1.45 M nodes on the whole trace)
         cls, make = BlockNode, object.__new__
+        first = True
         for page, j in runs:
             add_nodes(page, end + unit, own, j - i, keys[i])   # raises before the tree changes
-            start = len(out)
-            if i < j:                                # the first hangs under a node that may have children
+            start, k = len(out), i
+            if first and i < j:                      # the first hangs under a node that may have children
                 end += unit
                 node = cls(keys[i], parent, end, page, None, own, now)
                 parent._add_child(keys[i], node)
                 append(node)
-                parent = node
-            for key in keys[i + 1:j]:                # the rest under a new node: its only child
+                parent, k, first = node, i + 1, False
+            for key in keys[k:j]:                    # the rest under a new node: its only child
                 end += unit
                 node = make(cls)
                 node.key = key
