@@ -817,8 +817,9 @@ class HybridRouter(Router):
         if self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView):
             unit = views[live[0]].unit
             routed, active, cunits = self._routed(fleet, unit), self._active, hashes[:limit // unit]
-        first = units[0] if units else None
-        guess, head = 0, ()
+        first, n_units = (units[0] if units else None), len(units)
+        # the last run found (units), its units, its last unit and its pair when checkpointed there
+        guess, head, top, full = 0, (), None, None
         weigh = self.options.weigh_waiting
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores = [], []                                   # per instance of ``cool``, in order
@@ -827,21 +828,24 @@ class HybridRouter(Router):
             if not plain:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
-            elif first in view.kv:
-                kv = view.kv
+            elif first in (kv := view.kv):
                 # the run: most views hold the same few units of a prompt (a shared first block),
                 # so the last run found is checked whole (in C) before a unit-by-unit walk
+                pair = None
                 if guess and kv.issuperset(head):
                     run = guess
-                    if run < len(units) and units[run] in kv:
+                    if run < n_units and units[run] in kv:
                         run += len(list(takewhile(kv.__contains__, islice(units, run, None))))
+                    elif top in view.checkpoints:        # that run again, checkpointed at its end
+                        pair = full
                 else:
                     run = len(list(takewhile(kv.__contains__, units)))
-                    guess, head = run, units[:run]
-                deepest, ck = run, view.checkpoints
-                while deepest and units[deepest - 1] not in ck:
-                    deepest -= 1
-                pair = (run * g, deepest * g)
+                    guess, head, top, full = run, units[:run], units[run - 1], (run * g, run * g)
+                if pair is None:
+                    deepest, ck = run, view.checkpoints
+                    while deepest and units[deepest - 1] not in ck:
+                        deepest -= 1
+                    pair = (run * g, deepest * g)
             else:
                 pair = _NO_HIT
             if j in active:

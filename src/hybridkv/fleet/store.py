@@ -228,7 +228,7 @@ class StoreView(InstanceView):
                     self._uses.append((self._stamp, tuple(zip(repeat(True), new))))
         else:
             return
-        if self.capacity_bytes is not None:
+        if self.capacity_bytes is not None and self.bytes_held > self.capacity_bytes:
             self._evict_to_fit()
         self.bytes_peak = max(self.bytes_peak, self.bytes_held)
 
