@@ -822,7 +822,7 @@ class HybridRouter(Router):
         guess, head, top, full = 0, (), None, None
         weigh = self.options.weigh_waiting
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
-        pairs, scores = [], []                                   # per instance of ``cool``, in order
+        pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
         for j in cool:
             view = views[j]
             if not plain:
@@ -849,6 +849,7 @@ class HybridRouter(Router):
             else:
                 pair = _NO_HIT
             if j in active:
+                own[j] = pair                            # the view's own pair, before the records
                 pair = routed[j].extend(cunits, view, pair)
             pairs.append(pair)
             priced = works.get(pair)
@@ -860,7 +861,7 @@ class HybridRouter(Router):
         j = cool[k]
         self._expected_s, self._expected = works[pairs[k]]
         if active is self._active:
-            known = views[j].match(hashes, limit).kv_hit // unit     # the view's own run, before the records
+            known = own.get(j, pairs[k])[0] // unit                  # the view's own run, before the records
             routed[j].add(next(self._seq), cunits, known, limit, views[j].generation, loads[j].routed)
             active.add(j)
         return j
