@@ -62,11 +62,3 @@ def test_store_alignment_validation():
         CacheConfig(block_size=1024, store_alignment=1536)
     assert CacheConfig(block_size=1024).store_boundary == 1024
     assert CacheConfig(block_size=1024, store_alignment=4096).store_boundary == 4096
-
-
-def test_kv_pages_hold_all_must_be_a_bool_and_cannot_serve_quotas():
-    assert CacheConfig(kv_pages_hold_all=True).kv_pages_hold_all
-    with pytest.raises(ConfigError, match="kv_pages_hold_all=1 must be a bool"):
-        CacheConfig(kv_pages_hold_all=1)
-    with pytest.raises(ConfigError, match=r"tenant_quota=0.5 cannot be enforced"):
-        CacheConfig(kv_pages_hold_all=True, tenant_quota=0.5)

@@ -15,16 +15,16 @@ from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.cache.groups import FULL, KDA, reuse_cap
 from hybridkv.cache.pools import CheckpointPool
 from hybridkv.model.state import KDACheckpoint
+from hybridkv.store.eviction import LRUOrder, RecencyOrder
 
 NS = b"n" * 32
 UNIT, BLOCK = 64, 128
 
 
 def make_cache(*, pages: int = 16, slots: int = 8, policy: str = "branch+tail", block_size: int = BLOCK,
-               unit: int = UNIT, on_evict=None, pool: CheckpointPool | None = None,
-               hold_all: bool = False) -> HybridCacheCoordinator:
+               unit: int = UNIT, on_evict=None, pool: CheckpointPool | None = None) -> HybridCacheCoordinator:
     cfg = CacheConfig(block_size=block_size, prefix_match_unit=unit, num_kv_pages=pages, num_checkpoint_slots=slots,
-                      policy=CheckpointPolicy.parse(policy), kv_pages_hold_all=hold_all)
+                      policy=CheckpointPolicy.parse(policy))
     pool = pool if pool is not None else CheckpointPool(slots, slot_bytes=1000)
     return HybridCacheCoordinator(cfg, NS, pool, page_bytes=4096, copy_page=None, on_evict=on_evict)
 
@@ -159,56 +159,6 @@ def test_a_full_checkpoint_pool_evicts_its_least_recently_used_slot():
     assert result.created == [(128, "tail")] and cache.evicted_checkpoints == 1
     assert cache.lookup(a).checkpoint_hit == 0 and cache.lookup(b).checkpoint_hit == 128
     assert_idle(cache)
-
-
-def test_a_page_pool_sized_to_hold_every_page_raises_when_short_and_keeps_what_it_holds():
-    """``kv_pages_hold_all`` (the replay's default pool): no eviction order, so running short is
-    an error naming the pool, not an eviction; the entries already cached stay, every reference
-    taken for the failed request is returned."""
-    cache = make_cache(pages=4, hold_all=True)
-    a, b = tokens(12, 200), tokens(13, 200)
-    serve(cache, a, checkpoints=[128])
-    serve(cache, b, checkpoints=[128])                   # 2 pages each (200 + 8 tokens of 128)
-    assert cache.pages.num_free == 0 and cache.pages.num_evictable == 4
-    with pytest.raises(RuntimeError, match="page pool of 4 pages was sized to hold every page"):
-        cache.acquire(cache.lookup(tokens(14, 200)), 208)
-    assert cache.lookup(a).hit == 128 and cache.lookup(b).hit == 128 and cache.evicted_pages == 0
-    assert_idle(cache)
-    assert cache.clear() == 4 and cache.pages.num_free == 4          # a purge still empties it
-    assert_idle(cache)
-
-
-@settings(max_examples=25, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from([0, 128, 192, 256, 300, 512, 640]), st.integers(0, 2),
-                              st.integers(1, 256), st.booleans()), min_size=5, max_size=25))
-def test_a_pool_holding_every_page_hits_as_an_lru_pool_that_never_evicts(ops):
-    """The same requests against a ``kv_pages_hold_all`` pool and an ``lru`` pool of the same,
-    sufficient size: the same hits, pages and free counts after every request (the order only
-    matters for victims, and neither pool ever needs one)."""
-    caches = [make_cache(pages=256, slots=64), make_cache(pages=256, slots=64, hold_all=True)]
-    assert caches[1].pages.order.name == "none"
-    held: list[list] = [[], []]
-    for cut, branch, tail, keep in ops:
-        prompt = np.concatenate([STEM[:cut], BRANCHES[branch][:tail]])
-        seen = []
-        for cache, running in zip(caches, held):
-            m = cache.lookup(prompt)
-            alloc = cache.acquire(m, len(prompt) + 4)
-            end = len(prompt) // UNIT * UNIT
-            cache.publish(alloc, m.hashes, len(prompt), {end: (None, "tail")} if end > m.hit else {})
-            if keep:
-                running.append(alloc)
-            else:
-                cache.release(alloc)
-            cache.check_invariants()
-            seen.append((m.hit, m.kv_hit, alloc.block_table, cache.pages.num_free, cache.pages.num_evictable,
-                         cache.index.num_nodes))
-        assert seen[0] == seen[1]
-    for cache, running in zip(caches, held):
-        for alloc in running:
-            cache.release(alloc)
-        assert_idle(cache)
-        assert cache.evicted_pages == 0
 
 
 # -- supersede -------------------------------------------------------------------------------------
@@ -489,6 +439,44 @@ def test_random_acquire_publish_release_keeps_invariants_and_returns_every_refer
     assert cache.checkpoints.num_free == cache.checkpoints.num_slots
     assert cache.index.num_nodes == 0
     cache.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(prompt_spec, st.integers(0, 200), st.booleans()), min_size=5, max_size=30))
+def test_an_lru_page_pool_without_quotas_evicts_as_a_described_lru_pool(ops):
+    """Without ``tenant_quota`` the page pool's ``lru`` order keeps no descriptions
+    (:class:`RecencyOrder`); under eviction pressure it gives the same hits, victims, evicted
+    entries and free pages, request by request, as the described :class:`LRUOrder`."""
+    evicted: list[list[EvictedEntry]] = [[], []]
+    caches = [make_cache(pages=8, slots=3, on_evict=evicted[0].extend),
+              make_cache(pages=8, slots=3, on_evict=evicted[1].extend)]
+    assert isinstance(caches[0].pages.order, RecencyOrder)
+    caches[1].pages.order = LRUOrder()                   # nothing cached yet: the same state, described
+    held: list[list] = [[], []]
+    for (cut, branch, tail), extra, keep in ops:
+        prompt = np.concatenate([STEM[:cut], BRANCHES[branch][:tail]])
+        seen = []
+        for cache, running in zip(caches, held):
+            m = cache.lookup(prompt)
+            alloc = cache.acquire(m, len(prompt) + extra)
+            if alloc is not None:
+                end = len(prompt) // UNIT * UNIT
+                cache.publish(alloc, m.hashes, len(prompt), {end: (None, "tail")} if end > m.hit else {})
+                (running.append if keep and len(running) < 2 else cache.release)(alloc)
+            cache.check_invariants()
+            seen.append((m.hit, m.kv_hit, alloc is not None and alloc.block_table, list(cache.pages.order),
+                         cache.pages.num_free, cache.evicted_pages, cache.index.num_nodes))
+        assert seen[0] == seen[1]
+    assert evicted[0] == evicted[1]
+
+
+def test_a_page_pool_with_quotas_keeps_its_descriptions():
+    cfg = CacheConfig(block_size=BLOCK, prefix_match_unit=UNIT, num_kv_pages=16, num_checkpoint_slots=8,
+                      tenant_quota=0.5)
+    cache = HybridCacheCoordinator(cfg, NS, CheckpointPool(8, slot_bytes=1000), page_bytes=4096)
+    assert isinstance(cache.pages.order, LRUOrder)
+    serve(cache, tokens(15, 300), checkpoints=[256])
+    assert cache.pages.order.owner_bytes == {NS: 2 * 4096}            # two whole pages of 128 tokens
 
 
 def test_publish_refuses_a_boundary_past_the_prompts_whole_units_before_changing_anything():

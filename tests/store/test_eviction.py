@@ -12,7 +12,7 @@ import random
 import pytest
 
 from hybridkv.store.disk import DiskStore
-from hybridkv.store.eviction import LRUOrder, ValueOrder, make_order
+from hybridkv.store.eviction import LRUOrder, RecencyOrder, ValueOrder, make_order
 
 
 @pytest.mark.parametrize("policy", ["lru", "value"])
@@ -238,21 +238,27 @@ def test_value_grid_and_shadow_items_must_be_valid():
         ValueOrder().set_half_life(0)
 
 
-def test_no_eviction_order_knows_its_members_and_keeps_nothing_else():
-    """``make_order("none")`` (a holder sized to keep everything): exact membership, no ranking,
-    no descriptions or owner counts; a purge's victim is the member added longest ago."""
-    order = make_order("none")
-    assert order.name == "none" and order.victim() is None
-    for i in range(4):
-        order.describe(i, nbytes=10, cost=1, owner=b"t")
-        order.add(i)
-    order.hit(0)                                 # no ranking: nothing moves
-    order.discard(1)                             # a request references it
-    order.add(2)                                 # re-added: still one member
-    assert list(order) == [0, 2, 3] and len(order) == 3 and 1 not in order and 2 in order
-    assert order.owner_bytes == {} and order.total_bytes == 0 and order.info == {}
-    assert order.victim() == 0 and order.victim(owner=b"t") is None
-    order.forget(0)                              # its content is gone
-    assert order.pop() == 2 and list(order) == [3]
-    with pytest.raises(ValueError, match="'lfu' must be one of"):
-        make_order("lfu")
+@pytest.mark.parametrize("seed", range(4))
+def test_recency_order_ranks_exactly_as_lru_without_descriptions(seed):
+    """``make_order("lru", described=False)``: after every call of a random sequence the same
+    members, iteration order and victim as :class:`LRUOrder`; no description, byte or owner
+    count is kept, and a victim by owner is refused (it knows no owners)."""
+    rng = random.Random(seed)
+    plain, full = make_order("lru", described=False), make_order("lru")
+    assert isinstance(plain, RecencyOrder) and plain.name == "lru" and isinstance(full, LRUOrder)
+    for _ in range(600):
+        item, op = rng.randrange(12), rng.choice(["describe", "add", "add", "hit", "discard", "forget", "pop"])
+        for order in (plain, full):
+            if op == "describe":
+                order.describe(item, nbytes=rng.randrange(1, 9) if order is plain else 4, owner=b"t")
+            elif op == "hit":
+                order.hit(item, count=item % 2 == 0)
+            elif op == "pop":
+                order.pop()
+            else:
+                getattr(order, op)(item)
+        assert list(plain) == list(full) and len(plain) == len(full) and plain.victim() == full.victim()
+        assert all((i in plain) == (i in full) for i in range(12))
+    assert plain.info == {} and plain.owner_bytes == {} and plain.total_bytes == 0
+    with pytest.raises(ValueError, match="keeps no owners"):
+        plain.victim(owner=b"t")

@@ -206,11 +206,6 @@ class CacheConfig:
             captured for the lower tiers only (label ``host``: written through to the host tier,
             never published on the device), so the host holds denser checkpoints than the device.
             A multiple of ``block_size`` (host entries are page-aligned). ``None``: off.
-        kv_pages_hold_all: ``num_kv_pages`` holds every page the run will ever take (the replay
-            sizes its pool so when ``--kv-pages`` is not given: the pages of every request's
-            prompt and output), so the page pool never evicts and keeps no eviction order
-            (:class:`~hybridkv.store.eviction.NoEviction`); a pool that runs short anyway
-            raises ``RuntimeError`` instead of evicting. Not with ``tenant_quota``.
 
     Raises:
         ConfigError: from :meth:`validate` (called by ``__post_init__``).
@@ -230,7 +225,6 @@ class CacheConfig:
     host_probation: float = HOST_PROBATION
     tenant_quota: float | None = None
     host_interval: int | None = None
-    kv_pages_hold_all: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mechanism", Mechanism.parse(self.mechanism))
@@ -265,11 +259,6 @@ class CacheConfig:
         q = self.tenant_quota
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")
-        if not isinstance(self.kv_pages_hold_all, bool):
-            raise ConfigError(f"kv_pages_hold_all={self.kv_pages_hold_all!r} must be a bool")
-        if self.kv_pages_hold_all and q is not None:
-            raise ConfigError(f"kv_pages_hold_all=True keeps no eviction order, so tenant_quota={q!r} "
-                              "cannot be enforced; leave one of them out")
         h = self.host_interval
         if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0 or h % b):
             raise ConfigError(f"host_interval={h!r} must be a positive multiple of block_size={b} "

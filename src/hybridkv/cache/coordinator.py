@@ -149,8 +149,8 @@ class HybridCacheCoordinator:
         clock: seconds (default ``time.time``); stamps index nodes for purges by age.
 
     Eviction follows ``config.eviction`` (both pools; the checkpoint pool is built with the
-    same policy by the backend), except that a page pool sized to hold every page
-    (``config.kv_pages_hold_all``) keeps no order and raises when short. With ``config.tenant_quota`` a namespace whose cached bytes
+    same policy by the backend); without ``config.tenant_quota`` an ``lru`` page pool keeps no
+    page descriptions (:class:`~hybridkv.store.eviction.RecencyOrder`, the same victims). With ``config.tenant_quota`` a namespace whose cached bytes
     in a pool exceed that fraction of the pool evicts its own entries first.
     """
 
@@ -161,8 +161,9 @@ class HybridCacheCoordinator:
         self.config = config
         self.namespace = namespace
         self.clock = clock
-        self.pages = PagePool(config.num_kv_pages, "none" if config.kv_pages_hold_all else config.eviction,
-                              page_bytes, config.block_size)
+        # pages described only where quotas read them: an lru pool without quotas ranks by recency alone
+        self.pages = PagePool(config.num_kv_pages, config.eviction, page_bytes, config.block_size,
+                              described=config.tenant_quota is not None)
         self.checkpoints = checkpoints
         self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
         self.page_bytes = page_bytes
@@ -347,15 +348,6 @@ class HybridCacheCoordinator:
                           owner=match.namespace)
 
     def _take_pages(self, n: int, owner: bytes | None = None) -> list[int] | None:
-        """``n`` free pages (refcount 1 each), evicting for room; ``None`` when eviction cannot
-        make it.
-
-        Raises:
-            RuntimeError: a pool sized to hold every page (``config.kv_pages_hold_all``) is short.
-        """
-        if self.config.kv_pages_hold_all and self.pages.num_free < n:
-            raise RuntimeError(f"the page pool of {self.pages.num_pages} pages was sized to hold every page of "
-                               f"the run (kv_pages_hold_all) but has {self.pages.num_free} free for {n} new pages")
         while self.pages.num_free < n:
             victim = self._victim(self.pages, owner)
             if victim is None:

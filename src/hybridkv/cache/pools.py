@@ -76,10 +76,11 @@ class _RefcountedCache:
     Referenced items are never members of ``order``, so they are never evicted.
     """
 
-    def __init__(self, n: int, eviction: str = "lru") -> None:
+    def __init__(self, n: int, eviction: str = "lru", described: bool = True) -> None:
         self.refcount = [0] * n                # owner: requests via ref/unref
         self._free = _FreeQueue(n)             # never-taken ids first, then freed ones (FIFO)
-        self.order = make_order(eviction)      # members: cached, unreferenced items; owner: this pool
+        # members: cached, unreferenced items; owner: this pool
+        self.order = make_order(eviction, described)
 
     def _cached(self, i: int) -> bool:
         raise NotImplementedError
@@ -163,10 +164,14 @@ class PagePool(_RefcountedCache):
         eviction: ``lru`` or ``value`` (:func:`hybridkv.store.eviction.make_order`).
         page_bytes: bytes of one page (M of the value score; 1 when unknown).
         block_size: tokens of one page (C of the value score: a page's hit saves its tokens).
+        described: the order keeps each page's description (bytes, owner, hits; needed for
+            quotas); ``False`` with ``lru``: a :class:`~hybridkv.store.eviction.RecencyOrder`,
+            the same victims without them.
     """
 
-    def __init__(self, num_pages: int, eviction: str = "lru", page_bytes: int = 0, block_size: int = 1) -> None:
-        super().__init__(num_pages, eviction)
+    def __init__(self, num_pages: int, eviction: str = "lru", page_bytes: int = 0, block_size: int = 1,
+                 described: bool = True) -> None:
+        super().__init__(num_pages, eviction, described)
         self.page_bytes = page_bytes or 1
         self.block_size = block_size
         self.num_pages = num_pages

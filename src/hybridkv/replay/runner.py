@@ -232,7 +232,6 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
-        kv_pages_hold_all=not opts.num_kv_pages,          # sized for every page: no eviction order kept
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
