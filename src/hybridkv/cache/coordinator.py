@@ -150,8 +150,9 @@ class HybridCacheCoordinator:
 
     Eviction follows ``config.eviction`` (both pools; the checkpoint pool is built with the
     same policy by the backend); without ``config.tenant_quota`` an ``lru`` page pool keeps no
-    page descriptions (:class:`~hybridkv.store.eviction.RecencyOrder`, the same victims). With ``config.tenant_quota`` a namespace whose cached bytes
-    in a pool exceed that fraction of the pool evicts its own entries first.
+    page descriptions (:class:`~hybridkv.store.eviction.RecencyOrder`, the same victims).
+    With ``config.tenant_quota`` a namespace whose cached bytes in a pool exceed that fraction
+    of the pool evicts its own entries first.
     """
 
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,

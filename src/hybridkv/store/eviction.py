@@ -224,86 +224,6 @@ class EvictionOrder(ABC):
         """``item`` is being evicted (the value order: the tier's fill is over)."""
 
 
-class LRUOrder(EvictionOrder):
-    """Least recently added or hit member first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._q: OrderedDict[Hashable, None] = OrderedDict()
-        # members of each owner in the same order: the subsequence of ``_q`` with that owner (an
-        # item's owner is fixed while it is a member: ``describe`` takes it out first). Built on
-        # the first ``victim(owner)`` (a tenant over its quota) and kept from then on; ``None``
-        # until then, so a cache without quotas keeps one queue, not two.
-        self._by_owner: dict[Hashable, OrderedDict[Hashable, None]] | None = None
-
-    def add(self, item: Hashable) -> None:
-        """Make ``item`` the most recent member."""
-        q = self._q
-        if item in q:
-            q.move_to_end(item)
-        else:
-            q[item] = None
-        info = self.info.get(item)           # :meth:`_info` inline: a page always has one here
-        if info is None:
-            info = self._info(item)
-        owner = info.owner
-        if owner is not None and self._by_owner is not None:
-            oq = self._by_owner.get(owner)
-            if oq is None:
-                oq = self._by_owner[owner] = OrderedDict()
-            if item in oq:
-                oq.move_to_end(item)
-            else:
-                oq[item] = None
-
-    def discard(self, item: Hashable) -> None:
-        """Drop ``item`` from the order (absent: no-op)."""
-        if self._q.pop(item, 0) is None and self._by_owner is not None:
-            info = self.info.get(item)
-            if info is not None and info.owner is not None:
-                q = self._by_owner[info.owner]
-                del q[item]
-                if not q:
-                    del self._by_owner[info.owner]
-
-    def hit(self, item: Hashable, count: bool = True) -> None:
-        """Move a member to the most recent end (held items: no-op)."""
-        info = self.info.get(item)
-        if info is None:
-            info = self._info(item)
-        info.hits += count
-        if item in self._q:
-            self.add(item)
-
-    def victim(self, owner: Hashable | None = None) -> Hashable | None:
-        """Least recent member (of ``owner``)."""
-        if owner is None:
-            return next(iter(self._q), None)
-        if self._by_owner is None:
-            by: dict[Hashable, OrderedDict[Hashable, None]] = {}
-            info = self.info
-            for item in self._q:
-                o = info[item].owner
-                if o is not None:
-                    oq = by.get(o)
-                    if oq is None:
-                        oq = by[o] = OrderedDict()
-                    oq[item] = None
-            self._by_owner = by
-        return next(iter(self._by_owner.get(owner, ())), None)
-
-    def __contains__(self, item: Hashable) -> bool:
-        return item in self._q
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self):
-        return iter(list(self._q))
-
-
 class RecencyOrder(EvictionOrder):
     """The ``lru`` ranking without descriptions: least recently added or hit member first,
     exactly as :class:`LRUOrder` ranks (the same members, victims and iteration after any
@@ -367,6 +287,75 @@ class RecencyOrder(EvictionOrder):
 
     def __iter__(self):
         return iter(list(self._q))
+
+
+class LRUOrder(RecencyOrder):
+    """Least recently added or hit member first, with descriptions (hit counts, owner bytes)
+    and victims by owner."""
+
+    name = "lru"
+    describe = EvictionOrder.describe
+    forget = EvictionOrder.forget
+
+    def __init__(self) -> None:
+        super().__init__()
+        # members of each owner in the same order: the subsequence of ``_q`` with that owner (an
+        # item's owner is fixed while it is a member: ``describe`` takes it out first). Built on
+        # the first ``victim(owner)`` (a tenant over its quota) and kept from then on; ``None``
+        # until then, so a cache without quotas keeps one queue, not two.
+        self._by_owner: dict[Hashable, OrderedDict[Hashable, None]] | None = None
+
+    def add(self, item: Hashable) -> None:
+        """Make ``item`` the most recent member."""
+        RecencyOrder.add(self, item)
+        info = self.info.get(item)           # :meth:`_info` inline: a page always has one here
+        if info is None:
+            info = self._info(item)
+        owner = info.owner
+        if owner is not None and self._by_owner is not None:
+            oq = self._by_owner.get(owner)
+            if oq is None:
+                oq = self._by_owner[owner] = OrderedDict()
+            if item in oq:
+                oq.move_to_end(item)
+            else:
+                oq[item] = None
+
+    def discard(self, item: Hashable) -> None:
+        """Drop ``item`` from the order (absent: no-op)."""
+        if self._q.pop(item, 0) is None and self._by_owner is not None:
+            info = self.info.get(item)
+            if info is not None and info.owner is not None:
+                q = self._by_owner[info.owner]
+                del q[item]
+                if not q:
+                    del self._by_owner[info.owner]
+
+    def hit(self, item: Hashable, count: bool = True) -> None:
+        """Move a member to the most recent end (held items: no-op)."""
+        info = self.info.get(item)
+        if info is None:
+            info = self._info(item)
+        info.hits += count
+        if item in self._q:
+            self.add(item)
+
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """Least recent member (of ``owner``)."""
+        if owner is None:
+            return next(iter(self._q), None)
+        if self._by_owner is None:
+            by: dict[Hashable, OrderedDict[Hashable, None]] = {}
+            info = self.info
+            for item in self._q:
+                o = info[item].owner
+                if o is not None:
+                    oq = by.get(o)
+                    if oq is None:
+                        oq = by[o] = OrderedDict()
+                    oq[item] = None
+            self._by_owner = by
+        return next(iter(self._by_owner.get(owner, ())), None)
 
 
 class _Shadow:
