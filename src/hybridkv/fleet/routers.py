@@ -206,19 +206,6 @@ def least_loaded(loads: list[InstanceLoad], among=None) -> int:
     return min(among, key=lambda j: (loads[j].key(), j))
 
 
-def least_loaded_index(loads: list[InstanceLoad], among: list[int], keep: list[bool]) -> int:
-    """Position in ``among`` of :func:`least_loaded` over the instances ``among[k]`` with
-    ``keep[k]`` true (at least one)."""
-    ks = list(compress(range(len(among)), keep))
-    if len(ks) == 1:
-        return ks[0]
-    js = list(map(among.__getitem__, ks))
-    chosen = list(map(loads.__getitem__, js))
-    if {*map(type, chosen)} == _PLAIN_LOAD:     # InstanceLoad.key's tuple read in C
-        return min(zip(map(_LOAD_KEY, chosen), js, ks))[2]
-    return min(zip(chosen, js, ks), key=lambda t: (t[0].key(), t[1]))[2]
-
-
 _NO_HIT = (0, 0)
 """``(kv_hit, hit)`` of a view holding nothing of the prompt."""
 _PLAIN_VIEW = {InstanceView}
@@ -857,8 +844,8 @@ class HybridRouter(Router):
                 priced = works[pair] = self._work(req, pair[0], pair[1], store_hit)
             scores.append(p0 - q[j] - (1 + loads[j].waiting if weigh else 1) * priced[0])
         floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
-        k = least_loaded_index(loads, cool, [sc >= floor for sc in scores])
-        j = cool[k]
+        j = least_loaded(loads, compress(cool, [sc >= floor for sc in scores]))
+        k = cool.index(j)
         self._expected_s, self._expected = works[pairs[k]]
         if active is self._active:
             known = own.get(j, pairs[k])[0] // unit                  # the view's own run, before the records
