@@ -803,7 +803,8 @@ class HybridRouter(Router):
         active = ()
         if self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView):
             unit = views[live[0]].unit
-            routed, active, cunits = self._routed(fleet, unit), self._active, hashes[:limit // unit]
+            routed, active = self._routed(fleet, unit), self._active
+            cunits = units if unit == g else hashes[:limit // unit]       # the views' slice when they share it
         first, n_units = (units[0] if units else None), len(units)
         # the last run found (units), its units, its last unit and its pair when checkpointed there
         guess, head, top, full = 0, (), None, None
