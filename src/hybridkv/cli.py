@@ -414,7 +414,8 @@ def _replay(args, console: Console) -> int:
         return 130
     rejected = report.rejected["requests"] if report.rejected else 0
     if rejected and not report.requests:
-        reason = max(report.rejected["reasons"].items(), key=lambda kv: kv[1])[0]
+        kind = max(report.rejected["reasons"].items(), key=lambda kv: kv[1])[0]
+        reason = report.rejected.get("examples", {}).get(kind, kind)
         console.print(f"[red]error:[/red] every request ({rejected}) was rejected: {reason}",
                       markup=True, highlight=False)
         return 1

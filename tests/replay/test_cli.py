@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hybridkv.engine.request import REJECT_POOL_TOO_SMALL
 from hybridkv.cli import main
 from hybridkv.replay.report import REPORT_KEYS
 
@@ -118,13 +119,15 @@ def test_store_absent_at_startup_runs_without_it(tmp_path, caplog):
 def test_rejected_requests_are_reported_and_all_rejected_exits_1(tmp_path, capsys):
     """Before: `--kv-pages 1` exited 0 reporting `requests 0` and no reason."""
     out = tmp_path / "rej.json"
-    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "1", "--kv-pages", "1", "--json", str(out)])
+    rc = main(["replay", "--no-progress", "--model", "tiny", "--limit", "3", "--kv-pages", "1", "--json", str(out)])
     rep = json.loads(out.read_text())
     assert rc == 1 and rep["requests"] == 0
-    assert rep["rejected"]["requests"] == 1
-    (reason,) = rep["rejected"]["reasons"]
-    assert reason.startswith("needs ") and reason.endswith("the pool has 1")
-    assert "every request (1) was rejected: needs" in capsys.readouterr().err.replace("\n", " ")
+    assert rep["rejected"]["requests"] == 3
+    # one entry for the kind of refusal, however many requests and of whatever sizes
+    assert rep["rejected"]["reasons"] == {REJECT_POOL_TOO_SMALL: 3}
+    example = rep["rejected"]["examples"][REJECT_POOL_TOO_SMALL]
+    assert example.startswith("needs ") and example.endswith("the pool has 1")
+    assert f"every request (3) was rejected: {example}" in " ".join(capsys.readouterr().err.split())
 
 
 def test_an_unwritable_json_path_fails_before_the_run(tmp_path, capsys):

@@ -19,7 +19,7 @@ from hybridkv._torch import torch
 from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
 from hybridkv.engine.backend import StepItem
-from hybridkv.engine.request import Request, Status
+from hybridkv.engine.request import REJECT_POOL_TOO_SMALL, Request, Status
 from hybridkv.engine.scheduler import HOST, plan_captures, schedule
 from hybridkv.tiers.connector import ComputeRate, TierConnector, TimingSink
 
@@ -295,6 +295,7 @@ class Engine:
                 req.reject_reason = (f"needs {-(-need // self.config.block_size)} pages "
                                      f"({need} tokens of KV) even without reuse; the pool has "
                                      f"{self.config.num_kv_pages}")
+                req.reject_code = REJECT_POOL_TOO_SMALL
                 self.stats.rejected += 1
                 continue
             self.waiting.popleft()

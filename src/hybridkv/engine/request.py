@@ -12,6 +12,11 @@ from hybridkv._torch import torch
 from hybridkv.cache.coordinator import Allocation, MatchResult
 
 
+REJECT_POOL_TOO_SMALL = "needs more KV pages than the pool has, even without reuse"
+""":attr:`Request.reject_code` of a request whose prompt plus output does not fit the engine's
+whole KV page pool (``num_kv_pages``)."""
+
+
 class Status(enum.Enum):
     """Lifecycle: WAITING -> PREFILL -> DECODE -> FINISHED, or CANCELLED / REJECTED."""
 
@@ -40,7 +45,9 @@ class Request:
         output: generated token ids.
         capture: boundary -> policy name, planned at admission.
         logits: position -> ``float32[vocab]`` when ``record_logits``.
-        reject_reason: why admission failed.
+        reject_reason: why admission failed, with this request's figures (pages, tokens).
+        reject_code: the kind of refusal as a fixed text (e.g. :data:`REJECT_POOL_TOO_SMALL`), a
+            key for counting refusals by kind; ``""`` until refused.
         admission_failures: admission attempts that found no room.
         namespace: namespace digest of this request (tenant / adapter); ``None``
             means the engine's.
@@ -65,6 +72,7 @@ class Request:
     capture: dict[int, str] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
     reject_reason: str = ""
+    reject_code: str = ""
     namespace: bytes | None = None
     admission_failures: int = 0
     sampler: Callable[[torch.Tensor], int] | None = None

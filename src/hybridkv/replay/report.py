@@ -123,8 +123,10 @@ class ReplayReport:
         (absent, evicted, checksum, incomplete, unreachable).
     mode, config, skipped_lines: optional; run mode (e.g. "simulate"), the run's
         configuration, malformed trace lines skipped.
-    rejected: ``{"requests": n, "reasons": {reason: count}}``: requests the engine
-        refused (they count in no other figure), with the engine's reason.
+    rejected: ``{"requests": n, "reasons": {kind: count}, "examples": {kind: reason}}``:
+        requests the engine refused (they count in no other figure), counted by the kind of
+        refusal (:attr:`~hybridkv.engine.request.Request.reject_code`, a fixed text), with one
+        refused request's full reason for each kind (its pages and tokens).
     warm_start_reused_tokens: reused tokens beyond what the oracle allows a request from
         this run's earlier requests: they came from a store filled before the run.
         ``oracle_fraction`` counts only the rest, so it stays within 0..1.

@@ -482,10 +482,11 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
         skipped_lines=load.skipped)
     report.tiers = tiers
     report.store_misses = dict(misses)
-    reasons = Counter()
+    reasons, examples = Counter(), {}
     for r in results:
         reasons.update(r.reject_reasons)
-    report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons)}
+        examples.update(r.reject_examples)
+    report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons), "examples": examples}
     report.warm_start_reused_tokens = warm
     report.interrupted = True if any(r.interrupted for r in results) else None
     report.evictions = evictions
