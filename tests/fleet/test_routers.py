@@ -189,3 +189,47 @@ def test_least_loaded_is_the_lightest_key_then_the_lowest_index():
     assert least_loaded(odd) == 1
     with pytest.raises(ValueError):
         least_loaded(loads, [])
+
+
+def test_own_waiting_below_one_keeps_shared_prefix_traffic_off_a_long_queue_of_few_requests():
+    """The same request (a shared prefix both instances hold) priced with each instance's own
+    waiting count goes to the one with the longer queue but fewer requests waiting (its work
+    delays fewer); with the fleet's mean count it goes to the shorter queue. Hand-computed:
+    cost_j = q_j + (1 + n_j) * W, W the same on both."""
+    cost = h200_kimi_linear_48b()
+    hashes = chain(*"abcdefgh")
+    shared = hashes[:2]
+    req = request(hashes)
+    w = cost.prefill_seconds(2 * UNIT, req.prompt_tokens)
+    n_few, n_many = 2, 20
+    q_many = 1.0
+    q_few = q_many + 5 * w                   # a longer queue, by less than the 18 extra waiting times W
+
+    def state() -> FleetState:
+        return FleetState(views=[view(kv=shared, checkpoints=shared[-1:]), view(kv=shared, checkpoints=shared[-1:])],
+                          loads=[InstanceLoad(outstanding_tokens=90_000, queued_seconds=q_few, waiting=n_few),
+                                 InstanceLoad(outstanding_tokens=60_000, queued_seconds=q_many, waiting=n_many)])
+
+    assert w > 0
+    own = HybridRouter(cost, options=HybridOptions())
+    assert own.route(req, state()) == 0
+    fleet_mean = HybridRouter(cost, options=HybridOptions(own_waiting=0.0))
+    assert fleet_mean.route(req, state()) == 1
+    s0, hit0 = fleet_mean.score(req, state(), 0, 0)
+    s1, hit1 = fleet_mean.score(req, state(), 1, 0)
+    assert hit0 == hit1 == 2 * UNIT
+    assert s1 - s0 == pytest.approx(q_few - q_many, rel=1e-9)      # equal weights: the queues decide
+    half = HybridRouter(cost, options=HybridOptions(own_waiting=0.5))
+    s0, _ = half.score(req, state(), 0, 0)
+    s1, _ = half.score(req, state(), 1, 0)
+    mean = (n_few + n_many) / 2
+    assert s0 - s1 == pytest.approx(q_many - q_few + ((0.5 * n_many + 0.5 * mean) - (0.5 * n_few + 0.5 * mean)) * w,
+                                    rel=1e-9)
+
+
+@pytest.mark.parametrize("field, value", [("own_waiting", -0.1), ("own_waiting", 1.5), ("own_waiting", float("nan")),
+                                          ("hot_relative", -1.0), ("hot_absolute_s", float("inf")),
+                                          ("tie_relative", "0.1")])
+def test_hybrid_options_reject_values_out_of_range_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        HybridOptions(**{field: value})

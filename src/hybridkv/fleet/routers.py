@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import random
 from bisect import bisect_left
 from itertools import compress, islice, takewhile
@@ -484,6 +485,17 @@ class HybridOptions:
             no first token yet (:class:`RoutedPrompts`): their entries are not published yet,
             but a request queued behind them finds them cached when it runs; ``False``: the
             events alone (kept for comparison).
+        own_waiting: with ``weigh_waiting``, the share (0..1) of the instance's own waiting
+            count ``n_j`` in the count that weighs its work; the rest is the mean over the live
+            instances: ``n = own_waiting * n_j + (1 - own_waiting) * mean(n)``. ``1`` (the
+            default) is the Little's-law estimate for that instance and gives the lowest median
+            TTFT; lower values stop an instance whose requests are few but long (a long
+            conversation's turns) from drawing the shared-prefix traffic that would balance its
+            queue, trading median TTFT for tail TTFT under overload (docs/routing.md, "The
+            waiting count: own or the fleet's").
+
+    Raises:
+        ValueError: a negative guard or tie band, or ``own_waiting`` outside 0..1 (named).
     """
 
     hot_relative: float = 2.0
@@ -492,6 +504,26 @@ class HybridOptions:
     weigh_waiting: bool = True
     count_decode: bool = True
     count_routed: bool = True
+    own_waiting: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("hot_relative", "hot_absolute_s", "tie_relative"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"HybridOptions.{name}={v!r} must be a finite number >= 0")
+        v = self.own_waiting
+        if not (isinstance(v, (int, float)) and 0 <= v <= 1):
+            raise ValueError(f"HybridOptions.own_waiting={v!r} must lie in 0..1")
+
+    def waiting_counts(self, loads: list[InstanceLoad], live: list[int]) -> list[float]:
+        """``n`` for every instance (indexed as ``loads``): requests waiting for their first
+        token, blended with the mean over ``live`` by :attr:`own_waiting`."""
+        own = [ld.waiting for ld in loads]
+        a = self.own_waiting
+        if a == 1:
+            return own
+        mean = sum(own[j] for j in live) / len(live) if live else 0.0
+        return [a * n + (1 - a) * mean for n in own]
 
 
 class RoutedPrompts:
@@ -649,7 +681,8 @@ class HybridRouter(Router):
       checkpoint there, over the store bandwidth, when the store's hit is deeper;
       ``T_cold``: the per-object latency of that load (the instance must fetch before it
       computes). Both 0 for a local hit or a miss (:class:`~hybridkv.fleet.store.StoreCost`).
-    * ``n_j``: requests waiting on ``j`` for their first token (:attr:`InstanceLoad.waiting`).
+    * ``n_j``: requests waiting on ``j`` for their first token (:attr:`InstanceLoad.waiting`;
+      blended with the fleet's mean when ``options.own_waiting`` is below 1).
       ``T_queue + W`` is the request's own predicted TTFT; every second of ``W`` also delays
       whatever is queued behind it on ``j`` when it runs. In a steady state as many requests
       join behind it while it waits as are waiting ahead of it now (arrivals match
@@ -757,7 +790,7 @@ class HybridRouter(Router):
                 pair = rp.extend(req.hashes[:req.limit // view.unit], view, pair)
         work, hit = self._work(req, pair[0], pair[1], store_hit)
         ld = fleet.loads[j]
-        weight = 1 + ld.waiting if self.options.weigh_waiting else 1
+        weight = 1 + self.options.waiting_counts(fleet.loads, fleet.live)[j] if self.options.weigh_waiting else 1
         return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
 
     def _work(self, req: RouteRequest, kv_hit: int, hit: int, store_hit: int) -> tuple[float, int]:
@@ -808,7 +841,7 @@ class HybridRouter(Router):
         first, n_units = (units[0] if units else None), len(units)
         # the last run found (units), its units, its last unit and its pair when checkpointed there
         guess, head, top, full = 0, (), None, None
-        weigh = self.options.weigh_waiting
+        waiting = self.options.waiting_counts(loads, live) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
         for j in cool:
@@ -843,7 +876,7 @@ class HybridRouter(Router):
             priced = works.get(pair)
             if priced is None:
                 priced = works[pair] = self._work(req, pair[0], pair[1], store_hit)
-            scores.append(p0 - q[j] - (1 + loads[j].waiting if weigh else 1) * priced[0])
+            scores.append(p0 - q[j] - (1 + waiting[j] if waiting is not None else 1) * priced[0])
         floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
         j = least_loaded(loads, compress(cool, [sc >= floor for sc in scores]))
         k = cool.index(j)
