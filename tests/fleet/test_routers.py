@@ -229,7 +229,7 @@ def test_own_waiting_below_one_keeps_shared_prefix_traffic_off_a_long_queue_of_f
 
 @pytest.mark.parametrize("field, value", [("own_waiting", -0.1), ("own_waiting", 1.5), ("own_waiting", float("nan")),
                                           ("hot_relative", -1.0), ("hot_absolute_s", float("inf")),
-                                          ("tie_relative", "0.1")])
+                                          ("tie_relative", "0.1"), ("own_waiting", True)])
 def test_hybrid_options_reject_values_out_of_range_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         HybridOptions(**{field: value})

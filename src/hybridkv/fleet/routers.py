@@ -509,10 +509,10 @@ class HybridOptions:
     def __post_init__(self) -> None:
         for name in ("hot_relative", "hot_absolute_s", "tie_relative"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"HybridOptions.{name}={v!r} must be a finite number >= 0")
         v = self.own_waiting
-        if not (isinstance(v, (int, float)) and 0 <= v <= 1):
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 <= v <= 1):
             raise ValueError(f"HybridOptions.own_waiting={v!r} must lie in 0..1")
 
     def waiting_counts(self, loads: list[InstanceLoad], live: list[int]) -> list[float]:
