@@ -227,9 +227,17 @@ def test_own_waiting_below_one_keeps_shared_prefix_traffic_off_a_long_queue_of_f
                                     rel=1e-9)
 
 
-@pytest.mark.parametrize("field, value", [("own_waiting", -0.1), ("own_waiting", 1.5), ("own_waiting", float("nan")),
-                                          ("hot_relative", -1.0), ("hot_absolute_s", float("inf")),
-                                          ("tie_relative", "0.1"), ("own_waiting", True)])
+@pytest.mark.parametrize("field, value", [
+    ("own_waiting", -0.1), ("own_waiting", 1.5), ("own_waiting", float("nan")), ("own_waiting", True),
+    ("own_waiting", False), ("hot_relative", -1.0), ("hot_relative", True), ("hot_absolute_s", float("inf")),
+    ("hot_absolute_s", False), ("tie_relative", "0.1"), ("tie_relative", None), ("weigh_waiting", "False"),
+    ("count_decode", 0), ("count_routed", None)])
 def test_hybrid_options_reject_values_out_of_range_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         HybridOptions(**{field: value})
+
+
+def test_hybrid_options_take_numpy_numbers_and_bools():
+    import numpy as np
+    o = HybridOptions(own_waiting=np.float32(0.5), hot_relative=np.int64(2), weigh_waiting=np.bool_(True))
+    assert o.own_waiting == 0.5 and o.hot_relative == 2

@@ -299,3 +299,19 @@ def test_a_fault_asked_without_timed_is_shown_as_written(capsys):
     with pytest.raises(SystemExit):
         main(["replay", "--simulate", "--limit", "3", "--no-progress", "--crash", "0@5", "--crash", "1@7.5"])
     assert "--crash 0@5 1@7.5 needs --timed" in capsys.readouterr().err
+
+
+def test_the_rejected_example_is_the_largest_refusal_however_the_requests_are_split(tmp_path):
+    """Each instance keeps its largest refused request; the report keeps the largest of those,
+    so the example does not depend on the instance count (a timed replay asks for the trace's
+    output lengths, so its requests differ from the untimed ones)."""
+    examples = []
+    for extra in (["--instances", "1"], ["--instances", "4"], ["--instances", "1", "--timed"],
+                  ["--instances", "4", "--timed"]):
+        out = tmp_path / f"rej{len(examples)}.json"
+        rc = main(["replay", "--no-progress", "--simulate", "--limit", "60", "--kv-pages", "1", "--json", str(out),
+                   *extra])
+        rep = json.loads(out.read_text())
+        assert rc == 1 and rep["rejected"]["requests"] == 60 == sum(rep["rejected"]["reasons"].values())
+        examples.append(rep["rejected"]["examples"][REJECT_POOL_TOO_SMALL])
+    assert examples[0] == examples[1] and examples[2] == examples[3]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import numbers
 import random
 from bisect import bisect_left
 from itertools import compress, islice, takewhile
@@ -43,6 +44,8 @@ from operator import attrgetter
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
@@ -495,7 +498,8 @@ class HybridOptions:
             waiting count: own or the fleet's").
 
     Raises:
-        ValueError: a negative guard or tie band, or ``own_waiting`` outside 0..1 (named).
+        ValueError: a guard or tie band that is not a finite number >= 0, ``own_waiting`` not a
+            number in 0..1, or a switch that is not a bool (each named with its value).
     """
 
     hot_relative: float = 2.0
@@ -507,13 +511,20 @@ class HybridOptions:
     own_waiting: float = 1.0
 
     def __post_init__(self) -> None:
+        def number(v) -> bool:                   # a real number (numpy's too), not a bool
+            return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
         for name in ("hot_relative", "hot_absolute_s", "tie_relative"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if not (number(v) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"HybridOptions.{name}={v!r} must be a finite number >= 0")
         v = self.own_waiting
-        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 <= v <= 1):
-            raise ValueError(f"HybridOptions.own_waiting={v!r} must lie in 0..1")
+        if not (number(v) and 0 <= v <= 1):
+            raise ValueError(f"HybridOptions.own_waiting={v!r} must be a number in 0..1")
+        for name in ("weigh_waiting", "count_decode", "count_routed"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"HybridOptions.{name}={v!r} must be True or False")
 
     def waiting_counts(self, loads: list[InstanceLoad], live: list[int]) -> list[float]:
         """``n`` for every instance (indexed as ``loads``): requests waiting for their first

@@ -82,7 +82,7 @@ class InstanceResult:
     max_abs_logit_diff: float = 0.0
     greedy_mismatches: int = 0
     reject_reasons: Counter = field(default_factory=Counter)   # refusal kind (reject_code) -> requests
-    reject_examples: dict = field(default_factory=dict)        # refusal kind -> the largest such request's reason
+    reject_examples: dict = field(default_factory=dict)        # refusal kind -> (tokens, reason) of its largest request
     reused: dict = field(default_factory=dict)          # trace index -> reused tokens (admitted requests)
     interrupted: bool = False                           # stopped by Ctrl-C before its requests were done
     weight_digest: str | None = None                    # the model's (None: simulated): what cache purge --weight-digest takes
@@ -193,8 +193,10 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
         tiers=built.tier_stats())
     refused = [r for r in requests if r.status == Status.REJECTED]
     res.reject_reasons = Counter(r.reject_code or r.reject_reason for r in refused)
-    for r in sorted(refused, key=lambda r: r.prompt_len + r.max_output_tokens):
-        res.reject_examples[r.reject_code or r.reject_reason] = r.reject_reason
+    for r in refused:                                          # tokens: prompt plus output, what it asked for
+        kind, size = r.reject_code or r.reject_reason, r.prompt_len + r.max_output_tokens
+        if size > res.reject_examples.get(kind, (-1, ""))[0]:
+            res.reject_examples[kind] = (size, r.reject_reason)
     res.reused = {i: r.reused for i, r in zip(indices, requests) if r.match is not None}
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)

@@ -125,8 +125,9 @@ class ReplayReport:
         configuration, malformed trace lines skipped.
     rejected: ``{"requests": n, "reasons": {kind: count}, "examples": {kind: reason}}``:
         requests the engine refused (they count in no other figure), counted by the kind of
-        refusal (:attr:`~hybridkv.engine.request.Request.reject_code`, a fixed text), with one
-        refused request's full reason for each kind (its pages and tokens).
+        refusal (:attr:`~hybridkv.engine.request.Request.reject_code`, a fixed text), with the
+        full reason of the largest refused request (prompt plus output tokens) of each kind:
+        the pages it needed and the pool's.
     warm_start_reused_tokens: reused tokens beyond what the oracle allows a request from
         this run's earlier requests: they came from a store filled before the run.
         ``oracle_fraction`` counts only the rest, so it stays within 0..1.
@@ -307,8 +308,9 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
         table.add_row("mechanism", str(c.get("mechanism")))
     table.add_row("requests", _tokens(r.requests))
     if r.rejected and r.rejected["requests"]:
-        reasons = sorted(r.rejected["reasons"].items(), key=lambda kv: -kv[1])
-        table.add_row("rejected requests", f"{r.rejected['requests']:,} ({reasons[0][0]})")
+        kind = max(r.rejected["reasons"].items(), key=lambda kv: kv[1])[0]
+        table.add_row("rejected requests", f"{r.rejected['requests']:,} (largest: "
+                                           f"{r.rejected.get('examples', {}).get(kind, kind)})")
     if r.skipped_lines:
         table.add_row("skipped trace lines", _tokens(r.skipped_lines))
     table.add_row("prompt tokens", _tokens(r.prompt_tokens))

@@ -485,8 +485,10 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
     reasons, examples = Counter(), {}
     for r in results:
         reasons.update(r.reject_reasons)
-        examples.update(r.reject_examples)
-    report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons), "examples": examples}
+        for kind, example in r.reject_examples.items():     # the largest refused request of every instance
+            examples[kind] = max(examples.get(kind, example), example, key=lambda e: e[0])
+    report.rejected = {"requests": stats["rejected"], "reasons": dict(reasons),
+                       "examples": {kind: reason for kind, (_, reason) in examples.items()}}
     report.warm_start_reused_tokens = warm
     report.interrupted = True if any(r.interrupted for r in results) else None
     report.evictions = evictions
