@@ -413,12 +413,15 @@ def _replay(args, console: Console) -> int:
                       + (f" (written to {args.json_path})" if args.json_path else ""), markup=False, highlight=False)
         return 130
     rejected = report.rejected["requests"] if report.rejected else 0
-    if rejected and not report.requests:
+    if rejected:
         kind = max(report.rejected["reasons"].items(), key=lambda kv: kv[1])[0]
         reason = report.rejected.get("examples", {}).get(kind, kind)
-        console.print(f"[red]error:[/red] every request ({rejected}) was rejected: {reason}",
-                      markup=True, highlight=False)
-        return 1
+        if not report.requests:
+            console.print(f"[red]error:[/red] every request ({rejected}) was rejected: {reason}",
+                          markup=True, highlight=False)
+            return 1
+        console.print(f"[yellow]warning:[/yellow] {rejected} of {rejected + report.requests} requests were "
+                      f"rejected and count in no figure; the largest {reason}", markup=True, highlight=False)
     return 0
 
 

@@ -315,3 +315,21 @@ def test_the_rejected_example_is_the_largest_refusal_however_the_requests_are_sp
         assert rc == 1 and rep["rejected"]["requests"] == 60 == sum(rep["rejected"]["reasons"].values())
         examples.append(rep["rejected"]["examples"][REJECT_POOL_TOO_SMALL])
     assert examples[0] == examples[1] and examples[2] == examples[3]
+
+
+def test_refused_requests_leave_the_oracle_and_a_partial_refusal_is_warned(tmp_path, capsys):
+    """Before: the oracle counted every trace request, refused ones included, so refusals lowered
+    the oracle fraction, and a run with some refusals said nothing outside its table."""
+    full, part = tmp_path / "full.json", tmp_path / "part.json"
+    assert main(["replay", "--no-progress", "--simulate", "--limit", "60", "--json", str(full)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--no-progress", "--simulate", "--limit", "60", "--kv-pages", "40",
+                 "--json", str(part)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    f, p = json.loads(full.read_text()), json.loads(part.read_text())
+    refused = p["rejected"]["requests"]
+    assert 0 < refused < 60 and p["requests"] == 60 - refused and f["rejected"]["requests"] == 0
+    assert f"warning: {refused} of 60 requests were rejected" in err
+    assert p["rejected"]["examples"][REJECT_POOL_TOO_SMALL] in err
+    assert 0 < p["oracle_reused_tokens"] < f["oracle_reused_tokens"]
+    assert 0 <= p["oracle_fraction"] <= 1

@@ -102,7 +102,8 @@ class ReplayReport:
         state sizes.
     oracle_reused_tokens: tokens an infinite cache with a checkpoint at every
         ``prefix_match_unit`` boundary would reuse within this run
-        (:mod:`hybridkv.replay.oracle`), tokens.
+        (:mod:`hybridkv.replay.oracle`), over the requests served (a refused request's
+        reuse is left out; each served request's still assumes every earlier one cached), tokens.
     oracle_fraction: reused tokens within the oracle's reach per request, divided by
         ``oracle_reused_tokens`` (0..1; null if the oracle reuses nothing).
     checkpoints_created: KDA checkpoints materialised, per placement policy name.

@@ -431,6 +431,10 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
     reused = {i: n for r in results for i, n in r.reused.items()}
     within = sum(min(n, oracle.per_request[i]) for i, n in reused.items())
     warm = sum(reused.values()) - within
+    # the oracle over the requests served: a refused (or, after Ctrl-C, never admitted) request
+    # counts in no figure, the oracle's included (each served request's oracle reuse still
+    # assumes every earlier request cached: an upper bound for it)
+    oracle_served = sum(oracle.per_request[i] for i in reused)
     total_bytes = stats["prompt_tokens"] * kv_tok + stats["requests"] * ck
     reused_bytes = stats["reused_tokens"] * kv_tok + stats["requests_with_hit"] * ck
     compute = max(r.compute_seconds for r in results)
@@ -459,7 +463,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
         token_hit_rate=ratio(stats["reused_tokens"], stats["prompt_tokens"]),
         request_hit_rate=ratio(stats["requests_with_hit"], stats["requests"]),
         byte_weighted_hit_rate=ratio(reused_bytes, total_bytes),
-        oracle_reused_tokens=oracle.reused_tokens, oracle_fraction=ratio(within, oracle.reused_tokens),
+        oracle_reused_tokens=oracle_served, oracle_fraction=ratio(within, oracle_served),
         checkpoints_created={name: created.get(name, 0) for name in policy.names()},
         branch_recompute_tokens=stats["branch_recompute_tokens"],
         checkpoint_bytes_peak=sum(r.checkpoint_bytes_peak for r in results),
