@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridkv.fleet.routers import ROUTER_NAMES
     r.add_argument("--router", choices=ROUTER_NAMES, default=None,
                    help="--timed: router (default hybrid with --instances > 1)")
+    r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
+                   help="--timed, hybrid router: share 0..1 of an instance's own waiting count in the weight on "
+                        "its work, the rest the fleet's mean (default 1: lowest median TTFT; lower trades median "
+                        "for tail TTFT under overload, docs/routing.md)")
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
                         "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
         parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
     if args.command == "replay" and not args.timed:
-        for flag, value in (("--router", args.router), ("--cost-model", args.cost_model),
+        for flag, value in (("--router", args.router), ("--own-waiting", args.own_waiting),
+                            ("--cost-model", args.cost_model),
                             ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
                             ("--step-log", args.step_log),
                             ("--step-clock", None if args.step_clock == "wall" else args.step_clock),
@@ -207,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 shown = " ".join(f"{j}@{at:g}" for j, at in value) if isinstance(value, list) else value
                 parser.error(f"{flag} {shown} needs --timed (untimed replays deal requests round-robin)")
+    if args.command == "replay" and args.own_waiting is not None and (args.router or "hybrid") != "hybrid":
+        parser.error(f"--own-waiting {args.own_waiting:g} is an option of the hybrid router, not of {args.router}")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
         parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     console = Console(stderr=True)
@@ -347,6 +354,7 @@ def _cache_purge(args, console: Console) -> int:
 def _replay(args, console: Console) -> int:
     from hybridkv.cache.config import ConfigError
     from hybridkv.fleet.costmodel import CostModelError
+    from hybridkv.fleet.routers import HybridOptions
     from hybridkv.replay.report import render_summary
     from hybridkv.replay.runner import ReplayOptions, run_replay
     from hybridkv.replay.timed import DEFAULT_COLD_START_S
@@ -372,6 +380,7 @@ def _replay(args, console: Console) -> int:
         host_interval=args.host_interval,
         eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,
         timed=args.timed, time_scale=args.time_scale, router=args.router,
+        hybrid=HybridOptions() if args.own_waiting is None else HybridOptions(own_waiting=args.own_waiting),
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),

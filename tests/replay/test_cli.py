@@ -333,3 +333,25 @@ def test_refused_requests_leave_the_oracle_and_a_partial_refusal_is_warned(tmp_p
     assert p["rejected"]["examples"][REJECT_POOL_TOO_SMALL] in err
     assert 0 < p["oracle_reused_tokens"] < f["oracle_reused_tokens"]
     assert 0 <= p["oracle_fraction"] <= 1
+
+
+def test_own_waiting_reaches_the_hybrid_router_and_is_refused_where_it_means_nothing(tmp_path, capsys, monkeypatch):
+    import hybridkv.replay.timed as timed
+    built, make = [], timed.make_router
+    monkeypatch.setattr(timed, "make_router", lambda cfg: built.append(make(cfg)) or built[-1])
+    out = tmp_path / "ow.json"
+    assert main(["replay", "--no-progress", "--simulate", "--timed", "--instances", "4", "--limit", "50",
+                 "--own-waiting", "0.25", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["own_waiting"] == 0.25
+    assert [r.options.own_waiting for r in built] == [0.25]
+    assert main(["replay", "--no-progress", "--simulate", "--timed", "--instances", "4", "--limit", "50",
+                 "--router", "least-load", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["own_waiting"] is None      # not the hybrid router's run
+    capsys.readouterr()
+    for argv, message in ((["--own-waiting", "0.5"], "--own-waiting 0.5 needs --timed"),
+                          (["--timed", "--router", "prefix", "--own-waiting", "0.5"],
+                           "--own-waiting 0.5 is an option of the hybrid router, not of prefix"),
+                          (["--timed", "--own-waiting", "1.5"], "'1.5' must be a fraction in [0, 1]")):
+        with pytest.raises(SystemExit) as exc:
+            main(["replay", "--simulate", "--limit", "5", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err

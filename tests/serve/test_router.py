@@ -6,6 +6,7 @@ Real workers, real router, real HTTP: the router's views come from the workers' 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 import time
@@ -507,3 +508,17 @@ def test_a_worker_url_that_is_not_http_is_refused_naming_it(url):
     with pytest.raises(ValueError, match="--worker") as info:
         router_service(args)
     assert repr(url) in str(info.value)
+
+
+def test_own_waiting_reaches_the_hybrid_policy_and_is_refused_for_another():
+    args = argparse.Namespace(worker=["http://127.0.0.1:1"], policy="hybrid", model="tiny", cost_model=None,
+                              poll_interval=0.05, health_every=2, own_waiting=0.25)
+    service = router_service(args)
+    try:
+        assert service.settings.hybrid.own_waiting == 0.25
+        assert service._config(64, 512).hybrid.own_waiting == 0.25
+    finally:
+        asyncio.run(service.stop())
+    args.policy = "least-load"
+    with pytest.raises(ValueError, match="--own-waiting 0.25 is an option of the hybrid policy"):
+        router_service(args)

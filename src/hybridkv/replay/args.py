@@ -56,7 +56,7 @@ def non_negative_float(text: str) -> float:
 
 
 def fraction(text: str) -> float:
-    """A number in [0, 1] (a share of a capacity)."""
+    """A number in [0, 1] (a share of a capacity, or a weight)."""
     x = _float(text)
     if not 0 <= x <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1]")

@@ -38,6 +38,7 @@ from rich.progress import (
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import model_config
+from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import (
     DEFAULT_STORE_GIB,
@@ -79,7 +80,8 @@ class ReplayOptions:
     ``None``: :func:`default_host_interval`, 0: off); ``store_gib=None`` means
     :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
     ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`), and so
-    are ``crashes`` (each instance back after ``cold_start_s``)."""
+    are ``crashes`` (each instance back after ``cold_start_s``); ``hybrid``: the ``hybrid``
+    router's options (:class:`~hybridkv.fleet.routers.HybridOptions`)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -113,6 +115,7 @@ class ReplayOptions:
     timed: bool = False
     time_scale: float = 1.0
     router: str | None = None
+    hybrid: HybridOptions = HybridOptions()
     cost_model: str | None = None
     store_gbps: float = MOONCAKE_LOAD_BYTES_PER_S / 1e9
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
@@ -335,10 +338,16 @@ def _output_length(opts: ReplayOptions, r) -> int:
     return n if opts.max_output_tokens is None else min(opts.max_output_tokens, n)
 
 
+def _router_name(opts: ReplayOptions) -> str:
+    """The timed replay's router: ``opts.router``, else ``hybrid`` for a fleet and ``round-robin``
+    for one instance."""
+    return opts.router or ("hybrid" if opts.instances > 1 else "round-robin")
+
+
 def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
-    router = opts.router or ("hybrid" if opts.instances > 1 else "round-robin")
+    router = _router_name(opts)
     return TimedSetup(model=opts.model, seed=opts.seed, simulate=opts.simulate, instances=opts.instances,
-                      router=router, time_scale=opts.time_scale, cost_model=opts.cost_model,
+                      router=router, hybrid=opts.hybrid, time_scale=opts.time_scale, cost_model=opts.cost_model,
                       store_url=store_url, host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
                       store_gbps=opts.store_gbps, store_latency_s=opts.store_latency_s,
                       record_steps=opts.step_log is not None, threads=opts.threads,
@@ -478,6 +487,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
                 "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
+                "own_waiting": opts.hybrid.own_waiting if opts.timed and _router_name(opts) == "hybrid" else None,
                 "host_eviction": cfg.host_eviction, "host_probation": cfg.host_probation,
                 "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
                 "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,

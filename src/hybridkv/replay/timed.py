@@ -27,7 +27,7 @@ from hybridkv.engine.build import build_engine, load_model, model_config
 from hybridkv.engine.request import Request
 from hybridkv.fleet.costmodel import StepCostModel, cost_model
 from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
-from hybridkv.fleet.routers import RouterConfig, make_router
+from hybridkv.fleet.routers import HybridOptions, RouterConfig, make_router
 from hybridkv.fleet.simulator import Fleet, timing_summary
 from hybridkv.fleet.steplog import StepRecord
 from hybridkv.fleet.store import (
@@ -62,6 +62,7 @@ class TimedSetup:
         model: preset name or model directory.  seed: weight / token seed.
         simulate: cost model instead of the real model.
         instances: fleet size.  router: router name.  time_scale: arrival multiplier.
+        hybrid: the ``hybrid`` router's options (:class:`~hybridkv.fleet.routers.HybridOptions`).
         cost_model: built-in name or JSON path; ``None``: the default for the mode.
         store_url, host_bytes, host_write_through: lower tiers of real instances.
         store_gbps: store load bandwidth (GB/s) of the simulated store and of the router's
@@ -100,6 +101,7 @@ class TimedSetup:
     restarts: tuple[tuple[int, float], ...] = ()
     crashes: tuple[tuple[int, float], ...] = ()
     cold_start_s: float = DEFAULT_COLD_START_S
+    hybrid: HybridOptions = HybridOptions()
 
 
 @dataclass(slots=True)
@@ -164,7 +166,8 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     estimate = cost_model(name) if name else CPU_ESTIMATE
     store_cost = _store_cost(setup, cfg)
     router = make_router(RouterConfig(name=setup.router, unit=cfg.prefix_match_unit, block_size=cfg.block_size,
-                                      cost=estimate, store=store_cost, max_num_seqs=cfg.max_num_seqs))
+                                      cost=estimate, store=store_cost, hybrid=setup.hybrid,
+                                      max_num_seqs=cfg.max_num_seqs))
     if setup.store_gib < 0:
         raise ValueError(f"store_gib={setup.store_gib!r} must be 0 (unlimited) or more")
     view = None

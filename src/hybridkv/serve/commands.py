@@ -14,6 +14,7 @@ import sys
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    fraction,
     non_negative_float,
     non_negative_int,
     port_number,
@@ -103,6 +104,9 @@ def _register_router(sub) -> None:
     r.add_argument("--port", type=port_number, default=8080, help="port (default 8080)")
     r.add_argument("--cost-model", default=None,
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
+    r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
+                   help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
+                        "the mean over healthy workers (default 1; docs/routing.md)")
     r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
@@ -129,20 +133,26 @@ def router_service(args):
     """The :class:`~hybridkv.serve.router.RouterService` of parsed ``router`` arguments.
 
     Raises:
-        ValueError / CostModelError / FileNotFoundError: a bad model, cost model or worker list (named).
+        ValueError / CostModelError / FileNotFoundError: a bad model, cost model or worker list, or
+            ``--own-waiting`` with a policy other than ``hybrid`` (named).
     """
     from hybridkv.engine.build import model_config
     from hybridkv.fleet.costmodel import cost_model
+    from hybridkv.fleet.routers import HybridOptions
     from hybridkv.replay.timed import CPU_ESTIMATE
     from hybridkv.serve.router import RouterService, RouterSettings
     from hybridkv.serve.tokenizer import load_codec
 
+    own = getattr(args, "own_waiting", None)
+    if own is not None and args.policy != "hybrid":
+        raise ValueError(f"--own-waiting {own:g} is an option of the hybrid policy, not of {args.policy}")
     cost = cost_model(args.cost_model) if args.cost_model else CPU_ESTIMATE
     codec = load_codec(args.model, model_config(args.model).vocab_size)
     settings = RouterSettings(args.policy, cost, poll_interval_s=args.poll_interval, health_every=args.health_every,
                               follow_wait_s=getattr(args, "follow_wait", 2.0),
                               store_bytes_per_s=getattr(args, "store_gbps", MOONCAKE_LOAD_BYTES_PER_S / 1e9) * 1e9,
-                              store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6)
+                              store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6,
+                              hybrid=HybridOptions() if own is None else HybridOptions(own_waiting=own))
     return RouterService(args.worker, codec, settings)
 
 

@@ -33,6 +33,7 @@ from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.routers import (
     FleetState,
+    HybridOptions,
     Router,
     RouterConfig,
     RouteRequest,
@@ -75,6 +76,7 @@ class RouterSettings:
         store_bytes_per_s, store_latency_s: the shared store's load bandwidth (bytes/s) and
             seconds per object for ``hybrid``'s transfer cost (default: the Mooncake figures
             measured in docs/benchmarks.md); ``store_bytes_per_s`` 0: ignore the store.
+        hybrid: ``hybrid``'s options (:class:`~hybridkv.fleet.routers.HybridOptions`).
     """
 
     policy: str
@@ -86,6 +88,7 @@ class RouterSettings:
     follow_wait_s: float = 2.0
     store_bytes_per_s: float = MOONCAKE_LOAD_BYTES_PER_S
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
+    hybrid: HybridOptions = HybridOptions()
 
 
 class _Ticket:
@@ -166,7 +169,7 @@ class RouterService:
                              alignment=store["alignment"], kv_bytes_per_token=store["kv_bytes_per_token"],
                              checkpoint_bytes=store["checkpoint_bytes"])
         cfg = RouterConfig(name=self.settings.policy, unit=unit, block_size=block_size, cost=self.settings.cost,
-                           store=cost)
+                           store=cost, hybrid=self.settings.hybrid)
         make_router(cfg)
         return cfg
 
