@@ -194,7 +194,7 @@ class LLM:
             ``tiers``: per tier (``device``, ``host``, ``store``) the replay report's per-tier
             keys ``{hit_tokens, bytes_loaded, bytes_saved, evictions, bytes_evicted,
             loads_taken, loads_declined}`` (tokens, bytes, counts); ``store_misses``: reason -> count (``absent``, ``evicted``,
-            ``checksum``, ``incomplete``, ``unreachable``); ``kv_bytes_peak`` and
+            ``checksum``, ``incomplete``, ``unreachable``, ``expired``); ``kv_bytes_peak`` and
             ``checkpoint_bytes_peak`` (bytes held by published entries at peak);
             ``evicted_pages``, ``evicted_checkpoints`` (device evictions); ``store_connected``.
         """

@@ -121,7 +121,7 @@ class ReplayReport:
     tiers: per tier (``device``, ``host``, ``store``): ``hit_tokens`` (reused tokens
         served from that tier), ``bytes_loaded``, ``bytes_saved`` (bytes).
     store_misses: store lookups / loads that found nothing usable, by reason
-        (absent, evicted, checksum, incomplete, unreachable).
+        (:data:`~hybridkv.tiers.base.MISS_REASONS`: absent, evicted, checksum, incomplete, unreachable, expired).
     mode, config, skipped_lines: optional; run mode (e.g. "simulate"), the run's
         configuration, malformed trace lines skipped.
     rejected: ``{"requests": n, "reasons": {kind: count}, "examples": {kind: reason}}``:
