@@ -212,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 shown = " ".join(f"{j}@{at:g}" for j, at in value) if isinstance(value, list) else value
                 parser.error(f"{flag} {shown} needs --timed (untimed replays deal requests round-robin)")
-    if args.command == "replay" and args.own_waiting is not None and (args.router or "hybrid") != "hybrid":
-        parser.error(f"--own-waiting {args.own_waiting:g} is an option of the hybrid router, not of {args.router}")
+    if args.command == "replay" and args.own_waiting is not None:
+        router = args.router or ("hybrid" if args.instances > 1 else "round-robin")    # the replay's default
+        if router != "hybrid":
+            how = "" if args.router else f" (the default with --instances {args.instances})"
+            parser.error(f"--own-waiting {args.own_waiting:g} is an option of the hybrid router, not of {router}{how}")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
         parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     console = Console(stderr=True)

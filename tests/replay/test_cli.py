@@ -351,6 +351,8 @@ def test_own_waiting_reaches_the_hybrid_router_and_is_refused_where_it_means_not
     for argv, message in ((["--own-waiting", "0.5"], "--own-waiting 0.5 needs --timed"),
                           (["--timed", "--router", "prefix", "--own-waiting", "0.5"],
                            "--own-waiting 0.5 is an option of the hybrid router, not of prefix"),
+                          (["--timed", "--instances", "1", "--own-waiting", "0.5"],
+                           "not of round-robin (the default with --instances 1)"),
                           (["--timed", "--own-waiting", "1.5"], "'1.5' must be a fraction in [0, 1]")):
         with pytest.raises(SystemExit) as exc:
             main(["replay", "--simulate", "--limit", "5", *argv])

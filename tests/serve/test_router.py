@@ -517,6 +517,8 @@ def test_own_waiting_reaches_the_hybrid_policy_and_is_refused_for_another():
     try:
         assert service.settings.hybrid.own_waiting == 0.25
         assert service._config(64, 512).hybrid.own_waiting == 0.25
+        stats = asyncio.run(service.stats())
+        assert stats["policy"] == "hybrid" and stats["own_waiting"] == 0.25      # an operator can see it
     finally:
         asyncio.run(service.stop())
     args.policy = "least-load"

@@ -60,7 +60,7 @@ def fraction(text: str) -> float:
     x = _float(text)
     if not 0 <= x <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1]")
-    return x
+    return x + 0.0                                  # -0 reads as 0
 
 
 def _float(text: str) -> float:

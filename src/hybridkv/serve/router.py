@@ -363,9 +363,11 @@ class RouterService:
                             status_code=200 if n else 503)
 
     async def stats(self) -> dict:
-        """``GET /router/stats``: the policy, per-worker counters, retries, batches split, and
-        per shared store the entries its view holds (counts, never keys)."""
-        return {"policy": self.settings.policy, "retries": self.retries, "unroutable": self.unroutable,
+        """``GET /router/stats``: the policy (and ``own_waiting`` under ``hybrid``), per-worker
+        counters, retries, batches split, and per shared store the entries its view holds (counts,
+        never keys)."""
+        policy = {"own_waiting": self.settings.hybrid.own_waiting} if self.settings.policy == "hybrid" else {}
+        return {"policy": self.settings.policy, **policy, "retries": self.retries, "unroutable": self.unroutable,
                 "split_batches": self.split_batches, "workers": [w.stats() for w in self.workers.states],
                 "stores": {sid: {"kv_entries": len(v.kv), "checkpoint_entries": len(v.checkpoints),
                                  "events_applied": v.events_applied, "alignment": v.alignment}
