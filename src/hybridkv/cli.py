@@ -420,11 +420,12 @@ def _replay(args, console: Console) -> int:
             console.print(f"[red]error:[/red] --json {args.json_path}: {exc.strerror or exc}", markup=True,
                           highlight=False)
             return 2
+    rejected = report.rejected["requests"] if report.rejected else 0
     if report.interrupted:
         console.print(f"interrupted: the report covers the {report.requests} requests admitted before Ctrl-C"
+                      + (f" and {rejected} refused" if rejected else "")
                       + (f" (written to {args.json_path})" if args.json_path else ""), markup=False, highlight=False)
         return 130
-    rejected = report.rejected["requests"] if report.rejected else 0
     if rejected:
         kind = max(report.rejected["reasons"].items(), key=lambda kv: kv[1])[0]
         reason = report.rejected.get("examples", {}).get(kind, kind)
