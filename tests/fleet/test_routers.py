@@ -241,3 +241,13 @@ def test_hybrid_options_take_numpy_numbers_and_bools():
     import numpy as np
     o = HybridOptions(own_waiting=np.float32(0.5), hot_relative=np.int64(2), weigh_waiting=np.bool_(True))
     assert o.own_waiting == 0.5 and o.hot_relative == 2
+
+
+def test_every_router_refuses_a_fleet_with_no_live_instance():
+    """Before: round-robin looped for ever, the others raised min()/max()/division errors."""
+    from hybridkv.fleet.routers import NO_LIVE_INSTANCE
+    for router in every_router():
+        state = FleetState(views=[view(), view()], loads=[InstanceLoad(), InstanceLoad()], live=[])
+        with pytest.raises(ValueError, match="no live instance"):
+            router.route(request(chain(*"ab")), state)
+    assert "every instance is down" in NO_LIVE_INSTANCE

@@ -210,6 +210,9 @@ def least_loaded(loads: list[InstanceLoad], among=None) -> int:
     return min(among, key=lambda j: (loads[j].key(), j))
 
 
+NO_LIVE_INSTANCE = "no live instance to route to: every instance is down (FleetState.live is empty)"
+"""The :meth:`Router.route` error when ``fleet.live`` is empty."""
+
 _NO_HIT = (0, 0)
 """``(kv_hit, hit)`` of a view holding nothing of the prompt."""
 _PLAIN_VIEW = {InstanceView}
@@ -227,7 +230,12 @@ class Router(ABC):
 
     @abstractmethod
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        """Index of the instance that serves ``req``."""
+        """Index of the instance that serves ``req``, one of ``fleet.live``.
+
+        Raises:
+            ValueError: ``fleet.live`` is empty (every instance down: the caller decides where a
+                request waits then; the fleet sends it to the instance back first).
+        """
 
     def expected_hit(self) -> int | None:
         """Tokens the last :meth:`route` expected the chosen instance to reuse, or ``None``
@@ -251,6 +259,8 @@ class RoundRobin(Router):
         self._next = itertools.count()
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        if not fleet.live:
+            raise ValueError(NO_LIVE_INSTANCE)
         n, live = len(fleet.loads), fleet.live
         if len(live) == n:
             return next(self._next) % n
@@ -265,6 +275,8 @@ class LeastLoad(Router):
     name = "least-load"
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        if not fleet.live:
+            raise ValueError(NO_LIVE_INSTANCE)
         return least_loaded(fleet.loads, fleet.live)
 
 
@@ -330,6 +342,8 @@ class PrefixRouter(Router):
         self._rank: list[bytes] = []        # the tenant-size map's fixed order (smallest-tree ties)
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        if not fleet.live:
+            raise ValueError(NO_LIVE_INSTANCE)
         n, o, live = len(fleet.loads), self.options, fleet.live
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
@@ -382,6 +396,8 @@ class SMGPrefixRouter(PrefixRouter):
         self._rng = random.Random(options.seed)
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        if not fleet.live:
+            raise ValueError(NO_LIVE_INSTANCE)
         n, o, live, loads = len(fleet.loads), self.options, fleet.live, fleet.loads
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
@@ -456,6 +472,8 @@ class KVOverlapRouter(Router):
         return out
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        if not fleet.live:
+            raise ValueError(NO_LIVE_INSTANCE)
         logits = self.logits(req, fleet)
         best = min(logits.values())
         tied = [j for j, v in logits.items() if v == best]
@@ -827,6 +845,8 @@ class HybridRouter(Router):
         instance's wait computed once and the prefill, transfer and latency seconds computed
         once per distinct ``(kv_hit, hit)`` (instances mostly share a few: the same system
         prompt, or nothing)."""
+        if not fleet.live:
+            raise ValueError(NO_LIVE_INSTANCE)
         store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
         if type(self).queue_seconds is HybridRouter.queue_seconds and self.options.count_decode:
