@@ -213,6 +213,18 @@ def least_loaded(loads: list[InstanceLoad], among=None) -> int:
 NO_LIVE_INSTANCE = "no live instance to route to: every instance is down (FleetState.live is empty)"
 """The :meth:`Router.route` error when ``fleet.live`` is empty."""
 
+
+def live_instances(fleet: FleetState) -> list[int]:
+    """``fleet.live``, the instances a router may choose.
+
+    Raises:
+        ValueError: none is live (:data:`NO_LIVE_INSTANCE`).
+    """
+    live = fleet.live
+    if not live:
+        raise ValueError(NO_LIVE_INSTANCE)
+    return live
+
 _NO_HIT = (0, 0)
 """``(kv_hit, hit)`` of a view holding nothing of the prompt."""
 _PLAIN_VIEW = {InstanceView}
@@ -259,9 +271,7 @@ class RoundRobin(Router):
         self._next = itertools.count()
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        if not fleet.live:
-            raise ValueError(NO_LIVE_INSTANCE)
-        n, live = len(fleet.loads), fleet.live
+        n, live = len(fleet.loads), live_instances(fleet)
         if len(live) == n:
             return next(self._next) % n
         while (j := next(self._next) % n) not in live:    # skip the instances that are down
@@ -275,9 +285,7 @@ class LeastLoad(Router):
     name = "least-load"
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        if not fleet.live:
-            raise ValueError(NO_LIVE_INSTANCE)
-        return least_loaded(fleet.loads, fleet.live)
+        return least_loaded(fleet.loads, live_instances(fleet))
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,9 +350,7 @@ class PrefixRouter(Router):
         self._rank: list[bytes] = []        # the tenant-size map's fixed order (smallest-tree ties)
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        if not fleet.live:
-            raise ValueError(NO_LIVE_INSTANCE)
-        n, o, live = len(fleet.loads), self.options, fleet.live
+        n, o, live = len(fleet.loads), self.options, live_instances(fleet)
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
         while len(self._rank) < len(self.trees):
@@ -396,9 +402,7 @@ class SMGPrefixRouter(PrefixRouter):
         self._rng = random.Random(options.seed)
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        if not fleet.live:
-            raise ValueError(NO_LIVE_INSTANCE)
-        n, o, live, loads = len(fleet.loads), self.options, fleet.live, fleet.loads
+        n, o, live, loads = len(fleet.loads), self.options, live_instances(fleet), fleet.loads
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
         mean = sum(loads[i].in_flight for i in live) / len(live)
@@ -472,8 +476,7 @@ class KVOverlapRouter(Router):
         return out
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        if not fleet.live:
-            raise ValueError(NO_LIVE_INSTANCE)
+        live_instances(fleet)
         logits = self.logits(req, fleet)
         best = min(logits.values())
         tied = [j for j, v in logits.items() if v == best]
@@ -845,8 +848,7 @@ class HybridRouter(Router):
         instance's wait computed once and the prefill, transfer and latency seconds computed
         once per distinct ``(kv_hit, hit)`` (instances mostly share a few: the same system
         prompt, or nothing)."""
-        if not fleet.live:
-            raise ValueError(NO_LIVE_INSTANCE)
+        live_instances(fleet)
         store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
         if type(self).queue_seconds is HybridRouter.queue_seconds and self.options.count_decode:
