@@ -16,7 +16,7 @@ STAMP=.venv/.hybridkv-install-stamp
 want_stamp=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 
 # Exit 0 when .venv already holds an editable hybridkv of this checkout, torch 2.13.0
-# and every requirement of hybridkv[test,bench,mooncake,serve] at a satisfying version.
+# and every requirement of hybridkv[test,bench,mooncake,serve,docs] at a satisfying version.
 venv_complete() {
   .venv/bin/python - "$PWD" <<'EOF' 2>/dev/null
 import importlib.metadata as md, json, sys
@@ -32,7 +32,7 @@ if md.version("torch").split("+")[0] != "2.13.0":
     sys.exit(1)
 for spec in dist.requires or []:
     req = Requirement(spec)
-    if req.marker and not any(req.marker.evaluate({"extra": e}) for e in ("", "test", "bench", "mooncake", "serve")):
+    if req.marker and not any(req.marker.evaluate({"extra": e}) for e in ("", "test", "bench", "mooncake", "serve", "docs")):
         continue
     if not req.specifier.contains(md.version(req.name), prereleases=True):
         sys.exit(1)
@@ -72,7 +72,7 @@ fi
 # torch first and pinned: 2.13.0 is the CPU build for these machines; any
 # other spec lets pip pull a CUDA build of several GB.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test,bench,mooncake,serve]'
+.venv/bin/python -m pip install -q -e '.[test,bench,mooncake,serve,docs]'
 
 venv_complete || { echo "install.sh: .venv is still missing requirements of hybridkv" >&2; exit 1; }
 echo "$want_stamp" > "$STAMP"
