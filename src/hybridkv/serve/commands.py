@@ -14,6 +14,7 @@ import sys
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    finite_positive_float,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -21,6 +22,7 @@ from hybridkv.replay.args import (
     positive_float,
     positive_int,
 )
+from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
 
 def register_cli(sub) -> None:
@@ -68,6 +70,9 @@ def register_cli(sub) -> None:
     b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
                         "token each under the presets' byte tokenizer), for routers that only take text")
+    b.add_argument("--probe-timeout", type=finite_positive_float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds to connect to the server and to wait for its /v1/models answer before the replay "
+                        f"(default {PROBE_TIMEOUT_S:g})")
     b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
     b.set_defaults(func=_bench)
 
@@ -173,22 +178,19 @@ def _router(args) -> int:
 
 
 def _bench(args) -> int:
-    import httpx
-
     from hybridkv.replay.trace import TraceError
-    from hybridkv.serve.bench import BenchOptions, render, run_bench
+    from hybridkv.serve.bench import BenchOptions, ProbeError, render, run_bench
 
     opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
                         max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
-                        seed=args.seed, prompt_format=args.prompt_format)
+                        seed=args.seed, prompt_format=args.prompt_format, probe_timeout=args.probe_timeout)
     try:
         report = asyncio.run(run_bench(opts))
     except (ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except httpx.HTTPError as exc:
-        print(f"error: --url {args.url}: cannot read the server's /v1/models ({exc or type(exc).__name__})",
-              file=sys.stderr)
+    except ProbeError as exc:
+        print(f"error: --url {args.url}: cannot read the server's /v1/models: {exc}", file=sys.stderr)
         return 2
     print(render(report))
     if args.json_path:
