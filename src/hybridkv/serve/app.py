@@ -29,6 +29,7 @@ from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import (
     APIError,
+    check_fields,
     check_ids,
     parse_generation,
     parse_prompts,
@@ -78,9 +79,16 @@ class Server:
         self.created = int(time.time())
 
     # -- helpers ------------------------------------------------------------------
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request, route: str) -> dict:
+        """The JSON body of a ``route`` (``completions`` / ``chat``) request, its field names
+        checked (:func:`~hybridkv.serve.protocol.check_fields`) and its ``model`` this server's.
+
+        Raises:
+            APIError: 400 for a bad body or field (named), 404 for another model.
+        """
         body = _json_object(await read_body(request))
-        model = body.get("model")
+        check_fields(body, route)
+        model = body["model"]
         if model != self.settings.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r}", "model", "model_not_found", "not_found_error")
@@ -120,8 +128,8 @@ class Server:
     async def completions(self, request: Request):
         """``POST /v1/completions``."""
         arrived = time.monotonic()
-        body = await self._body(request)
-        if "prompt" not in body:
+        body = await self._body(request, "completions")
+        if body.get("prompt") is None:
             raise APIError(400, "prompt is required", "prompt")
         run = self._start(body, request, parse_prompts(body["prompt"], self.codec.encode), arrived)
         head = self._head("text")
@@ -135,7 +143,7 @@ class Server:
     async def chat(self, request: Request):
         """``POST /v1/chat/completions``."""
         arrived = time.monotonic()
-        body = await self._body(request)
+        body = await self._body(request, "chat")
         try:
             prompt = self.codec.chat(body.get("messages"))
         except ValueError as exc:
@@ -214,12 +222,16 @@ class Server:
         names none; a ``cache_salt`` narrows it).
 
         Raises:
-            APIError: 400 for a field of the wrong type or not exactly one scope; 403 when an
+            APIError: 400 for an unknown field, a field of the wrong type or not exactly one scope; 403 when an
                 ``X-Tenant`` request names another tenant, ``all`` or ``abi_version``.
         """
         from hybridkv.tiers.layout import ABI_VERSION
 
         body = _json_object(await read_body(request) or b"{}")
+        unknown = next((name for name in body if name not in INVALIDATE_FIELDS), None)
+        if unknown is not None:           # a misspelt scope field would widen the purge
+            raise APIError(400, f"unknown field {_shown(unknown)} in a /admin/cache/invalidate request (fields: "
+                                f"{', '.join(INVALIDATE_FIELDS)})", unknown, "unknown_field")
         everything = body.get("all", False)
         tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
         if not isinstance(everything, bool):
@@ -292,6 +304,9 @@ async def _collect_while_connected(run: Run, request: Request):
     await asyncio.gather(collect, return_exceptions=True)
     raise APIError(499, "the client closed the connection", None, "client_closed")
 
+
+INVALIDATE_FIELDS = ("tenant", "cache_salt", "all", "abi_version")
+"""The fields of a ``POST /admin/cache/invalidate`` body (any other is refused)."""
 
 #: A ``\\u`` escape of a UTF-16 surrogate: the only way a lone surrogate enters a decoded body.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -47,7 +47,14 @@ from hybridkv.fleet.store import (
     StoreCost,
 )
 from hybridkv.serve.fleet_view import Workers, WorkerState
-from hybridkv.serve.protocol import APIError, parse_generation, parse_prompts, read_body, tenant_header
+from hybridkv.serve.protocol import (
+    APIError,
+    check_fields,
+    parse_generation,
+    parse_prompts,
+    read_body,
+    tenant_header,
+)
 from hybridkv.serve.tokenizer import Codec
 
 log = logging.getLogger("hybridkv.serve.router")
@@ -277,6 +284,11 @@ class RouterService:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             body = None                                    # the worker answers the 400
+        if isinstance(body, dict):
+            try:                                           # the workers' field schema: the same 400s, and
+                check_fields(body, "chat" if chat else "completions")    # without a worker in rotation
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
         reqs = self.route_requests(body, request.headers, chat)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         if len(reqs) > 1:
