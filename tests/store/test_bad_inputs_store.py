@@ -1,0 +1,58 @@
+"""Bad store inputs end in one clear error naming the offending value (and lose nothing stored):
+store URL parameters and ports, read-only disk stores, truncated disk objects, ``memory://``
+across instances, ``hybridkv store start`` workdirs and ports, and the per-user default directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.store.url import open_store
+
+# -- store URLs: one validation layer, every error names the parameter and its value -----------------
+
+
+@pytest.mark.parametrize(("query", "named"), [
+    ("timeout_s=abc", "timeout_s='abc' is not a number of seconds > 0"),        # before: could not convert string
+    ("timeout_s=-1", "timeout_s='-1' is not a number of seconds > 0"),          # before: a list of four rules
+    ("timeout_s=nan", "timeout_s='nan' is not a number of seconds > 0"),        # before: accepted, then unreachable
+    ("timeout_s=inf", "timeout_s='inf' is not a number of seconds > 0"),
+    ("retry_interval_s=-0.5", "retry_interval_s='-0.5' is not a number of seconds >= 0"),
+    ("setup_retries=0", "setup_retries='0' is not a count >= 1"),
+    ("setup_retries=2.5", "setup_retries='2.5' is not a count >= 1"),
+    ("segment_bytes=1.5", "segment_bytes='1.5' is not a byte count >= 0"),     # before: invalid literal for int()
+    ("local_buffer_bytes=-1", "local_buffer_bytes='-1' is not a byte count >= 0"),
+])
+def test_a_bad_mooncake_parameter_is_named_with_its_value(query, named):
+    """Refused before any connection (port 1: no master there)."""
+    url = f"mooncake://127.0.0.1:1?{query}"
+    with pytest.raises(ValueError) as info:
+        open_store(url)
+    assert str(info.value) == f"store URL {url!r}: {named}"
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "65536", "abc"])
+def test_a_port_outside_1_to_65535_is_named(port):
+    """Before: ``Port out of range 0-65535`` (no URL, no port) or ``needs host:port`` for 0."""
+    url = f"mooncake://127.0.0.1:{port}"
+    with pytest.raises(ValueError) as info:
+        open_store(url)
+    assert str(info.value) == f"store URL {url!r}: port {port!r} is not a TCP port (1-65535)"
+
+
+@pytest.mark.parametrize(("query", "named"), [("eviction=fifo", "eviction='fifo' is not one of lru, value"),
+                                              ("capacity=-5", "capacity='-5' is not a byte count >= 0"),
+                                              ("capacity=1e9", "capacity='1e9' is not a byte count >= 0")])
+def test_a_bad_disk_parameter_is_named_and_nothing_is_created(tmp_path, query, named):
+    url = f"disk://{tmp_path}/s?{query}"
+    with pytest.raises(ValueError, match=f"{named}$"):
+        open_store(url)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_direct_mooncake_store_names_its_bad_argument():
+    from hybridkv.store.mooncake.client import MooncakeStore
+
+    with pytest.raises(ValueError, match=r"^MooncakeStore timeout_s=-1.0 must be > 0 and finite$"):
+        MooncakeStore("127.0.0.1:1", timeout_s=-1)
+    with pytest.raises(ValueError, match=r"^MooncakeStore setup_retries=0 must be >= 1$"):
+        MooncakeStore("127.0.0.1:1", setup_retries=0)
