@@ -56,3 +56,69 @@ def test_a_direct_mooncake_store_names_its_bad_argument():
         MooncakeStore("127.0.0.1:1", timeout_s=-1)
     with pytest.raises(ValueError, match=r"^MooncakeStore setup_retries=0 must be >= 1$"):
         MooncakeStore("127.0.0.1:1", setup_retries=0)
+
+
+# -- a disk store on a read-only file system: new, empty or populated, one clear StoreUnavailable ----
+
+
+@pytest.fixture
+def read_only_fs(tmp_path):
+    """``remount(ro)``: a 1 MiB tmpfs mounted for the test, switched read-only / writable again by
+    the kernel (real EROFS, which root cannot bypass as it does chmod; skipped where mounting is not
+    permitted)."""
+    import subprocess
+
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=False, capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode(errors='replace').strip()}")
+
+    def remount(ro: bool) -> None:
+        subprocess.run(["mount", "-o", f"remount,{'ro' if ro else 'rw'}", str(mnt)], check=True, capture_output=True)
+
+    remount.path = mnt
+    try:
+        yield remount
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+
+
+@pytest.mark.parametrize("case", ["new", "empty", "populated"])
+def test_a_read_only_disk_store_is_unavailable_naming_its_path(read_only_fs, case):
+    """Before: a new or empty directory raised a raw ``OSError: [Errno 30]`` while a populated one
+    was StoreUnavailable ("not readable and writable"); now every case is StoreUnavailable naming
+    the path and the read-only file system, and a populated store loses nothing."""
+    from hybridkv.store.base import StoreUnavailable
+    from hybridkv.store.disk import DiskStore
+
+    root = read_only_fs.path / "store"
+    if case == "empty":
+        root.mkdir()
+    if case == "populated":
+        with DiskStore(root) as s:
+            assert s.put([("kept", b"bytes stored before")]) == [True]
+    read_only_fs(ro=True)
+    with pytest.raises(StoreUnavailable) as info:
+        open_store(f"disk://{root}")
+    assert repr(str(root)) in str(info.value) and "read-only file system" in str(info.value)
+    read_only_fs(ro=False)
+    if case == "populated":
+        with DiskStore(root) as s:
+            assert s.get(["kept"]) == [b"bytes stored before"]
+
+
+def test_an_llm_on_a_read_only_store_warns_and_runs_without_it(read_only_fs, caplog):
+    """``LLM(store=…)`` on a read-only file system (new directory): a warning naming the path, the
+    LLM runs without a store tier (before: ``OSError: [Errno 30]`` out of the constructor)."""
+    from hybridkv.api import LLM
+
+    read_only_fs(ro=True)
+    root = read_only_fs.path / "new"
+    with caplog.at_level("WARNING"):
+        llm = LLM("tiny", store=f"disk://{root}")
+    try:
+        assert llm._handle.store_tier is None
+        assert any(str(root) in r.getMessage() and "read-only file system" in r.getMessage() for r in caplog.records)
+    finally:
+        llm.close()

@@ -115,7 +115,10 @@ class DiskStore(ObjectStore):
         ValueError: ``path`` exists and is not a directory (or a fan-out name is a
             file), ``capacity_bytes`` is negative, ``eviction`` is unknown, or
             ``quota`` is not a number in (0, 1] or is given without a capacity.
-        StoreUnavailable: the directory cannot be created or written (permissions).
+        StoreUnavailable: the directory cannot be created or written: permissions, or a read-only
+            file system, whether the store there is new, empty or already holds objects (a store
+            writes as it reads: puts, recency stamps, dropping bad objects). The message names the
+            path; an engine then warns and runs without the store (``store_required``: an error).
 
     Counters (read-only for callers): ``evictions`` objects evicted for capacity;
     ``bad_objects`` unreadable object files met (truncated / foreign / collision),
