@@ -1,6 +1,6 @@
 """Bad inputs to ``serve``, ``router`` and ``bench-serve`` end in a clear error, in bounded time:
-a server that never answers, unknown or missing request fields, Ctrl-C with an open stream, and
-a port already taken."""
+a server that never answers, unknown or missing request fields, and a port already taken
+(Ctrl-C with an open stream: test_shutdown.py)."""
 
 from __future__ import annotations
 
@@ -186,3 +186,47 @@ def test_the_router_refuses_a_bad_field_with_no_worker_in_rotation():
         assert _post(router.url, "/v1/completions", GOOD).status_code == 503       # a good body: no worker
     finally:
         router.close()
+
+
+# -- a taken port; --port 0 ---------------------------------------------------------------------------
+
+EXIT_BOUND_S = 60          # a hang guard
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
+    """``hybridkv CMD --port 0`` as a subprocess; returns it and the URL its startup line prints."""
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *cmd, "--port", "0"], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:                       # the startup line names the port picked
+        if " on http://127.0.0.1:" in line and "Ctrl-C stops it" in line:
+            return proc, line.split(" on ")[1].split()[0]
+    proc.wait(timeout=EXIT_BOUND_S)
+    pytest.fail(f"{cmd[0]} exited {proc.returncode} before printing its URL")
+
+
+@pytest.mark.parametrize("cmd", [["serve", "--model", "tiny", "--threads", "1"],
+                                 ["router", "--worker", "http://127.0.0.1:9"]], ids=["serve", "router"])
+def test_a_taken_port_is_named_at_start(cmd, capsys):
+    with socket.socket() as holder:                     # another process's server on the port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        rc = main([*cmd, "--port", str(port)])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --port {port}: 127.0.0.1:{port} is already in use by another process; choose another port with "
+        "--port N, or --port 0 for a free one (printed at start)")
+
+
+def test_port_0_picks_a_free_port_and_prints_it():
+    proc, url = _start(["router", "--worker", "http://127.0.0.1:9"])
+    try:
+        assert not url.endswith(":0")
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503       # listening; no worker in rotation
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=EXIT_BOUND_S) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -14,6 +14,7 @@ import json
 import re
 import secrets
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
@@ -77,6 +78,18 @@ class Server:
         self.unit = handle.engine.config.prefix_match_unit
         self._weights = handle.model.weight_digest() if handle.model is not None else "simulated"
         self.created = int(time.time())
+        self._runs: weakref.WeakSet[Run] = weakref.WeakSet()       # requests started (a finished one is kept
+                                                                   # until collected; ending it is harmless)
+
+    def end_running(self, reason: str) -> int:
+        """End every request still generating (on the event loop, when the server stops): a
+        stream gets an error chunk with ``reason`` (code ``server_shutdown``) and ``[DONE]``, a
+        non-streaming request a 503; their jobs are cancelled, which releases their cache
+        references. Returns how many requests were ended."""
+        running = [run for run in self._runs if run.running]
+        for run in running:
+            run.end(reason)
+        return len(running)
 
     # -- helpers ------------------------------------------------------------------
     async def _body(self, request: Request, route: str) -> dict:
@@ -111,8 +124,10 @@ class Server:
         gen = parse_generation(body, tenant_header(request.headers), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
-        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version),
-                   self.metrics, arrived)
+        run = Run(self.worker, self.codec, gen, prompts,
+                  self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version), self.metrics, arrived)
+        self._runs.add(run)
+        return run
 
     def _check_alive(self) -> None:
         if not self.worker.alive:

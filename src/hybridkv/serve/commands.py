@@ -31,7 +31,8 @@ def register_cli(sub) -> None:
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: a free one)")
+    s.add_argument("--port", type=port_number, default=8000,
+                   help="port (default 8000; 0: a free one, printed at start); a taken port is an error at start")
     s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory://, mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
@@ -106,7 +107,8 @@ def _register_router(sub) -> None:
     r.add_argument("--policy", choices=ROUTER_NAMES, default="hybrid", help="routing policy (default hybrid)")
     r.add_argument("--model", default="tiny", help="the workers' --model (its tokenizer is used to hash prompts)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    r.add_argument("--port", type=port_number, default=8080, help="port (default 8080)")
+    r.add_argument("--port", type=port_number, default=8080,
+                   help="port (default 8080; 0: a free one, printed at start); a taken port is an error at start")
     r.add_argument("--cost-model", default=None,
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
@@ -162,18 +164,26 @@ def router_service(args):
 
 
 def _router(args) -> int:
-    import uvicorn
-
+    from hybridkv.serve.launch import bind_listener, run_foreground
     from hybridkv.serve.router import create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per event poll
     try:
-        service = router_service(args)
-    except (ValueError, FileNotFoundError) as exc:
+        sock = bind_listener(args.host, args.port)
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_router_app(service), host=args.host, port=args.port, log_level="info", lifespan="on")
+    try:
+        service = router_service(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = run_foreground(create_router_app(service), sock, f"routing to {len(args.worker)} worker(s)",
+                            lifespan="on")
+    logging.getLogger("hybridkv.serve.router").info("shut down cleanly%s",
+                                                    f" on {server.stop_signal}" if server.stop_signal else "")
     return 0
 
 
