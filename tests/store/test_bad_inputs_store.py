@@ -122,3 +122,53 @@ def test_an_llm_on_a_read_only_store_warns_and_runs_without_it(read_only_fs, cap
         assert any(str(root) in r.getMessage() and "read-only file system" in r.getMessage() for r in caplog.records)
     finally:
         llm.close()
+
+
+# -- a truncated disk object is a damaged miss, not an eviction --------------------------------------
+
+
+def _engine(model, store):
+    """A fresh engine (empty device cache) whose only lower tier is ``store`` (entries every 1,024 tokens)."""
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.engine.backend import TorchBackend
+    from hybridkv.engine.engine import Engine
+    from hybridkv.tiers.connector import tier_for
+
+    cfg = CacheConfig(block_size=1024, prefix_match_unit=64, max_num_batched_tokens=8192, num_kv_pages=32,
+                      num_checkpoint_slots=8, policy=CheckpointPolicy.parse("tail=1024"), store_alignment=1024)
+    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo="tiny", weight_digest=model.weight_digest()).digest()
+    tier = tier_for(store, backend, ns, 64, cfg.store_boundary)
+    return Engine(cfg, backend, ns, tiers=[tier]), tier
+
+
+@pytest.mark.parametrize(("component", "reason"), [("conv.k", "checksum"), ("manifest", "incomplete")])
+def test_a_truncated_disk_object_is_counted_as_damaged_not_evicted(tiny_model, tmp_path, component, reason):
+    """A component file cut short on disk is a ``checksum`` miss (its size does not match the
+    manifest), a cut manifest an ``incomplete`` one (unreadable); before, both read as absent and
+    the component counted ``evicted`` (as if the store had removed it), the manifest ``absent``.
+    The reader drops the entry and its own upload commits it again: the next reader reuses it."""
+    import os
+
+    import numpy as np
+    from hkv_helpers import assert_exact, run_one, tokens
+
+    from hybridkv.store.disk import DiskStore
+    from hybridkv.store.disk_files import object_digest, object_path
+
+    v = tiny_model.config.vocab_size
+    P = tokens(37, 1024, v)
+    a, tier_a = _engine(tiny_model, DiskStore(tmp_path / "store"))
+    run_one(a, np.concatenate([P, tokens(38, 300, v)]))
+    key = tier_a._key(a.cache.hash_prompt(P), 1024, "kda", component)
+    path = object_path(str(tmp_path / "store"), object_digest(key.encode()))
+    os.truncate(path, os.path.getsize(path) - 7)                       # a real short file on disk
+    b, tier_b = _engine(tiny_model, DiskStore(tmp_path / "store"))
+    r = run_one(b, np.concatenate([P, tokens(39, 200, v)]))
+    assert r.reused == 0 and tier_b.stats.misses[reason] == 1
+    assert tier_b.stats.misses["evicted"] == 0
+    assert [r.split(" (")[0] for r in tier_b.store.bad_reasons.elements()] == ["truncated payload"]
+    assert_exact(tiny_model, r)
+    c, tier_c = _engine(tiny_model, DiskStore(tmp_path / "store"))
+    assert run_one(c, np.concatenate([P, tokens(40, 200, v)])).reused == 1024
