@@ -37,6 +37,9 @@ from hybridkv.model.v4.state import (CompressorTail, LayerBoundary, V4BoundarySt
 from hybridkv.model.v4.weights import read_v4_tensors, write_v4_tensors
 from hybridkv.model.weights import load_into
 
+#: Queries per attention block (bounds the score matrix to ``QUERY_BLOCK × (W + entries)``).
+QUERY_BLOCK = 256
+
 
 def recompute_cone_rows(config: V4Config, h: int) -> tuple[int, ...]:
     """Rows each layer's *input* must be recomputed for, to rebuild the boundary state at ``h``
@@ -443,6 +446,29 @@ class V4Model(nn.Module):
         y = torch.einsum("ngi,gri->ngr", o.reshape(n, g, -1), wa).reshape(n, -1)
         return attn.o_b_proj(y)
 
+    def _blocks(self, attn: Attention, a: torch.Tensor, q: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor,
+                keys: torch.Tensor, k0: int, entries: torch.Tensor | None, index_entries: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[n, hidden]`` for queries at ``pos`` (consecutive), in blocks of
+        :data:`QUERY_BLOCK` rows so memory stays ``O(block · (W + entries))``: each block reads only
+        the window keys its queries can see and its own entry mask (CSA: the indexer's choice)."""
+        outs = []
+        w1 = self.config.sliding_window - 1
+        for lo in range(0, q.shape[0], QUERY_BLOCK):
+            sl = slice(lo, min(q.shape[0], lo + QUERY_BLOCK))
+            p = pos[sl]
+            first = max(k0, int(p[0]) - w1)
+            kb = keys[first - k0: int(p[-1]) + 1 - k0]
+            mask = None
+            if entries is not None:
+                if attn.kind == "csa":
+                    mask = self._select(attn, a[sl], q_res[sl], p, index_entries)
+                else:
+                    mask = (torch.arange(entries.shape[0], device=a.device)[None, :]
+                            < ((p + 1) // attn.compressor.rate)[:, None])
+            outs.append(self._attend(attn, q[sl], p, kb, first, entries, mask, cos[sl], sin[sl]))
+        return torch.cat(outs)
+
     def _layer_chunk(self, li: int, attn: Attention, a: torch.Tensor, pos: torch.Tensor, st: V4State,
                      bounds: list[int]):
         cfg = self.config
@@ -452,16 +478,13 @@ class V4Model(nn.Module):
         lb = st.boundary_state.layers[li]
         keys = torch.cat([lb.window, kv])
         k0 = t - lb.window.shape[0]
-        ekv = eix = mask = None
+        ekv = eix = None
         comp = attn.compressor
         if comp is not None:
             ekv, raw = self._extend(comp, a, t, lb.compressor, st.compressed.kv[li])
             if attn.kind == "csa":
                 eix, raw_ix = self._extend(comp.indexer, a, t, lb.indexer, st.compressed.index[li])
-                mask = self._select(attn, a, q_res, pos, eix)
-            else:
-                mask = torch.arange(ekv.shape[0], device=a.device)[None, :] < ((pos + 1) // comp.rate)[:, None]
-        out = self._attend(attn, q, pos, keys, k0, ekv, mask, cos, sin)
+        out = self._blocks(attn, a, q, q_res, pos, keys, k0, ekv, eix, cos, sin)
         w1 = cfg.sliding_window - 1
         lbs = {}
         for b in bounds:
@@ -526,14 +549,8 @@ class V4Model(nn.Module):
             if r_out == 0:
                 break
             qs = slice(r - r_out, r)
-            mask = ekv = None
-            if comp is not None:
-                ekv = ent.kv[li]
-                if attn.kind == "csa":
-                    mask = self._select(attn, a[qs], q_res[qs], pos[qs], ent.index[li])
-                else:
-                    mask = torch.arange(ekv.shape[0], device=a.device)[None, :] < ((pos[qs] + 1) // comp.rate)[:, None]
-            out = self._attend(attn, q[qs], pos[qs], kv, h - r, ekv, mask, cos[qs], sin[qs])
+            out = self._blocks(attn, a[qs], q[qs], q_res[qs], pos[qs], kv, h - r, ent.kv[li], ent.index[li],
+                               cos[qs], sin[qs])
             xs = x[qs]
             xs = hc_merge(post[qs], comb[qs], out, xs)
             post2, comb2, col2 = hc_weights(layer.ffn_hc, xs, cfg)
