@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
-                        "(default none; several instances without one share a fresh disk store)")
+                        "(private to one engine: refused with --instances > 1) (default none; several instances "
+                        "without one share a fresh disk store)")
     r.add_argument("--store-required", action="store_true",
                    help="exit with an error when the store does not answer at startup, instead of running without "
                         "it (a mooncake:// URL takes ?timeout_s=S for its setup deadline, default 5)")

@@ -172,3 +172,128 @@ def test_a_truncated_disk_object_is_counted_as_damaged_not_evicted(tiny_model, t
     assert_exact(tiny_model, r)
     c, tier_c = _engine(tiny_model, DiskStore(tmp_path / "store"))
     assert run_one(c, np.concatenate([P, tokens(40, 200, v)])).reused == 1024
+
+
+# -- hybridkv store start: workdir and ports ------------------------------------------------------
+
+
+def _store_start(capsys, *args):
+    """``hybridkv store start ARGS``: (exit code, the whole output on one line)."""
+    from hybridkv.cli import main
+
+    code = main(["store", "start", *args])
+    out = capsys.readouterr()
+    return code, " ".join((out.out + out.err).split())
+
+
+@pytest.fixture
+def ports():
+    from hybridkv.store.mooncake.procs import find_free_ports
+
+    return [str(p) for p in find_free_ports(2)]
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_store_start_with_a_file_as_workdir_is_one_clear_error(tmp_path, capsys, ports, where):
+    """Before: ``FileExistsError`` / ``NotADirectoryError`` tracebacks (``--workdir /etc/passwd``)."""
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0\n")
+    work = f if where == "file" else f / "x"
+    code, text = _store_start(capsys, "--workdir", str(work), "--port", ports[0], "--metrics-port", ports[1])
+    why = "exists and is not a directory" if where == "file" else "lies under a file"
+    assert code == 2 and "Traceback" not in text
+    assert f"error: store workdir {str(work)!r} {why}" in text and "--workdir DIR" in text
+    assert f.read_text() == "root:x:0:0\n"                            # nothing lost
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_store_start_with_a_read_only_workdir_is_one_clear_error(read_only_fs, capsys, ports, exists):
+    """Before: ``OSError: [Errno 30] Read-only file system`` traceback."""
+    work = read_only_fs.path if exists else read_only_fs.path / "wd"
+    read_only_fs(ro=True)
+    code, text = _store_start(capsys, "--workdir", str(work), "--port", ports[0], "--metrics-port", ports[1])
+    assert code == 2 and "Traceback" not in text
+    assert f"store workdir {str(work)!r}" in text and "read-only file system" in text
+
+
+def test_store_start_with_equal_ports_names_both_options(tmp_path, capsys, ports):
+    """Before: the master was started and its exit blamed (``mooncake_master exited with status 1``)."""
+    code, text = _store_start(capsys, "--workdir", str(tmp_path / "w"), "--port", ports[0], "--metrics-port", ports[0])
+    assert code == 2 and text == (f"error: --port and --metrics-port are both {ports[0]}: the master listens on each "
+                                  "(RPC and metrics), so they need two different ports")
+    assert not (tmp_path / "w").exists()                              # refused before anything is made
+
+
+@pytest.mark.parametrize("option", ["--port", "--metrics-port"])
+def test_store_start_on_a_taken_port_names_it_and_how_to_choose_another(tmp_path, capsys, ports, option):
+    import re
+    import socket
+
+    taken = ports[0] if option == "--port" else ports[1]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", int(taken)))
+        holder.listen()
+        code, text = _store_start(capsys, "--workdir", str(tmp_path / "w"), "--port", ports[0],
+                                  "--metrics-port", ports[1])
+    assert code == 2 and text.startswith(f"error: {option} {taken}: port {taken} on 127.0.0.1 is not free")
+    assert re.search(rf"choose another port with {option} N \(e\.g\. {option} \d+, free now\)$", text), text
+
+
+def test_store_start_with_a_port_out_of_range_names_it(tmp_path, capsys, ports):
+    code, text = _store_start(capsys, "--workdir", str(tmp_path / "w"), "--port", "99999", "--metrics-port", ports[1])
+    assert code == 2 and text == "error: --port 99999 is not a TCP port (1-65535)"
+
+
+# -- per-user default directories -----------------------------------------------------------------
+
+
+def test_the_default_store_workdir_is_per_user(tmp_path, monkeypatch):
+    """``$XDG_CACHE_HOME`` when set; ``~/.cache`` when the home is this user's own; else a private
+    ``<tmp>/hybridkv-<uid>`` (before: ``~/.cache/hybridkv/store`` whoever the home belonged to)."""
+    import os
+    import stat
+    import tempfile
+
+    from hybridkv.store.mooncake.service import default_workdir
+    from hybridkv.store.userdirs import private_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_workdir() == tmp_path / "xdg" / "hybridkv" / "store"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")             # not absolute: ignored (XDG rule)
+    own = tmp_path / "home"
+    own.mkdir()
+    monkeypatch.setenv("HOME", str(own))
+    assert default_workdir() == own / ".cache" / "hybridkv" / "store"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))   # the system temp dir, here
+    (tmp_path / "tmp").mkdir()
+    shared = "/" if os.getuid() != 0 else str(tmp_path / "shared")    # a home that is not this user's
+    if os.getuid() == 0:
+        os.mkdir(shared)
+        os.chown(shared, 12345, 12345)
+    monkeypatch.setenv("HOME", shared)
+    fallback = tmp_path / "tmp" / f"hybridkv-{os.getuid()}"
+    assert default_workdir() == fallback / "store" and not fallback.exists()   # naming it makes nothing
+    assert default_workdir(create=True) == fallback / "store"
+    assert stat.S_IMODE(fallback.stat().st_mode) == 0o700 and fallback.stat().st_uid == os.getuid()
+    if os.getuid() == 0:                                              # another user's directory is refused
+        os.chown(fallback, 12345, 12345)
+        with pytest.raises(PermissionError, match=f"{fallback} is not a directory of this user"):
+            private_dir(fallback)
+
+
+# -- memory:// is private to one engine: refused where instances are meant to share the store ------
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_memory_store_with_several_instances_is_refused_naming_the_alternatives(capsys, timed):
+    """Before: exit 0, each instance a private empty store (store hit_tokens 0), no warning."""
+    from hybridkv.cli import main
+
+    code = main(["replay", "--no-progress", "--model", "tiny", "--limit", "4", "--instances", "2",
+                 "--store", "memory://", *(["--timed"] if timed else [])])
+    out = capsys.readouterr()
+    text = " ".join((out.out + out.err).split())
+    assert code == 2 and "Traceback" not in text
+    assert "store 'memory://' with instances=2: memory:// is private to one engine" in text
+    assert "disk:///PATH" in text and "mooncake://HOST:PORT" in text

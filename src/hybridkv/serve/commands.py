@@ -33,7 +33,8 @@ def register_cli(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000,
                    help="port (default 8000; 0: a free one, printed at start); a taken port is an error at start")
-    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory://, mooncake://HOST:PORT")
+    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory:// (private to this server), "
+                                                    "mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
     s.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
