@@ -190,3 +190,14 @@ def test_state_byte_sizes(small, small_pass):
     assert groups["csa"] == 3 * 80 * (cfg.head_dim + cfg.index_head_dim) * 4
     assert groups["hca"] == 3 * 2 * cfg.head_dim * 4
     assert end.nbytes == end.compressed.nbytes + end.boundary_state.nbytes
+
+
+def test_routing_margins():
+    cfg = dataclasses.replace(V4Config.preset("v4-tiny"), mlp_layer_types=("hash_moe",) * 6)
+    model = V4Model(cfg).init_random(6)            # hash routing only: just the indexer's choice
+    mg = model.routing_margins(_ids(120, seed=10))
+    first = (cfg.index_topk + 1) * cfg.csa_rate - 1  # first query seeing more than index_topk entries
+    assert torch.isinf(mg[:first]).all()
+    assert torch.isfinite(mg[first:]).float().mean() > 0.9 and (mg[first:] > 0).all()
+    routed = V4Model.from_preset("v4-tiny", seed=1).routing_margins(_ids(40, seed=10))
+    assert torch.isfinite(routed).all() and (routed > 0).all()   # routed MoE decides every token

@@ -126,6 +126,7 @@ class V4Model(nn.Module):
         self._freqs = {"main": inv_freq(config.rope_main, rd).to(device),
                        "compress": inv_freq(config.rope_compress, rd).to(device)}
         self._digest: str | None = None
+        self._margins: torch.Tensor | None = None       # set only inside routing_margins()
         self.eval()
 
     # ---- construction / persistence ---------------------------------------------------
@@ -286,6 +287,50 @@ class V4Model(nn.Module):
         logits, end = self.prefill(torch.tensor([int(token_id)]), state)
         return logits[0], end
 
+    @torch.no_grad()
+    def routing_margins(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Per position, how far its discrete choices are from flipping, over a plain prefill.
+
+        Two choices can flip under rounding alone (a chunked prefill against a whole one): the
+        routed MoE's top-k (gap between the last chosen and the first unchosen biased expert
+        score) and the CSA indexer's top-k (gap between the ``index_topk``-th and the next visible
+        score; an exact tie of two all-zero scores is decided by entry index in every
+        computation and counts as no risk).
+
+        Args:
+            token_ids: ``int64 [T]``.
+
+        Returns:
+            ``float32 [T]``: the smallest gap of each position over all routed-MoE and CSA
+            layers, in score units (``inf`` where no choice was made).
+
+        Raises:
+            ValueError: as :meth:`prefill`.
+        """
+        self._margins = torch.full((int(token_ids.numel()),), float("inf"))
+        try:
+            self.prefill(token_ids)
+            return self._margins
+        finally:
+            self._margins = None
+
+    def _record(self, gap: torch.Tensor, start: int) -> None:
+        m = self._margins
+        seg = m[start: start + gap.numel()]
+        m[start: start + gap.numel()] = torch.minimum(seg, gap.float().cpu())
+
+    def _moe_margin(self, block, x: torch.Tensor) -> torch.Tensor:
+        """Gap between the k-th and (k+1)-th biased router score of each token (``inf`` if all chosen)."""
+        cfg = self.config
+        if cfg.num_experts_per_tok >= cfg.n_routed_experts:
+            return torch.full((x.shape[0],), float("inf"))
+        logits = F.linear(x, block.gate.weight)
+        f = cfg.scoring_func
+        scores = (F.softplus(logits).sqrt() if f == "sqrtsoftplus"
+                  else logits.softmax(dim=-1) if f == "softmax" else logits.sigmoid())
+        top = torch.topk(scores + block.gate.e_score_correction_bias, cfg.num_experts_per_tok + 1, dim=-1).values
+        return top[:, -2] - top[:, -1]
+
     def _validate(self, ids: torch.Tensor, state: V4State) -> None:
         cfg = self.config
         if ids.numel() == 0:
@@ -351,7 +396,10 @@ class V4Model(nn.Module):
             layer_states.append(lbs)
             x = hc_merge(post, comb, out, x)
             post, comb, col = hc_weights(layer.ffn_hc, x, cfg)
-            y = moe(layer.mlp, rms_norm(col, layer.post_attention_layernorm.weight, eps), ids, cfg)
+            f_in = rms_norm(col, layer.post_attention_layernorm.weight, eps)
+            if self._margins is not None and not layer.mlp.gate.hashed:
+                self._record(self._moe_margin(layer.mlp, f_in), 0)
+            y = moe(layer.mlp, f_in, ids, cfg)
             x = hc_merge(post, comb, y, x)
         hn = rms_norm(hc_head(self.model.hc_head, x, cfg), self.model.norm.weight, eps)
         logits = self.lm_head(hn).float()
@@ -419,7 +467,12 @@ class V4Model(nn.Module):
         w = idx.scorer.weights_proj(a).float() * cfg.index_n_heads ** -0.5
         s = (scores * w.unsqueeze(-1)).sum(dim=1).masked_fill(~vis, float("-inf"))
         k = min(cfg.index_topk, n_e)
-        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+        ranked = torch.sort(s, dim=-1, descending=True, stable=True)
+        order = ranked.indices[:, :k]
+        if self._margins is not None and k < n_e:
+            kth, nxt = ranked.values[:, k - 1], ranked.values[:, k]
+            gap = torch.where(torch.isinf(nxt) | ((kth == 0) & (nxt == 0)), torch.inf, kth - nxt)
+            self._record(gap, int(pos[0]))
         sel = torch.zeros_like(vis).scatter_(1, order, True)
         return sel & vis
 
