@@ -151,6 +151,10 @@ def test_restore_refuses_entries_short_of_the_boundary(small, small_pass):
         small.prefill_capture(ids[:64], capture=(500,))
     with pytest.raises(ValueError, match="compressed entries end at 320"):
         small.prefill(ids[:4], dataclasses.replace(end, boundary_state=caps[128].boundary_state))
+    short = end.compressed.clone()
+    short.index[2] = short.index[2][:-1]
+    with pytest.raises(ValueError, match="layer 2 has 79 indexer entries, expected 80"):
+        small.prefill(ids[:4], dataclasses.replace(end, compressed=short))
 
 
 @pytest.mark.parametrize("h", [64, 128, 192, 256])

@@ -355,15 +355,18 @@ class V4Model(nn.Module):
                 if tail is not None and tail.kv.shape[0] != t % m:
                     raise ValueError(f"layer {li} {name} tail has {tail.kv.shape[0]} rows, expected "
                                      f"{t % m} at boundary {t}")
-            if m and state.compressed.kv[li].shape[0] != t // m:
-                raise ValueError(f"layer {li} has {state.compressed.kv[li].shape[0]} compressed entries, "
-                                 f"expected {t // m} at boundary {t}")
+            for name, ent in (("compressed", state.compressed.kv[li]), ("indexer", state.compressed.index[li])):
+                if m and ent is not None and ent.shape[0] != t // m:
+                    raise ValueError(f"layer {li} has {ent.shape[0]} {name} entries, expected {t // m} "
+                                     f"at boundary {t}")
 
     @torch.no_grad()
     def prefill_capture(self, token_ids: torch.Tensor, state: V4State | None = None,
                         capture: Iterable[int] = ()) -> tuple[torch.Tensor, V4State, dict[int, V4State]]:
         """:meth:`prefill` that also returns the state at each ``capture`` boundary in
-        ``(t, t + n]`` (each with its own storage), as the cache stores them.
+        ``(t, t + n]``, as the cache stores them. Boundary states own their storage; the
+        captured compressed entries are views of the end state's (no tensor is ever modified
+        in place).
 
         Returns:
             ``(logits float32 [n, vocab], state at t + n, {b: state at b})``.
@@ -404,7 +407,7 @@ class V4Model(nn.Module):
         hn = rms_norm(hc_head(self.model.hc_head, x, cfg), self.model.norm.weight, eps)
         logits = self.lm_head(hn).float()
         full = V4CompressedEntries(end, st.compressed.rates, entries_kv, entries_ix)
-        states = {b: V4State(full.upto(b).clone() if b != end else full,
+        states = {b: V4State(full.upto(b) if b != end else full,
                              V4BoundaryState(b, [lbs[b] for lbs in layer_states])) for b in bounds}
         return logits, states[end], {b: states[b] for b in caps}
 
