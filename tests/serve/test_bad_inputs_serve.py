@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -157,7 +158,9 @@ def _router(worker_urls: list[str]):
     from hybridkv.serve.router import create_router_app
     args = argparse.Namespace(worker=worker_urls, policy="hybrid", model="tiny", cost_model=None, poll_interval=0.05,
                               health_every=2, follow_wait=0.0, store_gbps=1.1, store_latency_us=194.0)
-    return BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
+    service = router_service(args)
+    return BackgroundUvicorn(create_router_app(service), "127.0.0.1", 0, lifespan="on",
+                             end_running=service.end_running)
 
 
 def test_the_router_answers_the_same_400s_as_its_workers(server):
@@ -230,3 +233,45 @@ def test_port_0_picks_a_free_port_and_prints_it():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class _Records(logging.Handler):
+    """Collects the log records of a logger (uvicorn's do not propagate to pytest's handler)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_stopping_router_ends_the_stream_it_relays_cleanly(server):
+    """The router's stream is ended with an error chunk and ``[DONE]`` after the grace; uvicorn
+    cancels nothing (it logged an ASGI ``CancelledError`` before) and the worker's job is cancelled."""
+    from serve_helpers import wait_idle
+
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    router = _router([server.url])
+    try:
+        for _ in range(200):
+            if httpx.get(f"{router.url}/health", timeout=10).status_code == 200:
+                break
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))          # generation under way
+            closing = threading.Thread(target=router.close)
+            closing.start()
+            rest = [line for line in lines if line]
+            closing.join(30)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+        router.close()
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown"
+    assert not [r for r in records.records if r.levelno >= logging.ERROR], [r.getMessage() for r in records.records]
+    assert wait_idle(server)["running"] == 0

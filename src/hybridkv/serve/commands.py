@@ -182,9 +182,10 @@ def _router(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     server = run_foreground(create_router_app(service), sock, f"routing to {len(args.worker)} worker(s)",
-                            lifespan="on")
-    logging.getLogger("hybridkv.serve.router").info("shut down cleanly%s",
-                                                    f" on {server.stop_signal}" if server.stop_signal else "")
+                            lifespan="on", end_running=service.end_running)
+    logging.getLogger("hybridkv.serve.router").info(
+        "shut down cleanly%s: %d relayed answer(s) ended after the grace", f" on {server.stop_signal}"
+        if server.stop_signal else "", server.ended)
     return 0
 
 

@@ -105,7 +105,8 @@ class DrainingUvicorn(uvicorn.Server):
 
     Args:
         config: the uvicorn config (its ``timeout_graceful_shutdown`` is set here).
-        end_running: called on the event loop with the reason; returns how many requests it ended.
+        end_running: called on the event loop with the reason; returns how many requests it ended
+            (``None``: nothing is ended, uvicorn cancels what still runs after the grace).
 
     Attributes:
         stop_signal: the name of the signal that stopped the server (``SIGINT``), or ``None``.
@@ -113,7 +114,7 @@ class DrainingUvicorn(uvicorn.Server):
     """
 
     def __init__(self, config, end_running=None) -> None:
-        config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S + SHUTDOWN_MARGIN_S
+        config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S + (SHUTDOWN_MARGIN_S if end_running is not None else 0.0)
         super().__init__(config)
         self._end_running, self._ending = end_running, None
         self._loop: asyncio.AbstractEventLoop | None = None
