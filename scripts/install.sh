@@ -46,8 +46,44 @@ if [ -z "${HYBRIDKV_FORCE_INSTALL:-}" ] \
   exit 0
 fi
 
+# apt-get that waits for the package lock another process holds (unattended-upgrades, another
+# install) instead of failing at once (exit 100): at most HYBRIDKV_APT_LOCK_WAIT seconds (default
+# 300) over the whole script, saying so every 15 s (apt itself says it every second). Status 75
+# when the lock was still held at the end.
+APT_LOCK_WAIT=${HYBRIDKV_APT_LOCK_WAIT:-300}
+apt_lock_deadline=
+apt_get() {
+  [ -n "$apt_lock_deadline" ] || apt_lock_deadline=$((SECONDS + APT_LOCK_WAIT))
+  local left=$((apt_lock_deadline - SECONDS)) start=$SECONDS
+  [ "$left" -gt 0 ] || left=1
+  apt-get -o DPkg::Lock::Timeout="$left" "$@" 2>&1 | {
+    said=-15 locked=0
+    while IFS= read -r line; do
+      case $line in
+        "Waiting for cache lock"*)
+          if [ $((SECONDS - said)) -ge 15 ]; then
+            said=$SECONDS
+            line=${line#Waiting for cache lock: }
+            echo "install.sh: waiting for the package lock (up to ${left} s, $((SECONDS - start)) s so far): ${line%...}"
+          fi ;;
+        "E: Could not get lock"* | "E: Unable to acquire the dpkg frontend lock"* | "E: Unable to lock"*)
+          printf '%s\n' "$line"
+          [ "$locked" = 1 ] || echo "install.sh: the package lock is still held after ${left} s; run again once" \
+                                    "that process is done (or wait longer: HYBRIDKV_APT_LOCK_WAIT=SECONDS)"
+          locked=1 ;;
+        *) printf '%s\n' "$line" ;;
+      esac
+    done
+    [ "$locked" = 0 ] || exit 75
+  }
+}
+
 apt_install() {
-  apt-get install -y -q "$@" || { apt-get update -q; apt-get install -y -q "$@"; }
+  local rc=0
+  apt_get install -y -q "$@" || rc=$?
+  [ "$rc" = 0 ] && return 0
+  [ "$rc" = 75 ] && return 75       # the lock, not stale package lists: updating would not help
+  apt_get update -q && apt_get install -y -q "$@"
 }
 
 # libibverbs1: needed to import the Mooncake transfer engine (docs/DESIGN.md section 11).
