@@ -223,7 +223,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if opts.block_size is None:       # pages follow the trace's sharing granularity
         g = opts.prefix_match_unit
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
-    policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
+    policy = CheckpointPolicy.parse(opts.policy if opts.policy is not None
+                                    else default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
     units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
     if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised

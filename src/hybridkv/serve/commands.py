@@ -14,6 +14,8 @@ import sys
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    block_tokens,
+    checkpoint_policy,
     finite_positive_float,
     fraction,
     non_negative_float,
@@ -21,6 +23,8 @@ from hybridkv.replay.args import (
     port_number,
     positive_float,
     positive_int,
+    seed_value,
+    time_scale,
 )
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
@@ -37,10 +41,10 @@ def register_cli(sub) -> None:
                                                     "mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
-    s.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
+    s.add_argument("--seed", type=seed_value, default=0, help="seed of a preset's weights")
     s.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
     s.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens")
-    s.add_argument("--policy", default="branch+tail",
+    s.add_argument("--policy", type=checkpoint_policy, default="branch+tail",
                    help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
                         "'none' turns reuse off (default branch+tail)")
     s.add_argument("--mechanism", choices=("extract", "split"), default="extract")
@@ -63,12 +67,12 @@ def register_cli(sub) -> None:
     b.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
     b.add_argument("--trace", default=None, help="trace path (default: the bundled trace)")
     b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
-    b.add_argument("--time-scale", type=positive_float, default=1.0,
+    b.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="factor on the trace's timestamps (2: half the rate; default 1)")
     b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
-    b.add_argument("--block-tokens", type=positive_int, default=64, help="synthetic tokens per trace hash id")
+    b.add_argument("--block-tokens", type=block_tokens, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    b.add_argument("--seed", type=seed_value, default=0, help="seed of the synthetic token ids")
     b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
                         "token each under the presets' byte tokenizer), for routers that only take text")
