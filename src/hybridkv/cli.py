@@ -237,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]error:[/red] {flag} {path}: {problem}", markup=True, highlight=False, soft_wrap=True)
             return 2
     if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
+        from hybridkv.store.url import check_store_url
+        try:                                       # before a log file or a re-exec: a bad URL is one line
+            check_store_url(args.store)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            return 2
         _native_log_to_file(console)
         if argv is None:
             from hybridkv.store.mooncake.loopback import reexec_under_loopback
