@@ -27,6 +27,7 @@ from hybridkv.replay.args import (
     finite_positive_float,
     fraction,
     non_negative_int,
+    pool_entries,
     positive_int,
     restart_spec,
     seed_value,
@@ -67,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scheduler budget of prompt and decode tokens per engine step (default 8192)")
     r.add_argument("--max-num-seqs", type=positive_int, default=4,
                    help="requests running at once on an engine (default 4)")
-    r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
-    r.add_argument("--checkpoint-slots", type=positive_int, default=None,
+    r.add_argument("--kv-pages", type=pool_entries, default=None, help="KV pool pages (default: no eviction)")
+    r.add_argument("--checkpoint-slots", type=pool_entries, default=None,
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
     r.add_argument("--eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the device pools: lru, or value "

@@ -144,3 +144,20 @@ def test_soak_case_of_the_wrong_shape_names_the_shape(tmp_path, capsys, content,
     err = " ".join(capsys.readouterr().err.split())
     assert err.startswith(f"error: --case {case}: ") and found in err
     assert 'expected a soak --json report with "failures", or one failure' in err
+
+
+@pytest.mark.parametrize("argv", [["replay", "--simulate", "--limit", "5", "--no-progress"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("option", ["--kv-pages", "--checkpoint-slots"])
+def test_pool_sizes_have_a_bound(capsys, argv, option):
+    """Before: a MemoryError traceback (exit 1) building the pools' lists."""
+    err = _refused(capsys, [*argv, option, "100000000000"])
+    assert f"{option}: 100000000000 is more than 16777216 entries in a pool" in err
+
+
+def test_real_pools_larger_than_memory_are_refused_before_loading(capsys):
+    """Before: torch's "DefaultCPUAllocator: can't allocate memory" traceback from inside an instance.
+    16,777,216 slots of the small model's 438 KiB checkpoints are 7 TiB: more than any machine here."""
+    rc = main(["replay", "--model", "small", "--limit", "1", "--no-progress", "--checkpoint-slots", "16777216"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "the device pools need 7008.0 GiB" in err and "--checkpoint-slots 16777216" in err
+    assert "Traceback" not in err

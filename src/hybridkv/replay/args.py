@@ -93,6 +93,11 @@ MAX_BLOCK_TOKENS = 1 << 16
 65,536 the bundled trace's longest prompt is already about 17 million tokens (128 MiB of token ids),
 and above it a prompt's synthetic token ids alone run to gigabytes."""
 
+MAX_POOL_ENTRIES = 1 << 24
+"""Largest ``--kv-pages`` / ``--checkpoint-slots``: a pool keeps a few Python lists of this length
+(about 0.6 GB for both pools at the bound); a real model's pools are further bounded by memory
+when the run is built (:func:`hybridkv.replay.runner.check_device_memory`)."""
+
 SEED_RANGE = (0, 2**63 - 1)
 """Bounds of ``--seed``: what torch, numpy and the 8-byte signed seed of synthetic tokens all accept."""
 
@@ -130,6 +135,14 @@ def block_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{n} is more than {MAX_BLOCK_TOKENS} tokens per trace hash id (the traces use 512; a larger "
             "value makes prompts of gigabytes)")
+    return n
+
+
+def pool_entries(text: str) -> int:
+    """``--kv-pages`` / ``--checkpoint-slots``: an integer in ``[1, MAX_POOL_ENTRIES]``."""
+    n = positive_int(text)
+    if n > MAX_POOL_ENTRIES:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_POOL_ENTRIES} entries in a pool")
     return n
 
 

@@ -20,6 +20,7 @@ from hybridkv.replay.args import (
     fraction,
     non_negative_float,
     non_negative_int,
+    pool_entries,
     port_number,
     positive_float,
     positive_int,
@@ -48,8 +49,8 @@ def register_cli(sub) -> None:
                    help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
                         "'none' turns reuse off (default branch+tail)")
     s.add_argument("--mechanism", choices=("extract", "split"), default="extract")
-    s.add_argument("--kv-pages", type=positive_int, default=None, help="device KV pages (default: 65,536 tokens)")
-    s.add_argument("--checkpoint-slots", type=positive_int, default=64)
+    s.add_argument("--kv-pages", type=pool_entries, default=None, help="device KV pages (default: 65,536 tokens)")
+    s.add_argument("--checkpoint-slots", type=pool_entries, default=64)
     s.add_argument("--max-num-seqs", type=positive_int, default=4)
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     s.add_argument("--max-model-len", type=positive_int, default=None,
