@@ -275,3 +275,35 @@ def test_a_stopping_router_ends_the_stream_it_relays_cleanly(server):
     assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown"
     assert not [r for r in records.records if r.levelno >= logging.ERROR], [r.getMessage() for r in records.records]
     assert wait_idle(server)["running"] == 0
+
+
+def test_a_stopping_server_answers_a_running_non_streaming_request_503():
+    """After the grace, a non-streaming request still generating is answered 503
+    (``server_shutdown``) instead of being cancelled with its connection; nothing is logged as an
+    error."""
+    from serve_helpers import engine_idle
+
+    from hybridkv.serve.launch import RunningServer, ServeOptions
+
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    answers: list[httpx.Response] = []
+    try:
+        s = RunningServer(ServeOptions(port=0, threads=1))
+        try:
+            body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
+            client = threading.Thread(target=lambda: answers.append(_post(s.url, "/v1/completions", body)))
+            client.start()
+            for _ in range(400):
+                if engine_idle(s)["running"]:
+                    break
+                time.sleep(0.025)
+        finally:
+            s.close()
+        client.join(30)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    (r,) = answers
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+    assert "the server is shutting down" in r.json()["error"]["message"]
+    assert not [x for x in records.records if x.levelno >= logging.ERROR], [x.getMessage() for x in records.records]
