@@ -161,3 +161,10 @@ def test_real_pools_larger_than_memory_are_refused_before_loading(capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and "the device pools need 7008.0 GiB" in err and "--checkpoint-slots 16777216" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["inf", "1e308", "0"])
+def test_router_poll_interval_is_bounded(capsys, value):
+    """Before: inf or 1e308 started a router that never polled its workers (exit 0 on Ctrl-C)."""
+    err = _refused(capsys, ["router", "--worker", NO_SERVER, "--port", "0", "--poll-interval", value])
+    assert f"--poll-interval: '{value}' must be a number in [0.001, 3600]" in err

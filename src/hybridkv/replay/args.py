@@ -127,6 +127,9 @@ clock_seconds = number_range(0.0, MAX_CLOCK_SECONDS, " seconds on the fleet's cl
 store_gib = number_range(0.0, MAX_STORE_GIB, " GiB (0: unlimited)")
 """``--store-gib``: GiB in ``[0, MAX_STORE_GIB]``."""
 
+poll_seconds = number_range(1e-3, 3600.0, " seconds between polls")
+"""``router --poll-interval``: seconds in [1 ms, 1 hour] (``inf`` would never poll the workers)."""
+
 
 def block_tokens(text: str) -> int:
     """``--block-tokens``: an integer in ``[1, MAX_BLOCK_TOKENS]``."""

@@ -20,6 +20,7 @@ from hybridkv.replay.args import (
     fraction,
     non_negative_float,
     non_negative_int,
+    poll_seconds,
     pool_entries,
     port_number,
     positive_float,
@@ -120,7 +121,7 @@ def _register_router(sub) -> None:
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
                         "the mean over healthy workers (default 1; docs/routing.md)")
-    r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
+    r.add_argument("--poll-interval", type=poll_seconds, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
                    help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "
