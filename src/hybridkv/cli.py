@@ -27,6 +27,7 @@ from hybridkv.replay.args import (
     finite_positive_float,
     fraction,
     non_negative_int,
+    max_num_seqs,
     pool_entries,
     positive_int,
     restart_spec,
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on generated tokens per request (default 4; --simulate --timed: the trace's lengths)")
     r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                    help="scheduler budget of prompt and decode tokens per engine step (default 8192)")
-    r.add_argument("--max-num-seqs", type=positive_int, default=4,
+    r.add_argument("--max-num-seqs", type=max_num_seqs, default=4,
                    help="requests running at once on an engine (default 4)")
     r.add_argument("--kv-pages", type=pool_entries, default=None, help="KV pool pages (default: no eviction)")
     r.add_argument("--checkpoint-slots", type=pool_entries, default=None,

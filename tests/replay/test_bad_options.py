@@ -168,3 +168,10 @@ def test_router_poll_interval_is_bounded(capsys, value):
     """Before: inf or 1e308 started a router that never polled its workers (exit 0 on Ctrl-C)."""
     err = _refused(capsys, ["router", "--worker", NO_SERVER, "--port", "0", "--poll-interval", value])
     assert f"--poll-interval: '{value}' must be a number in [0.001, 3600]" in err
+
+
+@pytest.mark.parametrize("argv", [["replay", "--simulate", "--limit", "5", "--no-progress"], ["serve", "--port", "0"]])
+def test_max_num_seqs_has_a_bound(capsys, argv):
+    """Before: a MemoryError traceback (exit 1): the default KV pool has a page per running request."""
+    err = _refused(capsys, [*argv, "--max-num-seqs", "100000000000"])
+    assert "--max-num-seqs: 100000000000 is more than 65536 requests running at once" in err

@@ -149,6 +149,18 @@ def pool_entries(text: str) -> int:
     return n
 
 
+MAX_NUM_SEQS = 1 << 16
+"""Largest ``--max-num-seqs``: requests running at once on one engine (each holds pool entries)."""
+
+
+def max_num_seqs(text: str) -> int:
+    """``--max-num-seqs``: an integer in ``[1, MAX_NUM_SEQS]``."""
+    n = positive_int(text)
+    if n > MAX_NUM_SEQS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_NUM_SEQS} requests running at once on an engine")
+    return n
+
+
 def seed_value(text: str) -> int:
     """``--seed``: an integer in :data:`SEED_RANGE`."""
     n = _int(text)

@@ -21,6 +21,7 @@ from hybridkv.replay.args import (
     non_negative_float,
     non_negative_int,
     poll_seconds,
+    max_num_seqs,
     pool_entries,
     port_number,
     positive_float,
@@ -52,7 +53,7 @@ def register_cli(sub) -> None:
     s.add_argument("--mechanism", choices=("extract", "split"), default="extract")
     s.add_argument("--kv-pages", type=pool_entries, default=None, help="device KV pages (default: 65,536 tokens)")
     s.add_argument("--checkpoint-slots", type=pool_entries, default=64)
-    s.add_argument("--max-num-seqs", type=positive_int, default=4)
+    s.add_argument("--max-num-seqs", type=max_num_seqs, default=4)
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompt + generated tokens per request (default: the KV pool's tokens)")
