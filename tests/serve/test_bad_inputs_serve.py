@@ -125,6 +125,25 @@ def test_ignored_fields_and_neutral_values_are_accepted(server, path, body):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
+# What sglang-router 0.3.2 sends for a client's minimal request: it re-serializes the body from its
+# typed request, so its non-optional fields always arrive (checked against the router itself).
+SGLANG_ROUTER = [("/v1/completions", {**GOOD, "stream": False, "echo": False, "no_stop_trim": False,
+                                      "ignore_eos": False, "skip_special_tokens": True,
+                                      "return_hidden_states": False}),
+                 ("/v1/chat/completions", {**CHAT, "logprobs": False, "stream": False, "no_stop_trim": False,
+                                           "ignore_eos": False, "continue_final_message": False,
+                                           "skip_special_tokens": True, "separate_reasoning": True,
+                                           "stream_reasoning": True, "return_hidden_states": False})]
+
+
+@pytest.mark.parametrize(("path", "body"), SGLANG_ROUTER, ids=["completions", "chat"])
+def test_the_bodies_sglang_router_sends_are_accepted(server, path, body):
+    r = _post(server.url, path, body)
+    assert r.status_code == 200, r.text
+    refused = _post(server.url, path, {**body, "skip_special_tokens": False})          # it would change the text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "skip_special_tokens"
+
+
 def test_the_openai_client_defaults_and_its_common_options_are_accepted(server):
     import openai
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
