@@ -175,3 +175,17 @@ def test_max_num_seqs_has_a_bound(capsys, argv):
     """Before: a MemoryError traceback (exit 1): the default KV pool has a page per running request."""
     err = _refused(capsys, [*argv, "--max-num-seqs", "100000000000"])
     assert "--max-num-seqs: 100000000000 is more than 65536 requests running at once" in err
+
+
+def test_a_step_log_that_fails_after_the_run_keeps_the_report(tmp_path, capsys):
+    """The library path (no CLI pre-check): a step log that cannot be written is a warning, and
+    the run's report is still returned (before: the OSError escaped and the report was lost)."""
+    from rich.console import Console
+
+    from hybridkv.replay.runner import ReplayOptions, run_replay
+
+    opts = ReplayOptions(limit=20, simulate=True, timed=True, progress=False, step_log=str(tmp_path))
+    report = run_replay(opts, Console(stderr=True))
+    err = " ".join(capsys.readouterr().err.split())
+    assert report.requests == 20
+    assert f"warning: --step-log {tmp_path}: Is a directory" in err and "the report is" in err

@@ -327,11 +327,15 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
         if opts.step_log is not None:
-            write_step_log(opts.step_log, timed.steps,
-                           {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
-                            "instances": opts.instances, "time_scale": opts.time_scale,
-                            "cost_model": timed.timing["cost_model"], "requests": len(reqs),
-                            "step_clock": None if opts.simulate else opts.step_clock})
+            try:                # checked writable before the run; failing now still keeps the report
+                write_step_log(opts.step_log, timed.steps,
+                               {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
+                                "instances": opts.instances, "time_scale": opts.time_scale,
+                                "cost_model": timed.timing["cost_model"], "requests": len(reqs),
+                                "step_clock": None if opts.simulate else opts.step_clock})
+            except OSError as exc:
+                console.print(f"[yellow]warning:[/yellow] --step-log {opts.step_log}: {exc.strerror or exc}; "
+                              "the step log is not written, the report is", markup=True, highlight=False)
     return report
 
 
