@@ -90,7 +90,7 @@ MAX_STORE_GBPS = 1e6
 
 MAX_BLOCK_TOKENS = 1 << 16
 """Largest ``--block-tokens``: tokens one trace hash id stands for. The Mooncake traces use 512; at
-65,536 the bundled trace's longest prompt is already about 17 million tokens (128 MiB of token ids),
+65,536 the bundled trace's longest prompt is already about 16 million tokens (124 MiB of token ids),
 and above it a prompt's synthetic token ids alone run to gigabytes."""
 
 MAX_POOL_ENTRIES = 1 << 24
