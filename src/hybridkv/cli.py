@@ -28,6 +28,7 @@ from hybridkv.replay.args import (
     fraction,
     non_negative_int,
     max_num_seqs,
+    page_tokens,
     pool_entries,
     positive_int,
     restart_spec,
@@ -54,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
                         "smaller scales the trace down keeping its sharing (model runs default to 64)")
-    r.add_argument("--block-size", type=positive_int, default=None,
+    r.add_argument("--block-size", type=page_tokens, default=None,
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
-    r.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens (default 64)")
+    r.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens (default 64)")
     r.add_argument("--policy", type=checkpoint_policy, default=None,
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")

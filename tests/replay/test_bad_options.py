@@ -189,3 +189,18 @@ def test_a_step_log_that_fails_after_the_run_keeps_the_report(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert report.requests == 20
     assert f"warning: --step-log {tmp_path}: Is a directory" in err and "the report is" in err
+
+
+def test_serve_pools_larger_than_memory_are_refused_before_loading(capsys):
+    """Before: torch's "DefaultCPUAllocator: can't allocate memory" traceback (exit 1)."""
+    rc = main(["serve", "--port", "0", "--model", "small", "--checkpoint-slots", "16777216"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "the device pools need 7008.1 GiB" in err and "--checkpoint-slots 16777216: 7008.0 GiB" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["replay", "--simulate", "--limit", "5", "--no-progress"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("option", ["--block-size", "--prefix-match-unit"])
+def test_page_sizes_have_a_bound(capsys, argv, option):
+    """Before (serve --block-size 1000000000): a 178.8 GiB allocation traceback."""
+    assert f"{option}: 1000000000 is more than 65536 tokens" in _refused(capsys, [*argv, option, "1000000000"])

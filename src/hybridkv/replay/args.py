@@ -96,7 +96,7 @@ and above it a prompt's synthetic token ids alone run to gigabytes."""
 MAX_POOL_ENTRIES = 1 << 24
 """Largest ``--kv-pages`` / ``--checkpoint-slots``: a pool keeps a few Python lists of this length
 (about 0.6 GB for both pools at the bound); a real model's pools are further bounded by memory
-when the run is built (:func:`hybridkv.replay.runner.check_device_memory`)."""
+when the run is built (:func:`hybridkv.engine.build.check_pool_memory`)."""
 
 SEED_RANGE = (0, 2**63 - 1)
 """Bounds of ``--seed``: what torch, numpy and the 8-byte signed seed of synthetic tokens all accept."""
@@ -138,6 +138,15 @@ def block_tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{n} is more than {MAX_BLOCK_TOKENS} tokens per trace hash id (the traces use 512; a larger "
             "value makes prompts of gigabytes)")
+    return n
+
+
+def page_tokens(text: str) -> int:
+    """``--block-size`` / ``--prefix-match-unit``: tokens in ``[1, MAX_BLOCK_TOKENS]`` (a page of
+    more tokens than a trace hash id stands for has no use and makes one page gigabytes)."""
+    n = positive_int(text)
+    if n > MAX_BLOCK_TOKENS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_BLOCK_TOKENS} tokens")
     return n
 
 

@@ -37,7 +37,7 @@ from rich.progress import (
 )
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import model_config
+from hybridkv.engine.build import check_pool_memory, model_config
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import (
@@ -195,37 +195,6 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         return _replay(opts, console)
 
 
-def check_device_memory(cfg: CacheConfig, mcfg, instances: int,
-                        explicit: tuple[int | None, int | None] = (None, None)) -> None:
-    """Refuse a real-model replay whose device pools cannot fit in this machine's memory.
-
-    Bytes per instance: ``num_kv_pages * block_size * kv_bytes_per_token`` (MLA latents, fp32) plus
-    ``num_checkpoint_slots * checkpoint_bytes`` (KDA checkpoints, fp32), both allocated when an
-    engine is built; times ``instances``, against physical memory (``SC_PHYS_PAGES * SC_PAGE_SIZE``).
-    ``explicit``: the ``--kv-pages`` / ``--checkpoint-slots`` given (``None``: sized for the trace).
-
-    Raises:
-        ValueError: more than physical memory; names the options, the bytes needed and the memory.
-    """
-    import os
-
-    kv = cfg.num_kv_pages * cfg.block_size * mcfg.kv_bytes_per_token
-    ckpt = cfg.num_checkpoint_slots * mcfg.checkpoint_bytes
-    need = (kv + ckpt) * instances
-    try:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):         # not reported on this system: nothing to compare with
-        return
-    if need <= have:
-        return
-    pages, slots = explicit
-    kv_what = f"--kv-pages {pages}" if pages else f"{cfg.num_kv_pages} KV pages (sized for every prompt: --block-tokens)"
-    slot_what = f"--checkpoint-slots {slots}" if slots else f"{cfg.num_checkpoint_slots} checkpoint slots"
-    raise ValueError(f"the device pools need {need / 2**30:.1f} GiB ({kv_what}: {kv / 2**30:.1f} GiB, {slot_what}: "
-                     f"{ckpt / 2**30:.1f} GiB, x {instances} instance(s)) but this machine has {have / 2**30:.1f} "
-                     "GiB of memory; give fewer --kv-pages / --checkpoint-slots or a smaller --block-tokens")
-
-
 def resolved_block_tokens(opts: ReplayOptions) -> int:
     """Tokens per trace hash id of a replay: ``opts.block_tokens``, or when it is ``None`` 512 (the
     trace's own block, Mooncake FAST'25 release) when simulating and 64 (lengths scaled 1/8 so the
@@ -276,7 +245,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
     if not opts.simulate:
-        check_device_memory(cfg, mcfg, opts.instances, explicit=(opts.num_kv_pages, opts.num_checkpoint_slots))
+        hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
+        check_pool_memory(cfg, mcfg, opts.instances, hint)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):

@@ -22,6 +22,7 @@ from hybridkv.replay.args import (
     non_negative_int,
     poll_seconds,
     max_num_seqs,
+    page_tokens,
     pool_entries,
     port_number,
     positive_float,
@@ -45,8 +46,8 @@ def register_cli(sub) -> None:
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
     s.add_argument("--seed", type=seed_value, default=0, help="seed of a preset's weights")
-    s.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
-    s.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens")
+    s.add_argument("--block-size", type=page_tokens, default=64, help="KV page size in tokens")
+    s.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens")
     s.add_argument("--policy", type=checkpoint_policy, default="branch+tail",
                    help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
                         "'none' turns reuse off (default branch+tail)")
