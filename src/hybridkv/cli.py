@@ -34,6 +34,7 @@ from hybridkv.replay.args import (
     restart_spec,
     seed_value,
     store_gib,
+    thread_count,
     time_scale,
     unwritable,
 )
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
     r.add_argument("--seed", type=seed_value, default=0, help="seed of weights and synthetic tokens (default 0)")
-    r.add_argument("--threads", type=positive_int, default=1,
+    r.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
@@ -198,7 +199,7 @@ def _add_calibrate(sub) -> None:
                         "costs, cache bookkeeping and store tier included) instead of timing the forward alone")
     c.add_argument("--out", required=True, help="JSON file to write")
     c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
-    c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
+    c.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1, like replay)")
     c.add_argument("--seed", type=seed_value, default=0, help="seed of the preset weights (default 0)")
     c.set_defaults(calibrate_func=cmd_calibrate)
 

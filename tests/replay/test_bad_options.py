@@ -204,3 +204,16 @@ def test_serve_pools_larger_than_memory_are_refused_before_loading(capsys):
 def test_page_sizes_have_a_bound(capsys, argv, option):
     """Before (serve --block-size 1000000000): a 178.8 GiB allocation traceback."""
     assert f"{option}: 1000000000 is more than 65536 tokens" in _refused(capsys, [*argv, option, "1000000000"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--simulate", "--limit", "5", "--no-progress"],
+    ["calibrate", "--out", "unused.json"],
+    ["soak", "--rounds", "1"],
+    ["serve", "--port", "0"],
+])
+@pytest.mark.parametrize("value", ["99999999999999999999", "4096"])
+def test_threads_have_a_bound(capsys, argv, value):
+    """Before: "Overflow when unpacking long long" (a traceback in calibrate and soak), or with 4096 a
+    segmentation fault of the OpenMP runtime (exit 139)."""
+    assert f"--threads: {value} is more than 1024 torch threads" in _refused(capsys, [*argv, "--threads", value])

@@ -158,6 +158,19 @@ def pool_entries(text: str) -> int:
     return n
 
 
+MAX_THREADS = 1024
+"""Largest ``--threads`` (torch threads of one process): 4,096 crashed the OpenMP runtime (a
+segmentation fault) on the 2-core test machine, and a value beyond the int64 range overflowed."""
+
+
+def thread_count(text: str) -> int:
+    """``--threads``: an integer in ``[1, MAX_THREADS]``."""
+    n = positive_int(text)
+    if n > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_THREADS} torch threads")
+    return n
+
+
 MAX_NUM_SEQS = 1 << 16
 """Largest ``--max-num-seqs``: requests running at once on one engine (each holds pool entries)."""
 

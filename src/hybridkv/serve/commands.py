@@ -28,6 +28,7 @@ from hybridkv.replay.args import (
     positive_float,
     positive_int,
     seed_value,
+    thread_count,
     time_scale,
 )
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
@@ -60,7 +61,7 @@ def register_cli(sub) -> None:
                    help="prompt + generated tokens per request (default: the KV pool's tokens)")
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests waiting for admission before answering 503 (default 64)")
-    s.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    s.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
     s.set_defaults(func=_serve)
 
     _register_router(sub)
