@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
-                        "smaller scales the trace down keeping its sharing (model runs default to 64)")
+                        "smaller scales the trace down keeping its sharing (model runs default to 64; at most 65536)")
     r.add_argument("--block-size", type=page_tokens, default=None,
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
     r.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens (default 64)")
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in this process, each on a virtual clock; the report adds TTFT, queue and end-to-end "
                         "seconds and per-instance load")
     r.add_argument("--time-scale", type=time_scale, default=1.0,
-                   help="--timed: multiply arrival times by this (> 1 slows arrivals; default 1)")
+                   help="--timed: multiply arrival times by this, 1e-6 to 1e6 (> 1 slows arrivals; default 1)")
     from hybridkv.fleet.routers import ROUTER_NAMES
     r.add_argument("--router", choices=ROUTER_NAMES, default=None,
                    help="--timed: router (default hybrid with --instances > 1)")
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "shapes and times only) to this JSON file, for `hybridkv calibrate --from-steps`")
     r.add_argument("--store-gib", type=store_gib, default=None,
                    help="--timed --simulate: capacity of the simulated shared store in GiB, least recently "
-                        "used evicted first (default 1024; 0: unlimited)")
+                        "used evicted first (default 1024; 0: unlimited; at most 2^30)")
     r.add_argument("--restart", dest="restarts", type=restart_spec, action="append", default=[],
                    metavar="INSTANCE@SECONDS",
                    help="--timed: restart instance INSTANCE (0-based) with an empty cache at the first moment "
