@@ -1,0 +1,37 @@
+"""Bad inputs and faults found by probing the CLI, the server and the stores as a user would;
+each test fails without its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from hybridkv.serve.run import hand_to_loop
+
+
+def test_an_event_for_a_closed_server_loop_is_dropped_not_raised():
+    """``serve`` stopped (SIGINT) during a long prefill step: the event loop closed before the step
+    ended, and the engine thread's final error event raised ``RuntimeError: Event loop is closed``
+    (a traceback in the log after "shut down cleanly"). The event now has no reader and is dropped;
+    on an open loop it still arrives."""
+    loop = asyncio.new_event_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    sent: list[bool] = []
+    t = threading.Thread(target=lambda: sent.append(hand_to_loop(loop, queue, (0, ("token", 5)))))
+    t.start()
+    t.join()
+    loop.run_until_complete(asyncio.sleep(0))           # runs the put scheduled from the thread
+    assert sent == [True] and queue.get_nowait() == (0, ("token", 5))
+    loop.close()
+    late: list[object] = []
+
+    def engine_thread() -> None:
+        try:
+            late.append(hand_to_loop(loop, queue, (0, ("error", "the engine stopped"))))
+        except RuntimeError as exc:                     # what the engine thread raised before
+            late.append(exc)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert late == [False] and queue.empty()
