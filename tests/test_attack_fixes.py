@@ -35,3 +35,18 @@ def test_an_event_for_a_closed_server_loop_is_dropped_not_raised():
     t.start()
     t.join()
     assert late == [False] and queue.empty()
+
+
+def test_store_start_refuses_a_segment_larger_than_the_machine(tmp_path, capsys):
+    """``store start --segment-mb 999999999999`` started a master, then printed "storage process
+    exited with status 1" and the storage process's traceback (Mooncake setup code -600), naming
+    neither the option nor the value. It is refused before anything starts."""
+    from hybridkv.cli import main
+
+    work = tmp_path / "store"
+    rc = main(["store", "start", "--segment-mb", "999999999999", "--workdir", str(work)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("error: --segment-mb 999999999999: the storage process would hold 976562500.0 GiB but "
+                          "this machine has "), err
+    assert "\n" not in err and not work.exists()        # nothing started, no workdir made
