@@ -4,7 +4,10 @@ each test fails without its fix."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+
+import pytest
 
 from hybridkv.serve.run import hand_to_loop
 
@@ -50,3 +53,30 @@ def test_store_start_refuses_a_segment_larger_than_the_machine(tmp_path, capsys)
     assert err.startswith("error: --segment-mb 999999999999: the storage process would hold 976562500.0 GiB but "
                           "this machine has "), err
     assert "\n" not in err and not work.exists()        # nothing started, no workdir made
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("seconds", float("inf"), "step 0: seconds=inf: must be a finite number of seconds >= 0"),
+    ("chunks", "abc", "step 0: chunks='abc': must be a list of [start, tokens] pairs of integers in [0, 2147483647]"),
+    ("chunks", [[0, -500]], "step 0: chunks=[[0, -500]]: must be a list of [start, tokens] pairs"),
+    ("chunks", [[0, 1e300]], "step 0: chunks=[[0, 1e+300]]: must be a list of [start, tokens] pairs"),
+    ("decoders", "x", "step 0: decoders='x': must be an integer in [0, 2147483647]"),
+    ("wall_seconds", float("nan"), "step 0: wall_seconds=nan: must be a finite number of seconds >= 0, or null"),
+], ids=["seconds-inf", "chunks-str", "chunks-negative", "chunks-float", "decoders-str", "wall-nan"])
+def test_calibrate_from_steps_names_a_bad_step_field(tmp_path, capsys, field, value, text):
+    """``calibrate --from-steps`` with an edited step log: ``seconds: Infinity`` wrote a NaN cost
+    model and exited 0, a string ``decoders`` was a ``TypeError`` traceback, a string ``chunks``
+    said ``not enough values to unpack``, a float one ``SVD did not converge``, a negative
+    token count was fitted silently. Each is one error line naming the file, step, field and value."""
+    from hybridkv.cli import main
+
+    steps = [{"instance": 0, "start": 0.1 * k, "seconds": 0.01 * (k + 1), "chunks": [[0, 64 * (k + 1)]],
+              "decoders": k % 2, "decode_context": 100 * (k % 2)} for k in range(6)]
+    steps[0][field] = value
+    log, out = tmp_path / "steps.json", tmp_path / "cost.json"
+    log.write_text(json.dumps({"meta": {}, "steps": steps}))
+    rc = main(["calibrate", "--from-steps", str(log), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and not out.exists()
+    assert err.startswith(f"error: step log {str(log)!r}: {text}"), err
+    assert "\n" not in err
