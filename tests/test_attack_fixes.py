@@ -80,3 +80,28 @@ def test_calibrate_from_steps_names_a_bad_step_field(tmp_path, capsys, field, va
     assert rc == 2 and not out.exists()
     assert err.startswith(f"error: step log {str(log)!r}: {text}"), err
     assert "\n" not in err
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("overhead_s", float("inf"), "overhead_s=inf must be a number of seconds in [0, 3600]"),
+    ("linear_s_per_token", "x", "linear_s_per_token='x' must be a number of seconds in [0, 3600]"),
+    ("seq_s", True, "seq_s=True must be a number of seconds in [0, 3600]"),
+    ("experts", 1.5, "experts=1.5 must be an integer in [0, 1048576]"),
+    ("name", 7, "name=7 must be a string"),
+], ids=["inf", "string", "bool", "experts-float", "name-int"])
+def test_replay_cost_model_file_names_a_bad_coefficient(tmp_path, capsys, field, value, text):
+    """``replay --simulate --timed --cost-model FILE``: ``overhead_s: Infinity`` was an
+    ``IndexError`` traceback in the simulator and a string coefficient a ``TypeError`` one;
+    ``experts: 1.5`` was blamed on ``experts_per_token``. Each is one error naming the field
+    and value."""
+    from hybridkv.cli import main
+
+    model = {"name": "m", "overhead_s": 0.001, "linear_s_per_token": 1e-5, "attention_s_per_pair": 1e-9}
+    model[field] = value
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(model))
+    rc = main(["replay", "--simulate", "--timed", "--cost-model", str(path), "--limit", "5", "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())           # the console wraps long lines
+    assert rc == 2
+    assert err.endswith(text) and err.startswith("error: cost model "), err
+    assert "Traceback" not in err
