@@ -105,3 +105,21 @@ def test_replay_cost_model_file_names_a_bad_coefficient(tmp_path, capsys, field,
     assert rc == 2
     assert err.endswith(text) and err.startswith("error: cost model "), err
     assert "Traceback" not in err
+
+
+def test_a_trace_line_is_read_as_utf8(tmp_path):
+    """A line starting with bytes 0xff 0xfe was reported as a ``'utf-16-le' codec`` error (the
+    bytes were sniffed as UTF-16); trace files are UTF-8, so the error names UTF-8. A UTF-8 byte
+    order mark is still accepted."""
+    from hybridkv.replay.trace import TraceError, load_trace
+
+    line = b'{"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [1]}\n'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(line + b"\xff\xfe\n")
+    with pytest.raises(TraceError) as info:
+        load_trace(bad)
+    text = str(info.value)
+    assert f"{bad}:2:" in text and "'utf-8' codec can't decode byte 0xff" in text, text
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + line)
+    assert [r.input_length for r in load_trace(bom).requests] == [100]

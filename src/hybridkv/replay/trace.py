@@ -105,7 +105,7 @@ def _shown(value: int) -> str:
 
 def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tuple[int, ...]]:
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw.decode("utf-8-sig"))    # UTF-8 (a BOM allowed); bytes alone would be sniffed as UTF-16/32
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, deep nesting
         raise _BadLine("invalid_json", f"not valid JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
     if not isinstance(obj, dict):
