@@ -2,7 +2,7 @@
 
 The coordinator owns the index and both device pools. It answers lookups with
 a :class:`MatchResult` (joint hit, per-group hits, branching boundary; the rule
-is :func:`hybridkv.cache.groups.joint_hit`), gives a request its pages and
+is :func:`hybridkv.cache.groups.joint_hit` over the matched path, :class:`PathPresence`), gives a request its pages and
 working state (:meth:`acquire`), publishes what the request computed in one call
 (:meth:`publish`, which also retires superseded tail checkpoints) and takes
 everything back (:meth:`release`). It never reports a joint hit that lacks a
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import FULL, KDA, reuse_cap
+from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, Family, joint_hit, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,
@@ -39,6 +39,36 @@ CopyPage = Callable[[int, int, int], None]
 
 TAIL = "tail"
 """Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
+
+
+class PathPresence:
+    """:class:`~hybridkv.cache.groups.Presence` over a matched index path (the device's entries of a
+    prompt): ``full`` is held on every node of the path (a walk stops at the first unit without
+    KV), ``kda`` where a node holds a checkpoint.
+
+    Args:
+        path: index nodes of units ``1 .. len(path)`` from the root.
+        unit: ``prefix_match_unit`` in tokens.
+    """
+
+    __slots__ = ("path", "unit")
+
+    def __init__(self, path: list[BlockNode], unit: int) -> None:
+        self.path, self.unit = path, unit
+
+    def prefix_run(self, group: str, limit: int) -> int:
+        if group != FULL:
+            raise KeyError(f"the device index holds no prefix group {group!r}")
+        return min(len(self.path), limit // self.unit) * self.unit
+
+    def deepest_state(self, group: str, at_most: int) -> int:
+        if group != KDA:
+            raise KeyError(f"the device index holds no boundary group {group!r}")
+        path = self.path
+        k = min(len(path), at_most // self.unit)
+        while k and path[k - 1].checkpoint is None:
+            k -= 1
+        return k * self.unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +177,8 @@ class HybridCacheCoordinator:
             namespace, the engine's and per-request ones, is bound to it before
             hashing (:func:`~hybridkv.cache.namespace.bind_namespace`).
         clock: seconds (default ``time.time``); stamps index nodes for purges by age.
+        family: the model family whose joint-hit rule lookups follow
+            (:func:`~hybridkv.cache.groups.joint_hit`; its groups are ``full`` and ``kda``).
 
     Eviction follows ``config.eviction`` (both pools; the checkpoint pool is built with the
     same policy by the backend); without ``config.tenant_quota`` an ``lru`` page pool keeps no
@@ -158,8 +190,9 @@ class HybridCacheCoordinator:
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
                  page_bytes: int = 0, copy_page: CopyPage | None = None,
                  on_evict: EvictCallback | None = None, binding: bytes = b"",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, family: Family = KIMI_LINEAR) -> None:
         self.config = config
+        self.family = family
         self.namespace = namespace
         self.clock = clock
         # pages described only where quotas read them: an lru pool without quotas ranks by recency alone
@@ -260,12 +293,8 @@ class HybridCacheCoordinator:
                              f"({len(token_ids) // g} whole units of {g})")
         limit = reuse_cap(len(token_ids), g)
         path = self.index.walk(hashes[: limit // g])
-        # joint_hit(path, limit, GROUPS), computed directly: a walked path is consecutive units
-        # from token 0, each with its KV, all within ``limit``, so the full-attention group's
-        # hit is the whole path, the KDA group's its deepest checkpoint, and they agree there
-        kv_hit = len(path) * g
-        hit = next((n.end for n in reversed(path) if n.checkpoint is not None), 0)
-        per_group = {FULL: kv_hit, KDA: hit}
+        joint = joint_hit(self.family, PathPresence(path, g), limit)
+        kv_hit, hit = joint.kv_hit, joint.hit
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
@@ -274,8 +303,8 @@ class HybridCacheCoordinator:
             if hit:
                 self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
-                           branching_boundary=kv_hit if kv_hit > hit else None,
-                           per_group=per_group, hashes=hashes, path=path,
+                           branching_boundary=joint.branching_boundary,
+                           per_group=joint.per_group, hashes=hashes, path=path,
                            namespace=namespace or self.namespace)
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
@@ -285,12 +314,14 @@ class HybridCacheCoordinator:
         refusing. ``kv_hit`` is kept, so the branching boundary still gets its checkpoint."""
         g = self.config.prefix_match_unit
         out = []
-        for hit in [n.end for n in reversed(match.path[: match.hit // g - 1]) if n.has_checkpoint] + [0]:
+        presence, hit = PathPresence(match.path, g), match.hit
+        while hit:                          # the joint hit under a limit one unit below the last one
+            hit = joint_hit(self.family, presence, hit - g).hit
             out.append(MatchResult(hit=hit, kv_hit=match.kv_hit, checkpoint_hit=hit,
                                    branching_boundary=match.kv_hit if match.kv_hit > hit else None,
-                                   per_group={FULL: match.kv_hit, KDA: hit}, hashes=match.hashes,
+                                   per_group={**match.per_group, KDA: hit}, hashes=match.hashes,
                                    path=match.path, namespace=match.namespace))
-        return out if match.hit else []
+        return out
 
     def could_fit(self, match: MatchResult, num_tokens: int) -> bool:
         """Whether ``num_tokens`` positions could get their pages now, counting free pages,

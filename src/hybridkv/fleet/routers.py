@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, joint_hit
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
 from hybridkv.fleet.store import StoreCost, paying_load
@@ -229,6 +230,91 @@ _NO_HIT = (0, 0)
 """``(kv_hit, hit)`` of a view holding nothing of the prompt."""
 _PLAIN_VIEW = {InstanceView}
 _UNIT = attrgetter("unit")
+
+
+class _RunGuessPresence:
+    """:class:`~hybridkv.cache.groups.Presence` of one view after another for the units of one
+    prompt (:meth:`HybridRouter.route`, every instance on every arrival): ``full`` where a unit has
+    KV in the view (``kv``), ``kda`` where it has a checkpoint (``checkpoints``). Most views hold
+    the same few units of a prompt (a shared first block), so the last run found is checked whole
+    (in C, ``issuperset``) before a unit-by-unit walk.
+
+    Args:
+        units: the prompt's unit hashes within its reuse cap.
+        unit: ``prefix_match_unit`` in tokens.
+    """
+
+    __slots__ = ("units", "unit", "kv", "checkpoints", "_guess", "_head")
+
+    def __init__(self, units: list[bytes], unit: int) -> None:
+        self.units, self.unit = units, unit
+        self.kv: set[bytes] = set()
+        self.checkpoints: set[bytes] = set()
+        self._guess, self._head = 0, ()            # the last run found (units) and its units
+
+    def prefix_run(self, group: str, limit: int) -> int:
+        if group != FULL:
+            raise KeyError(f"a view holds no prefix group {group!r}")
+        kv, units = self.kv, self.units
+        n = min(len(units), limit // self.unit)
+        if n < len(units):                          # a shorter limit than the prompt's: no guess
+            return len(list(takewhile(kv.__contains__, islice(units, n)))) * self.unit
+        guess = self._guess
+        if guess and kv.issuperset(self._head):
+            run = guess
+            if run < n and units[run] in kv:
+                run += len(list(takewhile(kv.__contains__, islice(units, run, None))))
+        else:
+            run = len(list(takewhile(kv.__contains__, units)))
+            if run:
+                self._guess, self._head = run, units[:run]
+        return run * self.unit
+
+    def deepest_state(self, group: str, at_most: int) -> int:
+        if group != KDA:
+            raise KeyError(f"a view holds no boundary group {group!r}")
+        units, ck = self.units, self.checkpoints
+        k = min(at_most // self.unit, len(units))
+        while k and units[k - 1] not in ck:
+            k -= 1
+        return k * self.unit
+
+
+class _RoutedPresence:
+    """:class:`~hybridkv.cache.groups.Presence` of a view together with the prompts a router sent
+    its instance that have no first token yet (:meth:`RoutedPrompts.extend`): ``full`` where either
+    holds a unit's KV, ``kda`` where either holds its checkpoint. The view's own joint hit
+    ``pair`` is known already: the run continues from its ``kv_hit``, the scan stops at its hit."""
+
+    __slots__ = ("units", "unit", "kv", "vkv", "ck", "vck", "pair")
+
+    def __init__(self, units, unit, kv, vkv, ck, vck, pair: tuple[int, int]) -> None:
+        self.units, self.unit, self.kv, self.vkv, self.ck, self.vck, self.pair = units, unit, kv, vkv, ck, vck, pair
+
+    def prefix_run(self, group: str, limit: int) -> int:
+        if group != FULL:
+            raise KeyError(f"routed prompts hold no prefix group {group!r}")
+        g, units, kv, vkv = self.unit, self.units, self.kv, self.vkv
+        n = min(len(units), limit // g)
+        run = min(self.pair[0] // g, n)
+        while run < n and units[run] in kv:
+            more = len(list(takewhile(kv.__contains__, islice(units, run, n))))
+            more += len(list(takewhile(vkv.__contains__, islice(units, run + more, n))))
+            if not more:
+                break
+            run += more
+        return run * g
+
+    def deepest_state(self, group: str, at_most: int) -> int:
+        if group != KDA:
+            raise KeyError(f"routed prompts hold no boundary group {group!r}")
+        g, units, ck, vck = self.unit, self.units, self.ck, self.vck
+        deepest, floor = min(at_most // g, len(units)), self.pair[1] // g
+        if deepest < floor:                         # below the view's own hit: nothing known there
+            floor = 0
+        while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
+            deepest -= 1
+        return deepest * g
 
 
 class Router(ABC):
@@ -682,20 +768,13 @@ class RoutedPrompts:
         the view's ``pair``: the KV run continued through units either holds, and the deepest
         boundary on it with a checkpoint in either."""
         self._fold()
-        g, kv, vkv = self.unit, self._kv, view.kv
+        g, kv = self.unit, self._kv
         run = pair[0] // g
         if (run >= len(units) or units[run] not in kv) and pair[0] == pair[1]:
             return pair             # most records: another conversation, and no KV past the checkpoint
-        while run < len(units) and units[run] in kv:
-            more = len(list(takewhile(kv.__contains__, islice(units, run, None))))
-            more += len(list(takewhile(vkv.__contains__, islice(units, run + more, None))))
-            if not more:
-                break
-            run += more
-        deepest, ck, vck, floor = run, self._checkpoints, view.checkpoints, pair[1] // g
-        while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
-            deepest -= 1
-        return run * g, max(deepest, floor) * g
+        m = joint_hit(KIMI_LINEAR, _RoutedPresence(units, g, kv, view.kv, self._checkpoints, view.checkpoints, pair),
+                      len(units) * g)
+        return m.kv_hit, m.hit
 
 
 class HybridRouter(Router):
@@ -861,8 +940,8 @@ class HybridRouter(Router):
         p0 = self.predicted_prefill(req, 0)
         live = fleet.live
         cool = self._cool(live, q if len(live) == len(q) else [q[j] for j in live])   # live: ascending
-        # views of one kind and unit (a fleet's): InstanceView.hits inline below, over one slice of
-        # the prompt's hashes shared by the views (a call a view on every arrival otherwise)
+        # views of one kind and unit (a fleet's): the joint-hit rule over one slice of the prompt's
+        # hashes shared by the views, through one _RunGuessPresence (the last run found reused)
         plain = limit >= 0 and {*map(type, views)} == _PLAIN_VIEW and len({*map(_UNIT, views)}) == 1
         g = views[live[0]].unit if plain else 0
         units = hashes[:limit // g] if plain else hashes
@@ -871,9 +950,8 @@ class HybridRouter(Router):
             unit = views[live[0]].unit
             routed, active = self._routed(fleet, unit), self._active
             cunits = units if unit == g else hashes[:limit // unit]       # the views' slice when they share it
-        first, n_units = (units[0] if units else None), len(units)
-        # the last run found (units), its units, its last unit and its pair when checkpointed there
-        guess, head, top, full = 0, (), None, None
+        first = units[0] if units else None
+        presence = _RunGuessPresence(units, g) if plain else None
         waiting = self.options.waiting_counts(loads, live) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
@@ -882,24 +960,10 @@ class HybridRouter(Router):
             if not plain:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
-            elif first in (kv := view.kv):
-                # the run: most views hold the same few units of a prompt (a shared first block),
-                # so the last run found is checked whole (in C) before a unit-by-unit walk
-                pair = None
-                if guess and kv.issuperset(head):
-                    run = guess
-                    if run < n_units and units[run] in kv:
-                        run += len(list(takewhile(kv.__contains__, islice(units, run, None))))
-                    elif top in view.checkpoints:        # that run again, checkpointed at its end
-                        pair = full
-                else:
-                    run = len(list(takewhile(kv.__contains__, units)))
-                    guess, head, top, full = run, units[:run], units[run - 1], (run * g, run * g)
-                if pair is None:
-                    deepest, ck = run, view.checkpoints
-                    while deepest and units[deepest - 1] not in ck:
-                        deepest -= 1
-                    pair = (run * g, deepest * g)
+            elif first in view.kv:                 # (no KV at the first unit: the rule gives no hit)
+                presence.kv, presence.checkpoints = view.kv, view.checkpoints
+                m = joint_hit(KIMI_LINEAR, presence, limit)
+                pair = (m.kv_hit, m.hit)
             else:
                 pair = _NO_HIT
             if j in active:
