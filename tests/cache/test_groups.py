@@ -280,8 +280,9 @@ def test_kda_spec_checkpoint_bytes_match_its_entry_shape(conv_dtype, conv_bytes)
 
 def test_kda_spec_bytes_equal_a_tensor_backed_checkpoint_slot():
     spec = KDASpec(num_layers=3, num_heads=2, head_dim=4, conv_dim=24, conv_width=3, conv_dtype="bfloat16")
-    pool = CheckpointPool(1, recurrent_shape=(3, 2, 4, 4), conv_shape=(3, 24, 3), conv_dtype=torch.bfloat16)
+    pool = CheckpointPool(1, spec=spec.group_spec())
     assert pool.slot_bytes == spec.page_size_bytes
+    assert pool.tensors["conv.q"].dtype == torch.bfloat16 and pool.tensors["recurrent"].shape == (1, 3, 2, 4, 4)
 
 
 def test_specs_for_a_model_config_match_its_byte_counts():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from operator import attrgetter
 
 from hybridkv.cache.config import CacheConfig
@@ -30,7 +31,9 @@ from hybridkv.cache.namespace import (
     chained_block_hashes,
 )
 from hybridkv.cache.pools import CheckpointPool, PagePool
-from hybridkv.model.state import KDACheckpoint
+
+if TYPE_CHECKING:                      # the model's state type, named in annotations only
+    from hybridkv.model.state import KDACheckpoint
 
 _page_of = attrgetter("page")      # a node's page, read in C over a path (lookup, acquire)
 

@@ -317,6 +317,8 @@ class Family:
         restore: boundary group name -> its :data:`Restore`; every boundary group has one.
         prefix_names / boundary: derived: the prefix groups' names, ``(name, restore)`` of the
             boundary groups (what :func:`joint_hit` walks).
+        saved_pair: derived: ``(prefix group, boundary group)`` when the family has exactly one
+            of each and the boundary group is :class:`SavedAtHit` (Kimi Linear), else ``None``.
 
     Raises:
         ValueError: duplicate group names, no prefix group, a boundary group without a restore
@@ -328,6 +330,7 @@ class Family:
     restore: Mapping[str, Restore] = field(default_factory=dict)
     prefix_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     boundary: tuple[tuple[str, Restore], ...] = field(init=False, repr=False, compare=False)
+    saved_pair: tuple[str, str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [g.name for g in self.groups]
@@ -345,6 +348,10 @@ class Family:
                 raise ValueError(f"family {self.name!r}: restore strategy for {r!r}, which is not a boundary group")
         object.__setattr__(self, "prefix_names", prefix)
         object.__setattr__(self, "boundary", tuple((b, self.restore[b]) for b in bnames))
+        # one prefix group and one boundary group saved at the hit (Kimi Linear): the rule's
+        # short form (two questions, no loop), which every lookup and every router takes
+        simple = len(prefix) == 1 and len(bnames) == 1 and isinstance(self.restore[bnames[0]], SavedAtHit)
+        object.__setattr__(self, "saved_pair", (prefix[0], bnames[0]) if simple else None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -390,13 +397,21 @@ class JointHit:
             rebuild boundary state only (``== hit`` when every boundary group is saved at the hit).
         per_group: group name -> its own hit: a prefix group's run under the limit, a boundary
             group's hit at the joint hit's resolution (for :class:`SavedAtHit` its deepest saved
-            state inside the prefix hit).
+            state inside the prefix hit). Built on first read for a family's short form.
     """
 
-    __slots__ = ("hit", "kv_hit", "restart", "per_group")
+    __slots__ = ("hit", "kv_hit", "restart", "_per_group", "_pair")
 
-    def __init__(self, hit: int, kv_hit: int, restart: int, per_group: dict[str, int]) -> None:
-        self.hit, self.kv_hit, self.restart, self.per_group = hit, kv_hit, restart, per_group
+    def __init__(self, hit: int, kv_hit: int, restart: int, per_group: dict[str, int] | None = None,
+                 pair: tuple[str, str] | None = None) -> None:
+        self.hit, self.kv_hit, self.restart, self._per_group, self._pair = hit, kv_hit, restart, per_group, pair
+
+    @property
+    def per_group(self) -> dict[str, int]:
+        if self._per_group is None:
+            p, b = self._pair
+            self._per_group = {p: self.kv_hit, b: self.hit}
+        return self._per_group
 
     @property
     def branching_boundary(self) -> int | None:
@@ -425,6 +440,10 @@ def joint_hit(family: Family, presence: Presence, limit: int) -> JointHit:
        the groups are looped to agreement (a prefix-closed run holds at any shorter hit).
     3. ``restart`` is the lowest restart the boundary groups name at the agreed hit.
 
+    A family of one prefix group and one boundary group saved at the hit
+    (:attr:`Family.saved_pair`, Kimi Linear) takes the rule's short form: the run, then the
+    deepest saved state inside it (a saved state's own fixed point, so no loop).
+
     Args:
         family: the model family (its groups and restore strategies).
         presence: an adapter over what holds the prompt's entries (:class:`Presence`).
@@ -433,15 +452,14 @@ def joint_hit(family: Family, presence: Presence, limit: int) -> JointHit:
     Returns:
         The :class:`JointHit`; ``branching_boundary`` is the prefix hit when it exceeds the hit.
     """
+    pair = family.saved_pair
+    if pair is not None:
+        kv = presence.prefix_run(pair[0], limit)
+        hit = presence.deepest_state(pair[1], kv)
+        return JointHit(hit, kv, hit, None, pair)
     runs = {name: presence.prefix_run(name, limit) for name in family.prefix_names}
-    kv = min(runs.values())
+    kv = hit = min(runs.values())
     boundary = family.boundary
-    if len(boundary) == 1:             # one boundary group: a strategy's answer is its own fixed point
-        name, how = boundary[0]
-        hit, restart = how.resolve(presence, name, kv)
-        runs[name] = hit
-        return JointHit(hit, kv, restart, runs)
-    hit = kv
     while True:
         resolved = [how.resolve(presence, name, hit) for name, how in boundary]
         agreed = min((h for h, _ in resolved), default=hit)

@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 
 from hybridkv._torch import torch
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
-from hybridkv.cache.pools import CheckpointPool
+from hybridkv.cache.pools import CheckpointPool, StateCodec
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
+
+KDA_CODEC = StateCodec(KDACheckpoint.components, KDACheckpoint.from_components)
+"""A :class:`KDACheckpoint` as the ``kda`` group's components and back (the checkpoint pool's codec)."""
 
 
 @dataclass(slots=True)
@@ -85,8 +88,7 @@ class TorchBackend:
 
     def new_checkpoint_pool(self, num_slots: int, eviction: str = "lru") -> CheckpointPool:
         """A tensor-backed pool shaped like this model's checkpoints (``eviction``: ``lru`` / ``value``)."""
-        return CheckpointPool(num_slots, recurrent_shape=tuple(self._zero.recurrent.shape),
-                              conv_shape=tuple(self._zero.conv.shape), conv_dtype=self._zero.conv.dtype,
+        return CheckpointPool(num_slots, spec=self.kda_spec.group_spec(), codec=KDA_CODEC,
                               device=self._zero.recurrent.device, eviction=eviction)
 
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
