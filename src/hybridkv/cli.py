@@ -17,6 +17,7 @@ import sys
 
 from rich.console import Console
 
+from hybridkv import __version__
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.replay.args import (
     add_store_cost_arguments,
@@ -33,6 +34,8 @@ from hybridkv.replay.args import (
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="hybridkv", description="Exact prefix cache for hybrid (MLA + KDA) LLMs.")
+    p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
+                   help="print the installed version (hybridkv X.Y.Z) and exit")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("replay", help="replay a Mooncake-format request trace through the engine",
                        description="Replay a trace (default: the bundled one-hour Kimi conversation trace) "
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
-                        "(default none; several instances without one share a fresh disk store)")
+                        "(private to one engine: refused with --instances > 1) (default none; several instances "
+                        "without one share a fresh disk store)")
     r.add_argument("--store-required", action="store_true",
                    help="exit with an error when the store does not answer at startup, instead of running without "
                         "it (a mooncake:// URL takes ?timeout_s=S for its setup deadline, default 5)")

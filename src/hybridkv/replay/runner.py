@@ -188,7 +188,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         TraceError: a bad trace line (unless ``skip_bad``), naming file and line.
         ConfigError: an invalid cache option, naming the value.
         ValueError: an unknown model preset or bad model directory; ``instances`` below 1 or above
-            the number of requests.
+            the number of requests; a ``memory://`` store with ``instances`` > 1 (each engine's
+            memory store is its own: they would share nothing).
     """
     with _fewer_collections(opts.simulate):      # from the trace load to the report
         return _replay(opts, console)
@@ -247,6 +248,10 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if opts.instances > len(reqs):
         raise ValueError(f"instances={opts.instances} is more than the {len(reqs)} requests to replay: each instance "
                          "is a process that loads the model, and those beyond the requests would replay nothing")
+    if opts.instances > 1 and opts.store.startswith("memory:"):
+        raise ValueError(f"store {opts.store!r} with instances={opts.instances}: memory:// is private to one engine "
+                         "(a dict in its process), so the instances would share nothing; use disk:///PATH or "
+                         "mooncake://HOST:PORT, or no store (the instances then share a fresh disk store)")
     _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
     store_url, scratch = opts.store, None
     if opts.instances > 1 and store_url == "none":

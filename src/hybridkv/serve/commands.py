@@ -14,6 +14,7 @@ import sys
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    finite_positive_float,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -21,6 +22,7 @@ from hybridkv.replay.args import (
     positive_float,
     positive_int,
 )
+from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
 
 def register_cli(sub) -> None:
@@ -29,8 +31,10 @@ def register_cli(sub) -> None:
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: a free one)")
-    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory://, mooncake://HOST:PORT")
+    s.add_argument("--port", type=port_number, default=8000,
+                   help="port (default 8000; 0: a free one, printed at start); a taken port is an error at start")
+    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory:// (private to this server), "
+                                                    "mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
     s.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
@@ -68,6 +72,9 @@ def register_cli(sub) -> None:
     b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
                         "token each under the presets' byte tokenizer), for routers that only take text")
+    b.add_argument("--probe-timeout", type=finite_positive_float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds to connect to the server and to wait for its /v1/models answer before the replay "
+                        f"(default {PROBE_TIMEOUT_S:g})")
     b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
     b.set_defaults(func=_bench)
 
@@ -101,7 +108,8 @@ def _register_router(sub) -> None:
     r.add_argument("--policy", choices=ROUTER_NAMES, default="hybrid", help="routing policy (default hybrid)")
     r.add_argument("--model", default="tiny", help="the workers' --model (its tokenizer is used to hash prompts)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    r.add_argument("--port", type=port_number, default=8080, help="port (default 8080)")
+    r.add_argument("--port", type=port_number, default=8080,
+                   help="port (default 8080; 0: a free one, printed at start); a taken port is an error at start")
     r.add_argument("--cost-model", default=None,
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
@@ -157,38 +165,44 @@ def router_service(args):
 
 
 def _router(args) -> int:
-    import uvicorn
-
+    from hybridkv.serve.launch import bind_listener, run_foreground
     from hybridkv.serve.router import create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per event poll
     try:
-        service = router_service(args)
-    except (ValueError, FileNotFoundError) as exc:
+        sock = bind_listener(args.host, args.port)
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_router_app(service), host=args.host, port=args.port, log_level="info", lifespan="on")
+    try:
+        service = router_service(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = run_foreground(create_router_app(service), sock, f"routing to {len(args.worker)} worker(s)",
+                            lifespan="on", end_running=service.end_running)
+    logging.getLogger("hybridkv.serve.router").info(
+        "shut down cleanly%s: %d relayed answer(s) ended after the grace", f" on {server.stop_signal}"
+        if server.stop_signal else "", server.ended)
     return 0
 
 
 def _bench(args) -> int:
-    import httpx
-
     from hybridkv.replay.trace import TraceError
-    from hybridkv.serve.bench import BenchOptions, render, run_bench
+    from hybridkv.serve.bench import BenchOptions, ProbeError, render, run_bench
 
     opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
                         max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
-                        seed=args.seed, prompt_format=args.prompt_format)
+                        seed=args.seed, prompt_format=args.prompt_format, probe_timeout=args.probe_timeout)
     try:
         report = asyncio.run(run_bench(opts))
     except (ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except httpx.HTTPError as exc:
-        print(f"error: --url {args.url}: cannot read the server's /v1/models ({exc or type(exc).__name__})",
-              file=sys.stderr)
+    except ProbeError as exc:
+        print(f"error: --url {args.url}: cannot read the server's /v1/models: {exc}", file=sys.stderr)
         return 2
     print(render(report))
     if args.json_path:
