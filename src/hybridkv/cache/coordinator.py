@@ -46,26 +46,28 @@ TAIL = "tail"
 
 class PathPresence:
     """:class:`~hybridkv.cache.groups.Presence` over a matched index path (the device's entries of a
-    prompt): ``full`` is held on every node of the path (a walk stops at the first unit without
-    KV), ``kda`` where a node holds a checkpoint.
+    prompt): every prefix group of the family is held on every node of the path (they share one
+    page per block, and a walk stops at the first unit without one), every boundary group where a
+    node holds a checkpoint slot (one slot per boundary: the family's one boundary group's state).
 
     Args:
         path: index nodes of units ``1 .. len(path)`` from the root.
         unit: ``prefix_match_unit`` in tokens.
+        family: the model family (default Kimi Linear: ``full`` paged, ``kda`` checkpoints).
     """
 
-    __slots__ = ("path", "unit")
+    __slots__ = ("path", "unit", "family")
 
-    def __init__(self, path: list[BlockNode], unit: int) -> None:
-        self.path, self.unit = path, unit
+    def __init__(self, path: list[BlockNode], unit: int, family: Family = KIMI_LINEAR) -> None:
+        self.path, self.unit, self.family = path, unit, family
 
     def prefix_run(self, group: str, limit: int) -> int:
-        if group != FULL:
+        if group not in self.family.prefix_names:
             raise KeyError(f"the device index holds no prefix group {group!r}")
         return min(len(self.path), limit // self.unit) * self.unit
 
     def deepest_state(self, group: str, at_most: int) -> int:
-        if group != KDA:
+        if group not in self.family.names or self.family.spec(group).prefix_closed:
             raise KeyError(f"the device index holds no boundary group {group!r}")
         path = self.path
         k = min(len(path), at_most // self.unit)
@@ -132,6 +134,10 @@ class MatchResult:
         path: matched index nodes, one per unit, up to ``kv_hit``.
         namespace: the request's namespace digest (the engine's when it gave none), before
             binding: the owner of what the request publishes, for quotas and purges.
+        restart: where computation resumes (``<= hit``; ``None`` given: ``hit``): ``[restart, hit)``
+            is recomputed to rebuild the boundary state at ``hit`` (its prefix groups' entries are
+            cached), from the state saved at ``restart`` (or the zero state at 0, or, when no
+            state is saved there, the raw tokens: a recompute cone).
     """
 
     hit: int
@@ -142,6 +148,11 @@ class MatchResult:
     hashes: list[bytes]
     path: list[BlockNode]
     namespace: bytes | None = None
+    restart: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.restart is None:
+            self.restart = self.hit
 
 
 @dataclass(slots=True)
@@ -296,19 +307,19 @@ class HybridCacheCoordinator:
                              f"({len(token_ids) // g} whole units of {g})")
         limit = reuse_cap(len(token_ids), g)
         path = self.index.walk(hashes[: limit // g])
-        joint = joint_hit(self.family, PathPresence(path, g), limit)
-        kv_hit, hit = joint.kv_hit, joint.hit
+        joint = joint_hit(self.family, PathPresence(path, g, self.family), limit)
+        kv_hit, hit, restart = joint.kv_hit, joint.hit, joint.restart
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
             # each page once, deepest first: the root end is the most recent
             self.pages.touch_many(dict.fromkeys(map(_page_of, reversed(path))), count)
-            if hit:
-                self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
+            if restart and path[restart // g - 1].checkpoint is not None:   # the state a hit resumes from
+                self.checkpoints.touch(path[restart // g - 1].checkpoint, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
                            branching_boundary=joint.branching_boundary,
                            per_group=joint.per_group, hashes=hashes, path=path,
-                           namespace=namespace or self.namespace)
+                           namespace=namespace or self.namespace, restart=restart)
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
         """Matches that reuse less than ``match``, deepest first: each checkpointed boundary of
@@ -317,13 +328,15 @@ class HybridCacheCoordinator:
         refusing. ``kv_hit`` is kept, so the branching boundary still gets its checkpoint."""
         g = self.config.prefix_match_unit
         out = []
-        presence, hit = PathPresence(match.path, g), match.hit
+        presence, hit = PathPresence(match.path, g, self.family), match.hit
         while hit:                          # the joint hit under a limit one unit below the last one
-            hit = joint_hit(self.family, presence, hit - g).hit
+            joint = joint_hit(self.family, presence, hit - g)
+            hit = joint.hit
             out.append(MatchResult(hit=hit, kv_hit=match.kv_hit, checkpoint_hit=hit,
                                    branching_boundary=match.kv_hit if match.kv_hit > hit else None,
-                                   per_group={**match.per_group, KDA: hit}, hashes=match.hashes,
-                                   path=match.path, namespace=match.namespace))
+                                   per_group={**match.per_group, **{b: hit for b, _ in self.family.boundary}},
+                                   hashes=match.hashes, path=match.path, namespace=match.namespace,
+                                   restart=joint.restart))
         return out
 
     def could_fit(self, match: MatchResult, num_tokens: int) -> bool:
@@ -360,11 +373,11 @@ class HybridCacheCoordinator:
         path = match.path[: hit // g]
         held = list(dict.fromkeys(map(_page_of, path)))     # every page on the hit path, before any eviction
         self.pages.ref_many(held)
-        state = None
-        if hit:                                              # copy the checkpoint out while it is held
-            slot = path[-1].checkpoint
+        state, restart = None, match.restart
+        slot = path[restart // g - 1].checkpoint if restart else None
+        if slot is not None:                                 # copy the checkpoint out while it is held
             self.checkpoints.ref(slot)
-            state = self.checkpoints.read(slot, hit)
+            state = self.checkpoints.read(slot, restart)
             self.checkpoints.unref(slot)
         shared = [path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
         cow_src = path[-1].page if hit % b else None

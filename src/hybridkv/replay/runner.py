@@ -37,6 +37,8 @@ from rich.progress import (
 )
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
+from hybridkv.cache.swa import SwaRecovery
+from hybridkv.model.v4.config import V4Config
 from hybridkv.engine.build import model_config
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
@@ -125,6 +127,7 @@ class ReplayOptions:
     restarts: tuple[tuple[int, float], ...] = ()
     crashes: tuple[tuple[int, float], ...] = ()
     cold_start_s: float = DEFAULT_COLD_START_S
+    swa_recovery: str | None = None
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -225,6 +228,13 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
     policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
+    recovery = None
+    if isinstance(mcfg, V4Config):   # the strategy places the saved boundary states (build_engine applies it too)
+        recovery = SwaRecovery.parse(opts.swa_recovery)
+        policy = recovery.policy(policy)
+    elif opts.swa_recovery is not None:
+        raise ValueError(f"swa_recovery={opts.swa_recovery!r} applies to DeepSeek-V4 models; {opts.model} is "
+                         "a Kimi Linear model")
     units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
     if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised
         prompts = placeholder_prompts([scaled_input_length(r, opts.block_tokens) for r in reqs])
@@ -243,6 +253,14 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
+    if recovery is not None:
+        recovery.check(cfg)
+        for what, bad in (("instances", opts.instances if opts.instances > 1 else None),
+                          ("store", opts.store if opts.store != "none" else None),
+                          ("host_bytes", opts.host_bytes or None), ("timed", opts.timed or None)):
+            if bad is not None:
+                raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
+                                 "cache alone for now (no host tier, store or timed fleet)")
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):
@@ -265,7 +283,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                           verify={i for i in verify_ids if i % n == k}, store_url=store_url,
                           host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
                           host_groups=tuple(opts.host_groups), simulate=opts.simulate,
-                          trace=reqs[k::n] if units is not None else [], units=units)
+                          trace=reqs[k::n] if units is not None else [], units=units,
+                          swa_recovery=None if recovery is None else str(recovery))
              for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
@@ -285,6 +304,9 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                 shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
     report = _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    if recovery is not None:          # DeepSeek-V4 only: the strategy and what restoring hits recomputed
+        report.config["swa_recovery"] = str(recovery)
+        report.config["restore_recompute_tokens"] = sum(r.stats.get("restore_recompute_tokens", 0) for r in results)
     report.cpu_seconds = round(_cpu_seconds() - cpu0, 3)
     for key, seconds in (("requests_per_second", report.wall_seconds), ("requests_per_cpu_second", report.cpu_seconds)):
         rate = ratio(report.requests, seconds)
