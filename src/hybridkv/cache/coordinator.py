@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from operator import attrgetter
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, Family, joint_hit, reuse_cap
+from hybridkv.cache.groups import KIMI_LINEAR, Family, joint_hit, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,

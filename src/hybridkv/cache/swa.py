@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridkv.cache.config import CacheConfig, CheckpointPolicy, ConfigError
+from hybridkv.cache.config import CheckpointPolicy, ConfigError
 from hybridkv.cache.groups import (BOUNDARY, PREFIX, SAVED_AT_HIT, Family, GroupSpec, RecomputeCone,
                                    Restore, SavedEvery)
 
@@ -101,14 +101,14 @@ class SwaRecovery:
     def __str__(self) -> str:
         return f"{PERIODIC}={self.period}" if self.kind == PERIODIC else self.kind
 
-    def check(self, config: CacheConfig) -> None:
-        """A ``periodic`` period must be a multiple of ``prefix_match_unit`` (states are taken
-        at unit boundaries only).
+    def check(self, prefix_match_unit: int) -> None:
+        """A ``periodic`` period must be a multiple of ``prefix_match_unit`` (tokens; states are
+        taken at unit boundaries only).
 
         Raises:
             ConfigError: naming both values.
         """
-        g = config.prefix_match_unit
+        g = prefix_match_unit
         if self.kind == PERIODIC and self.period % g:
             raise ConfigError(f"swa_recovery periodic={self.period}: P must be a multiple of "
                               f"prefix_match_unit={g} (tokens)")

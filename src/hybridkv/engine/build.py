@@ -241,7 +241,7 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         from hybridkv.cache.swa import SwaRecovery
         from hybridkv.engine.v4backend import V4Backend
         recovery = SwaRecovery.parse(swa_recovery)
-        recovery.check(config)
+        recovery.check(config.prefix_match_unit)
         config = dataclasses.replace(config, policy=recovery.policy(config.policy))
         backend = V4Backend(model, config.num_kv_pages, config.block_size, config.prefix_match_unit, recovery)
         digest, payload = model.weight_digest(), True

@@ -171,10 +171,7 @@ class V4Backend:
         self.vocab_size = cfg.vocab_size
         self.block_size, self.unit = block_size, prefix_match_unit
         self.recovery = SwaRecovery.parse(swa_recovery)
-        if self.recovery.period is not None and self.recovery.period % prefix_match_unit:
-            from hybridkv.cache.config import ConfigError
-            raise ConfigError(f"swa_recovery periodic={self.recovery.period}: P must be a multiple of "
-                              f"prefix_match_unit={prefix_match_unit} (tokens)")
+        self.recovery.check(prefix_match_unit)
         dt = _dtype_name(model.dtype)
         self.csa_spec, self.hca_spec = prefix_specs(cfg, dt)
         check_block_size(block_size, {CSA: cfg.csa_rate, HCA: cfg.hca_rate})

@@ -37,7 +37,7 @@ from rich.progress import (
 )
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
-from hybridkv.cache.swa import SwaRecovery
+from hybridkv.cache.swa import CSA, HCA, SwaRecovery, check_block_size
 from hybridkv.model.v4.config import V4Config
 from hybridkv.engine.build import model_config
 from hybridkv.fleet.routers import HybridOptions
@@ -231,6 +231,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     recovery = None
     if isinstance(mcfg, V4Config):   # the strategy places the saved boundary states (build_engine applies it too)
         recovery = SwaRecovery.parse(opts.swa_recovery)
+        recovery.check(opts.prefix_match_unit)
         policy = recovery.policy(policy)
     elif opts.swa_recovery is not None:
         raise ValueError(f"swa_recovery={opts.swa_recovery!r} applies to DeepSeek-V4 models; {opts.model} is "
@@ -254,7 +255,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
     if recovery is not None:
-        recovery.check(cfg)
+        check_block_size(cfg.block_size, {CSA: mcfg.csa_rate, HCA: mcfg.hca_rate})
         for what, bad in (("instances", opts.instances if opts.instances > 1 else None),
                           ("store", opts.store if opts.store != "none" else None),
                           ("host_bytes", opts.host_bytes or None), ("timed", opts.timed or None)):
