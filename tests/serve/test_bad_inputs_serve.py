@@ -125,6 +125,25 @@ def test_ignored_fields_and_neutral_values_are_accepted(server, path, body):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
+# What sglang-router 0.3.2 sends for a client's minimal request: it re-serializes the body from its
+# typed request, so its non-optional fields always arrive (checked against the router itself).
+SGLANG_ROUTER = [("/v1/completions", {**GOOD, "stream": False, "echo": False, "no_stop_trim": False,
+                                      "ignore_eos": False, "skip_special_tokens": True,
+                                      "return_hidden_states": False}),
+                 ("/v1/chat/completions", {**CHAT, "logprobs": False, "stream": False, "no_stop_trim": False,
+                                           "ignore_eos": False, "continue_final_message": False,
+                                           "skip_special_tokens": True, "separate_reasoning": True,
+                                           "stream_reasoning": True, "return_hidden_states": False})]
+
+
+@pytest.mark.parametrize(("path", "body"), SGLANG_ROUTER, ids=["completions", "chat"])
+def test_the_bodies_sglang_router_sends_are_accepted(server, path, body):
+    r = _post(server.url, path, body)
+    assert r.status_code == 200, r.text
+    refused = _post(server.url, path, {**body, "skip_special_tokens": False})          # it would change the text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "skip_special_tokens"
+
+
 def test_the_openai_client_defaults_and_its_common_options_are_accepted(server):
     import openai
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -275,3 +294,35 @@ def test_a_stopping_router_ends_the_stream_it_relays_cleanly(server):
     assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown"
     assert not [r for r in records.records if r.levelno >= logging.ERROR], [r.getMessage() for r in records.records]
     assert wait_idle(server)["running"] == 0
+
+
+def test_a_stopping_server_answers_a_running_non_streaming_request_503():
+    """After the grace, a non-streaming request still generating is answered 503
+    (``server_shutdown``) instead of being cancelled with its connection; nothing is logged as an
+    error."""
+    from serve_helpers import engine_idle
+
+    from hybridkv.serve.launch import RunningServer, ServeOptions
+
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    answers: list[httpx.Response] = []
+    try:
+        s = RunningServer(ServeOptions(port=0, threads=1))
+        try:
+            body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
+            client = threading.Thread(target=lambda: answers.append(_post(s.url, "/v1/completions", body)))
+            client.start()
+            for _ in range(400):
+                if engine_idle(s)["running"]:
+                    break
+                time.sleep(0.025)
+        finally:
+            s.close()
+        client.join(30)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    (r,) = answers
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+    assert "the server is shutting down" in r.json()["error"]["message"]
+    assert not [x for x in records.records if x.levelno >= logging.ERROR], [x.getMessage() for x in records.records]

@@ -297,3 +297,15 @@ def test_memory_store_with_several_instances_is_refused_naming_the_alternatives(
     assert code == 2 and "Traceback" not in text
     assert "store 'memory://' with instances=2: memory:// is private to one engine" in text
     assert "disk:///PATH" in text and "mooncake://HOST:PORT" in text
+
+
+@pytest.mark.parametrize("command", ["replay", "serve"])
+def test_a_bad_mooncake_url_on_the_command_line_is_one_line_before_anything_starts(capsys, command):
+    """Before: a "Mooncake's own log: …" line (and a log file) came first, then the raw error."""
+    from hybridkv.cli import main
+
+    url = "mooncake://127.0.0.1:50051?timeout_s=-1"
+    code = main([command, "--model", "tiny", "--store", url, *(["--no-progress"] if command == "replay" else [])])
+    out = capsys.readouterr()
+    text = " ".join((out.out + out.err).split())
+    assert code == 2 and text == f"error: store URL {url!r}: timeout_s='-1' is not a number of seconds > 0"

@@ -21,6 +21,7 @@ the recompute cone), which the engine calls when the joint hit's restart point l
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -85,6 +86,24 @@ def prefix_specs(config, dtype: str = "float32") -> tuple[GroupSpec, GroupSpec]:
                                                     ("index", dtype, (n_csa, 1, config.index_head_dim))))
     hca = GroupSpec(HCA, PREFIX, config.hca_rate, (("kv", dtype, (n_hca, 1, config.head_dim)),))
     return csa, hca
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """Device bytes of a V4 model's pools, as :func:`~hybridkv.replay.runner.check_device_memory`
+    reads them: ``kv_bytes_per_token`` (prefix-group entries per token, rounded up) and
+    ``checkpoint_bytes`` (one ``swa`` slot)."""
+
+    kv_bytes_per_token: int
+    checkpoint_bytes: int
+
+
+def pool_sizes(config, block_size: int, prefix_match_unit: int, dtype: str = "float32") -> PoolSizes:
+    """:class:`PoolSizes` of a V4 config with pages of ``block_size`` tokens and states at
+    multiples of ``prefix_match_unit`` (tokens), in ``dtype``."""
+    csa, hca = prefix_specs(config, dtype)
+    page = csa.bytes_per_entry * (block_size // csa.granularity) + hca.bytes_per_entry * (block_size // hca.granularity)
+    return PoolSizes(-(-page // block_size), swa_spec(config, prefix_match_unit, dtype).bytes_per_entry)
 
 
 def swa_codec(config, spec: GroupSpec) -> StateCodec:

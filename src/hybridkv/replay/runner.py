@@ -198,6 +198,37 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         return _replay(opts, console)
 
 
+def check_device_memory(cfg: CacheConfig, mcfg, instances: int,
+                        explicit: tuple[int | None, int | None] = (None, None)) -> None:
+    """Refuse a real-model replay whose device pools cannot fit in this machine's memory.
+
+    Bytes per instance: ``num_kv_pages * block_size * kv_bytes_per_token`` (MLA latents, fp32) plus
+    ``num_checkpoint_slots * checkpoint_bytes`` (KDA checkpoints, fp32), both allocated when an
+    engine is built; times ``instances``, against physical memory (``SC_PHYS_PAGES * SC_PAGE_SIZE``).
+    ``explicit``: the ``--kv-pages`` / ``--checkpoint-slots`` given (``None``: sized for the trace).
+
+    Raises:
+        ValueError: more than physical memory; names the options, the bytes needed and the memory.
+    """
+    import os
+
+    kv = cfg.num_kv_pages * cfg.block_size * mcfg.kv_bytes_per_token
+    ckpt = cfg.num_checkpoint_slots * mcfg.checkpoint_bytes
+    need = (kv + ckpt) * instances
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):         # not reported on this system: nothing to compare with
+        return
+    if need <= have:
+        return
+    pages, slots = explicit
+    kv_what = f"--kv-pages {pages}" if pages else f"{cfg.num_kv_pages} KV pages (sized for every prompt: --block-tokens)"
+    slot_what = f"--checkpoint-slots {slots}" if slots else f"{cfg.num_checkpoint_slots} checkpoint slots"
+    raise ValueError(f"the device pools need {need / 2**30:.1f} GiB ({kv_what}: {kv / 2**30:.1f} GiB, {slot_what}: "
+                     f"{ckpt / 2**30:.1f} GiB, x {instances} instance(s)) but this machine has {have / 2**30:.1f} "
+                     "GiB of memory; give fewer --kv-pages / --checkpoint-slots or a smaller --block-tokens")
+
+
 def resolved_block_tokens(opts: ReplayOptions) -> int:
     """Tokens per trace hash id of a replay: ``opts.block_tokens``, or when it is ``None`` 512 (the
     trace's own block, Mooncake FAST'25 release) when simulating and 64 (lengths scaled 1/8 so the
@@ -226,7 +257,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if opts.block_size is None:       # pages follow the trace's sharing granularity
         g = opts.prefix_match_unit
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
-    policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
+    policy = CheckpointPolicy.parse(opts.policy if opts.policy is not None
+                                    else default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
     recovery = None
     if isinstance(mcfg, V4Config):   # the strategy places the saved boundary states (build_engine applies it too)
@@ -262,6 +294,12 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
             if bad is not None:
                 raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
                                  "cache alone for now (no host tier, store or timed fleet)")
+    if not opts.simulate:
+        sizes = mcfg
+        if recovery is not None:        # DeepSeek-V4: its pages and slots, from the group specs
+            from hybridkv.engine.v4backend import pool_sizes
+            sizes = pool_sizes(mcfg, cfg.block_size, cfg.prefix_match_unit)
+        check_device_memory(cfg, sizes, opts.instances, explicit=(opts.num_kv_pages, opts.num_checkpoint_slots))
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):

@@ -14,13 +14,20 @@ import sys
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    block_tokens,
+    checkpoint_policy,
     finite_positive_float,
     fraction,
     non_negative_float,
     non_negative_int,
+    poll_seconds,
+    max_num_seqs,
+    pool_entries,
     port_number,
     positive_float,
     positive_int,
+    seed_value,
+    time_scale,
 )
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
@@ -37,16 +44,16 @@ def register_cli(sub) -> None:
                                                     "mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
-    s.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
+    s.add_argument("--seed", type=seed_value, default=0, help="seed of a preset's weights")
     s.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
     s.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens")
-    s.add_argument("--policy", default="branch+tail",
+    s.add_argument("--policy", type=checkpoint_policy, default="branch+tail",
                    help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
                         "'none' turns reuse off (default branch+tail)")
     s.add_argument("--mechanism", choices=("extract", "split"), default="extract")
-    s.add_argument("--kv-pages", type=positive_int, default=None, help="device KV pages (default: 65,536 tokens)")
-    s.add_argument("--checkpoint-slots", type=positive_int, default=64)
-    s.add_argument("--max-num-seqs", type=positive_int, default=4)
+    s.add_argument("--kv-pages", type=pool_entries, default=None, help="device KV pages (default: 65,536 tokens)")
+    s.add_argument("--checkpoint-slots", type=pool_entries, default=64)
+    s.add_argument("--max-num-seqs", type=max_num_seqs, default=4)
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompt + generated tokens per request (default: the KV pool's tokens)")
@@ -63,12 +70,12 @@ def register_cli(sub) -> None:
     b.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
     b.add_argument("--trace", default=None, help="trace path (default: the bundled trace)")
     b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
-    b.add_argument("--time-scale", type=positive_float, default=1.0,
+    b.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="factor on the trace's timestamps (2: half the rate; default 1)")
     b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
-    b.add_argument("--block-tokens", type=positive_int, default=64, help="synthetic tokens per trace hash id")
+    b.add_argument("--block-tokens", type=block_tokens, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    b.add_argument("--seed", type=seed_value, default=0, help="seed of the synthetic token ids")
     b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
                         "token each under the presets' byte tokenizer), for routers that only take text")
@@ -115,7 +122,7 @@ def _register_router(sub) -> None:
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
                         "the mean over healthy workers (default 1; docs/routing.md)")
-    r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
+    r.add_argument("--poll-interval", type=poll_seconds, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
                    help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "

@@ -102,15 +102,22 @@ bookkeeping fields, which do not change what is generated."""
 
 _NEUTRAL_COMMON: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias": ({},),
-    "top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,)}
+    "top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,), "stop_token_ids": ([],),
+    # SGLang's router re-serializes each request and always sends these, at these values unless
+    # the client set them (sgl-router protocols: CompletionRequest, ChatCompletionRequest)
+    "no_stop_trim": (False,), "skip_special_tokens": (True,), "return_hidden_states": (False,)}
 NEUTRAL_FIELDS: dict[str, dict[str, tuple[object, ...]]] = {
     "completions": {**_NEUTRAL_COMMON, "best_of": (1,), "suffix": ("",)},
     "chat": {**_NEUTRAL_COMMON, "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
              "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-             "modalities": (["text"],)}}
-"""OpenAI (and vLLM sampling) fields this server does not implement, per route: accepted only at
-the value that leaves generation unchanged (listed; an integer value accepts only integers, a
-float value any number), refused otherwise."""
+             "modalities": (["text"],), "continue_final_message": (False,),
+             "separate_reasoning": (True, False), "stream_reasoning": (True, False)}}
+"""OpenAI, vLLM and SGLang fields this server does not implement, per route: accepted only at a
+value that leaves the answer unchanged (listed; an integer value accepts only integers, a float
+value any number; ``separate_reasoning`` and ``stream_reasoning`` change nothing without a
+reasoning parser, so both booleans), refused otherwise. Text is always decoded without special
+tokens and ends before a stop string, hence ``skip_special_tokens: true`` and
+``no_stop_trim: false``."""
 
 
 _TYPE_NAMES = {str: "a string", dict: "a JSON object", bool: "a boolean"}

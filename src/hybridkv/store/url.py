@@ -110,6 +110,41 @@ def open_store(url: str, quota: float | None = None) -> ObjectStore | None:
         StoreUnavailable: the service cannot be reached, or a disk store's directory cannot be
             created or written (e.g. a read-only file system; the message names the path).
     """
+    checked = _check(url)
+    if checked is None:
+        return None
+    scheme, where, query = checked
+    cap = query.get("capacity")
+    share = query.get("quota", quota if cap is not None else None)
+    if scheme == "memory":
+        return MemoryStore(cap)
+    if scheme == "disk":
+        return DiskStore(where, capacity_bytes=cap, eviction=query.get("eviction", "lru"), quota=share)
+    if "quota_bytes" in query:
+        limit = query.pop("quota_bytes")
+    else:
+        limit = None if share is None else max(1, int(share * cap))
+    query.pop("capacity", None), query.pop("quota", None)
+    return MooncakeStore(master=where, quota_bytes=limit, **query)
+
+
+def check_store_url(url: str) -> None:
+    """Check a store URL as :func:`open_store` does, opening nothing (for a command line to refuse
+    a bad ``--store`` before it starts anything).
+
+    Raises:
+        ValueError: as :func:`open_store`.
+    """
+    _check(url)
+
+
+def _check(url: str) -> tuple[str, str, dict[str, int | float | str]] | None:
+    """``(scheme, where, parameters)`` of a valid URL (``where``: the disk path or the Mooncake
+    ``host:port``; parameters converted by :data:`PARAMETERS`), ``None`` for ``none``.
+
+    Raises:
+        ValueError: as :func:`open_store`.
+    """
     if url in ("none", ""):
         return None
     parsed = urlparse(url)
@@ -126,28 +161,20 @@ def open_store(url: str, quota: float | None = None) -> ObjectStore | None:
         if k not in table:
             raise ValueError(f"store URL {url!r}: unknown parameter {k!r}; known: {sorted(table)}")
         query[k], texts[k] = _value(url, k, v[0], table[k]), v[0]
-    cap = query.get("capacity")
-    if "quota" in query and cap is None:
+    if "quota" in query and "capacity" not in query:
         raise ValueError(f"store URL {url!r}: quota={texts['quota']!r} needs capacity=BYTES")
-    share = query.get("quota", quota if cap is not None else None)
-
     if parsed.scheme == "memory":
         if parsed.netloc or parsed.path:
             raise ValueError(f"store URL {url!r}: memory:// takes no host or path, got "
                              f"{(parsed.netloc + parsed.path)!r}")
-        return MemoryStore(cap)
+        return "memory", "", query
     if parsed.scheme == "disk":
         if parsed.netloc or not parsed.path:
             raise ValueError(f"store URL {url!r}: use disk:///absolute/dir (three slashes, no host)")
-        return DiskStore(parsed.path, capacity_bytes=cap, eviction=query.get("eviction", "lru"), quota=share)
+        return "disk", parsed.path, query
     port = _port(url, parsed.netloc)
     if not parsed.hostname or port is None:
         raise ValueError(f"store URL {url!r} needs host:port, e.g. mooncake://127.0.0.1:50051")
-    if "quota_bytes" in query:
-        if "capacity" in query or "quota" in query:
-            raise ValueError(f"store URL {url!r}: give quota_bytes=N or capacity=BYTES&quota=F, not both")
-        limit = query.pop("quota_bytes")
-    else:
-        limit = None if share is None else max(1, int(share * cap))
-    query.pop("capacity", None), query.pop("quota", None)
-    return MooncakeStore(master=f"{parsed.hostname}:{port}", quota_bytes=limit, **query)
+    if "quota_bytes" in query and ("capacity" in query or "quota" in query):
+        raise ValueError(f"store URL {url!r}: give quota_bytes=N or capacity=BYTES&quota=F, not both")
+    return "mooncake", f"{parsed.hostname}:{port}", query
