@@ -344,3 +344,16 @@ def test_joint_hits_equals_joint_hit_per_holder(holders, limit, restore):
         one = [joint_hit(family, p, limit) for p in pres]
         assert (kvs, hits, restarts) == ([j.kv_hit for j in one], [j.hit for j in one], [j.restart for j in one])
         assert all(r <= h <= kv <= limit for kv, h, r in zip(kvs, hits, restarts))
+
+
+def test_the_cache_package_imports_no_model_module():
+    """The cache knows state only by group specs (a checkpoint pool is built from one, with the
+    backend's codec): importing every cache module loads nothing of ``hybridkv.model``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, hybridkv.cache as c\n"
+            "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('hybridkv.cache.' + m.name)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hybridkv.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
