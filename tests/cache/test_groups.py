@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cache.groups import (
@@ -26,6 +26,7 @@ from hybridkv.cache.groups import (
     SavedEvery,
     entry_shapes,
     joint_hit,
+    joint_hits,
     kimi_linear,
     nbytes,
     reuse_cap,
@@ -307,3 +308,52 @@ def test_nbytes_refuses_an_unknown_dtype():
     assert nbytes("float16", (3, 5)) == 30 and nbytes("float32", ()) == 4
     with pytest.raises(KeyError):
         nbytes("int8", (4,))
+
+
+# -- joint_hits: the rule for several holders at once ----------------------------------------------
+
+
+class EachPresence:
+    """A :class:`~hybridkv.cache.groups.Presences` asking each holder's own presence in turn."""
+
+    def __init__(self, presences):
+        self.presences = presences
+
+    def prefix_runs(self, group, limit):
+        return [p.prefix_run(group, limit) for p in self.presences]
+
+    def deepest_states(self, group, at_most):
+        return [p.deepest_state(group, a) for p, a in zip(self.presences, at_most)]
+
+
+boundary_sets = st.lists(st.integers(1, 16).map(lambda i: i * UNIT), max_size=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(holders=st.lists(st.tuples(st.integers(0, 16), st.integers(0, 16), boundary_sets, boundary_sets),
+                        min_size=1, max_size=5),
+       limit=st.integers(0, 17 * UNIT),
+       restore=st.sampled_from([SavedAtHit(), SavedEvery(256), RecomputeCone(150)]))
+def test_joint_hits_equals_joint_hit_per_holder(holders, limit, restore):
+    fam = Family("t", (GroupSpec(FULL, PREFIX), GroupSpec("csa", PREFIX, 4), GroupSpec(KDA, BOUNDARY),
+                       GroupSpec(SWA, BOUNDARY)), {KDA: SavedAtHit(), SWA: restore})
+    for family in (fam, KIMI_LINEAR):
+        pres = [HeldBoundaries(UNIT, {FULL: range(UNIT, a * UNIT + 1, UNIT), "csa": range(UNIT, b * UNIT + 1, UNIT),
+                                      KDA: k, SWA: w}) for a, b, k, w in holders]
+        kvs, hits, restarts = joint_hits(family, EachPresence(pres), limit)
+        one = [joint_hit(family, p, limit) for p in pres]
+        assert (kvs, hits, restarts) == ([j.kv_hit for j in one], [j.hit for j in one], [j.restart for j in one])
+        assert all(r <= h <= kv <= limit for kv, h, r in zip(kvs, hits, restarts))
+
+
+def test_the_cache_package_imports_no_model_module():
+    """The cache knows state only by group specs (a checkpoint pool is built from one, with the
+    backend's codec): importing every cache module loads nothing of ``hybridkv.model``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, hybridkv.cache as c\n"
+            "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('hybridkv.cache.' + m.name)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hybridkv.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -73,5 +73,5 @@ def test_the_abi_version_is_defined_once_and_names_the_key_prefix():
     from hybridkv.tiers import layout
 
     assert purge.ABI_VERSION is abi.ABI_VERSION and layout.ABI_VERSION is abi.ABI_VERSION
-    assert layout.KEY_PREFIX == f"hkv{abi.ABI_VERSION}"
+    assert abi.KEY_PREFIX == f"hkv{abi.ABI_VERSION}"
     assert layout.entry_key(b"n" * 32, b"c" * 32, "full", "manifest").startswith(f"hkv{abi.ABI_VERSION}/")

@@ -246,6 +246,18 @@ class Presence(Protocol):
         state at token 0, always available) when none is."""
 
 
+class Presences(Protocol):
+    """:class:`Presence` of several holders of one prompt's entries, asked for all at once (a
+    router's views of every instance on every arrival: one call per question, not per holder).
+    Lists are per holder, in the adapter's order."""
+
+    def prefix_runs(self, group: str, limit: int) -> list[int]:
+        """:meth:`Presence.prefix_run` of each holder."""
+
+    def deepest_states(self, group: str, at_most: list[int]) -> list[int]:
+        """:meth:`Presence.deepest_state` of each holder, at its own ``at_most``."""
+
+
 @dataclass(frozen=True, slots=True)
 class SavedAtHit:
     """Restore a boundary group from its state saved at the hit itself: the hit moves down to
@@ -255,6 +267,11 @@ class SavedAtHit:
     def resolve(self, presence: Presence, group: str, hit: int) -> tuple[int, int]:
         """``(hit, restart)`` this group allows at a candidate ``hit`` (tokens)."""
         saved = presence.deepest_state(group, hit)
+        return saved, saved
+
+    def resolve_many(self, presences: Presences, group: str, hits: list[int]) -> tuple[list[int], list[int]]:
+        """:meth:`resolve` for every holder of ``presences``: ``(hits, restarts)``."""
+        saved = presences.deepest_states(group, hits)
         return saved, saved
 
 
@@ -278,6 +295,10 @@ class SavedEvery:
         """``(hit, restart)`` this group allows at a candidate ``hit`` (tokens)."""
         return hit, presence.deepest_state(group, hit)
 
+    def resolve_many(self, presences: Presences, group: str, hits: list[int]) -> tuple[list[int], list[int]]:
+        """:meth:`resolve` for every holder of ``presences``: ``(hits, restarts)``."""
+        return hits, presences.deepest_states(group, hits)
+
 
 @dataclass(frozen=True, slots=True)
 class RecomputeCone:
@@ -298,6 +319,10 @@ class RecomputeCone:
     def resolve(self, presence: Presence, group: str, hit: int) -> tuple[int, int]:
         """``(hit, restart)`` this group allows at a candidate ``hit`` (tokens)."""
         return hit, max(0, hit - self.tokens)
+
+    def resolve_many(self, presences: Presences, group: str, hits: list[int]) -> tuple[list[int], list[int]]:
+        """:meth:`resolve` for every holder of ``presences``: ``(hits, restarts)``."""
+        return hits, [max(0, h - self.tokens) for h in hits]
 
 
 Restore = SavedAtHit | SavedEvery | RecomputeCone
@@ -469,6 +494,37 @@ def joint_hit(family: Family, presence: Presence, limit: int) -> JointHit:
     for (name, _), (h, _) in zip(boundary, resolved):
         runs[name] = h
     return JointHit(hit, kv, min((r for _, r in resolved), default=hit), runs)
+
+
+def joint_hits(family: Family, presences: Presences, limit: int) -> tuple[list[int], list[int], list[int]]:
+    """:func:`joint_hit` for every holder of ``presences`` at once (the same rule, on lists):
+    ``(kv_hits, hits, restarts)``, one entry per holder (tokens).
+
+    Args:
+        family: the model family.
+        presences: an adapter over several holders of the prompt's entries (:class:`Presences`).
+        limit: most tokens reusable.
+    """
+    pair = family.saved_pair
+    if pair is not None:
+        kvs = presences.prefix_runs(pair[0], limit)
+        hits = presences.deepest_states(pair[1], kvs)
+        return kvs, hits, hits
+    kvs = None
+    for name in family.prefix_names:
+        runs = presences.prefix_runs(name, limit)
+        kvs = runs if kvs is None else list(map(min, kvs, runs))
+    hits, boundary = kvs, family.boundary
+    while True:
+        resolved = [how.resolve_many(presences, name, hits) for name, how in boundary]
+        agreed = list(map(min, *(h for h, _ in resolved))) if len(resolved) > 1 else (
+            resolved[0][0] if resolved else hits)
+        if agreed == hits:
+            break
+        hits = agreed
+    restarts = (list(map(min, *(r for _, r in resolved))) if len(resolved) > 1
+                else resolved[0][1] if resolved else hits)
+    return kvs, hits, restarts
 
 
 # -- adapters over explicit boundary lists ---------------------------------------------------------

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, joint_hit
+from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, joint_hit, joint_hits
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
 from hybridkv.fleet.store import StoreCost, paying_load
@@ -226,58 +226,73 @@ def live_instances(fleet: FleetState) -> list[int]:
         raise ValueError(NO_LIVE_INSTANCE)
     return live
 
-_NO_HIT = (0, 0)
-"""``(kv_hit, hit)`` of a view holding nothing of the prompt."""
 _PLAIN_VIEW = {InstanceView}
 _UNIT = attrgetter("unit")
 
 
-class _RunGuessPresence:
-    """:class:`~hybridkv.cache.groups.Presence` of one view after another for the units of one
-    prompt (:meth:`HybridRouter.route`, every instance on every arrival): ``full`` where a unit has
-    KV in the view (``kv``), ``kda`` where it has a checkpoint (``checkpoints``). Most views hold
-    the same few units of a prompt (a shared first block), so the last run found is checked whole
-    (in C, ``issuperset``) before a unit-by-unit walk.
+class _ViewsPresence:
+    """:class:`~hybridkv.cache.groups.Presences` of several views (one per instance) for the units
+    of one prompt (:meth:`HybridRouter.route`, every instance on every arrival): ``full`` where a
+    unit has KV in a view (``kv``), ``kda`` where it has a checkpoint (``checkpoints``). Most views
+    hold the same few units of a prompt (a shared first block), so the last run found is checked
+    whole (in C, ``issuperset``) before a unit-by-unit walk; a view without the first unit has
+    a run of 0 at once.
 
     Args:
         units: the prompt's unit hashes within its reuse cap.
         unit: ``prefix_match_unit`` in tokens.
+        views: the views, in the order of the answers.
     """
 
-    __slots__ = ("units", "unit", "kv", "checkpoints", "_guess", "_head")
+    __slots__ = ("units", "unit", "views")
 
-    def __init__(self, units: list[bytes], unit: int) -> None:
-        self.units, self.unit = units, unit
-        self.kv: set[bytes] = set()
-        self.checkpoints: set[bytes] = set()
-        self._guess, self._head = 0, ()            # the last run found (units) and its units
+    def __init__(self, units: list[bytes], unit: int, views: list[InstanceView]) -> None:
+        self.units, self.unit, self.views = units, unit, views
 
-    def prefix_run(self, group: str, limit: int) -> int:
+    def prefix_runs(self, group: str, limit: int) -> list[int]:
         if group != FULL:
             raise KeyError(f"a view holds no prefix group {group!r}")
-        kv, units = self.kv, self.units
-        n = min(len(units), limit // self.unit)
-        if n < len(units):                          # a shorter limit than the prompt's: no guess
-            return len(list(takewhile(kv.__contains__, islice(units, n)))) * self.unit
-        guess = self._guess
-        if guess and kv.issuperset(self._head):
-            run = guess
-            if run < n and units[run] in kv:
-                run += len(list(takewhile(kv.__contains__, islice(units, run, None))))
-        else:
-            run = len(list(takewhile(kv.__contains__, units)))
-            if run:
-                self._guess, self._head = run, units[:run]
-        return run * self.unit
+        units, g = self.units, self.unit
+        n = min(len(units), limit // g)
+        if n < len(units):                          # a shorter limit than the prompt's slice
+            units = units[:n]
+        if not n:
+            return [0] * len(self.views)
+        first, out = units[0], []
+        append = out.append
+        guess, head = 0, ()                         # the last run found (units) and its units
+        for view in self.views:
+            kv = view.kv
+            if first not in kv:
+                append(0)
+            elif guess and kv.issuperset(head):
+                if guess < n and units[guess] in kv:
+                    append((guess + len(list(takewhile(kv.__contains__, islice(units, guess, None))))) * g)
+                else:
+                    append(guess * g)
+            else:
+                run = len(list(takewhile(kv.__contains__, units)))
+                guess, head = run, units[:run]
+                append(run * g)
+        return out
 
-    def deepest_state(self, group: str, at_most: int) -> int:
+    def deepest_states(self, group: str, at_most: list[int]) -> list[int]:
         if group != KDA:
             raise KeyError(f"a view holds no boundary group {group!r}")
-        units, ck = self.units, self.checkpoints
-        k = min(at_most // self.unit, len(units))
-        while k and units[k - 1] not in ck:
-            k -= 1
-        return k * self.unit
+        units, g, out = self.units, self.unit, []
+        append, n = out.append, len(self.units)
+        for view, top in zip(self.views, at_most):
+            if not top:
+                append(0)
+                continue
+            k = top // g
+            if k > n:
+                k = n
+            ck = view.checkpoints
+            while k and units[k - 1] not in ck:
+                k -= 1
+            append(k * g)
+        return out
 
 
 class _RoutedPresence:
@@ -950,22 +965,19 @@ class HybridRouter(Router):
             unit = views[live[0]].unit
             routed, active = self._routed(fleet, unit), self._active
             cunits = units if unit == g else hashes[:limit // unit]       # the views' slice when they share it
-        first = units[0] if units else None
-        presence = _RunGuessPresence(units, g) if plain else None
+        if plain:       # the rule for every cool view at once (lists, in the order of ``cool``)
+            kv_hits, hits, _ = joint_hits(KIMI_LINEAR, _ViewsPresence(units, g, [views[j] for j in cool]), limit)
+            view_pairs = list(zip(kv_hits, hits))
         waiting = self.options.waiting_counts(loads, live) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
-        for j in cool:
+        for k, j in enumerate(cool):
             view = views[j]
-            if not plain:
+            if plain:
+                pair = view_pairs[k]
+            else:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
-            elif first in view.kv:                 # (no KV at the first unit: the rule gives no hit)
-                presence.kv, presence.checkpoints = view.kv, view.checkpoints
-                m = joint_hit(KIMI_LINEAR, presence, limit)
-                pair = (m.kv_hit, m.hit)
-            else:
-                pair = _NO_HIT
             if j in active:
                 own[j] = pair                            # the view's own pair, before the records
                 pair = routed[j].extend(cunits, view, pair)

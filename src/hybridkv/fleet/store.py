@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice, repeat, takewhile
+from itertools import repeat
 
 from hybridkv.cache.groups import FULL, KDA, KeySetPresence
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
