@@ -45,9 +45,9 @@ def _prompts(vocab: int, shared: int, tails=(40, 70, 100), seed: int = 0) -> lis
 
 
 def _run(model, prompts, recovery: str | None, block_size: int = 64, policy: str = "branch+tail",
-         max_out: int = 3):
-    cfg = CacheConfig(block_size=block_size, prefix_match_unit=64, num_kv_pages=64, num_checkpoint_slots=16,
-                      policy=CheckpointPolicy.parse(policy))
+         max_out: int = 3, **cache):
+    cache = {"num_kv_pages": 64, "num_checkpoint_slots": 16, **cache}
+    cfg = CacheConfig(block_size=block_size, prefix_match_unit=64, policy=CheckpointPolicy.parse(policy), **cache)
     handle = build_engine(model, cfg, model_name="v4-test", swa_recovery=recovery)
     reqs = []
     for i, p in enumerate(prompts):
@@ -115,6 +115,26 @@ def test_hit_inside_an_hca_window(hca128, recovery):
     expect = {"window": 192, "periodic=128": 128, "recompute": max(0, 192 - max_cone_tokens(hca128.config, 64))}
     assert reqs[1].match.restart == expect[recovery]
     _check_exact(hca128, reqs)
+
+
+def test_split_steps_and_evictions_stay_exact(tiny):
+    """Steps split at each saved boundary, and pools so small that entries are evicted between
+    requests: hits still restore exactly (evicted pages take their subtree and states along)."""
+    prompts = _prompts(tiny.config.vocab_size, 330, tails=(40, 70, 100, 130), seed=7)
+    prompts.insert(2, np.random.default_rng(8).integers(0, tiny.config.vocab_size, 400))  # pushes entries out
+    handle, reqs = _run(tiny, prompts, "periodic=128", mechanism="split", num_kv_pages=14, num_checkpoint_slots=3,
+                        max_num_batched_tokens=100)
+    assert handle.engine.cache.evicted_pages > 0
+    assert any(r.reused for r in reqs)
+    _check_exact(tiny, reqs)
+
+
+def test_commands_without_v4_support_refuse_it(tmp_path, capsys):
+    from hybridkv.serve.launch import ServeOptions, build_handle
+    with pytest.raises(ValueError, match=r"serve does not run DeepSeek-V4 models yet \(model 'v4-tiny'\)"):
+        build_handle(ServeOptions(model="v4-tiny", port=0, threads=1))
+    assert main(["calibrate", "--model", "v4-tiny", "--out", str(tmp_path / "c.json")]) == 2
+    assert "calibrate does not run DeepSeek-V4 models yet" in capsys.readouterr().err.replace("\n", " ")
 
 
 def test_block_size_must_hold_whole_entries(hca128):

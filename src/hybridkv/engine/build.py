@@ -48,6 +48,17 @@ def is_v4(name: str | os.PathLike) -> bool:
     return str(name) in V4_PRESETS
 
 
+def refuse_v4(name: str | os.PathLike, what: str) -> None:
+    """Raise when ``name`` is a DeepSeek-V4 model and ``what`` (a command) does not run one yet.
+
+    Raises:
+        ValueError: naming the model and the command, and what does run it.
+    """
+    if is_v4(name):
+        raise ValueError(f"{what} does not run DeepSeek-V4 models yet (model {str(name)!r}); "
+                         "`hybridkv replay --model ...` and `LLM(...)` do")
+
+
 def model_config(name: str | os.PathLike) -> HybridConfig | V4Config:
     """Config of a preset name (``tiny``, ``small``, ``kimi-linear-48b-a3b``; ``v4-tiny``,
     ``v4-small``) or a model directory (Kimi Linear, or ``model_type`` ``deepseek_v4``).

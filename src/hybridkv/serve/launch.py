@@ -23,7 +23,7 @@ import uvicorn
 
 from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import EngineHandle, build_engine, load_model
+from hybridkv.engine.build import EngineHandle, build_engine, load_model, refuse_v4
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
@@ -209,6 +209,7 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
                          store_alignment=opts.store_alignment)
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
+    refuse_v4(opts.model, "serve")
     model = load_model(opts.model, opts.seed)
     return build_engine(model, config, model_name=opts.model, store_url=opts.store, host_bytes=opts.host_mib << 20,
                         listener=listener)
