@@ -314,12 +314,21 @@ class HybridCacheCoordinator:
             count, self._last_lookup = key != self._last_lookup, key
             # each page once, deepest first: the root end is the most recent
             self.pages.touch_many(dict.fromkeys(map(_page_of, reversed(path))), count)
-            if restart and path[restart // g - 1].checkpoint is not None:   # the state a hit resumes from
-                self.checkpoints.touch(path[restart // g - 1].checkpoint, count)
+            slot = self._state_slot(path, restart)            # the state a hit resumes from
+            if slot is not None:
+                self.checkpoints.touch(slot, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
                            branching_boundary=joint.branching_boundary,
                            per_group=joint.per_group, hashes=hashes, path=path,
                            namespace=namespace or self.namespace, restart=restart)
+
+    def _state_slot(self, path: list[BlockNode], boundary: int) -> int | None:
+        """The checkpoint slot saved at ``boundary`` on ``path`` (``None``: none there, at 0, or a
+        boundary off the unit grid, e.g. a recompute cone's restart point)."""
+        g = self.config.prefix_match_unit
+        if boundary <= 0 or boundary % g or boundary // g > len(path):
+            return None
+        return path[boundary // g - 1].checkpoint
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
         """Matches that reuse less than ``match``, deepest first: each checkpointed boundary of
@@ -374,7 +383,7 @@ class HybridCacheCoordinator:
         held = list(dict.fromkeys(map(_page_of, path)))     # every page on the hit path, before any eviction
         self.pages.ref_many(held)
         state, restart = None, match.restart
-        slot = path[restart // g - 1].checkpoint if restart else None
+        slot = self._state_slot(path, restart)
         if slot is not None:                                 # copy the checkpoint out while it is held
             self.checkpoints.ref(slot)
             state = self.checkpoints.read(slot, restart)
