@@ -29,11 +29,13 @@ from hybridkv.replay.args import (
     fraction,
     non_negative_int,
     max_num_seqs,
+    page_tokens,
     pool_entries,
     positive_int,
     restart_spec,
     seed_value,
     store_gib,
+    thread_count,
     time_scale,
     unwritable,
 )
@@ -54,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
-                        "smaller scales the trace down keeping its sharing (model runs default to 64)")
-    r.add_argument("--block-size", type=positive_int, default=None,
+                        "smaller scales the trace down keeping its sharing (model runs default to 64; at most 65536)")
+    r.add_argument("--block-size", type=page_tokens, default=None,
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
-    r.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens (default 64)")
+    r.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens (default 64)")
     r.add_argument("--policy", type=checkpoint_policy, default=None,
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
     r.add_argument("--seed", type=seed_value, default=0, help="seed of weights and synthetic tokens (default 0)")
-    r.add_argument("--threads", type=positive_int, default=1,
+    r.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "in this process, each on a virtual clock; the report adds TTFT, queue and end-to-end "
                         "seconds and per-instance load")
     r.add_argument("--time-scale", type=time_scale, default=1.0,
-                   help="--timed: multiply arrival times by this (> 1 slows arrivals; default 1)")
+                   help="--timed: multiply arrival times by this, 1e-6 to 1e6 (> 1 slows arrivals; default 1)")
     from hybridkv.fleet.routers import ROUTER_NAMES
     r.add_argument("--router", choices=ROUTER_NAMES, default=None,
                    help="--timed: router (default hybrid with --instances > 1)")
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "shapes and times only) to this JSON file, for `hybridkv calibrate --from-steps`")
     r.add_argument("--store-gib", type=store_gib, default=None,
                    help="--timed --simulate: capacity of the simulated shared store in GiB, least recently "
-                        "used evicted first (default 1024; 0: unlimited)")
+                        "used evicted first (default 1024; 0: unlimited; at most 2^30)")
     r.add_argument("--restart", dest="restarts", type=restart_spec, action="append", default=[],
                    metavar="INSTANCE@SECONDS",
                    help="--timed: restart instance INSTANCE (0-based) with an empty cache at the first moment "
@@ -204,7 +206,7 @@ def _add_calibrate(sub) -> None:
                         "costs, cache bookkeeping and store tier included) instead of timing the forward alone")
     c.add_argument("--out", required=True, help="JSON file to write")
     c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
-    c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
+    c.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1, like replay)")
     c.add_argument("--seed", type=seed_value, default=0, help="seed of the preset weights (default 0)")
     c.set_defaults(calibrate_func=cmd_calibrate)
 

@@ -175,3 +175,45 @@ def test_max_num_seqs_has_a_bound(capsys, argv):
     """Before: a MemoryError traceback (exit 1): the default KV pool has a page per running request."""
     err = _refused(capsys, [*argv, "--max-num-seqs", "100000000000"])
     assert "--max-num-seqs: 100000000000 is more than 65536 requests running at once" in err
+
+
+def test_a_step_log_that_fails_after_the_run_keeps_the_report(tmp_path, capsys):
+    """The library path (no CLI pre-check): a step log that cannot be written is a warning, and
+    the run's report is still returned (before: the OSError escaped and the report was lost)."""
+    from rich.console import Console
+
+    from hybridkv.replay.runner import ReplayOptions, run_replay
+
+    opts = ReplayOptions(limit=20, simulate=True, timed=True, progress=False, step_log=str(tmp_path))
+    report = run_replay(opts, Console(stderr=True))
+    err = " ".join(capsys.readouterr().err.split())
+    assert report.requests == 20
+    assert f"warning: --step-log {tmp_path}: Is a directory" in err and "the report is" in err
+
+
+def test_serve_pools_larger_than_memory_are_refused_before_loading(capsys):
+    """Before: torch's "DefaultCPUAllocator: can't allocate memory" traceback (exit 1)."""
+    rc = main(["serve", "--port", "0", "--model", "small", "--checkpoint-slots", "16777216"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "the device pools need 7008.1 GiB" in err and "--checkpoint-slots 16777216: 7008.0 GiB" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["replay", "--simulate", "--limit", "5", "--no-progress"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("option", ["--block-size", "--prefix-match-unit"])
+def test_page_sizes_have_a_bound(capsys, argv, option):
+    """Before (serve --block-size 1000000000): a 178.8 GiB allocation traceback."""
+    assert f"{option}: 1000000000 is more than 65536 tokens" in _refused(capsys, [*argv, option, "1000000000"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--simulate", "--limit", "5", "--no-progress"],
+    ["calibrate", "--out", "unused.json"],
+    ["soak", "--rounds", "1"],
+    ["serve", "--port", "0"],
+])
+@pytest.mark.parametrize("value", ["99999999999999999999", "4096"])
+def test_threads_have_a_bound(capsys, argv, value):
+    """Before: "Overflow when unpacking long long" (a traceback in calibrate and soak), or with 4096 a
+    segmentation fault of the OpenMP runtime (exit 139)."""
+    assert f"--threads: {value} is more than 1024 torch threads" in _refused(capsys, [*argv, "--threads", value])

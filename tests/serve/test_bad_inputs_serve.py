@@ -326,3 +326,35 @@ def test_a_stopping_server_answers_a_running_non_streaming_request_503():
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
     assert "the server is shutting down" in r.json()["error"]["message"]
     assert not [x for x in records.records if x.levelno >= logging.ERROR], [x.getMessage() for x in records.records]
+
+
+def test_a_stopping_router_answers_a_request_still_waiting_for_its_worker_503(server):
+    """A non-streaming request whose worker has not answered yet when the router stops gets a
+    503 (``server_shutdown``), and the worker's job is cancelled."""
+    from serve_helpers import engine_idle, wait_idle
+
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    answers: list[httpx.Response] = []
+    router = _router([server.url])
+    try:
+        for _ in range(200):
+            if httpx.get(f"{router.url}/health", timeout=10).status_code == 200:
+                break
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": [7] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
+        client = threading.Thread(target=lambda: answers.append(_post(router.url, "/v1/completions", body)))
+        client.start()
+        for _ in range(400):
+            if engine_idle(server)["running"]:
+                break
+            time.sleep(0.025)
+        router.close()
+        client.join(30)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+        router.close()
+    (r,) = answers
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+    assert not [x for x in records.records if x.levelno >= logging.ERROR], [x.getMessage() for x in records.records]
+    assert wait_idle(server)["running"] == 0

@@ -28,10 +28,11 @@ def bad_value(key: str, value: Any, why: str) -> ValueError:
 
 
 MAX_SIZE = 2**31 - 1
-"""Largest value of any size or count in a model config (the int32 range torch indexes with)."""
+"""Largest value of any size or count in a model config: the int32 range (published models stay
+far below it; above it a size is a typo, not a model)."""
 
 _REQUIRED = object()
-NESTED = "linear_attn_config."
+NESTED = "linear_attn_config."          # prefix of a key inside that nested object
 _JSON_TYPE = {bool: "true/false", int: "an integer", float: "a number with a fraction or exponent", str: "a string",
               list: "an array", tuple: "an array", dict: "an object", type(None): "null"}
 

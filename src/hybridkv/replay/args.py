@@ -90,13 +90,13 @@ MAX_STORE_GBPS = 1e6
 
 MAX_BLOCK_TOKENS = 1 << 16
 """Largest ``--block-tokens``: tokens one trace hash id stands for. The Mooncake traces use 512; at
-65,536 the bundled trace's longest prompt is already about 17 million tokens (128 MiB of token ids),
+65,536 the bundled trace's longest prompt is already about 16 million tokens (124 MiB of token ids),
 and above it a prompt's synthetic token ids alone run to gigabytes."""
 
 MAX_POOL_ENTRIES = 1 << 24
 """Largest ``--kv-pages`` / ``--checkpoint-slots``: a pool keeps a few Python lists of this length
 (about 0.6 GB for both pools at the bound); a real model's pools are further bounded by memory
-when the run is built (:func:`hybridkv.replay.runner.check_device_memory`)."""
+when the run is built (:func:`hybridkv.engine.build.check_pool_memory`)."""
 
 SEED_RANGE = (0, 2**63 - 1)
 """Bounds of ``--seed``: what torch, numpy and the 8-byte signed seed of synthetic tokens all accept."""
@@ -141,11 +141,33 @@ def block_tokens(text: str) -> int:
     return n
 
 
+def page_tokens(text: str) -> int:
+    """``--block-size`` / ``--prefix-match-unit``: tokens in ``[1, MAX_BLOCK_TOKENS]`` (a page of
+    more tokens than a trace hash id stands for has no use and makes one page gigabytes)."""
+    n = positive_int(text)
+    if n > MAX_BLOCK_TOKENS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_BLOCK_TOKENS} tokens")
+    return n
+
+
 def pool_entries(text: str) -> int:
     """``--kv-pages`` / ``--checkpoint-slots``: an integer in ``[1, MAX_POOL_ENTRIES]``."""
     n = positive_int(text)
     if n > MAX_POOL_ENTRIES:
         raise argparse.ArgumentTypeError(f"{n} is more than {MAX_POOL_ENTRIES} entries in a pool")
+    return n
+
+
+MAX_THREADS = 1024
+"""Largest ``--threads`` (torch threads of one process): 4,096 crashed the OpenMP runtime (a
+segmentation fault) on the 2-core test machine, and a value beyond the int64 range overflowed."""
+
+
+def thread_count(text: str) -> int:
+    """``--threads``: an integer in ``[1, MAX_THREADS]``."""
+    n = positive_int(text)
+    if n > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_THREADS} torch threads")
     return n
 
 

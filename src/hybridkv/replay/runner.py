@@ -39,7 +39,7 @@ from rich.progress import (
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
 from hybridkv.cache.swa import CSA, HCA, SwaRecovery, check_block_size
 from hybridkv.model.v4.config import V4Config
-from hybridkv.engine.build import model_config
+from hybridkv.engine.build import check_pool_memory, model_config
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import (
@@ -198,37 +198,6 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         return _replay(opts, console)
 
 
-def check_device_memory(cfg: CacheConfig, mcfg, instances: int,
-                        explicit: tuple[int | None, int | None] = (None, None)) -> None:
-    """Refuse a real-model replay whose device pools cannot fit in this machine's memory.
-
-    Bytes per instance: ``num_kv_pages * block_size * kv_bytes_per_token`` (MLA latents, fp32) plus
-    ``num_checkpoint_slots * checkpoint_bytes`` (KDA checkpoints, fp32), both allocated when an
-    engine is built; times ``instances``, against physical memory (``SC_PHYS_PAGES * SC_PAGE_SIZE``).
-    ``explicit``: the ``--kv-pages`` / ``--checkpoint-slots`` given (``None``: sized for the trace).
-
-    Raises:
-        ValueError: more than physical memory; names the options, the bytes needed and the memory.
-    """
-    import os
-
-    kv = cfg.num_kv_pages * cfg.block_size * mcfg.kv_bytes_per_token
-    ckpt = cfg.num_checkpoint_slots * mcfg.checkpoint_bytes
-    need = (kv + ckpt) * instances
-    try:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):         # not reported on this system: nothing to compare with
-        return
-    if need <= have:
-        return
-    pages, slots = explicit
-    kv_what = f"--kv-pages {pages}" if pages else f"{cfg.num_kv_pages} KV pages (sized for every prompt: --block-tokens)"
-    slot_what = f"--checkpoint-slots {slots}" if slots else f"{cfg.num_checkpoint_slots} checkpoint slots"
-    raise ValueError(f"the device pools need {need / 2**30:.1f} GiB ({kv_what}: {kv / 2**30:.1f} GiB, {slot_what}: "
-                     f"{ckpt / 2**30:.1f} GiB, x {instances} instance(s)) but this machine has {have / 2**30:.1f} "
-                     "GiB of memory; give fewer --kv-pages / --checkpoint-slots or a smaller --block-tokens")
-
-
 def resolved_block_tokens(opts: ReplayOptions) -> int:
     """Tokens per trace hash id of a replay: ``opts.block_tokens``, or when it is ``None`` 512 (the
     trace's own block, Mooncake FAST'25 release) when simulating and 64 (lengths scaled 1/8 so the
@@ -295,11 +264,12 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                 raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
                                  "cache alone for now (no host tier, store or timed fleet)")
     if not opts.simulate:
+        hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
         sizes = mcfg
         if recovery is not None:        # DeepSeek-V4: its pages and slots, from the group specs
             from hybridkv.engine.v4backend import pool_sizes
             sizes = pool_sizes(mcfg, cfg.block_size, cfg.prefix_match_unit)
-        check_device_memory(cfg, sizes, opts.instances, explicit=(opts.num_kv_pages, opts.num_checkpoint_slots))
+        check_pool_memory(cfg, sizes, opts.instances, hint)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):
@@ -354,11 +324,15 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
         if opts.step_log is not None:
-            write_step_log(opts.step_log, timed.steps,
-                           {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
-                            "instances": opts.instances, "time_scale": opts.time_scale,
-                            "cost_model": timed.timing["cost_model"], "requests": len(reqs),
-                            "step_clock": None if opts.simulate else opts.step_clock})
+            try:                # checked writable before the run; failing now still keeps the report
+                write_step_log(opts.step_log, timed.steps,
+                               {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
+                                "instances": opts.instances, "time_scale": opts.time_scale,
+                                "cost_model": timed.timing["cost_model"], "requests": len(reqs),
+                                "step_clock": None if opts.simulate else opts.step_clock})
+            except OSError as exc:
+                console.print(f"[yellow]warning:[/yellow] --step-log {opts.step_log}: {exc.strerror or exc}; "
+                              "the step log is not written, the report is", markup=True, highlight=False)
     return report
 
 

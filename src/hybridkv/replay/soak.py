@@ -45,7 +45,14 @@ from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.build import EngineHandle, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.replay.args import non_negative_int, positive_float, positive_int, seed_value, unwritable
+from hybridkv.replay.args import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_value,
+    thread_count,
+    unwritable,
+)
 from hybridkv.replay.soak_check import Reference, check_request
 from hybridkv.replay.soak_report import (
     SoakCounters,
@@ -500,7 +507,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eviction order of the device pools and host tier: lru (default; every earlier "
                         "round reproduces), value, or mixed (value in odd rounds)")
     p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the report here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--verbose", action="store_true", help="keep the store tiers' warnings (unreachable store)")

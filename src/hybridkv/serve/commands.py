@@ -22,11 +22,13 @@ from hybridkv.replay.args import (
     non_negative_int,
     poll_seconds,
     max_num_seqs,
+    page_tokens,
     pool_entries,
     port_number,
     positive_float,
     positive_int,
     seed_value,
+    thread_count,
     time_scale,
 )
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
@@ -45,8 +47,8 @@ def register_cli(sub) -> None:
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
     s.add_argument("--seed", type=seed_value, default=0, help="seed of a preset's weights")
-    s.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
-    s.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens")
+    s.add_argument("--block-size", type=page_tokens, default=64, help="KV page size in tokens")
+    s.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens")
     s.add_argument("--policy", type=checkpoint_policy, default="branch+tail",
                    help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
                         "'none' turns reuse off (default branch+tail)")
@@ -59,7 +61,7 @@ def register_cli(sub) -> None:
                    help="prompt + generated tokens per request (default: the KV pool's tokens)")
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests waiting for admission before answering 503 (default 64)")
-    s.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    s.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
     s.set_defaults(func=_serve)
 
     _register_router(sub)
@@ -71,7 +73,7 @@ def register_cli(sub) -> None:
     b.add_argument("--trace", default=None, help="trace path (default: the bundled trace)")
     b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
     b.add_argument("--time-scale", type=time_scale, default=1.0,
-                   help="factor on the trace's timestamps (2: half the rate; default 1)")
+                   help="factor on the trace's timestamps, 1e-6 to 1e6 (2: half the rate; default 1)")
     b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
     b.add_argument("--block-tokens", type=block_tokens, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")

@@ -321,8 +321,11 @@ class RouterService:
                      if req.hashes and fleet is not None and self._uses_pages else ((), False, 0))
             ticket = _Ticket(w, req.prompt_tokens, req.output_tokens, seconds, pages)
             try:
-                upstream = await self.proxy.send(self.proxy.build_request("POST", w.url + path, content=raw,
-                                                                          headers=headers), stream=True)
+                upstream = await self._send_unless_stopping(self.proxy.build_request(
+                    "POST", w.url + path, content=raw, headers=headers))
+                if upstream is None:                       # the router stopped before the worker answered
+                    ticket.done()
+                    return _error(503, self.stopping.reason, "server_shutdown")
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 ticket.done()
                 self.workers.take_out(w, f"connection failed: {type(exc).__name__}")
@@ -336,6 +339,30 @@ class RouterService:
             return upstream, ticket
         self.unroutable += 1
         return _error(503, "no worker is in rotation; retry shortly", "no_healthy_worker")
+
+    async def _send_unless_stopping(self, request: httpx.Request) -> httpx.Response | None:
+        """``request`` sent to its worker, streamed: the response once its headers arrive, or
+        ``None`` when the router stops first (the request is then cancelled and its connection
+        closed, which cancels the generation on the worker).
+
+        Raises:
+            httpx.HTTPError: the worker could not be reached or failed before answering.
+        """
+        send = asyncio.ensure_future(self.proxy.send(request, stream=True))
+        stop = asyncio.ensure_future(self.stopping.event.wait())
+        self.stopping.active += 1
+        try:
+            await asyncio.wait({send, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.stopping.active -= 1
+            stop.cancel()
+            stopped = not send.done()
+            if stopped:
+                send.cancel()
+        if stopped:
+            await asyncio.gather(send, return_exceptions=True)
+            return None
+        return send.result()
 
     async def _split(self, body: dict, reqs: list[RouteRequest], path: str, headers: dict):
         """A completion batch: each prompt routed and sent on its own, the answers put back
