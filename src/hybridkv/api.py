@@ -92,8 +92,9 @@ class LLM:
     tokens and logits equal a run without cache (logits within 1e-4).
 
     Args:
-        model: ``tiny``, ``small``, ``kimi-linear-48b-a3b`` (presets, random weights from
-            ``seed``), or a directory saved by ``transformers`` / ``HybridModel.save_pretrained``.
+        model: ``tiny``, ``small``, ``kimi-linear-48b-a3b``, or DeepSeek-V4's ``v4-tiny``,
+            ``v4-small`` (presets, random weights from ``seed``), or a directory saved by
+            ``transformers`` / ``HybridModel.save_pretrained`` / ``V4Model.save_pretrained``.
         seed: seed of a preset's weights.
         block_size: KV page size in tokens (a multiple of ``prefix_match_unit``); the host
             tier keeps one entry per page.

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", help="trace path (JSONL, Mooncake format); default: the bundled trace")
     r.add_argument("--limit", type=positive_int, default=None, help="first N requests (default 40; --simulate: all)")
     r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
-    r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
+    r.add_argument("--model", default="small",
+                   help="preset (tiny, small, kimi-linear-48b-a3b; DeepSeek-V4: v4-tiny, v4-small) or a model "
+                        "directory (Kimi Linear or deepseek_v4)")
     r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
                         "smaller scales the trace down keeping its sharing (model runs default to 64; at most 65536)")
