@@ -411,6 +411,16 @@ def _replay(args, console: Console) -> int:
                       "not supported; replay it with the model", markup=True, highlight=False)
         return 2
     host_mib = args.host_mib if args.host_mib is not None else (0 if v4 else 256)
+    if v4:                            # a V4 model runs on one engine's device cache for now
+        for flag, bad in (("--host-mib", host_mib or None),
+                          ("--instances", args.instances if args.instances > 1 else None),
+                          ("--store", None if args.store == "none" else args.store), ("--timed", args.timed or None)):
+            if bad is not None:
+                shown = "" if bad is True else f" {bad}"
+                console.print(f"[red]error:[/red] {flag}{shown} with --model {args.model}: a DeepSeek-V4 model runs on "
+                              "one engine's device cache alone for now (no host tier, store, instances or timed "
+                              "fleet)", markup=True, highlight=False)
+                return 2
     if args.all:
         if args.limit is not None:
             console.print(f"[red]error:[/red] --all and --limit {args.limit} contradict each other; give one",

@@ -189,6 +189,13 @@ def test_cli_errors(capsys):
     assert main(["replay", "--model", "v4-tiny", "--swa-recovery", "periodic=96", "--limit", "1",
                  "--no-progress"]) == 2
     assert "P must be a multiple of prefix_match_unit=64" in capsys.readouterr().err.replace("\n", " ")
+    for extra, shown in ((["--host-mib", "16"], "--host-mib 16"), (["--instances", "2"], "--instances 2"),
+                         (["--timed"], "--timed")):
+        assert main(["replay", "--model", "v4-tiny", "--limit", "2", "--no-progress", *extra]) == 2
+        assert f"{shown} with --model v4-tiny: a DeepSeek-V4 model runs on" in capsys.readouterr().err.replace("\n", " ")
+    assert main(["replay", "--model", "v4-small", "--limit", "2", "--no-progress"]) == 2
+    assert "block_size=64 must be a multiple of the 'hca' group's granularity 128" in \
+        capsys.readouterr().err.replace("\n", " ")
 
 
 def test_cli_replay_verifies_reuse(tmp_path):
