@@ -112,7 +112,7 @@ def plot(rows: list[dict], path: str, title: str = "bundled trace, simulate") ->
         if pts:
             ax.plot(*zip(*pts), marker="o", label=policy)
     ax.set_xscale("log")
-    ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak (host: 2x device)")
+    ax.set_xlabel("device KV + checkpoint capacity, % of nothing-evicted peak")
     ax.set_ylabel("% of every-unit oracle reused")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
@@ -140,7 +140,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     if args.png:
-        plot(rows, args.png, f"{args.trace.rsplit('/', 1)[-1]}, simulate" if args.trace else "bundled trace, simulate")
+        host = f"host tier at {args.host_factor:g}x the device" if args.host_factor else "no host tier"
+        trace = f"{args.trace.rsplit('/', 1)[-1]}" if args.trace else "bundled trace"
+        plot(rows, args.png, f"{trace}, simulate, {host}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 For each policy: fraction of the oracle (infinite KV, a checkpoint at every
 block) reached, and peak checkpoint bytes relative to a checkpoint at every
-512-token block. Writes a markdown table and a plot.
+512-token block. Writes ``OUT.json`` and a plot (``OUT.png``) and prints a markdown table (the one
+docs/results/policies.md shows; no ``.md`` file is written, since every ``.md`` under ``docs/`` is a
+page of the documentation site).
 
-Run by hand:  .venv/bin/python benchmarks/bench_policies.py [--out docs/policies]
+Run by hand:  .venv/bin/python benchmarks/bench_policies.py [--out docs/results/policies]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ POLICIES = [
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="docs/policies")
+    ap.add_argument("--out", default="docs/results/policies", help="prefix of the .json and .png written")
     ap.add_argument("--model", default="small")
     ap.add_argument("--limit", type=int, default=None)
     args = ap.parse_args()
@@ -62,7 +64,6 @@ def main() -> None:
         lines.append(f"| `{r['policy']}` | {r['oracle_fraction']:.4f} | {r['checkpoint_bytes_peak'] / 2**30:.2f} | "
                      f"{r['checkpoint_bytes_peak'] / every:.3f} | {sum(r['checkpoints_created'].values()):,} | "
                      f"{r['branch_recompute_tokens']:,} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     import matplotlib
     matplotlib.use("Agg")

@@ -5,11 +5,12 @@ For 8 and 32 instances and the trace's own arrival rate, 2x and 4x it (time scal
 oracle reused, bytes loaded from the simulated shared store and the least busy instance's
 share (``load_min_share``: min / mean busy seconds), plus a lower bound on TTFT per column
 (:func:`idle_oracle_ttft`: oracle reuse on an idle instance). Writes
-``OUT.json`` (every run's figures, rewritten as each run ends), ``OUT_table.md`` (a markdown
-table; not ``OUT.md``, which with ``--out docs/routing`` is the routing document itself) and
-``OUT.png`` (TTFT CDF per router, one panel per fleet size and rate).
+``OUT.json`` (every run's figures, rewritten as each run ends), ``OUT_bound.json`` (the bound) and
+``OUT.png`` (TTFT CDF per router, one panel per fleet size and rate), and prints a markdown table
+(the one docs/results/routing.md shows; no ``.md`` file is written, since every ``.md`` under
+``docs/`` is a page of the documentation site).
 
-Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_routers.py [--out docs/routing] [--jobs 2]
+Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_routers.py [--out docs/results/routing] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/routing", help="prefix of the .json, _table.md and .png written")
+    ap.add_argument("--out", default="docs/results/routing", help="prefix of the .json, _bound.json and .png written")
     ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each takes one core)")
     ap.add_argument("--cost-model", default=None, help="as replay --cost-model (default: the H200 model)")
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="routers, comma-separated")
     ap.add_argument("--store-gib", type=float, default=None,
                     help="simulated store capacity in GiB (default: the replay's, 0: unlimited)")
-    ap.add_argument("--replot", action="store_true", help="only rewrite OUT_table.md and OUT.png from OUT.json")
+    ap.add_argument("--replot", action="store_true", help="only print the table and rewrite OUT.png from OUT.json")
     args = ap.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
     rates = tuple(int(r) for r in args.rates.split(","))
@@ -190,7 +191,6 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "ttft_cdf"}), flush=True)
                 out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")   # as runs end
-    out.with_name(out.name + "_table.md").write_text(table(rows, bound))
     plot(rows, out.with_suffix(".png"))
     print(table(rows, bound))
 

@@ -1,8 +1,8 @@
 """Guard of the simulator speed work (issue 9 item 4): the report JSON of a set of simulated
 replays must not change with speed work.
 
-Runs each guard case (``hybridkv replay --simulate ...``, the commands of docs/routing.md's
-"Guard:" paragraphs plus a crash, an eviction-pressure hybrid run and one whose simulated store evicts) with the package found
+Runs each guard case (``hybridkv replay --simulate ...``, :data:`CASES`: four routers, eviction pressure under
+``lru`` and ``value``, a crash and a restart, an eviction-pressure hybrid run and runs whose simulated store evicts) with the package found
 under ``--src`` (default this checkout's ``src``), writes each report to ``--out/<case>.json``
 with the keys that depend on the machine removed (``wall_seconds``, rates computed from it,
 the scratch store path), and with ``--against DIR`` compares every case field for field with

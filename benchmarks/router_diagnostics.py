@@ -1,4 +1,4 @@
-"""Two checks behind docs/routing.md "Router emulations checked against their sources".
+"""Two checks behind docs/concepts/routing.md "Emulations checked against their sources".
 
 * ``kv-overlap``: how often Dynamo's default router queue would hold a request (every live
   instance with more than ``router_queue_threshold`` (4.0) x ``max_num_batched_tokens``

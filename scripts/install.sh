@@ -16,7 +16,7 @@ STAMP=.venv/.hybridkv-install-stamp
 want_stamp=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
 
 # Exit 0 when .venv already holds an editable hybridkv of this checkout, torch 2.13.0
-# and every requirement of hybridkv[test,bench,mooncake,serve] at a satisfying version.
+# and every requirement of hybridkv[test,bench,mooncake,serve,docs] at a satisfying version.
 venv_complete() {
   .venv/bin/python - "$PWD" <<'EOF' 2>/dev/null
 import importlib.metadata as md, json, sys
@@ -32,7 +32,7 @@ if md.version("torch").split("+")[0] != "2.13.0":
     sys.exit(1)
 for spec in dist.requires or []:
     req = Requirement(spec)
-    if req.marker and not any(req.marker.evaluate({"extra": e}) for e in ("", "test", "bench", "mooncake", "serve")):
+    if req.marker and not any(req.marker.evaluate({"extra": e}) for e in ("", "test", "bench", "mooncake", "serve", "docs")):
         continue
     if not req.specifier.contains(md.version(req.name), prereleases=True):
         sys.exit(1)
@@ -46,8 +46,44 @@ if [ -z "${HYBRIDKV_FORCE_INSTALL:-}" ] \
   exit 0
 fi
 
+# apt-get that waits for the package lock another process holds (unattended-upgrades, another
+# install) instead of failing at once (exit 100): at most HYBRIDKV_APT_LOCK_WAIT seconds (default
+# 300) over the whole script, saying so every 15 s (apt itself says it every second). Status 75
+# when the lock was still held at the end.
+APT_LOCK_WAIT=${HYBRIDKV_APT_LOCK_WAIT:-300}
+apt_lock_deadline=
+apt_get() {
+  [ -n "$apt_lock_deadline" ] || apt_lock_deadline=$((SECONDS + APT_LOCK_WAIT))
+  local left=$((apt_lock_deadline - SECONDS)) start=$SECONDS
+  [ "$left" -gt 0 ] || left=1
+  apt-get -o DPkg::Lock::Timeout="$left" "$@" 2>&1 | {
+    said=-15 locked=0
+    while IFS= read -r line; do
+      case $line in
+        "Waiting for cache lock"*)
+          if [ $((SECONDS - said)) -ge 15 ]; then
+            said=$SECONDS
+            line=${line#Waiting for cache lock: }
+            echo "install.sh: waiting for the package lock (up to ${left} s, $((SECONDS - start)) s so far): ${line%...}"
+          fi ;;
+        "E: Could not get lock"* | "E: Unable to acquire the dpkg frontend lock"* | "E: Unable to lock"*)
+          printf '%s\n' "$line"
+          [ "$locked" = 1 ] || echo "install.sh: the package lock is still held after ${left} s; run again once" \
+                                    "that process is done (or wait longer: HYBRIDKV_APT_LOCK_WAIT=SECONDS)"
+          locked=1 ;;
+        *) printf '%s\n' "$line" ;;
+      esac
+    done
+    [ "$locked" = 0 ] || exit 75
+  }
+}
+
 apt_install() {
-  apt-get install -y -q "$@" || { apt-get update -q; apt-get install -y -q "$@"; }
+  local rc=0
+  apt_get install -y -q "$@" || rc=$?
+  [ "$rc" = 0 ] && return 0
+  [ "$rc" = 75 ] && return 75       # the lock, not stale package lists: updating would not help
+  apt_get update -q && apt_get install -y -q "$@"
 }
 
 # libibverbs1: needed to import the Mooncake transfer engine (docs/DESIGN.md section 11).
@@ -72,7 +108,7 @@ fi
 # torch first and pinned: 2.13.0 is the CPU build for these machines; any
 # other spec lets pip pull a CUDA build of several GB.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test,bench,mooncake,serve]'
+.venv/bin/python -m pip install -q -e '.[test,bench,mooncake,serve,docs]'
 
 venv_complete || { echo "install.sh: .venv is still missing requirements of hybridkv" >&2; exit 1; }
 echo "$want_stamp" > "$STAMP"

@@ -5,7 +5,14 @@
 a lower layer (e.g. ``hybridkv.store.base``) does not import torch.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _dist_version
+
+try:
+    __version__: str = _dist_version("hybridkv")
+    """The installed distribution's version (pyproject.toml ``[project] version``), e.g. ``"0.2.0"``."""
+except _PackageNotFoundError:       # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _LAZY = ("LLM", "GenerationOutput")
 

@@ -109,9 +109,11 @@ class LLM:
         max_num_seqs: requests running at once.
         max_num_batched_tokens: scheduler budget per engine step (tokens).
         host_mib: host tier capacity in MiB (write-back of evicted device entries); 0: none.
-        store: store URL shared across processes and restarts: ``none``, ``disk:///ABS/DIR``,
-            ``memory://``, ``mooncake://127.0.0.1:50051``. Unreachable at startup: a warning,
-            and the LLM runs without it. (Mooncake clients open wildcard listeners unless the
+        store: store URL: ``none``, ``disk:///ABS/DIR`` or ``mooncake://127.0.0.1:50051`` (shared
+            across processes and restarts), or ``memory://`` (private to this LLM: a dict in this
+            process, shared with no other LLM or process, gone when it closes). Unreachable at
+            startup (e.g. a disk store on a read-only file system): a warning naming it, and the
+            LLM runs without it. (Mooncake clients open wildcard listeners unless the
             process runs under ``hybridkv.store.mooncake.loopback``; see docs/mooncake.md.)
         store_alignment: tokens; only these boundaries become store entries (a multiple of
             ``block_size``; default ``block_size``).

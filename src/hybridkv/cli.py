@@ -17,22 +17,34 @@ import sys
 
 from rich.console import Console
 
+from hybridkv import __version__
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    block_tokens,
+    checkpoint_policy,
+    clock_seconds,
     finite_positive_float,
     fraction,
-    non_negative_float,
     non_negative_int,
-    positive_float,
+    max_num_seqs,
+    page_tokens,
+    pool_entries,
     positive_int,
     restart_spec,
+    seed_value,
+    store_gib,
+    thread_count,
+    time_scale,
+    unwritable,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="hybridkv", description="Exact prefix cache for hybrid (MLA + KDA) LLMs.")
+    p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
+                   help="print the installed version (hybridkv X.Y.Z) and exit")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("replay", help="replay a Mooncake-format request trace through the engine",
                        description="Replay a trace (default: the bundled one-hour Kimi conversation trace) "
@@ -41,13 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--limit", type=positive_int, default=None, help="first N requests (default 40; --simulate: all)")
     r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
     r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
-    r.add_argument("--block-tokens", type=positive_int, default=None,
+    r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
-                        "smaller scales the trace down keeping its sharing (model runs default to 64)")
-    r.add_argument("--block-size", type=positive_int, default=None,
+                        "smaller scales the trace down keeping its sharing (model runs default to 64; at most 65536)")
+    r.add_argument("--block-size", type=page_tokens, default=None,
                    help="KV page size in tokens (default: --block-tokens rounded up to --prefix-match-unit)")
-    r.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens (default 64)")
-    r.add_argument("--policy", default=None,
+    r.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens (default 64)")
+    r.add_argument("--policy", type=checkpoint_policy, default=None,
                    help="checkpoint policy: terms branch, tail[=N], interval=N, hint, supersede joined by '+' "
                         "(default: branch+tail=B+interval=14B+supersede, B = --block-tokens)")
     r.add_argument("--mechanism", choices=("extract", "split"), default="extract",
@@ -57,10 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on generated tokens per request (default 4; --simulate --timed: the trace's lengths)")
     r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                    help="scheduler budget of prompt and decode tokens per engine step (default 8192)")
-    r.add_argument("--max-num-seqs", type=positive_int, default=4,
+    r.add_argument("--max-num-seqs", type=max_num_seqs, default=4,
                    help="requests running at once on an engine (default 4)")
-    r.add_argument("--kv-pages", type=positive_int, default=None, help="KV pool pages (default: no eviction)")
-    r.add_argument("--checkpoint-slots", type=positive_int, default=None,
+    r.add_argument("--kv-pages", type=pool_entries, default=None, help="KV pool pages (default: no eviction)")
+    r.add_argument("--checkpoint-slots", type=pool_entries, default=None,
                    help="checkpoint pool slots (default: enough that nothing is evicted)")
     r.add_argument("--eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the device pools: lru, or value "
@@ -78,12 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
     r.add_argument("--skip-bad", action="store_true", help="count and skip malformed trace lines")
-    r.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic tokens (default 0)")
-    r.add_argument("--threads", type=positive_int, default=1,
+    r.add_argument("--seed", type=seed_value, default=0, help="seed of weights and synthetic tokens (default 0)")
+    r.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per engine process (default 1: several threads collapse on a busy machine)")
     r.add_argument("--store", default="none",
                    help="store URL: none, disk:///PATH (embedded), mooncake://127.0.0.1:50051, memory:// "
-                        "(default none; several instances without one share a fresh disk store)")
+                        "(private to one engine: refused with --instances > 1) (default none; several instances "
+                        "without one share a fresh disk store)")
     r.add_argument("--store-required", action="store_true",
                    help="exit with an error when the store does not answer at startup, instead of running without "
                         "it (a mooncake:// URL takes ?timeout_s=S for its setup deadline, default 5)")
@@ -107,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="honour the trace's arrival times: a router places requests on --instances instances "
                         "in this process, each on a virtual clock; the report adds TTFT, queue and end-to-end "
                         "seconds and per-instance load")
-    r.add_argument("--time-scale", type=positive_float, default=1.0,
-                   help="--timed: multiply arrival times by this (> 1 slows arrivals; default 1)")
+    r.add_argument("--time-scale", type=time_scale, default=1.0,
+                   help="--timed: multiply arrival times by this, 1e-6 to 1e6 (> 1 slows arrivals; default 1)")
     from hybridkv.fleet.routers import ROUTER_NAMES
     r.add_argument("--router", choices=ROUTER_NAMES, default=None,
                    help="--timed: router (default hybrid with --instances > 1)")
@@ -129,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--step-log", default=None,
                    help="--timed: write every instance's steps (start, seconds, prefill chunks, decoders; "
                         "shapes and times only) to this JSON file, for `hybridkv calibrate --from-steps`")
-    r.add_argument("--store-gib", type=non_negative_float, default=None,
+    r.add_argument("--store-gib", type=store_gib, default=None,
                    help="--timed --simulate: capacity of the simulated shared store in GiB, least recently "
-                        "used evicted first (default 1024; 0: unlimited)")
+                        "used evicted first (default 1024; 0: unlimited; at most 2^30)")
     r.add_argument("--restart", dest="restarts", type=restart_spec, action="append", default=[],
                    metavar="INSTANCE@SECONDS",
                    help="--timed: restart instance INSTANCE (0-based) with an empty cache at the first moment "
@@ -141,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--timed: crash instance INSTANCE at SECONDS on the fleet's clock: its cache and the "
                         "requests it holds are lost, those requests are routed again (TTFT from their arrival), "
                         "and it is back with an empty cache after --cold-start; repeatable")
-    r.add_argument("--cold-start", dest="cold_start_s", type=non_negative_float, default=None, metavar="SECONDS",
+    r.add_argument("--cold-start", dest="cold_start_s", type=clock_seconds, default=None, metavar="SECONDS",
                    help="--crash: seconds a crashed instance takes to be back (default 30, an assumption)")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
@@ -186,8 +199,8 @@ def _add_calibrate(sub) -> None:
                         "costs, cache bookkeeping and store tier included) instead of timing the forward alone")
     c.add_argument("--out", required=True, help="JSON file to write")
     c.add_argument("--repeats", type=positive_int, default=3, help="timed runs per shape (median; default 3)")
-    c.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1, like replay)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the preset weights (default 0)")
+    c.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1, like replay)")
+    c.add_argument("--seed", type=seed_value, default=0, help="seed of the preset weights (default 0)")
     c.set_defaults(calibrate_func=cmd_calibrate)
 
 
@@ -219,8 +232,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--own-waiting {args.own_waiting:g} is an option of the hybrid router, not of {router}{how}")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
         parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
+    if args.command == "replay" and args.verify and args.simulate:
+        parser.error(f"--verify {args.verify} needs the real model: --simulate has no logits to compare")
     console = Console(stderr=True)
+    for flag, path in _output_paths(args):         # checked before a run, not after it (its results kept)
+        problem = unwritable(path)
+        if problem:
+            console.print(f"[red]error:[/red] {flag} {path}: {problem}", markup=True, highlight=False, soft_wrap=True)
+            return 2
     if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
+        from hybridkv.store.url import check_store_url
+        try:                                       # before a log file or a re-exec: a bad URL is one line
+            check_store_url(args.store)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+            return 2
         _native_log_to_file(console)
         if argv is None:
             from hybridkv.store.mooncake.loopback import reexec_under_loopback
@@ -388,11 +414,6 @@ def _replay(args, console: Console) -> int:
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),
         cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s)
-    if args.json_path:
-        problem = _unwritable(args.json_path)
-        if problem:
-            console.print(f"[red]error:[/red] --json {args.json_path}: {problem}", markup=True, highlight=False)
-            return 2
     if args.store_required and args.store != "none":
         problem = _store_unavailable(args.store)
         if problem:
@@ -505,23 +526,12 @@ def _drop_if_empty(path: str) -> None:
         pass
 
 
-def _unwritable(path: str) -> str | None:
-    """Why a report could not be written to ``path`` (tried before a run: the file is created
-    and, if it did not exist, removed again), or ``None``."""
-    from pathlib import Path
+def _output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(option, path)`` of each file the command will write after its run: checked before it."""
+    options = {"replay": (("--json", "json_path"), ("--step-log", "step_log")), "calibrate": (("--out", "out"),),
+               "bench-serve": (("--json", "json_path"),)}.get(args.command, ())     # soak: in cmd_soak
+    return [(flag, getattr(args, name)) for flag, name in options if getattr(args, name, None)]
 
-    p = Path(path)
-    existed = p.exists()
-    if not p.parent.is_dir():                  # not created: a mistyped directory is an error
-        return f"no directory {p.parent}"
-    try:
-        with open(p, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    if not existed:
-        p.unlink(missing_ok=True)
-    return None
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""``prefix`` and ``kv-overlap`` decide as the public routers they stand for do (docs/routing.md,
-"Router emulations checked against their sources"): SGLang's ``cache_aware`` and Dynamo's
+"""``prefix`` and ``kv-overlap`` decide as the public routers they stand for do (docs/concepts/routing.md,
+"Emulations checked against their sources"): SGLang's ``cache_aware`` and Dynamo's
 ``DefaultWorkerSelector`` at their defaults. Expected values are worked out by hand below."""
 
 from __future__ import annotations

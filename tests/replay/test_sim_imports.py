@@ -1,4 +1,4 @@
-"""A simulated replay imports no torch (docs/routing.md, "Simulator speed", eighth round): its
+"""A simulated replay imports no torch: its
 engines, tiers and pools keep bookkeeping only, and importing torch cost each run about a
 CPU second of start-up."""
 

@@ -162,7 +162,8 @@ def test_a_negative_seed_or_round_is_a_usage_error_naming_it(option, capsys):
     with pytest.raises(SystemExit) as exc:
         soak.main([option, "-1", "--rounds", "1", "--quiet"])
     assert exc.value.code == 2
-    assert f"argument {option}: -1 must be 0 or more" in capsys.readouterr().err
+    why = "-1 is outside [0, 2**63 - 1]" if option == "--seed" else "-1 must be 0 or more"
+    assert f"argument {option}: {why}" in capsys.readouterr().err
 
 
 def test_value_eviction_rounds_are_exact_and_leak_free(tiny_model):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hybridkv.store import disk as disk_module
-from hybridkv.store.base import StoreUnavailable
+from hybridkv.store.base import DAMAGED, StoreUnavailable
 from hybridkv.store.disk import DiskStore
 from hybridkv.store.disk_files import encode_object, object_file_size
 
@@ -119,8 +119,10 @@ def test_get_into_bad_files_are_absent(tmp_path):
     object_path(tmp_path, "dir").mkdir()
     bufs = [bytearray(b"\xee" * 128) for _ in range(3)]
     small = bytearray(4)  # the header is checked before the size: still counted bad
+    assert store.exists(["t", "f", "s"]) == [True] * 3     # damaged files are there until a read drops them
+    assert store.bad_objects == 0
     got = store.get_into(["t", "f", "dir", "s"], [memoryview(b) for b in bufs] + [memoryview(small)])
-    assert got == [-1, -1, -1, -1]
+    assert got == [DAMAGED, DAMAGED, -1, DAMAGED]         # damaged, told apart from absent (a directory: no file)
     assert small == bytes(4)
     assert store.bad_objects == 4
     assert store.bad_reasons["foreign file (bad magic)"] == 1
@@ -140,7 +142,7 @@ def test_get_into_read_error_is_a_bad_object(tmp_path, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(disk_module, "read_payload", failing_read)
-    assert store.get_into(["k"], [memoryview(bytearray(8))]) == [-1]
+    assert store.get_into(["k"], [memoryview(bytearray(8))]) == [DAMAGED]
     assert store.bad_reasons["read error: Input/output error"] == 1
     monkeypatch.undo()
     assert store.get(["k"]) == [None]  # like get: an unreadable file is dropped

@@ -108,15 +108,20 @@ class CheckpointPolicy:
         """Parse ``"branch+tail"``, ``"tail=512+interval=2048+branch+supersede"``, ``"hint"``, ``"none"``.
 
         Terms are joined by ``+`` or ``,``. ``tail=N`` sets the tail alignment
-        in tokens; ``interval=N`` the spacing in tokens.
+        in tokens; ``interval=N`` the spacing in tokens. ``none`` (no checkpoints) stands alone.
 
         Raises:
-            ConfigError: unknown term or a non-positive / non-integer number.
+            ConfigError: empty text, an empty or unknown term, ``none`` combined with other terms,
+                or a non-positive / non-integer number.
         """
         kw: dict = {"branch": False, "tail": False, "tail_alignment": None, "interval": None, "hint": False, "supersede": False}
-        terms = [t.strip() for t in text.replace(",", "+").split("+") if t.strip()]
-        if not terms:
-            raise ConfigError(f"policy {text!r} is empty; use e.g. 'branch+tail'")
+        terms = [t.strip() for t in text.replace(",", "+").split("+")]
+        if not any(terms):
+            raise ConfigError(f"policy {text!r} is empty; use e.g. 'branch+tail', or 'none' for no checkpoints")
+        if not all(terms):
+            raise ConfigError(f"policy {text!r} has an empty term; join terms with a single '+'")
+        if "none" in terms and len(terms) > 1:
+            raise ConfigError(f"policy {text!r} combines 'none' (no checkpoints) with other terms; give one or the other")
         for term in terms:
             name, _, value = term.partition("=")
             if name == "none" and not value:

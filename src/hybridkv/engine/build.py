@@ -61,6 +61,34 @@ def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:
     return model.eval()
 
 
+def check_pool_memory(config: CacheConfig, model: HybridConfig, instances: int = 1, kv_hint: str = "") -> None:
+    """Refuse device pools that cannot fit in this machine's memory, before any is allocated.
+
+    Bytes per engine: ``num_kv_pages * block_size * kv_bytes_per_token`` (MLA latents, fp32) plus
+    ``num_checkpoint_slots * checkpoint_bytes`` (KDA checkpoints, fp32), both allocated when the
+    engine is built; times ``instances``, against physical memory (``SC_PHYS_PAGES * SC_PAGE_SIZE``).
+    ``kv_hint`` is appended to the KV pool's part of the message (how its size was chosen).
+
+    Raises:
+        ValueError: more than physical memory; names ``--kv-pages`` / ``--checkpoint-slots`` with
+            their values, the GiB each needs and the machine's memory.
+    """
+    kv = config.num_kv_pages * config.block_size * model.kv_bytes_per_token
+    ckpt = config.num_checkpoint_slots * model.checkpoint_bytes
+    need = (kv + ckpt) * instances
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):          # not reported on this system: nothing to compare with
+        return
+    if need <= have:
+        return
+    each = f", x {instances} instances" if instances > 1 else ""
+    raise ValueError(f"the device pools need {need / 2**30:.1f} GiB (--kv-pages {config.num_kv_pages} of "
+                     f"{config.block_size} tokens: {kv / 2**30:.1f} GiB{kv_hint}; --checkpoint-slots "
+                     f"{config.num_checkpoint_slots}: {ckpt / 2**30:.1f} GiB{each}) but this machine has "
+                     f"{have / 2**30:.1f} GiB of memory")
+
+
 # -- engine construction -------------------------------------------------------
 @dataclass(slots=True, eq=False)
 class EngineHandle:

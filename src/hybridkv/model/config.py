@@ -15,6 +15,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hybridkv.model.config_schema import (
+    NESTED,
+    SCHEMA,
+    TOKEN_ID,
+    Field,
+    bad_value,
+    json_type,
+    layer_list,
+    layers_problem,
+)
+
 _FP32_BYTES = 4
 
 #: Names of the bundled presets (``src/hybridkv/model/presets/<name>.json``).
@@ -22,10 +33,6 @@ PRESETS = ("tiny", "small", "kimi-linear-48b-a3b")
 
 MODEL_TYPE = "kimi_linear"
 """``model_type`` of a Kimi Linear ``config.json`` (transformers' ``KimiLinearConfig``)."""
-
-
-def _bad(key: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"invalid model config: {key}={value!r}: {why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,51 +86,37 @@ class HybridConfig:
     q_lora_rank: None = None
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "kda_num_heads",
-                    "kda_head_dim", "conv_kernel_size", "kv_lora_rank", "qk_nope_head_dim",
-                    "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "num_experts",
-                    "num_experts_per_token", "num_shared_experts", "moe_intermediate_size",
-                    "intermediate_size", "num_expert_group", "topk_group"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _bad(key, value, "must be an int")
-            if value < 1 and key not in ("num_shared_experts", "qk_rope_head_dim"):
-                raise _bad(key, value, "must be >= 1")
-            if value < 0:
-                raise _bad(key, value, "must be >= 0")
+        for f in SCHEMA:
+            f.check(f.attr, getattr(self, f.attr))
         if self.q_lora_rank is not None:
-            raise _bad("q_lora_rank", self.q_lora_rank, "only None (no query LoRA) is supported")
+            raise bad_value("q_lora_rank", self.q_lora_rank, "only None (no query LoRA) is supported")
         n = self.num_hidden_layers
-        for key in ("kda_layers", "mla_layers"):
-            for i in getattr(self, key):
-                if not 0 <= i < n:
-                    raise _bad(key, getattr(self, key), f"layer {i} outside [0, {n})")
-        if sorted(self.kda_layers + self.mla_layers) != list(range(n)):
-            raise _bad("kda_layers/mla_layers", (self.kda_layers, self.mla_layers),
-                       f"must partition range({n}) (each layer exactly once)")
+        problem = layers_problem(self.kda_layers, self.mla_layers, n, first=0)
+        if problem:
+            raise bad_value("kda_layers/mla_layers", (self.kda_layers, self.mla_layers), problem)
         if len(self.mlp_layer_types) != n or any(t not in ("dense", "sparse") for t in self.mlp_layer_types):
-            raise _bad("mlp_layer_types", self.mlp_layer_types, f"need {n} entries of 'dense'/'sparse'")
+            raise bad_value("mlp_layer_types", self.mlp_layer_types, f"need {n} entries of 'dense'/'sparse'")
         if self.num_experts_per_token > self.num_experts:
-            raise _bad("num_experts_per_token", self.num_experts_per_token,
+            raise bad_value("num_experts_per_token", self.num_experts_per_token,
                        f"more than num_experts={self.num_experts}")
         if self.num_experts % self.num_expert_group:
-            raise _bad("num_expert_group", self.num_expert_group,
+            raise bad_value("num_expert_group", self.num_expert_group,
                        f"does not divide num_experts={self.num_experts}")
         if self.num_expert_group > 1 and self.num_experts // self.num_expert_group < 2:
-            raise _bad("num_expert_group", self.num_expert_group, "groups need >= 2 experts each")
+            raise bad_value("num_expert_group", self.num_expert_group, "groups need >= 2 experts each")
         if self.topk_group > self.num_expert_group:
-            raise _bad("topk_group", self.topk_group, f"more than num_expert_group={self.num_expert_group}")
+            raise bad_value("topk_group", self.topk_group, f"more than num_expert_group={self.num_expert_group}")
         if self.num_experts_per_token > self.topk_group * (self.num_experts // self.num_expert_group):
-            raise _bad("num_experts_per_token", self.num_experts_per_token,
+            raise bad_value("num_experts_per_token", self.num_experts_per_token,
                        "more than the experts in topk_group groups")
         if not self.rms_norm_eps > 0:
-            raise _bad("rms_norm_eps", self.rms_norm_eps, "must be > 0")
+            raise bad_value("rms_norm_eps", self.rms_norm_eps, "must be > 0")
         if not self.routed_scaling_factor > 0:
-            raise _bad("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+            raise bad_value("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, key)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise _bad(key, value, f"outside the vocab [0, {self.vocab_size})")
+            if value is not None and not TOKEN_ID.check(key, value) < self.vocab_size:
+                raise bad_value(key, value, f"outside the vocab [0, {self.vocab_size})")
 
     # ---- derived sizes -------------------------------------------------------------
     @property
@@ -220,89 +213,64 @@ class HybridConfig:
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> HybridConfig:
-        def get(key: str, *aliases: str, default: Any = KeyError) -> Any:
-            for k in (key, *aliases):
-                if k in d and d[k] is not None:
-                    return d[k]
-            if default is KeyError:
-                raise _bad(key, None, "missing")
-            return default
-
+        """Read ``d`` (a ``config.json`` object) through :data:`SCHEMA`: every size an integer in
+        range, layer lists 1-based; errors name the file's key and value as written there."""
         model_type = d.get("model_type")
         if model_type is not None and model_type != MODEL_TYPE:
-            raise _bad("model_type", model_type, f"not a Kimi Linear model (expected {MODEL_TYPE!r})")
-        n = int(get("num_hidden_layers"))
+            raise bad_value("model_type", model_type, f"not a Kimi Linear model (expected {MODEL_TYPE!r})")
         lac = d.get("linear_attn_config") or {}
-        if lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None:
-            kda = tuple(sorted(int(i) - 1 for i in lac["kda_layers"]))
-            mla = tuple(sorted(int(i) - 1 for i in lac["full_attn_layers"]))
-            if min(kda + mla, default=0) < 0:
-                raise _bad("linear_attn_config.kda_layers", lac["kda_layers"], "layers are 1-based")
-        elif lac.get("full_attn_layers") is not None:
-            mla = tuple(sorted(int(i) - 1 for i in lac["full_attn_layers"]))
-            kda = tuple(i for i in range(n) if i not in mla)
+        if not isinstance(lac, Mapping):
+            raise bad_value("linear_attn_config", lac, f"must be an object, not {json_type(lac)}")
+        values = {f.attr: f.read(d, lac) for f in SCHEMA}
+        n = values["num_hidden_layers"]
+        kda_key, mla_key = NESTED + "kda_layers", NESTED + "full_attn_layers"
+        if lac.get("full_attn_layers") is not None:
+            mla = layer_list(mla_key, lac["full_attn_layers"])
+            if lac.get("kda_layers") is not None:
+                kda = layer_list(kda_key, lac["kda_layers"])
+            else:
+                kda = tuple(i for i in range(n) if i not in mla)
+            problem = layers_problem(kda, mla, n, first=1)
+            if problem:
+                raise bad_value(f"{kda_key}/full_attn_layers", (lac.get("kda_layers"), lac["full_attn_layers"]), problem)
         elif d.get("layer_types") is not None:
-            lt = list(d["layer_types"])
+            lt = d["layer_types"]
+            if not isinstance(lt, list) or len(lt) != n or \
+                    any(t not in ("linear_attention", "full_attention") for t in lt):
+                raise bad_value("layer_types", lt, f"must be an array of {n} entries linear_attention/full_attention")
             kda = tuple(i for i, t in enumerate(lt) if t == "linear_attention")
             mla = tuple(i for i, t in enumerate(lt) if t == "full_attention")
-            if len(kda) + len(mla) != len(lt):
-                raise _bad("layer_types", lt, "entries must be linear_attention/full_attention")
         else:
-            raise _bad("linear_attn_config", lac, "needs kda_layers and full_attn_layers")
+            raise bad_value("linear_attn_config", lac, "needs kda_layers and full_attn_layers")
         if d.get("layer_types") is not None:
             want = ["linear_attention" if i in kda else "full_attention" for i in range(n)]
             if list(d["layer_types"]) != want:
-                raise _bad("layer_types", d["layer_types"], "disagrees with linear_attn_config")
-        fkd = int(get("first_k_dense_replace", default=0))
+                raise bad_value("layer_types", d["layer_types"], "disagrees with linear_attn_config")
         mlt = d.get("mlp_layer_types")
+        if mlt is not None and not isinstance(mlt, list):
+            raise bad_value("mlp_layer_types", mlt, f"must be an array of {n} entries 'dense'/'sparse'")
+        fkd = values["first_k_dense_replace"]
         mlp_types = tuple(mlt) if mlt is not None else tuple(
             "dense" if i < fkd else "sparse" for i in range(n))
-        if get("moe_layer_freq", default=1) != 1:
-            raise _bad("moe_layer_freq", d["moe_layer_freq"], "only 1 is supported")
-        if get("hidden_act", default="silu") != "silu":
-            raise _bad("hidden_act", d["hidden_act"], "only 'silu' is supported")
-        if not get("mla_use_nope", default=True):
-            raise _bad("mla_use_nope", d["mla_use_nope"], "rotary MLA is not supported")
-        if get("moe_router_activation_func", default="sigmoid") != "sigmoid":
-            raise _bad("moe_router_activation_func", d["moe_router_activation_func"],
+        if d.get("moe_layer_freq", 1) != 1:
+            raise bad_value("moe_layer_freq", d["moe_layer_freq"], "only 1 is supported")
+        if d.get("hidden_act", "silu") not in ("silu", None):
+            raise bad_value("hidden_act", d["hidden_act"], "only 'silu' is supported")
+        if d.get("mla_use_nope", True) is not True and d.get("mla_use_nope") is not None:
+            raise bad_value("mla_use_nope", d["mla_use_nope"], "only true is supported (rotary MLA is not)")
+        if d.get("moe_router_activation_func", "sigmoid") not in ("sigmoid", None):
+            raise bad_value("moe_router_activation_func", d["moe_router_activation_func"],
                        "only 'sigmoid' is supported")
-        heads = int(get("num_attention_heads"))
-        if int(get("num_key_value_heads", default=heads)) != heads:
-            raise _bad("num_key_value_heads", d["num_key_value_heads"], "must equal num_attention_heads")
+        heads = values["num_attention_heads"]
+        kv_heads = Field("num_key_value_heads", ("num_key_value_heads",), default=heads).read(d, lac)
+        if kv_heads != heads:
+            raise bad_value("num_key_value_heads", kv_heads, f"must equal num_attention_heads={heads}")
         eos = d.get("eos_token_id")
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        return cls(
-            vocab_size=int(get("vocab_size")),
-            hidden_size=int(get("hidden_size")),
-            num_hidden_layers=n,
-            kda_layers=kda,
-            mla_layers=mla,
-            kda_num_heads=int(lac.get("num_heads") or get("linear_num_heads")),
-            kda_head_dim=int(lac.get("head_dim") or get("linear_head_dim")),
-            conv_kernel_size=int(lac.get("short_conv_kernel_size") or get("linear_conv_kernel_dim", default=4)),
-            kv_lora_rank=int(get("kv_lora_rank")),
-            qk_nope_head_dim=int(get("qk_nope_head_dim")),
-            qk_rope_head_dim=int(get("qk_rope_head_dim")),
-            v_head_dim=int(get("v_head_dim")),
-            num_attention_heads=heads,
-            num_experts=int(get("num_experts", "num_local_experts")),
-            num_experts_per_token=int(get("num_experts_per_token", "num_experts_per_tok")),
-            num_shared_experts=int(get("num_shared_experts", "n_shared_experts", default=0)),
-            moe_intermediate_size=int(get("moe_intermediate_size")),
-            intermediate_size=int(get("intermediate_size")),
-            first_k_dense_replace=fkd,
-            mlp_layer_types=mlp_types,
-            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            num_expert_group=int(get("num_expert_group", "n_group", default=1)),
-            topk_group=int(get("topk_group", default=1)),
-            moe_renormalize=bool(get("moe_renormalize", "norm_topk_prob", default=True)),
-            rms_norm_eps=float(get("rms_norm_eps", default=1e-5)),
-            pad_token_id=d.get("pad_token_id"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            q_lora_rank=d.get("q_lora_rank"),
-        )
+        return cls(**values, kda_layers=kda, mla_layers=mla, mlp_layer_types=mlp_types,
+                   pad_token_id=d.get("pad_token_id"), bos_token_id=d.get("bos_token_id"),
+                   eos_token_id=eos, q_lora_rank=d.get("q_lora_rank"))
 
     @classmethod
     def preset(cls, name: str) -> HybridConfig:

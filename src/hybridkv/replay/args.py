@@ -1,10 +1,18 @@
 """argparse value types shared by the ``hybridkv`` subcommands: each raises
-``argparse.ArgumentTypeError`` naming the offending text."""
+``argparse.ArgumentTypeError`` naming the offending text (argparse adds the option's name).
+
+The one validation layer of command-line options: every number is typed and range-checked here,
+before any run starts, so that no value reaches a run that would overflow, allocate without bound
+or be silently changed there; and :func:`unwritable` checks an output path before a run, so that a
+run's results are never lost to a path that cannot be written after it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -63,11 +71,167 @@ def fraction(text: str) -> float:
     return x + 0.0                                  # -0 reads as 0
 
 
+TIME_SCALE_RANGE = (1e-6, 1e6)
+"""Bounds of ``--time-scale``: scaled arrival times of any trace with finite timestamps stay finite,
+and a one-hour trace spans between 3.6 ms and 114 years of the fleet's clock."""
+
+MAX_CLOCK_SECONDS = 1e9
+"""Latest time in seconds (about 31.7 years) on the fleet's clock that ``--crash``, ``--restart``
+and ``--cold-start`` accept: the clock's step arithmetic stays finite well past it."""
+
+MAX_STORE_GIB = float(2**30)
+"""Largest ``--store-gib`` (1 EiB in GiB): its byte count stays a representable integer."""
+
+MAX_STORE_LATENCY_US = 1e9
+"""Largest ``--store-latency-us`` (1,000 s per object)."""
+
+MAX_STORE_GBPS = 1e6
+"""Largest ``--store-gbps`` (1 PB/s)."""
+
+MAX_BLOCK_TOKENS = 1 << 16
+"""Largest ``--block-tokens``: tokens one trace hash id stands for. The Mooncake traces use 512; at
+65,536 the bundled trace's longest prompt is already about 16 million tokens (124 MiB of token ids),
+and above it a prompt's synthetic token ids alone run to gigabytes."""
+
+MAX_POOL_ENTRIES = 1 << 24
+"""Largest ``--kv-pages`` / ``--checkpoint-slots``: a pool keeps a few Python lists of this length
+(about 0.6 GB for both pools at the bound); a real model's pools are further bounded by memory
+when the run is built (:func:`hybridkv.engine.build.check_pool_memory`)."""
+
+SEED_RANGE = (0, 2**63 - 1)
+"""Bounds of ``--seed``: what torch, numpy and the 8-byte signed seed of synthetic tokens all accept."""
+
+
+def number_range(low: float, high: float, why: str = "") -> Callable[[str], float]:
+    """An argparse type: a finite number in ``[low, high]`` (``-0`` reads as 0). ``why`` ends the
+    error message (what the bounds protect)."""
+    def check(text: str) -> float:
+        x = _float(text)
+        if not low <= x <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a number in [{_show(low)}, {_show(high)}]{why}")
+        return x + 0.0
+    check.__name__ = f"number in [{_show(low)}, {_show(high)}]"
+    return check
+
+
+def _show(x: float) -> str:
+    return str(int(x)) if x.is_integer() and abs(x) < 1e16 else f"{x:g}"
+
+
+time_scale = number_range(*TIME_SCALE_RANGE, " (scaled arrival times must stay finite and representable)")
+"""``--time-scale``: a factor in :data:`TIME_SCALE_RANGE`."""
+
+clock_seconds = number_range(0.0, MAX_CLOCK_SECONDS, " seconds on the fleet's clock")
+"""Seconds (``--cold-start``) in ``[0, MAX_CLOCK_SECONDS]``."""
+
+store_gib = number_range(0.0, MAX_STORE_GIB, " GiB (0: unlimited)")
+"""``--store-gib``: GiB in ``[0, MAX_STORE_GIB]``."""
+
+poll_seconds = number_range(1e-3, 3600.0, " seconds between polls")
+"""``router --poll-interval``: seconds in [1 ms, 1 hour] (``inf`` would never poll the workers)."""
+
+
+def block_tokens(text: str) -> int:
+    """``--block-tokens``: an integer in ``[1, MAX_BLOCK_TOKENS]``."""
+    n = positive_int(text)
+    if n > MAX_BLOCK_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"{n} is more than {MAX_BLOCK_TOKENS} tokens per trace hash id (the traces use 512; a larger "
+            "value makes prompts of gigabytes)")
+    return n
+
+
+def page_tokens(text: str) -> int:
+    """``--block-size`` / ``--prefix-match-unit``: tokens in ``[1, MAX_BLOCK_TOKENS]`` (a page of
+    more tokens than a trace hash id stands for has no use and makes one page gigabytes)."""
+    n = positive_int(text)
+    if n > MAX_BLOCK_TOKENS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_BLOCK_TOKENS} tokens")
+    return n
+
+
+def pool_entries(text: str) -> int:
+    """``--kv-pages`` / ``--checkpoint-slots``: an integer in ``[1, MAX_POOL_ENTRIES]``."""
+    n = positive_int(text)
+    if n > MAX_POOL_ENTRIES:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_POOL_ENTRIES} entries in a pool")
+    return n
+
+
+MAX_THREADS = 1024
+"""Largest ``--threads`` (torch threads of one process): 4,096 crashed the OpenMP runtime (a
+segmentation fault) on the 2-core test machine, and a value beyond the int64 range overflowed."""
+
+
+def thread_count(text: str) -> int:
+    """``--threads``: an integer in ``[1, MAX_THREADS]``."""
+    n = positive_int(text)
+    if n > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_THREADS} torch threads")
+    return n
+
+
+MAX_NUM_SEQS = 1 << 16
+"""Largest ``--max-num-seqs``: requests running at once on one engine (each holds pool entries)."""
+
+
+def max_num_seqs(text: str) -> int:
+    """``--max-num-seqs``: an integer in ``[1, MAX_NUM_SEQS]``."""
+    n = positive_int(text)
+    if n > MAX_NUM_SEQS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_NUM_SEQS} requests running at once on an engine")
+    return n
+
+
+def seed_value(text: str) -> int:
+    """``--seed``: an integer in :data:`SEED_RANGE`."""
+    n = _int(text)
+    low, high = SEED_RANGE
+    if not low <= n <= high:
+        raise argparse.ArgumentTypeError(f"{text} is outside [{low}, 2**63 - 1], the seeds torch and numpy accept")
+    return n
+
+
+def checkpoint_policy(text: str) -> str:
+    """``--policy``: checkpoint policy text that :meth:`~hybridkv.cache.config.CheckpointPolicy.parse`
+    accepts, returned as given (its default may depend on other options)."""
+    from hybridkv.cache.config import CheckpointPolicy, ConfigError
+
+    try:
+        CheckpointPolicy.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def unwritable(path: str) -> str | None:
+    """Why an output file could not be written at ``path``, or ``None``: tried before a run (the
+    file is opened for appending and, if it did not exist, removed again), so that a run's results
+    are not lost to a path found bad after it. A missing directory is a problem, not created."""
+    p = Path(path)
+    existed = p.exists()
+    if not p.parent.is_dir():                  # not created: a mistyped directory is an error
+        return f"no directory {p.parent}"
+    if p.is_dir():
+        return "is a directory"
+    try:
+        with open(p, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        p.unlink(missing_ok=True)
+    return None
+
+
 def _float(text: str) -> float:
     try:
-        return float(text)
+        x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if math.isnan(x):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    return x
 
 
 def _int(text: str) -> int:
@@ -93,9 +257,10 @@ def restart_spec(text: str) -> tuple[int, float]:
         t = float(seconds)
     except ValueError:
         raise argparse.ArgumentTypeError(f"seconds {seconds!r} in {text!r} is not a number") from None
-    if not (t >= 0 and math.isfinite(t)):
-        raise argparse.ArgumentTypeError(f"seconds {seconds!r} in {text!r} must be a finite number >= 0")
-    return j, t
+    if not 0 <= t <= MAX_CLOCK_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"seconds {seconds!r} in {text!r} must be a number in [0, {_show(MAX_CLOCK_SECONDS)}] (the fleet's clock)")
+    return j, t + 0.0
 
 
 def add_store_cost_arguments(parser: argparse.ArgumentParser, gbps_help: str, latency_help: str) -> None:
@@ -105,7 +270,8 @@ def add_store_cost_arguments(parser: argparse.ArgumentParser, gbps_help: str, la
     ``*_help`` says what each prices in the command at hand (the default is appended)."""
     from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
     gbps, us = MOONCAKE_LOAD_BYTES_PER_S / 1e9, MOONCAKE_GET_LATENCY_S * 1e6
-    parser.add_argument("--store-gbps", type=non_negative_float, default=gbps,
+    parser.add_argument("--store-gbps", type=number_range(0.0, MAX_STORE_GBPS, " GB/s"), default=gbps,
                         help=f"{gbps_help} (default {gbps:g}, Mooncake measured)")
-    parser.add_argument("--store-latency-us", type=non_negative_float, default=us,
+    parser.add_argument("--store-latency-us", type=number_range(0.0, MAX_STORE_LATENCY_US, " microseconds"),
+                        default=us,
                         help=f"{latency_help} (default {us:g}, Mooncake measured)")

@@ -119,11 +119,15 @@ class ReplayReport:
         also loads the model and the trace), tokens/s. In simulate mode the seconds
         are the cost model's, so the figure restates its rate.
     tiers: per tier (``device``, ``host``, ``store``): ``hit_tokens`` (reused tokens
-        served from that tier), ``bytes_loaded``, ``bytes_saved`` (bytes).
+        served from that tier), ``bytes_loaded``, ``bytes_saved`` (bytes), ``loads_taken``,
+        ``loads_declined`` (loads skipped because recomputing was predicted faster), ``bytes_peak``
+        (most bytes the tier held).
     store_misses: store lookups / loads that found nothing usable, by reason
         (:data:`~hybridkv.tiers.base.MISS_REASONS`: absent, evicted, checksum, incomplete, unreachable, expired).
-    mode, config, skipped_lines: optional; run mode (e.g. "simulate"), the run's
-        configuration, malformed trace lines skipped.
+    mode, config, skipped_lines: run mode (e.g. "simulate"); the run's settings as resolved
+        (e.g. ``policy`` as run, ``host_groups`` ``full+kda`` for ``--host-groups all``,
+        ``weight_digest``, the model's, which ``hybridkv cache purge --weight-digest`` takes; null
+        when simulating); malformed trace lines skipped (``--skip-bad``).
     rejected: ``{"requests": n, "reasons": {kind: count}, "examples": {kind: reason}}``:
         requests the engine refused (they count in no other figure), counted by the kind of
         refusal (:attr:`~hybridkv.engine.request.Request.reject_code`, a fixed text), with the
@@ -160,8 +164,8 @@ class ReplayReport:
         the replaying process and of the instance processes it ran (untimed ``--instances > 1``).
     requests_per_second, requests_per_cpu_second: ``requests`` (those served: rejected requests
         are not counted; those run before Ctrl-C in an interrupted run) per ``wall_seconds`` and
-        per ``cpu_seconds``, requests/s (0.0 when every request was rejected; the simulator's
-        speed figure of issue 9 item 4 is the second).
+        per ``cpu_seconds``, requests/s (0.0 when every request was rejected; the second is the
+        simulator's speed figure).
     """
 
     requests: int

@@ -37,7 +37,7 @@ from rich.progress import (
 )
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import model_config
+from hybridkv.engine.build import check_pool_memory, model_config
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import (
@@ -188,7 +188,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         TraceError: a bad trace line (unless ``skip_bad``), naming file and line.
         ConfigError: an invalid cache option, naming the value.
         ValueError: an unknown model preset or bad model directory; ``instances`` below 1 or above
-            the number of requests.
+            the number of requests; a ``memory://`` store with ``instances`` > 1 (each engine's
+            memory store is its own: they would share nothing).
     """
     with _fewer_collections(opts.simulate):      # from the trace load to the report
         return _replay(opts, console)
@@ -222,7 +223,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if opts.block_size is None:       # pages follow the trace's sharing granularity
         g = opts.prefix_match_unit
         opts = replace(opts, block_size=-(-opts.block_tokens // g) * g)
-    policy = CheckpointPolicy.parse(opts.policy or default_policy(opts.block_tokens, opts.prefix_match_unit))
+    policy = CheckpointPolicy.parse(opts.policy if opts.policy is not None
+                                    else default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
     units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
     if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised
@@ -242,11 +244,18 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
+    if not opts.simulate:
+        hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
+        check_pool_memory(cfg, mcfg, opts.instances, hint)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):
         raise ValueError(f"instances={opts.instances} is more than the {len(reqs)} requests to replay: each instance "
                          "is a process that loads the model, and those beyond the requests would replay nothing")
+    if opts.instances > 1 and opts.store.startswith("memory:"):
+        raise ValueError(f"store {opts.store!r} with instances={opts.instances}: memory:// is private to one engine "
+                         "(a dict in its process), so the instances would share nothing; use disk:///PATH or "
+                         "mooncake://HOST:PORT, or no store (the instances then share a fresh disk store)")
     _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
     store_url, scratch = opts.store, None
     if opts.instances > 1 and store_url == "none":
@@ -288,11 +297,15 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
         if opts.step_log is not None:
-            write_step_log(opts.step_log, timed.steps,
-                           {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
-                            "instances": opts.instances, "time_scale": opts.time_scale,
-                            "cost_model": timed.timing["cost_model"], "requests": len(reqs),
-                            "step_clock": None if opts.simulate else opts.step_clock})
+            try:                # checked writable before the run; failing now still keeps the report
+                write_step_log(opts.step_log, timed.steps,
+                               {"mode": "simulate" if opts.simulate else "model", "model": opts.model,
+                                "instances": opts.instances, "time_scale": opts.time_scale,
+                                "cost_model": timed.timing["cost_model"], "requests": len(reqs),
+                                "step_clock": None if opts.simulate else opts.step_clock})
+            except OSError as exc:
+                console.print(f"[yellow]warning:[/yellow] --step-log {opts.step_log}: {exc.strerror or exc}; "
+                              "the step log is not written, the report is", markup=True, highlight=False)
     return report
 
 

@@ -45,7 +45,14 @@ from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.build import EngineHandle, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
-from hybridkv.replay.args import non_negative_int, positive_float, positive_int
+from hybridkv.replay.args import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_value,
+    thread_count,
+    unwritable,
+)
 from hybridkv.replay.soak_check import Reference, check_request
 from hybridkv.replay.soak_report import (
     SoakCounters,
@@ -449,21 +456,45 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
 
 def run_case(path: str | Path, model: HybridModel | None = None) -> RunResult:
     """Rerun a recorded failure: a JSON file holding ``{"config": ..., "shrunk": [...]}`` (one entry of a
-    report's ``failures``) or a whole soak report (its first failure)."""
-    data = json.loads(Path(path).read_text())
-    if "failures" in data:
+    report's ``failures``) or a whole soak report (its first failure).
+
+    Raises:
+        ValueError: the file is not JSON of that shape (the message names the file, what was found
+            and the shape expected), or its config or requests have unknown or missing fields.
+        OSError: the file cannot be read.
+    """
+    shape = ('a soak --json report with "failures", or one failure: an object with "config" (an object) '
+             'and "shrunk" (an array of objects)')
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc}); expected {shape}") from None
+    if isinstance(data, dict) and "failures" in data:
+        if not isinstance(data["failures"], list):
+            raise ValueError(f'"failures" is {type(data["failures"]).__name__}, not an array; expected {shape}')
         if not data["failures"]:
-            raise ValueError(f"{path}: the report has no failure to rerun")
+            raise ValueError("the report has no failure to rerun")
         data = data["failures"][0]
-    rc = RoundConfig(**data["config"])
-    specs = [RequestSpec(**s) for s in data["shrunk"]]
+    if not (isinstance(data, dict) and isinstance(data.get("config"), dict) and isinstance(data.get("shrunk"), list)
+            and all(isinstance(s, dict) for s in data["shrunk"])):
+        found = f"an object with keys {sorted(data)}" if isinstance(data, dict) else f"a JSON {_json_kind(data)}"
+        raise ValueError(f"holds {found}; expected {shape}")
+    try:
+        rc = RoundConfig(**data["config"])
+        specs = [RequestSpec(**s) for s in data["shrunk"]]
+    except TypeError as exc:           # unknown or missing fields
+        raise ValueError(f"a recorded config or request does not fit this version: {exc}") from None
     return run_sequence(model or soak_model(), rc, specs)
+
+
+def _json_kind(value) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
 
 
 # -- command line -------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``soak`` options."""
-    p.add_argument("--seed", type=non_negative_int, default=0,
+    p.add_argument("--seed", type=seed_value, default=0,
                    help="soak seed; round i depends only on (seed, i) (default 0)")
     p.add_argument("--checks", type=positive_int, default=None, help="stop once N requests were checked")
     p.add_argument("--seconds", type=positive_float, default=None, help="stop starting rounds after S seconds")
@@ -476,7 +507,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eviction order of the device pools and host tier: lru (default; every earlier "
                         "round reproduces), value, or mixed (value in odd rounds)")
     p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the report here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--verbose", action="store_true", help="keep the store tiers' warnings (unreachable store)")
@@ -500,11 +531,9 @@ def cmd_soak(args: argparse.Namespace) -> int:
         print("error: give --checks N, --seconds S or --rounds N", file=sys.stderr)
         return 2
     if args.json_path is not None and args.case is None:     # fail before a long run, not after it
-        try:
-            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_path).touch()
-        except OSError as exc:
-            print(f"error: --json {args.json_path}: {exc.strerror or exc}", file=sys.stderr)
+        problem = unwritable(args.json_path)
+        if problem:
+            print(f"error: --json {args.json_path}: {problem}", file=sys.stderr)
             return 2
     torch.set_num_threads(args.threads)
     store_log = logging.getLogger("hybridkv.store")
@@ -521,7 +550,10 @@ def _soak(args: argparse.Namespace) -> int:
     if args.case is not None:
         try:
             res = run_case(args.case)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
+            print(f"error: --case {args.case}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError) as exc:       # a recorded value this version cannot run
             print(f"error: --case {args.case}: {exc}", file=sys.stderr)
             return 2
         print(f"case {args.case}: {res.checks} checks, max |dlogit| {res.max_abs_logit_diff:.3g}")

@@ -29,10 +29,20 @@ TRACE_BLOCK_TOKENS = 512
 BUNDLED_TRACE = "conversation_trace.jsonl"
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-#: Largest value each integer field may hold: lengths in tokens (no model context is longer;
-#: the run sizes pools and loops by them), the arrival time in ms (it becomes a float of
-#: seconds), hash ids (written as 64-bit unsigned in cache keys). Beyond: reason ``out_of_range``.
-_MAX = {"timestamp": 2**63 - 1, "input_length": 2**31 - 1, "output_length": 2**31 - 1, "hash_ids": 2**64 - 1}
+
+MAX_INPUT_TOKENS = 1 << 20
+"""Longest prompt a trace line may give (``input_length``, tokens): 1,048,576, the 1M-token
+context of Kimi Linear, the longest of the models hybridkv replays (the bundled trace's longest
+prompt is 126,195). The run holds every prompt's token ids (8 bytes a token) and sizes its KV pool
+and checkpoint slots to them, so a longer one would fail in a multi-GiB allocation instead."""
+
+#: Largest value each integer field may hold: the prompt in tokens (:data:`MAX_INPUT_TOKENS`),
+#: the output in tokens (the run caps what it generates), the arrival time in ms (it becomes a
+#: float of seconds), hash ids (written as 64-bit unsigned in cache keys). Beyond: reason
+#: ``out_of_range``.
+_MAX = {"timestamp": 2**63 - 1, "input_length": MAX_INPUT_TOKENS, "output_length": 2**31 - 1,
+        "hash_ids": 2**64 - 1}
+_WHY = {"input_length": " (tokens: the longest context of the models replayed, Kimi Linear's 1M)"}
 
 
 class TraceError(ValueError):
@@ -110,7 +120,8 @@ def _parse_line(raw: bytes, trace_block_tokens: int) -> tuple[int, int, int, tup
         if value < 0:
             raise _BadLine("negative_value", f"field {name!r} is negative: {value!r}")
         if value > _MAX[name]:
-            raise _BadLine("out_of_range", f"field {name!r} is {_shown(value)}; at most {_MAX[name]} is allowed")
+            raise _BadLine("out_of_range", f"field {name!r} is {_shown(value)}; at most {_MAX[name]} is allowed"
+                                           f"{_WHY.get(name, '')}")
     if obj["input_length"] == 0:
         raise _BadLine("negative_value", "field 'input_length' must be positive, got 0")
     hash_ids = obj["hash_ids"]

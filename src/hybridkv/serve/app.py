@@ -14,6 +14,7 @@ import json
 import re
 import secrets
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import (
     APIError,
+    check_fields,
     check_ids,
     parse_generation,
     parse_prompts,
@@ -76,11 +78,30 @@ class Server:
         self.unit = handle.engine.config.prefix_match_unit
         self._weights = handle.model.weight_digest() if handle.model is not None else "simulated"
         self.created = int(time.time())
+        self._runs: weakref.WeakSet[Run] = weakref.WeakSet()       # requests started (a finished one is kept
+                                                                   # until collected; ending it is harmless)
+
+    def end_running(self, reason: str) -> int:
+        """End every request still generating (on the event loop, when the server stops): a
+        stream gets an error chunk with ``reason`` (code ``server_shutdown``) and ``[DONE]``, a
+        non-streaming request a 503; their jobs are cancelled, which releases their cache
+        references. Returns how many requests were ended."""
+        running = [run for run in self._runs if run.running]
+        for run in running:
+            run.end(reason)
+        return len(running)
 
     # -- helpers ------------------------------------------------------------------
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request, route: str) -> dict:
+        """The JSON body of a ``route`` (``completions`` / ``chat``) request, its field names
+        checked (:func:`~hybridkv.serve.protocol.check_fields`) and its ``model`` this server's.
+
+        Raises:
+            APIError: 400 for a bad body or field (named), 404 for another model.
+        """
         body = _json_object(await read_body(request))
-        model = body.get("model")
+        check_fields(body, route)
+        model = body["model"]
         if model != self.settings.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r}", "model", "model_not_found", "not_found_error")
@@ -103,8 +124,10 @@ class Server:
         gen = parse_generation(body, tenant_header(request.headers), self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
-        return Run(self.worker, self.codec, gen, prompts, self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version),
-                   self.metrics, arrived)
+        run = Run(self.worker, self.codec, gen, prompts,
+                  self.namespace(gen.tenant, gen.cache_salt, gen.adapter, gen.adapter_version), self.metrics, arrived)
+        self._runs.add(run)
+        return run
 
     def _check_alive(self) -> None:
         if not self.worker.alive:
@@ -120,8 +143,8 @@ class Server:
     async def completions(self, request: Request):
         """``POST /v1/completions``."""
         arrived = time.monotonic()
-        body = await self._body(request)
-        if "prompt" not in body:
+        body = await self._body(request, "completions")
+        if body.get("prompt") is None:
             raise APIError(400, "prompt is required", "prompt")
         run = self._start(body, request, parse_prompts(body["prompt"], self.codec.encode), arrived)
         head = self._head("text")
@@ -135,7 +158,7 @@ class Server:
     async def chat(self, request: Request):
         """``POST /v1/chat/completions``."""
         arrived = time.monotonic()
-        body = await self._body(request)
+        body = await self._body(request, "chat")
         try:
             prompt = self.codec.chat(body.get("messages"))
         except ValueError as exc:
@@ -214,12 +237,16 @@ class Server:
         names none; a ``cache_salt`` narrows it).
 
         Raises:
-            APIError: 400 for a field of the wrong type or not exactly one scope; 403 when an
+            APIError: 400 for an unknown field, a field of the wrong type or not exactly one scope; 403 when an
                 ``X-Tenant`` request names another tenant, ``all`` or ``abi_version``.
         """
         from hybridkv.cache.abi import ABI_VERSION
 
         body = _json_object(await read_body(request) or b"{}")
+        unknown = next((name for name in body if name not in INVALIDATE_FIELDS), None)
+        if unknown is not None:           # a misspelt scope field would widen the purge
+            raise APIError(400, f"unknown field {_shown(unknown)} in a /admin/cache/invalidate request (fields: "
+                                f"{', '.join(INVALIDATE_FIELDS)})", unknown, "unknown_field")
         everything = body.get("all", False)
         tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
         if not isinstance(everything, bool):
@@ -292,6 +319,9 @@ async def _collect_while_connected(run: Run, request: Request):
     await asyncio.gather(collect, return_exceptions=True)
     raise APIError(499, "the client closed the connection", None, "client_closed")
 
+
+INVALIDATE_FIELDS = ("tenant", "cache_salt", "all", "abi_version")
+"""The fields of a ``POST /admin/cache/invalidate`` body (any other is refused)."""
 
 #: A ``\\u`` escape of a UTF-16 surrogate: the only way a lone surrogate enters a decoded body.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -24,6 +24,10 @@ import numpy as np
 from hybridkv.replay.trace import load_trace, request_token_array, scaled_output_length
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PROBE_TIMEOUT_S = 5.0
+"""Default seconds to connect to the server and to wait for its ``/v1/models`` answer before the
+replay starts (a server that accepts and never answers is reported after this, not after
+``max_seconds``)."""
 TEXT_VOCAB = 95
 """Printable ASCII characters (32-126) a ``text`` prompt is written with."""
 
@@ -42,6 +46,8 @@ class BenchOptions:
         max_tokens: cap on generated tokens per request.
         seed: seed of the synthetic token ids.
         prompt_format: ``ids`` (token-id prompts) or ``text`` (printable ASCII, see above).
+        probe_timeout: seconds to connect to the server and to read its ``/v1/models`` answer
+            (the probe before the replay; see :func:`probe_model`).
     """
 
     url: str
@@ -53,6 +59,12 @@ class BenchOptions:
     max_tokens: int = 4
     seed: int = 0
     prompt_format: str = "ids"
+    probe_timeout: float = PROBE_TIMEOUT_S
+
+
+class ProbeError(Exception):
+    """The server's ``/v1/models`` could not be read; the message names the URL tried, what was
+    tried and why it failed."""
 
 
 @dataclass(slots=True)
@@ -107,6 +119,39 @@ def check_loopback(url: str) -> str:
     return url.rstrip("/")
 
 
+async def probe_model(client: httpx.AsyncClient, url: str, timeout: float) -> dict:
+    """The first model card of ``GET {url}/v1/models`` (``{"id", ...}``; a ``hybridkv serve``
+    card also has ``vocab_size``), read with ``timeout`` seconds for connecting and for each read.
+
+    Raises:
+        ProbeError: no connection, no answer within ``timeout`` seconds, a status other than 200,
+            or an answer that is not an OpenAI model list (each named, with the URL).
+    """
+    target = f"{url}/v1/models"
+    try:
+        resp = await client.get("/v1/models", timeout=httpx.Timeout(timeout))
+    except httpx.ConnectTimeout:
+        raise ProbeError(f"timed out after {timeout:g} s connecting to {target} (--probe-timeout sets the "
+                         "wait)") from None
+    except httpx.TimeoutException:
+        raise ProbeError(f"timed out after {timeout:g} s waiting for {target}: the server accepted the "
+                         "connection but sent no answer (--probe-timeout sets the wait)") from None
+    except httpx.ConnectError as exc:
+        raise ProbeError(f"cannot connect to {target}: {exc or 'connection failed'} (is a server "
+                         "listening there?)") from None
+    except httpx.HTTPError as exc:
+        raise ProbeError(f"GET {target} failed: {exc or type(exc).__name__}") from None
+    if resp.status_code != 200:
+        raise ProbeError(f"GET {target} answered HTTP {resp.status_code}: {resp.text[:200]!r}")
+    try:
+        card = resp.json()["data"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        card = None
+    if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+        raise ProbeError(f"GET {target} answered 200 but not an OpenAI model list: {resp.text[:200]!r}")
+    return card
+
+
 def _add_error(report: BenchReport, key: str) -> None:
     report.errors[key] = report.errors.get(key, 0) + 1
 
@@ -154,7 +199,8 @@ async def run_bench(opts: BenchOptions) -> BenchReport:
 
     Raises:
         ValueError: a non-loopback URL; :class:`~hybridkv.replay.trace.TraceError`: a bad trace.
-        httpx.HTTPError: the server's ``/v1/models`` cannot be read.
+        ProbeError: the server's ``/v1/models`` cannot be read within ``opts.probe_timeout``
+            seconds (see :func:`probe_model`).
     """
     url = check_loopback(opts.url)
     if opts.prompt_format not in ("ids", "text"):
@@ -163,8 +209,11 @@ async def run_bench(opts: BenchOptions) -> BenchReport:
     trace = load_trace(opts.trace, limit=opts.limit).requests
     report = BenchReport()
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(opts.max_seconds)) as client:
-        card = (await client.get("/v1/models")).raise_for_status().json()["data"][0]
-        model, vocab = card["id"], TEXT_VOCAB if text else card["vocab_size"]
+        card = await probe_model(client, url, opts.probe_timeout)
+        model, vocab = card["id"], TEXT_VOCAB if text else card.get("vocab_size")
+        if not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):
+            raise ProbeError(f"{url}/v1/models gives no vocab_size for model {model!r}, which token-id prompts "
+                             "need; use --prompt-format text")
         start = time.monotonic()
         tasks = []
         for req in trace:

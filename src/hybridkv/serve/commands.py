@@ -14,13 +14,24 @@ import sys
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
     add_store_cost_arguments,
+    block_tokens,
+    checkpoint_policy,
+    finite_positive_float,
     fraction,
     non_negative_float,
     non_negative_int,
+    poll_seconds,
+    max_num_seqs,
+    page_tokens,
+    pool_entries,
     port_number,
     positive_float,
     positive_int,
+    seed_value,
+    thread_count,
+    time_scale,
 )
+from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
 
 def register_cli(sub) -> None:
@@ -29,26 +40,28 @@ def register_cli(sub) -> None:
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: a free one)")
-    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory://, mooncake://HOST:PORT")
+    s.add_argument("--port", type=port_number, default=8000,
+                   help="port (default 8000; 0: a free one, printed at start); a taken port is an error at start")
+    s.add_argument("--store", default="none", help="store URL: none, disk:///PATH, memory:// (private to this server), "
+                                                    "mooncake://HOST:PORT")
     s.add_argument("--store-alignment", type=positive_int, default=None, help="tokens; store entry boundaries")
     s.add_argument("--host-mib", type=non_negative_int, default=0, help="host tier MiB (0 = off)")
-    s.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
-    s.add_argument("--block-size", type=positive_int, default=64, help="KV page size in tokens")
-    s.add_argument("--prefix-match-unit", type=positive_int, default=64, help="hash/lookup unit in tokens")
-    s.add_argument("--policy", default="branch+tail",
+    s.add_argument("--seed", type=seed_value, default=0, help="seed of a preset's weights")
+    s.add_argument("--block-size", type=page_tokens, default=64, help="KV page size in tokens")
+    s.add_argument("--prefix-match-unit", type=page_tokens, default=64, help="hash/lookup unit in tokens")
+    s.add_argument("--policy", type=checkpoint_policy, default="branch+tail",
                    help="checkpoint policy: branch, tail[=N], interval=N, hint, supersede joined by '+'; "
                         "'none' turns reuse off (default branch+tail)")
     s.add_argument("--mechanism", choices=("extract", "split"), default="extract")
-    s.add_argument("--kv-pages", type=positive_int, default=None, help="device KV pages (default: 65,536 tokens)")
-    s.add_argument("--checkpoint-slots", type=positive_int, default=64)
-    s.add_argument("--max-num-seqs", type=positive_int, default=4)
+    s.add_argument("--kv-pages", type=pool_entries, default=None, help="device KV pages (default: 65,536 tokens)")
+    s.add_argument("--checkpoint-slots", type=pool_entries, default=64)
+    s.add_argument("--max-num-seqs", type=max_num_seqs, default=4)
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompt + generated tokens per request (default: the KV pool's tokens)")
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests waiting for admission before answering 503 (default 64)")
-    s.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    s.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
     s.set_defaults(func=_serve)
 
     _register_router(sub)
@@ -59,15 +72,18 @@ def register_cli(sub) -> None:
     b.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
     b.add_argument("--trace", default=None, help="trace path (default: the bundled trace)")
     b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
-    b.add_argument("--time-scale", type=positive_float, default=1.0,
-                   help="factor on the trace's timestamps (2: half the rate; default 1)")
+    b.add_argument("--time-scale", type=time_scale, default=1.0,
+                   help="factor on the trace's timestamps, 1e-6 to 1e6 (2: half the rate; default 1)")
     b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
-    b.add_argument("--block-tokens", type=positive_int, default=64, help="synthetic tokens per trace hash id")
+    b.add_argument("--block-tokens", type=block_tokens, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    b.add_argument("--seed", type=seed_value, default=0, help="seed of the synthetic token ids")
     b.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                    help="ids: token-id prompts; text: each synthetic id as one printable ASCII character (one "
                         "token each under the presets' byte tokenizer), for routers that only take text")
+    b.add_argument("--probe-timeout", type=finite_positive_float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds to connect to the server and to wait for its /v1/models answer before the replay "
+                        f"(default {PROBE_TIMEOUT_S:g})")
     b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
     b.set_defaults(func=_bench)
 
@@ -101,13 +117,14 @@ def _register_router(sub) -> None:
     r.add_argument("--policy", choices=ROUTER_NAMES, default="hybrid", help="routing policy (default hybrid)")
     r.add_argument("--model", default="tiny", help="the workers' --model (its tokenizer is used to hash prompts)")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    r.add_argument("--port", type=port_number, default=8080, help="port (default 8080)")
+    r.add_argument("--port", type=port_number, default=8080,
+                   help="port (default 8080; 0: a free one, printed at start); a taken port is an error at start")
     r.add_argument("--cost-model", default=None,
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
                         "the mean over healthy workers (default 1; docs/routing.md)")
-    r.add_argument("--poll-interval", type=positive_float, default=0.2, help="seconds between event polls")
+    r.add_argument("--poll-interval", type=poll_seconds, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
                    help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "
@@ -157,38 +174,44 @@ def router_service(args):
 
 
 def _router(args) -> int:
-    import uvicorn
-
+    from hybridkv.serve.launch import bind_listener, run_foreground
     from hybridkv.serve.router import create_router_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per event poll
     try:
-        service = router_service(args)
-    except (ValueError, FileNotFoundError) as exc:
+        sock = bind_listener(args.host, args.port)
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_router_app(service), host=args.host, port=args.port, log_level="info", lifespan="on")
+    try:
+        service = router_service(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = run_foreground(create_router_app(service), sock, f"routing to {len(args.worker)} worker(s)",
+                            lifespan="on", end_running=service.end_running)
+    logging.getLogger("hybridkv.serve.router").info(
+        "shut down cleanly%s: %d relayed answer(s) ended after the grace", f" on {server.stop_signal}"
+        if server.stop_signal else "", server.ended)
     return 0
 
 
 def _bench(args) -> int:
-    import httpx
-
     from hybridkv.replay.trace import TraceError
-    from hybridkv.serve.bench import BenchOptions, render, run_bench
+    from hybridkv.serve.bench import BenchOptions, ProbeError, render, run_bench
 
     opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
                         max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
-                        seed=args.seed, prompt_format=args.prompt_format)
+                        seed=args.seed, prompt_format=args.prompt_format, probe_timeout=args.probe_timeout)
     try:
         report = asyncio.run(run_bench(opts))
     except (ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except httpx.HTTPError as exc:
-        print(f"error: --url {args.url}: cannot read the server's /v1/models ({exc or type(exc).__name__})",
-              file=sys.stderr)
+    except ProbeError as exc:
+        print(f"error: --url {args.url}: cannot read the server's /v1/models: {exc}", file=sys.stderr)
         return 2
     print(render(report))
     if args.json_path:

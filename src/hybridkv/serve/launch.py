@@ -1,22 +1,29 @@
 """Start a server: the engine and its thread, the tokenizer, the app, and uvicorn on a socket.
 
-:func:`start_server` is what ``hybridkv serve`` runs in the foreground and what tests run in a
-background thread (:class:`RunningServer`, port 0 = a free port on 127.0.0.1).
+:func:`serve_forever` is what ``hybridkv serve`` runs in the foreground (:func:`run_foreground`,
+also ``hybridkv router``'s), :class:`RunningServer` what tests run in a background thread (port 0 =
+a free port on 127.0.0.1). Both bind the port first (:func:`bind_listener`: a taken port is a clear
+error at once) and stop cleanly (:class:`DrainingUvicorn`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import logging
+import signal
 import socket
 import threading
 from dataclasses import dataclass
 from typing import Self
 
 import torch
+import uvicorn
 
 from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import EngineHandle, build_engine, load_model
+from hybridkv.engine.build import EngineHandle, build_engine, check_pool_memory, load_model, model_config
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
@@ -27,8 +34,128 @@ log = logging.getLogger("hybridkv.serve")
 
 SHUTDOWN_GRACE_S = 2.0
 """Seconds a stopping server (SIGINT, SIGTERM, :meth:`RunningServer.close`) lets running requests
-finish before it cancels them (their cache references are released; a stream ends without
-``[DONE]``). Without a bound, shutdown would wait for every generation to reach ``max_tokens``."""
+finish before it ends them: a stream then gets an error chunk (code ``server_shutdown``) and
+``[DONE]``, a non-streaming request a 503, and their cache references are released. Without a
+bound, shutdown would wait for every generation to reach ``max_tokens``."""
+
+SHUTDOWN_MARGIN_S = 5.0
+"""Seconds past :data:`SHUTDOWN_GRACE_S` that uvicorn waits for the ended requests' connections to
+close before it cancels what is left (a last resort, e.g. for a client that stopped reading)."""
+
+
+class PortError(ValueError):
+    """The address to listen on cannot be used (taken, not permitted, not this machine's); the
+    message names the address and the option that changes it."""
+
+
+def bind_listener(host: str, port: int, option: str = "--port") -> socket.socket:
+    """A TCP socket listening on ``host:port`` (``port`` 0: a free port the system picks; read it
+    with ``getsockname()``), bound before anything slow starts so a taken port fails at once.
+
+    Args:
+        host: an address or host name of this machine.
+        port: TCP port in [0, 65535].
+        option: the command-line option that sets ``port``, named in errors.
+
+    Raises:
+        PortError: the host does not resolve or is not this machine's, the port is taken by
+            another process, or binding it is not permitted (each naming the address and how to
+            choose another).
+    """
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise PortError(f"--host {host!r}: cannot resolve it ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # restarts reuse a port in TIME_WAIT
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        sock.bind(address)
+        sock.listen(2048)              # a port held by a listener that also set SO_REUSEADDR fails here
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortError(f"{option} {port}: {where} is already in use by another process; choose another port "
+                            f"with {option} N, or {option} 0 for a free one (printed at start)") from None
+        if exc.errno == errno.EACCES:
+            raise PortError(f"{option} {port}: listening on {where} is not permitted ({exc.strerror}); ports below "
+                            f"1024 need privileges: choose another with {option} N, or {option} 0") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise PortError(f"--host {host!r}: not an address of this machine ({exc.strerror})") from None
+        raise PortError(f"{option} {port}: cannot listen on {where}: {exc.strerror or exc}") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """``http://HOST:PORT`` of a bound socket (the port the system picked for port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class DrainingUvicorn(uvicorn.Server):
+    """uvicorn that stops cleanly: on shutdown it calls ``end_running`` (the app ends its
+    running requests, e.g. :meth:`~hybridkv.serve.app.Server.end_running`) after
+    :data:`SHUTDOWN_GRACE_S`, so their responses finish and their connections close before
+    uvicorn's own deadline (:data:`SHUTDOWN_MARGIN_S` later), and it never cancels a request
+    task (whose ASGI ``CancelledError`` traceback it would log).
+
+    In the main thread SIGINT and SIGTERM start that shutdown and are not re-raised afterwards, so
+    the process exits normally (0); a second SIGINT ends the running requests at once.
+
+    Args:
+        config: the uvicorn config (its ``timeout_graceful_shutdown`` is set here).
+        end_running: called on the event loop with the reason; returns how many requests it ended
+            (``None``: nothing is ended, uvicorn cancels what still runs after the grace).
+
+    Attributes:
+        stop_signal: the name of the signal that stopped the server (``SIGINT``), or ``None``.
+        ended: requests ``end_running`` ended.
+    """
+
+    def __init__(self, config, end_running=None) -> None:
+        config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S + (SHUTDOWN_MARGIN_S if end_running is not None else 0.0)
+        super().__init__(config)
+        self._end_running, self._ending = end_running, None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stop_signal: str | None = None
+        self.ended = 0
+
+    def _end_now(self) -> None:
+        if self._ending is not None:
+            self._ending.cancel()
+            self._ending = None
+            reason = "the server is shutting down" + (f" ({self.stop_signal})" if self.stop_signal else "")
+            self.ended += self._end_running(reason)
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._end_running is not None and self._ending is None:
+            self._ending = asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self._end_now)
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT / SIGTERM (main thread only) start a clean shutdown; the handlers before are
+        restored after it, without re-raising the signal."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        before = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, _frame) -> None:
+        if self.should_exit and sig == signal.SIGINT and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._end_now)           # a second Ctrl-C: end them now
+        self.stop_signal = self.stop_signal or signal.Signals(sig).name
+        self.should_exit = True
 
 
 @dataclass(slots=True)
@@ -80,6 +207,7 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
                          num_checkpoint_slots=opts.checkpoint_slots, policy=CheckpointPolicy.parse(opts.policy),
                          mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
                          store_alignment=opts.store_alignment)
+    check_pool_memory(config, model_config(opts.model))         # before loading or allocating anything
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     model = load_model(opts.model, opts.seed)
@@ -124,21 +252,18 @@ class BackgroundUvicorn:
         app: the ASGI application.
         host, port: where to listen (``port=0``: a free port).
         lifespan: uvicorn's ``lifespan`` setting (``"on"`` runs the app's startup/shutdown).
+        end_running: see :class:`DrainingUvicorn`.
 
     Raises:
-        RuntimeError: the server did not start (naming the URL).
+        PortError: the address cannot be listened on (named); RuntimeError: the server did not
+            start (naming the URL).
     """
 
-    def __init__(self, app, host: str, port: int, lifespan: str = "off") -> None:
-        import uvicorn
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        host, port = self.sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan=lifespan,
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-        self.uvicorn = uvicorn.Server(config)
+    def __init__(self, app, host: str, port: int, lifespan: str = "off", end_running=None) -> None:
+        self.sock = bind_listener(host, port)
+        self.url = url_of(self.sock)
+        config = uvicorn.Config(app, log_level="warning", lifespan=lifespan)
+        self.uvicorn = DrainingUvicorn(config, end_running)
         self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
                                         name="hybridkv-http", daemon=True)
         self._thread.start()
@@ -167,7 +292,8 @@ class RunningServer:
     def __init__(self, opts: ServeOptions) -> None:
         self.server = build_server(opts)
         try:
-            self.http = BackgroundUvicorn(create_app(self.server), opts.host, opts.port)
+            self.http = BackgroundUvicorn(create_app(self.server), opts.host, opts.port,
+                                          end_running=self.server.end_running)
         except BaseException:
             self.server.worker.stop()
             self.server.handle.close()
@@ -187,15 +313,41 @@ class RunningServer:
         self.close()
 
 
+def run_foreground(app, sock: socket.socket, what: str, lifespan: str = "off", end_running=None) -> DrainingUvicorn:
+    """Serve ``app`` on the listening ``sock`` in the foreground until SIGINT or SIGTERM, then stop
+    cleanly (:class:`DrainingUvicorn`); ``what`` names the server in the log lines. Returns the
+    stopped server (its ``stop_signal`` and ``ended``)."""
+    config = uvicorn.Config(app, log_level="info", lifespan=lifespan)
+    server = DrainingUvicorn(config, end_running)
+    log.info("%s on %s (Ctrl-C stops it)", what, url_of(sock))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return server
+
+
 def serve_forever(opts: ServeOptions) -> None:
     """Run the server in the foreground until SIGINT or SIGTERM (``hybridkv serve``); requests still
-    running :data:`SHUTDOWN_GRACE_S` seconds after the signal are cancelled."""
-    import uvicorn
-    server = build_server(opts)
-    log.info("serving %s on http://%s:%d", opts.model, opts.host, opts.port)
+    running :data:`SHUTDOWN_GRACE_S` seconds after the signal are ended (a stream gets an error
+    chunk and ``[DONE]``), then the engine and the store are closed and one line says so.
+
+    The port is bound before the model loads, so a taken port fails at once.
+
+    Raises:
+        PortError: the address cannot be listened on (named, with the option that changes it);
+        ConfigError / ValueError / FileNotFoundError: a bad option or model (see :func:`build_server`).
+    """
+    sock = bind_listener(opts.host, opts.port)
     try:
-        uvicorn.run(create_app(server), host=opts.host, port=opts.port, log_level="info", lifespan="off",
-                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        server = build_server(opts)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        http = run_foreground(create_app(server), sock, f"serving {opts.model}", end_running=server.end_running)
     finally:
         server.worker.stop()
         server.handle.close()
+    log.info("shut down cleanly%s: %d running request(s) ended after the %g s grace; engine and store closed",
+             f" on {http.stop_signal}" if http.stop_signal else "", http.ended, SHUTDOWN_GRACE_S)

@@ -6,6 +6,7 @@ so nothing cached changes.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -78,6 +79,105 @@ class Generation:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# -- the request-body schema ---------------------------------------------------------------------
+# Every field a generation request may carry is listed here, in one of three kinds; any other
+# field is refused (400, ``param`` naming it), so a setting this server cannot honour is never
+# silently dropped. A JSON ``null`` means "not given" for every listed field.
+
+_CHECKED_COMMON = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "seed", "stop", "n", "echo", "logprobs", "return_token_ids", "ignore_eos", "cache_hints", "tenant",
+    "cache_salt", "adapter", "adapter_version"})
+CHECKED_FIELDS = {"completions": _CHECKED_COMMON | {"prompt"}, "chat": _CHECKED_COMMON | {"messages"}}
+"""Fields each route (``completions``, ``chat``) honours; their values are range-checked by
+:func:`parse_generation`, :func:`parse_prompts` and the chat template."""
+
+IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
+    "user": (str,), "metadata": (dict,), "store": (bool,), "service_tier": (str,),
+    "safety_identifier": (str,), "prompt_cache_key": (str,), "parallel_tool_calls": (bool,)}
+"""Fields accepted (when of the JSON type listed) and ignored on both routes: OpenAI's end-user and
+bookkeeping fields, which do not change what is generated."""
+
+_NEUTRAL_COMMON: dict[str, tuple[object, ...]] = {
+    "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "logit_bias": ({},),
+    "top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,), "stop_token_ids": ([],),
+    # SGLang's router re-serializes each request and always sends these, at these values unless
+    # the client set them (sgl-router protocols: CompletionRequest, ChatCompletionRequest)
+    "no_stop_trim": (False,), "skip_special_tokens": (True,), "return_hidden_states": (False,)}
+NEUTRAL_FIELDS: dict[str, dict[str, tuple[object, ...]]] = {
+    "completions": {**_NEUTRAL_COMMON, "best_of": (1,), "suffix": ("",)},
+    "chat": {**_NEUTRAL_COMMON, "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
+             "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+             "modalities": (["text"],), "continue_final_message": (False,),
+             "separate_reasoning": (True, False), "stream_reasoning": (True, False)}}
+"""OpenAI, vLLM and SGLang fields this server does not implement, per route: accepted only at a
+value that leaves the answer unchanged (listed; an integer value accepts only integers, a float
+value any number; ``separate_reasoning`` and ``stream_reasoning`` change nothing without a
+reasoning parser, so both booleans), refused otherwise. Text is always decoded without special
+tokens and ends before a stop string, hence ``skip_special_tokens: true`` and
+``no_stop_trim: false``."""
+
+
+_TYPE_NAMES = {str: "a string", dict: "a JSON object", bool: "a boolean"}
+
+
+def _neutral(x, v) -> bool:
+    """Whether request value ``x`` is the neutral value ``v`` (1 is not 1.0 for an integer field,
+    ``false`` is never ``0``)."""
+    if isinstance(x, bool) or isinstance(v, bool):
+        return x is v
+    if isinstance(v, float):
+        return isinstance(x, (int, float)) and x == v
+    if isinstance(v, int):
+        return _is_int(x) and x == v
+    return x == v
+
+
+def check_fields(body: dict, route: str) -> None:
+    """Check the field names of a generation request ``body`` for ``route`` (``"completions"`` or
+    ``"chat"``) against :data:`CHECKED_FIELDS`, :data:`IGNORED_FIELDS` and
+    :data:`NEUTRAL_FIELDS` (their values are checked later, by :func:`parse_generation`).
+
+    Raises:
+        APIError: 400 naming the field (``param``): ``model`` missing or not a string, a field
+            this server does not know, an ignored field of the wrong JSON type, a field it does
+            not implement set to a value that would change generation, or ``max_tokens`` and
+            ``max_completion_tokens`` both given and different.
+    """
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "missing required field model", "model", "missing_required_field")
+    if not isinstance(model, str):
+        raise APIError(400, f"model={_shown(model)} ({type(model).__name__}) must be a string", "model")
+    checked, neutral = CHECKED_FIELDS[route], NEUTRAL_FIELDS[route]
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    for name, value in body.items():
+        if name in checked:
+            continue
+        if name in IGNORED_FIELDS:
+            kind = IGNORED_FIELDS[name]
+            if value is not None and not isinstance(value, kind):
+                raise APIError(400, f"{name}={_shown(value)} must be {_TYPE_NAMES[kind[0]]}", name)
+            continue
+        if name in neutral:
+            if value is None or any(_neutral(value, v) for v in neutral[name]):
+                continue
+            allowed = " or ".join(json.dumps(v) for v in neutral[name])
+            raise APIError(400, f"{name}={_shown(value)} is not supported by this server (only {name}={allowed}, "
+                                "or leaving it out)", name, "unsupported_field")
+        raise APIError(400, f"unknown field {_shown(name)} in a {path} request", name, "unknown_field")
+    a, b = body.get("max_tokens"), body.get("max_completion_tokens")
+    if a is not None and b is not None and a != b:
+        raise APIError(400, f"max_tokens={_shown(a)} and max_completion_tokens={_shown(b)} disagree; give one",
+                       "max_completion_tokens")
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened to 60 characters (a huge value is not echoed whole)."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -155,7 +255,8 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
             ``tenant`` / ``cache_salt`` / ``cache_hints``, an ``adapter`` or ``adapter_version`` that
             is not a string of at most 256 characters, an ``adapter_version`` without ``adapter``.
     """
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
+    max_tokens = next((body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None),
+                      default_max_tokens)
     if not _is_int(max_tokens) or max_tokens < 1:
         raise APIError(400, f"max_tokens={max_tokens!r} must be an integer >= 1", "max_tokens")
     seed = body.get("seed")

@@ -47,7 +47,14 @@ from hybridkv.fleet.store import (
     StoreCost,
 )
 from hybridkv.serve.fleet_view import Workers, WorkerState
-from hybridkv.serve.protocol import APIError, parse_generation, parse_prompts, read_body, tenant_header
+from hybridkv.serve.protocol import (
+    APIError,
+    check_fields,
+    parse_generation,
+    parse_prompts,
+    read_body,
+    tenant_header,
+)
 from hybridkv.serve.tokenizer import Codec
 
 log = logging.getLogger("hybridkv.serve.router")
@@ -161,6 +168,7 @@ class RouterService:
         # an unknown policy fails now, not at the first request; kv-overlap's page counts are kept only for it
         self._uses_pages = make_router(self._config(1, 1)).uses_pages
         self._tasks: list[asyncio.Task] = []
+        self.stopping = _Stopping()
 
     def _config(self, unit: int, block_size: int, store: dict | None = None) -> RouterConfig:
         cost = None
@@ -182,6 +190,13 @@ class RouterService:
         if s.follow_wait_s > 0:
             self._tasks.append(asyncio.create_task(self.workers.follow_forever(s.follow_wait_s,
                                                                                min(s.poll_interval_s, 1.0))))
+
+    def end_running(self, reason: str) -> int:
+        """End every answer still being relayed (on the event loop, when the router stops): a
+        stream gets an error chunk with ``reason`` (code ``server_shutdown``) and ``[DONE]``, and
+        its worker connection is closed (the worker then cancels the generation). Returns how
+        many answers were ended."""
+        return self.stopping.end(reason)
 
     async def stop(self) -> None:
         """Stop polling and close the HTTP clients."""
@@ -277,12 +292,17 @@ class RouterService:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             body = None                                    # the worker answers the 400
+        if isinstance(body, dict):
+            try:                                           # the workers' field schema: the same 400s, and
+                check_fields(body, "chat" if chat else "completions")    # without a worker in rotation
+            except APIError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
         reqs = self.route_requests(body, request.headers, chat)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         if len(reqs) > 1:
             return await self._split(body, reqs, path, headers)
         sent = await self._send(reqs[0], path, raw, headers)
-        return sent if isinstance(sent, JSONResponse) else _ProxiedResponse(*sent)
+        return sent if isinstance(sent, JSONResponse) else _ProxiedResponse(*sent, self.stopping)
 
     async def _send(self, req: RouteRequest, path: str, raw: bytes,
                     headers: dict) -> tuple[httpx.Response, _Ticket] | JSONResponse:
@@ -301,8 +321,11 @@ class RouterService:
                      if req.hashes and fleet is not None and self._uses_pages else ((), False, 0))
             ticket = _Ticket(w, req.prompt_tokens, req.output_tokens, seconds, pages)
             try:
-                upstream = await self.proxy.send(self.proxy.build_request("POST", w.url + path, content=raw,
-                                                                          headers=headers), stream=True)
+                upstream = await self._send_unless_stopping(self.proxy.build_request(
+                    "POST", w.url + path, content=raw, headers=headers))
+                if upstream is None:                       # the router stopped before the worker answered
+                    ticket.done()
+                    return _error(503, self.stopping.reason, "server_shutdown")
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 ticket.done()
                 self.workers.take_out(w, f"connection failed: {type(exc).__name__}")
@@ -316,6 +339,30 @@ class RouterService:
             return upstream, ticket
         self.unroutable += 1
         return _error(503, "no worker is in rotation; retry shortly", "no_healthy_worker")
+
+    async def _send_unless_stopping(self, request: httpx.Request) -> httpx.Response | None:
+        """``request`` sent to its worker, streamed: the response once its headers arrive, or
+        ``None`` when the router stops first (the request is then cancelled and its connection
+        closed, which cancels the generation on the worker).
+
+        Raises:
+            httpx.HTTPError: the worker could not be reached or failed before answering.
+        """
+        send = asyncio.ensure_future(self.proxy.send(request, stream=True))
+        stop = asyncio.ensure_future(self.stopping.event.wait())
+        self.stopping.active += 1
+        try:
+            await asyncio.wait({send, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.stopping.active -= 1
+            stop.cancel()
+            stopped = not send.done()
+            if stopped:
+                send.cancel()
+        if stopped:
+            await asyncio.gather(send, return_exceptions=True)
+            return None
+        return send.result()
 
     async def _split(self, body: dict, reqs: list[RouteRequest], path: str, headers: dict):
         """A completion batch: each prompt routed and sent on its own, the answers put back
@@ -336,7 +383,7 @@ class RouterService:
             await _release(ok)
             return failed
         if body.get("stream") is True:
-            return _MergedResponse(ok)
+            return _MergedResponse(ok, self.stopping)
         try:
             answers = [json.loads(await u.aread()) for u, _ in ok]
         finally:
@@ -379,8 +426,8 @@ class _ProxiedResponse(StreamingResponse):
     response ends (a client gone before the first chunk included, when the body iterator never
     starts and so never runs its own cleanup)."""
 
-    def __init__(self, upstream: httpx.Response, ticket: _Ticket) -> None:
-        super().__init__(_relay(upstream, ticket), status_code=upstream.status_code,
+    def __init__(self, upstream: httpx.Response, ticket: _Ticket, stopping: _Stopping) -> None:
+        super().__init__(_relay(upstream, ticket, stopping), status_code=upstream.status_code,
                          media_type=upstream.headers.get("content-type"))
         self._upstream, self._ticket = upstream, ticket
 
@@ -392,15 +439,63 @@ class _ProxiedResponse(StreamingResponse):
             await self._upstream.aclose()
 
 
-async def _relay(upstream: httpx.Response, ticket: _Ticket):
-    """The worker's answer, bytes unchanged; the ticket's load returned as it goes."""
+class _Stopping:
+    """The router's stop signal to the answers it relays: :meth:`end` wakes every relay, which
+    ends its answer (see :meth:`RouterService.end_running`)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason = ""
+        self.active = 0                     # answers being relayed
+
+    def end(self, reason: str) -> int:
+        self.reason = reason
+        self.event.set()
+        return self.active
+
+    def frames(self) -> bytes:
+        """The SSE ending of a stream cut short: an error chunk naming the reason, then ``[DONE]``."""
+        body = APIError(503, self.reason, None, "server_shutdown", "server_error").body()
+        return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _next_or_none(chunks):
     try:
-        async for chunk in upstream.aiter_raw():
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _relay(upstream: httpx.Response, ticket: _Ticket, stopping: _Stopping):
+    """The worker's answer, bytes unchanged; the ticket's load returned as it goes. When the router
+    stops, a stream ends at the next frame boundary with :meth:`_Stopping.frames` (another answer
+    just ends)."""
+    sse = (upstream.headers.get("content-type") or "").startswith("text/event-stream")
+    chunks = upstream.aiter_raw().__aiter__()
+    stop = asyncio.ensure_future(stopping.event.wait())
+    tail = b"\n\n"                         # the last bytes sent: at a frame boundary?
+    stopping.active += 1
+    try:
+        while True:
+            nxt = asyncio.ensure_future(_next_or_none(chunks))
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():               # the router is stopping
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+                if sse and tail.endswith(b"\n\n"):
+                    yield stopping.frames()
+                return
+            chunk = nxt.result()
+            if chunk is None:
+                return
             ticket.first_byte()
+            tail = (tail + chunk)[-2:]
             yield chunk
     except httpx.HTTPError as exc:
         log.warning("worker %s broke off an answer: %s", ticket.w.url, type(exc).__name__)
     finally:
+        stopping.active -= 1
+        stop.cancel()
         ticket.done()
         await upstream.aclose()
 
@@ -425,8 +520,8 @@ class _MergedResponse(StreamingResponse):
     chunks summed into one, one ``[DONE]``. Every part's load and connection are returned
     however the response ends."""
 
-    def __init__(self, parts: list[tuple[httpx.Response, _Ticket]]) -> None:
-        super().__init__(_merge(parts), status_code=200, media_type="text/event-stream")
+    def __init__(self, parts: list[tuple[httpx.Response, _Ticket]], stopping: _Stopping) -> None:
+        super().__init__(_merge(parts, stopping), status_code=200, media_type="text/event-stream")
         self._parts = parts
 
     async def __call__(self, scope, receive, send) -> None:
@@ -436,8 +531,12 @@ class _MergedResponse(StreamingResponse):
             await _release(self._parts)
 
 
-async def _merge(parts: list[tuple[httpx.Response, _Ticket]]):
+async def _merge(parts: list[tuple[httpx.Response, _Ticket]], stopping: _Stopping):
     queue: asyncio.Queue = asyncio.Queue()
+
+    async def stop_waiter() -> None:
+        await stopping.event.wait()
+        await queue.put((-1, None))          # the router is stopping: end the merged stream
 
     async def pump(i: int, upstream: httpx.Response, ticket: _Ticket) -> None:
         buf = b""
@@ -455,11 +554,16 @@ async def _merge(parts: list[tuple[httpx.Response, _Ticket]]):
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, u, t)) for i, (u, t) in enumerate(parts)]
+    tasks.append(asyncio.create_task(stop_waiter()))
     usage_chunks: list[dict] = []
-    first_id, left = None, len(tasks)
+    first_id, left = None, len(parts)
+    stopping.active += 1
     try:
         while left:
             i, frame = await queue.get()
+            if i < 0:
+                yield stopping.frames()
+                return
             if frame is None:
                 left -= 1
                 continue
@@ -483,6 +587,7 @@ async def _merge(parts: list[tuple[httpx.Response, _Ticket]]):
             yield f"data: {json.dumps({**usage_chunks[0], 'id': first_id, 'usage': total})}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
+        stopping.active -= 1
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

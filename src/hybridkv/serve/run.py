@@ -145,17 +145,33 @@ class Run:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(j.cached_tokens for j in self.jobs)}}
 
+    @property
+    def running(self) -> bool:
+        """Whether a choice is still being generated."""
+        return bool(self._open)
+
+    def end(self, reason: str) -> None:
+        """End the request early (the server is stopping; call on the event loop): its
+        :meth:`events` raise a 503 :class:`APIError` naming ``reason`` once the events already
+        queued are consumed, and its unfinished jobs are cancelled."""
+        self.queue.put_nowait((-1, ("end", reason)))
+
     async def events(self):
         """Yield ``(index, delta_text, finish_reason)`` once per generated token (the delta may be
         empty while text is held back) and once at the end of each choice, which carries its
         finish reason. Leaving early cancels the unfinished jobs.
 
         Raises:
-            APIError: 500 when the engine refused or failed a job (its message).
+            APIError: 500 when the engine refused or failed a job (its message); 503
+                (``server_shutdown``) when :meth:`end` ended the request.
         """
         try:
             while self._open:
                 i, event = await self.queue.get()
+                if event[0] == "end":
+                    done = sum(len(c.ids) for c in self.choices)
+                    raise APIError(503, f"{event[1]}; this request was ended after {done} generated tokens",
+                                   None, "server_shutdown", "server_error")
                 delta = self._apply(i, event)
                 yield i, delta, self.choices[i].finish_reason
         finally:

@@ -20,6 +20,11 @@ from collections.abc import Sequence
 Buffer = bytes | bytearray | memoryview
 
 
+#: What :meth:`ObjectStore.get_into` gives for an object that was there but unreadable (a
+#: truncated or foreign file): the backend counted and dropped it. ``-1`` is absent / too small.
+DAMAGED = -2
+
+
 class StoreUnavailable(RuntimeError):
     """The backing service cannot be reached (or timed out); the message says which."""
 
@@ -100,7 +105,9 @@ class ObjectStore(ABC):
         """Objects for ``keys`` (``None`` where absent). A key may repeat; each slot is filled."""
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
-        """Read each object into a caller buffer; returns bytes read or ``-1`` if absent / too small.
+        """Read each object into a caller buffer; returns bytes read, ``-1`` if absent / too small,
+        or :data:`DAMAGED` (``-2``) where the backend found the object damaged (a truncated or
+        foreign file; only backends that can tell return it).
 
         Backends with a zero-copy path override this; the default copies.
         """

@@ -56,7 +56,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import BinaryIO
 
-from hybridkv.store.base import Buffer, ObjectStore, StoreUnavailable
+from hybridkv.store.base import DAMAGED, Buffer, ObjectStore, StoreUnavailable
 from hybridkv.store.disk_files import (
     MIN_OBJECT_BYTES,
     NO_SPACE,
@@ -115,7 +115,10 @@ class DiskStore(ObjectStore):
         ValueError: ``path`` exists and is not a directory (or a fan-out name is a
             file), ``capacity_bytes`` is negative, ``eviction`` is unknown, or
             ``quota`` is not a number in (0, 1] or is given without a capacity.
-        StoreUnavailable: the directory cannot be created or written (permissions).
+        StoreUnavailable: the directory cannot be created or written: permissions, or a read-only
+            file system, whether the store there is new, empty or already holds objects (a store
+            writes as it reads: puts, recency stamps, dropping bad objects). The message names the
+            path; an engine then warns and runs without the store (``store_required``: an error).
 
     Counters (read-only for callers): ``evictions`` objects evicted for capacity;
     ``bad_objects`` unreadable object files met (truncated / foreign / collision),
@@ -177,8 +180,11 @@ class DiskStore(ObjectStore):
 
     @_os_errors_unavailable
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key holds a readable object (header checked, payload not read)."""
-        return [self._probe(key.encode("utf-8")) == "ok" for key in keys]
+        """Whether each key holds an object (header checked, payload not read). A damaged file
+        under the key (truncated, foreign) counts as present and is left in place: the read that
+        follows reports it :data:`~hybridkv.store.base.DAMAGED` (a counted, damaged miss, not an
+        absent or evicted one) and deletes it."""
+        return [self._probe(key.encode("utf-8"), drop_bad=False) in ("ok", "damaged") for key in keys]
 
     @_os_errors_unavailable
     def put(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
@@ -240,7 +246,9 @@ class DiskStore(ObjectStore):
         Returns:
             Per key, payload bytes written at the start of its buffer (the rest is
             untouched), or ``-1``: absent, bad (the buffer may be partly written)
-            or larger than the buffer (the buffer is untouched).
+            or larger than the buffer (the buffer is untouched), or
+            :data:`~hybridkv.store.base.DAMAGED`: the file was bad (truncated, foreign, unreadable;
+            counted in ``bad_reasons`` and deleted; the buffer may be partly written).
 
         Raises:
             ValueError: ``keys`` and ``buffers`` differ in length, or a buffer is
@@ -479,8 +487,10 @@ class DiskStore(ObjectStore):
             self._bad(path, None, BadObject("not a regular file"))
             return None
 
-    def _probe(self, key_bytes: bytes) -> str:
-        """``"ok"`` (valid object), ``"absent"`` (none, or a bad one now deleted) or ``"collision"``."""
+    def _probe(self, key_bytes: bytes, drop_bad: bool = True) -> str:
+        """``"ok"`` (valid object), ``"absent"`` (none, or a bad one now deleted) or ``"collision"``;
+        with ``drop_bad=False`` a bad file that is not another key's object is ``"damaged"``, left
+        as it is and not counted."""
         digest = object_digest(key_bytes)
         path = self._path(digest)
         f = self._open(path)
@@ -490,6 +500,8 @@ class DiskStore(ObjectStore):
             try:
                 read_header(f, key_bytes)
             except BadObject as err:
+                if not drop_bad and not err.collision:
+                    return "damaged"
                 self._bad(path, f, err)
                 return "collision" if err.collision else "absent"
             self._seen(digest, path, f, touch=False)
@@ -498,7 +510,8 @@ class DiskStore(ObjectStore):
     def _read(self, key: str, into: memoryview | None) -> bytes | None | int:
         """Payload of ``key`` as bytes (``into is None``) or its length read into byte view ``into``.
 
-        ``None`` / ``-1`` if absent, bad (counted, see :meth:`_bad`) or, for ``into``, too small.
+        ``None`` / ``-1`` if absent or, for ``into``, too small; a bad file (counted, see
+        :meth:`_bad`) is ``None`` / :data:`DAMAGED` (another key's object at this name: absent).
         """
         key_bytes = key.encode("utf-8")
         digest = object_digest(key_bytes)
@@ -512,10 +525,10 @@ class DiskStore(ObjectStore):
                 result = read_payload(f, key_bytes, into)
             except BadObject as err:
                 self._bad(path, f, err)
-                return miss
+                return miss if into is None or err.collision else DAMAGED
             except OSError as e:
                 self._bad(path, f, BadObject(f"read error: {e.strerror}"))
-                return miss
+                return None if into is None else DAMAGED
             if into is not None and result == -1:
                 return -1  # too small for the buffer: not read, not a hit
             self._seen(digest, path, f, touch=True)

@@ -267,13 +267,28 @@ def object_path(root: str, digest: str) -> str:
     return os.path.join(root, digest[:2], digest)
 
 
+def _on_read_only_fs(path: str) -> bool:
+    """Whether ``path`` (an existing directory) lies on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def create_layout(root: str) -> None:
     """Create ``root`` (with parents) and its 256 fan-out subdirectories; check access.
 
+    A store writes as it reads (recency stamps, dropping bad objects, stale temp files), so a
+    directory it cannot write is unusable, whether it is new, empty or already holds objects: on a
+    read-only file system or without write permission every case raises
+    :class:`StoreUnavailable` naming the path (an engine then warns and runs without the store,
+    or refuses to start when the store is required).
+
     Raises:
         ValueError: ``root`` or a fan-out name exists and is not a directory.
-        StoreUnavailable: a directory cannot be created, or ``root`` is not
-            readable and writable.
+        StoreUnavailable: a directory cannot be created (read-only file system, permissions, no
+            space: the message names the path and the reason), or ``root`` is not readable and
+            writable.
     """
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"disk store path {root!r} exists and is not a directory")
@@ -285,6 +300,12 @@ def create_layout(root: str) -> None:
         raise ValueError(f"disk store path {root!r}: {e.filename!r} is not a directory") from e
     except PermissionError as e:
         raise StoreUnavailable(f"disk store {root!r}: permission denied creating {e.filename!r}") from e
+    except OSError as e:
+        why = "read-only file system" if e.errno == errno.EROFS else (e.strerror or type(e).__name__)
+        raise StoreUnavailable(f"disk store {root!r}: cannot create {e.filename!r}: {why}") from e
+    if _on_read_only_fs(root):
+        raise StoreUnavailable(f"disk store {root!r}: directory is on a read-only file system "
+                               "(a disk store needs to write: puts, recency stamps, dropping bad objects)")
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
         raise StoreUnavailable(f"disk store {root!r}: directory is not readable and writable")
 

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hybridkv.cache.groups import nbytes
-from hybridkv.store.base import ObjectStore, StoreUnavailable
+from hybridkv.store.base import DAMAGED, ObjectStore, StoreUnavailable
 from hybridkv.tiers.base import PURGE_UNREACHABLE, Entry, Tier, TierPurge
 from hybridkv.tiers.layout import (
     HORIZON_MAX_BYTES,
@@ -283,6 +283,10 @@ class StoreTier(Tier):
         """Decode one entry read by :meth:`load_many` (``None`` and a counted miss on failure)."""
         names = self.shapes[grp]
         mo, mn = offsets[0], nread[0]
+        if mn == DAMAGED:                           # a manifest the store found cut short or unreadable
+            self.count_miss("incomplete")
+            self.invalidate(hashes, b, grp, owner)
+            return None
         if mn < 0:                                  # absent, or larger than any manifest a reader accepts
             present = self._call(self.store.exists, [self._key(hashes, b, grp, owner=owner)])
             if present is not None:                 # (None: counted unreachable already)
@@ -302,6 +306,8 @@ class StoreTier(Tier):
             for c in comps:
                 j = 1 + order[c.name]
                 n = nread[j]
+                if n == DAMAGED:                    # cut short (or unreadable) in the store: a size mismatch
+                    raise EntryError("checksum", f"component {c.name} is damaged in the store")
                 if n < 0:                           # absent, or larger than the manifest says
                     present = self._call(self.store.exists, [c.key])
                     if present is None:

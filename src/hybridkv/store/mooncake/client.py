@@ -168,8 +168,12 @@ class MooncakeStore(ObjectStore):
         self.local_hostname = local_hostname
         if self.segment_bytes and self.segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes={self.segment_bytes}: Mooncake needs 0 or at least {MIN_SEGMENT_BYTES}")
-        if self.local_buffer_bytes < 0 or self.setup_retries < 1 or self.timeout_s <= 0 or self.retry_interval_s < 0:
-            raise ValueError("local_buffer_bytes >= 0, setup_retries >= 1, timeout_s > 0, retry_interval_s >= 0")
+        for name, ok, rule in (("local_buffer_bytes", self.local_buffer_bytes >= 0, ">= 0"),
+                               ("setup_retries", self.setup_retries >= 1, ">= 1"),
+                               ("timeout_s", 0 < self.timeout_s < float("inf"), "> 0 and finite"),
+                               ("retry_interval_s", 0 <= self.retry_interval_s < float("inf"), ">= 0 and finite")):
+            if not ok:
+                raise ValueError(f"MooncakeStore {name}={getattr(self, name)!r} must be {rule}")
         self.stats = MooncakeStats()
         self._cls = load_client_class()
         self._lock = threading.RLock()

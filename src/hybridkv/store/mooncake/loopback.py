@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 from hybridkv.store.mooncake.support import LOOPBACK_SHIM_NAME
+from hybridkv.store.userdirs import user_cache_dir
 
 log = logging.getLogger("hybridkv.store")
 
@@ -29,9 +30,9 @@ LOOPBACK = "127.0.0.1"
 
 
 def _default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/hybridkv`` (``~/.cache/hybridkv``): where the shim is built."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "hybridkv"
+    """This user's :func:`~hybridkv.store.userdirs.user_cache_dir` (``~/.cache/hybridkv``): where
+    the shim is built (never a directory another user could put a library in)."""
+    return user_cache_dir(create=True)
 
 
 _SHIM_SOURCE = r"""

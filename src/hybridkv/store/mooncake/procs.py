@@ -3,8 +3,8 @@
 Finding and spawning ``mooncake_master`` and the storage process on
 127.0.0.1, waiting for them to come up, finding free ports, and telling
 whether a PID still runs and stopping it. Nothing here loads Mooncake or
-reads the state file; everything public is re-exported by
-:mod:`hybridkv.store.mooncake.service`.
+reads the state file. :mod:`hybridkv.store.mooncake.service` uses these to run the
+store; other code imports them from this module.
 """
 
 from __future__ import annotations

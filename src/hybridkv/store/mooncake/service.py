@@ -24,6 +24,7 @@ Mooncake. Spawning the processes, ports and PIDs: :mod:`hybridkv.store.mooncake.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ from hybridkv.store.mooncake.procs import (
     StoreServiceError,
     alive,
     check_port_free,
+    find_free_ports,
     serves,
     spawn_master,
     spawn_storage,
@@ -53,6 +55,7 @@ from hybridkv.store.mooncake.procs import (
     wait_for,
 )
 from hybridkv.store.mooncake.support import MooncakeNotInstalled, master_reachable
+from hybridkv.store.userdirs import user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +83,73 @@ class StoreHandle:
         return f"mooncake://{self.master}"
 
 
-def default_workdir() -> Path:
-    """``$XDG_CACHE_HOME/hybridkv/store`` (``~/.cache/hybridkv/store``)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "hybridkv" / "store"
+def default_workdir(create: bool = False) -> Path:
+    """``store`` under this user's cache directory (:func:`~hybridkv.store.userdirs.user_cache_dir`:
+    ``$XDG_CACHE_HOME/hybridkv/store``, ``~/.cache/hybridkv/store``, or ``<tmp>/hybridkv-<uid>/store``
+    without a home of one's own): one per user, never shared between users. ``create``: make the
+    temporary-directory fallback private (see ``user_cache_dir``)."""
+    return user_cache_dir(create=create) / "store"
+
+
+def _check_port_numbers(port: int, metrics_port: int) -> None:
+    """Both ports TCP ports (1-65535) and different.
+
+    Raises:
+        StoreServiceError: naming the option(s) and port(s).
+    """
+    for option, p in (("--port", port), ("--metrics-port", metrics_port)):
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p < 65536:
+            raise StoreServiceError(f"{option} {p!r} is not a TCP port (1-65535)")
+    if port == metrics_port:
+        raise StoreServiceError(f"--port and --metrics-port are both {port}: the master listens on each "
+                                "(RPC and metrics), so they need two different ports")
+
+
+def _check_ports_free(port: int, metrics_port: int) -> None:
+    """Both ports free on 127.0.0.1 now.
+
+    Raises:
+        StoreServiceError: naming the option and the port, and how to choose another (a port
+            free now is suggested).
+    """
+    for option, p in (("--port", port), ("--metrics-port", metrics_port)):
+        try:
+            check_port_free(p)
+        except StoreServiceError as exc:
+            try:
+                hint = f" (e.g. {option} {find_free_ports(1)[0]}, free now)"
+            except StoreServiceError:
+                hint = ""
+            raise StoreServiceError(f"{option} {p}: {exc}: another store or program listens there; "
+                                    f"stop it or choose another port with {option} N{hint}") from None
+
+
+def _check_workdir(work: Path) -> None:
+    """Create ``work`` (with parents) and check this process can write its state and logs there.
+
+    Raises:
+        StoreServiceError: it is (or lies under) a file, or cannot be created or written (a
+            read-only file system, permissions); the message names the path and ``--workdir``.
+    """
+    why = None
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        why = "exists and is not a directory" if work.exists() else "lies under a file, not a directory"
+    except OSError as exc:
+        why = f"cannot be created ({'read-only file system' if exc.errno == errno.EROFS else exc.strerror})"
+    if why is None:
+        try:
+            read_only = bool(os.statvfs(work).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        if read_only:
+            why = "is on a read-only file system"
+        elif not os.access(work, os.W_OK | os.X_OK):
+            why = "is not writable by this user"
+    if why is not None:
+        raise StoreServiceError(f"store workdir {str(work)!r} {why}: it holds the store's state and logs; "
+                                "choose another with --workdir DIR")
 
 
 # ---------------------------------------------------------------------- start / stop
@@ -94,14 +160,19 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
     """Start master and storage process on 127.0.0.1; return once a probe put/get succeeds.
 
     Raises:
-        StoreServiceError: a store is already running in ``workdir`` (its master
+        StoreServiceError: ``workdir`` cannot be created or written (a file, a read-only file
+            system, permissions), a store is already running in ``workdir`` (its master
             answers; what is left of one whose master died is stopped first),
-            a port is taken, or a process failed to come up (the message quotes
-            its log).
+            a port is invalid, taken, or both ports are the same (the message names the
+            option and the port), or a process failed to come up (the message quotes its log).
         MooncakeNotInstalled: the mooncake package is missing.
     """
-    work = Path(workdir) if workdir is not None else default_workdir()
-    work.mkdir(parents=True, exist_ok=True)
+    _check_port_numbers(port, metrics_port)
+    try:
+        work = Path(workdir) if workdir is not None else default_workdir(create=True)
+    except OSError as exc:
+        raise StoreServiceError(f"no store workdir of this user: {exc}") from None
+    _check_workdir(work)
     old = read_state(work)
     if old is not None and alive(old.master_pid) and master_reachable(old.master, 0.5):
         raise StoreServiceError(f"a store is already running from {work} (master pid {old.master_pid}, "
@@ -112,8 +183,7 @@ def start_store(port: int = 50051, metrics_port: int = 9003, segment_bytes: int 
         log.warning("store in %s is not running (master pid %d %s); stopping what is left of it",
                     work, old.master_pid, "alive but not answering" if alive(old.master_pid) else "gone")
         stop_store(work, timeout_s=timeout_s)
-    for p in (port, metrics_port):
-        check_port_free(p)
+    _check_ports_free(port, metrics_port)
     master = spawn_master(work, port, metrics_port)
     storage = None
     try:
@@ -313,6 +383,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         handle = start_store(args.port, args.metrics_port, args.segment_mb << 20, args.workdir)
     except (StoreServiceError, StoreUnavailable, MooncakeNotInstalled) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:      # e.g. the workdir turned unwritable while starting
+        print(f"error: store start: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(f"store running: {handle.url}  (master pid {handle.master_pid}, storage pid {handle.storage_pid}, "
           f"{args.segment_mb} MiB, workdir {handle.workdir})")

@@ -5,9 +5,9 @@ backend's exceptions, master address parsing and reachability, preparing
 buffers for ``batch_put_from`` / ``batch_get_into`` (flat byte arrays, small
 items packed into one staging buffer, temporary registrations), replica sizes,
 keeping abandoned clients alive, running a call under a deadline, and the
-warning about wildcard listeners. Everything here is re-exported by
-:mod:`hybridkv.store.mooncake.client`; nothing here imports ``mooncake`` except
-:func:`load_client_class`.
+warning about wildcard listeners. :mod:`hybridkv.store.mooncake.client` builds the
+backend on them; other code imports them from this module. Nothing here imports
+``mooncake`` except :func:`load_client_class`.
 """
 
 from __future__ import annotations
