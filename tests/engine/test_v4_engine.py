@@ -198,13 +198,20 @@ def test_cli_errors(capsys):
         capsys.readouterr().err.replace("\n", " ")
 
 
-def test_cli_replay_verifies_reuse(tmp_path):
-    """A small V4 replay with --verify: reuse, exact logits, the strategy in the report."""
+@pytest.mark.parametrize("recovery", ["recompute", "periodic=64"])
+def test_cli_replay_verifies_reuse(tmp_path, recovery):
+    """A small V4 replay with --verify: reuse, exact logits, the strategy in the report; the
+    default pools keep every state a ``periodic`` policy saves (one per unit here)."""
     out = tmp_path / "r.json"
-    assert main(["replay", "--model", "v4-tiny", "--swa-recovery", "recompute", "--limit", "6", "--verify", "3",
+    assert main(["replay", "--model", "v4-tiny", "--swa-recovery", recovery, "--limit", "6", "--verify", "3",
                  "--no-progress", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["reused_tokens"] > 0
     assert rep["verify"]["requests"] == 3 and rep["verify"]["greedy_mismatches"] == 0
     assert rep["verify"]["max_abs_logit_diff"] <= LOGIT_TOL
-    assert rep["config"]["swa_recovery"] == "recompute" and rep["config"]["restore_recompute_tokens"] > 0
+    assert rep["config"]["swa_recovery"] == recovery
+    if recovery == "recompute":
+        assert rep["config"]["restore_recompute_tokens"] > 0 and rep["config"]["num_checkpoint_slots"] == 16
+    else:
+        assert rep["config"]["policy"] == "interval=64" and rep["config"]["evicted_checkpoints"] == 0
+        assert 0 < rep["checkpoints_created"]["interval"] <= rep["config"]["num_checkpoint_slots"]

@@ -172,11 +172,15 @@ def default_host_interval(block_size: int, host_bytes: int, host_groups=("full",
     return HOST_INTERVAL_BLOCKS * block_size
 
 
-def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy) -> int:
-    """Slots so that nothing is evicted. Simulating (no tensors): the most the policy can create,
+def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy, v4: bool = False) -> int:
+    """Slots so that nothing is evicted. Simulating (no tensors), or a DeepSeek-V4 run (``v4``:
+    its ``periodic=P`` policy saves a state every ``P`` tokens): the most the policy can create,
     per request two branch (the device's and a lower tier's), one tail and one per ``interval``
-    (one per unit without an interval: a bound that holds whatever the policy); else 4 per request."""
-    if opts.simulate:
+    (one per unit without an interval: a bound that holds whatever the policy); a V4 policy that
+    saves nothing (``recompute``): 16; else 4 per request."""
+    if v4 and not (policy.branch or policy.tail or policy.interval or policy.hint):
+        return 16
+    if opts.simulate or v4:
         g = opts.prefix_match_unit
         if policy.interval and not policy.hint:
             return 16 + sum(3 + len(p) // policy.interval for p in prompts)
@@ -248,7 +252,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
-        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
+        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy, recovery is not None),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
         host_probation=opts.host_probation,
