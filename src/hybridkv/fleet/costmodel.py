@@ -38,6 +38,15 @@ KIMI_LINEAR_48B_TOTAL_PARAMS = 48e9
 """Total parameters of Kimi-Linear-48B-A3B (model card)."""
 
 
+MAX_COEFFICIENT_S = 3600.0
+"""Largest value of a cost model's seconds coefficient (seconds per step, token, pair or
+sequence): an hour, far above any hardware, so prices stay finite (an infinite one raised an
+``IndexError`` in the simulator)."""
+
+MAX_EXPERTS = 1 << 20
+"""Largest ``experts`` / ``experts_per_token`` of a cost model (routed experts)."""
+
+
 class CostModelError(ValueError):
     """A cost-model file that cannot be read or has a bad field (named)."""
 
@@ -76,8 +85,16 @@ class StepCostModel:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
-                raise CostModelError(f"cost model {self.name!r}: {f.name}={v!r} must be >= 0")
+            if f.name in ("name", "source"):
+                if not isinstance(v, str):
+                    raise CostModelError(f"cost model {self.name!r}: {f.name}={v!r} must be a string")
+            elif f.name in ("experts", "experts_per_token"):
+                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_EXPERTS:
+                    raise CostModelError(f"cost model {self.name!r}: {f.name}={v!r} must be an integer "
+                                         f"in [0, {MAX_EXPERTS}]")
+            elif not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= MAX_COEFFICIENT_S:
+                raise CostModelError(f"cost model {self.name!r}: {f.name}={v!r} must be a number of seconds "
+                                     f"in [0, {MAX_COEFFICIENT_S:g}]")
         if self.experts and not 0 < self.experts_per_token <= self.experts:
             raise CostModelError(f"cost model {self.name!r}: experts_per_token={self.experts_per_token} "
                                  f"must be in 1..experts={self.experts}")

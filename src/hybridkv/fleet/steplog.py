@@ -21,6 +21,7 @@ The records hold shapes and times only: no token ids, prompt text or cache keys.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -133,14 +134,57 @@ def read_step_log(path: str | Path) -> tuple[list[StepRecord], dict]:
         raise StepLogError(f"step log {str(path)!r}: expected an object with a 'steps' list")
     records = []
     for i, row in enumerate(data["steps"]):
+        if not isinstance(row, dict):
+            raise StepLogError(f"step log {str(path)!r}: step {i}: {row!r} is not an object")
         try:
             rec = StepRecord(**row)
         except TypeError as exc:
             raise StepLogError(f"step log {str(path)!r}: step {i}: {exc}") from None
-        if not (isinstance(rec.seconds, (int, float)) and rec.seconds >= 0):
-            raise StepLogError(f"step log {str(path)!r}: step {i}: seconds={rec.seconds!r} must be >= 0")
+        problem = _bad_field(rec)
+        if problem:
+            raise StepLogError(f"step log {str(path)!r}: step {i}: {problem}")
         records.append(rec)
     return records, data.get("meta") or {}
+
+
+MAX_STEP_TOKENS = 2**31 - 1
+"""Largest token count or position a step record may give (tokens); far above any context, and
+small enough that the fit's features (token pairs, ~n^2 / 2) stay finite."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_seconds(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _bad_field(rec: StepRecord) -> str | None:
+    """What is wrong with ``rec``'s fields (``"field=value: must be ..."``), or None.
+
+    Seconds must be finite numbers >= 0 (optional ones may be null); ``instance``,
+    ``decoders`` and ``decode_context`` integers in [0, MAX_STEP_TOKENS]; ``chunks`` a list
+    of ``[start, tokens]`` integer pairs in the same range (an infinite time or a string
+    count made ``calibrate --from-steps`` write a NaN model or fail with a traceback).
+    """
+    for name in ("start", "seconds", "load_seconds"):
+        if not _is_seconds(getattr(rec, name)):
+            return f"{name}={getattr(rec, name)!r}: must be a finite number of seconds >= 0"
+    for name in ("backend_seconds", "wall_seconds", "cpu_seconds"):
+        v = getattr(rec, name)
+        if v is not None and not _is_seconds(v):
+            return f"{name}={v!r}: must be a finite number of seconds >= 0, or null"
+    for name in ("instance", "decoders", "decode_context"):
+        v = getattr(rec, name)
+        if not (_is_int(v) and 0 <= v <= MAX_STEP_TOKENS):
+            return f"{name}={v!r}: must be an integer in [0, {MAX_STEP_TOKENS}]"
+    if not isinstance(rec.chunks, list) or not all(
+            isinstance(c, list) and len(c) == 2 and all(_is_int(x) and 0 <= x <= MAX_STEP_TOKENS for x in c)
+            for c in rec.chunks):
+        return (f"chunks={rec.chunks!r}: must be a list of [start, tokens] pairs of integers in "
+                f"[0, {MAX_STEP_TOKENS}]")
+    return None
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -21,6 +21,26 @@ from hybridkv.serve.tokenizer import Codec, TextStream
 from hybridkv.serve.worker import EngineWorker, Job
 
 
+def hand_to_loop(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: tuple) -> bool:
+    """Put ``item`` on ``queue`` from the engine thread, through ``loop``.
+
+    A server stopping with a prefill step still running closes its event loop before that step
+    ends (the shutdown has already answered the request: an error chunk or a 503); the engine
+    thread's last events for the request then have no reader and are dropped, instead of raising
+    ``RuntimeError: Event loop is closed`` out of the engine thread.
+
+    Returns:
+        True when the item was handed over, False when the loop was already closed.
+    """
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        return False
+    return True
+
+
 class StopScan:
     """Finds the first stop string in a text that arrives in pieces.
 
@@ -121,7 +141,7 @@ class Run:
         scan = StopScan(self.gen.stop) if self.gen.stop else None
 
         def emit(event: tuple) -> None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
+            hand_to_loop(self.loop, self.queue, (i, event))
 
         def stop(token_id: int) -> bool:
             if eos is not None and token_id == eos:

@@ -369,7 +369,8 @@ def register_cli(subparsers) -> None:
         p.add_argument("--port", type=int, default=50051, help="master RPC port (default 50051)")
         p.add_argument("--metrics-port", type=int, default=9003, help="master metrics port (default 9003)")
         p.add_argument("--segment-mb", type=int, default=DEFAULT_SEGMENT_MB,
-                       help=f"memory of the storage process in MiB (default {DEFAULT_SEGMENT_MB}; at least 16)")
+                       help=f"memory of the storage process in MiB (default {DEFAULT_SEGMENT_MB}; at least 16, at most "
+                            "the machine's memory)")
         p.add_argument("--workdir", default=None, help=f"state and logs (default {default_workdir()})")
         p.set_defaults(store_func=fn)
 
@@ -378,6 +379,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     """``hybridkv store start``: exit 0 and print the store URL, or 2 with one ``error:`` line."""
     if args.segment_mb < 16:
         print(f"error: --segment-mb {args.segment_mb}: Mooncake needs at least 16", file=sys.stderr)
+        return 2
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")     # bytes of this machine's memory
+    if args.segment_mb << 20 > have:
+        print(f"error: --segment-mb {args.segment_mb}: the storage process would hold "
+              f"{args.segment_mb / 1024:.1f} GiB but this machine has {have / 2**30:.1f} GiB of memory",
+              file=sys.stderr)
         return 2
     try:
         handle = start_store(args.port, args.metrics_port, args.segment_mb << 20, args.workdir)

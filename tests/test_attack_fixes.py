@@ -1,0 +1,107 @@
+"""Bad inputs and faults found by probing the CLI, the server and the stores as a user would;
+each test fails without its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from hybridkv.serve.run import hand_to_loop
+
+
+def test_an_event_for_a_closed_server_loop_is_dropped_not_raised():
+    """``serve`` stopped (SIGINT) during a long prefill step: the event loop closed before the step
+    ended, and the engine thread's final error event raised ``RuntimeError: Event loop is closed``
+    (a traceback in the log after "shut down cleanly"). The event now has no reader and is dropped;
+    on an open loop it still arrives."""
+    loop = asyncio.new_event_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    sent: list[bool] = []
+    t = threading.Thread(target=lambda: sent.append(hand_to_loop(loop, queue, (0, ("token", 5)))))
+    t.start()
+    t.join()
+    loop.run_until_complete(asyncio.sleep(0))           # runs the put scheduled from the thread
+    assert sent == [True] and queue.get_nowait() == (0, ("token", 5))
+    loop.close()
+    late: list[object] = []
+
+    def engine_thread() -> None:
+        try:
+            late.append(hand_to_loop(loop, queue, (0, ("error", "the engine stopped"))))
+        except RuntimeError as exc:                     # what the engine thread raised before
+            late.append(exc)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert late == [False] and queue.empty()
+
+
+def test_store_start_refuses_a_segment_larger_than_the_machine(tmp_path, capsys):
+    """``store start --segment-mb 999999999999`` started a master, then printed "storage process
+    exited with status 1" and the storage process's traceback (Mooncake setup code -600), naming
+    neither the option nor the value. It is refused before anything starts."""
+    from hybridkv.cli import main
+
+    work = tmp_path / "store"
+    rc = main(["store", "start", "--segment-mb", "999999999999", "--workdir", str(work)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("error: --segment-mb 999999999999: the storage process would hold 976562500.0 GiB but "
+                          "this machine has "), err
+    assert "\n" not in err and not work.exists()        # nothing started, no workdir made
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("seconds", float("inf"), "step 0: seconds=inf: must be a finite number of seconds >= 0"),
+    ("chunks", "abc", "step 0: chunks='abc': must be a list of [start, tokens] pairs of integers in [0, 2147483647]"),
+    ("chunks", [[0, -500]], "step 0: chunks=[[0, -500]]: must be a list of [start, tokens] pairs"),
+    ("chunks", [[0, 1e300]], "step 0: chunks=[[0, 1e+300]]: must be a list of [start, tokens] pairs"),
+    ("decoders", "x", "step 0: decoders='x': must be an integer in [0, 2147483647]"),
+    ("wall_seconds", float("nan"), "step 0: wall_seconds=nan: must be a finite number of seconds >= 0, or null"),
+], ids=["seconds-inf", "chunks-str", "chunks-negative", "chunks-float", "decoders-str", "wall-nan"])
+def test_calibrate_from_steps_names_a_bad_step_field(tmp_path, capsys, field, value, text):
+    """``calibrate --from-steps`` with an edited step log: ``seconds: Infinity`` wrote a NaN cost
+    model and exited 0, a string ``decoders`` was a ``TypeError`` traceback, a string ``chunks``
+    said ``not enough values to unpack``, a float one ``SVD did not converge``, a negative
+    token count was fitted silently. Each is one error line naming the file, step, field and value."""
+    from hybridkv.cli import main
+
+    steps = [{"instance": 0, "start": 0.1 * k, "seconds": 0.01 * (k + 1), "chunks": [[0, 64 * (k + 1)]],
+              "decoders": k % 2, "decode_context": 100 * (k % 2)} for k in range(6)]
+    steps[0][field] = value
+    log, out = tmp_path / "steps.json", tmp_path / "cost.json"
+    log.write_text(json.dumps({"meta": {}, "steps": steps}))
+    rc = main(["calibrate", "--from-steps", str(log), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and not out.exists()
+    assert err.startswith(f"error: step log {str(log)!r}: {text}"), err
+    assert "\n" not in err
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("overhead_s", float("inf"), "overhead_s=inf must be a number of seconds in [0, 3600]"),
+    ("linear_s_per_token", "x", "linear_s_per_token='x' must be a number of seconds in [0, 3600]"),
+    ("seq_s", True, "seq_s=True must be a number of seconds in [0, 3600]"),
+    ("experts", 1.5, "experts=1.5 must be an integer in [0, 1048576]"),
+    ("name", 7, "name=7 must be a string"),
+], ids=["inf", "string", "bool", "experts-float", "name-int"])
+def test_replay_cost_model_file_names_a_bad_coefficient(tmp_path, capsys, field, value, text):
+    """``replay --simulate --timed --cost-model FILE``: ``overhead_s: Infinity`` was an
+    ``IndexError`` traceback in the simulator and a string coefficient a ``TypeError`` one;
+    ``experts: 1.5`` was blamed on ``experts_per_token``. Each is one error naming the field
+    and value."""
+    from hybridkv.cli import main
+
+    model = {"name": "m", "overhead_s": 0.001, "linear_s_per_token": 1e-5, "attention_s_per_pair": 1e-9}
+    model[field] = value
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(model))
+    rc = main(["replay", "--simulate", "--timed", "--cost-model", str(path), "--limit", "5", "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())           # the console wraps long lines
+    assert rc == 2
+    assert err.endswith(text) and err.startswith("error: cost model "), err
+    assert "Traceback" not in err
