@@ -92,8 +92,9 @@ class LLM:
     tokens and logits equal a run without cache (logits within 1e-4).
 
     Args:
-        model: ``tiny``, ``small``, ``kimi-linear-48b-a3b`` (presets, random weights from
-            ``seed``), or a directory saved by ``transformers`` / ``HybridModel.save_pretrained``.
+        model: ``tiny``, ``small``, ``kimi-linear-48b-a3b``, or DeepSeek-V4's ``v4-tiny``,
+            ``v4-small`` (presets, random weights from ``seed``), or a directory saved by
+            ``transformers`` / ``HybridModel.save_pretrained`` / ``V4Model.save_pretrained``.
         seed: seed of a preset's weights.
         block_size: KV page size in tokens (a multiple of ``prefix_match_unit``); the host
             tier keeps one entry per page.
@@ -119,6 +120,12 @@ class LLM:
             ``block_size``; default ``block_size``).
         threads: torch intra-op threads (``torch.set_num_threads``, process-wide); ``None``
             leaves the setting alone.
+        swa_recovery: DeepSeek-V4 models only (``v4-tiny``, ``v4-small`` or a ``deepseek_v4``
+            directory): how a hit restores the sliding-window state: ``window`` (the state saved
+            at the hit, placed by ``policy``; ``None`` means this), ``periodic=P`` (saved every
+            ``P`` tokens, a multiple of ``prefix_match_unit``; the hit recomputes from the nearest
+            one) or ``recompute`` (nothing saved; the hit recomputes the window's dependency
+            cone). A V4 model runs on the device cache alone (``host_mib=0``, ``store='none'``).
 
     Attributes:
         model: the loaded :class:`~hybridkv.model.model.HybridModel` (fp32, CPU).
@@ -126,8 +133,10 @@ class LLM:
         config: the validated :class:`CacheConfig`.
 
     Raises:
-        ConfigError: an invalid cache setting (a ``ValueError`` naming the field and value).
-        ValueError: an unknown preset, a bad ``host_mib`` / ``threads``, or a malformed store URL.
+        ConfigError: an invalid cache setting (a ``ValueError`` naming the field and value), e.g.
+            a ``swa_recovery`` text, or a ``block_size`` not a multiple of a V4 model's rates.
+        ValueError: an unknown preset, a bad ``host_mib`` / ``threads``, or a malformed store URL;
+            ``swa_recovery`` with a Kimi Linear model; a host tier or store with a V4 model.
         TypeError: ``seed`` not an integer, ``store`` not a string.
         FileNotFoundError: a model directory without config or weights.
 
@@ -139,7 +148,8 @@ class LLM:
                  prefix_match_unit: int = 64, policy: str | CheckpointPolicy = "branch+tail",
                  mechanism: str = "extract", num_kv_pages: int | None = None, num_checkpoint_slots: int = 64,
                  max_num_seqs: int = 4, max_num_batched_tokens: int = 8192, host_mib: int = 0,
-                 store: str = "none", store_alignment: int | None = None, threads: int | None = None) -> None:
+                 store: str = "none", store_alignment: int | None = None, threads: int | None = None,
+                 swa_recovery: str | None = None) -> None:
         self._handle: EngineHandle | None = None
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise TypeError(f"seed={seed!r} must be an integer")
@@ -165,7 +175,7 @@ class LLM:
             torch.set_num_threads(threads)
         self.model = load_model(model, int(seed))
         self._handle = build_engine(self.model, self.config, model_name=self.model_name, store_url=store,
-                                    host_bytes=int(host_mib) << 20)
+                                    host_bytes=int(host_mib) << 20, swa_recovery=swa_recovery)
         self._calls = 0
 
     # -- properties ------------------------------------------------------------

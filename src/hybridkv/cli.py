@@ -20,6 +20,7 @@ from rich.console import Console
 from hybridkv import __version__
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.replay.args import (
+    swa_recovery_arg,
     add_store_cost_arguments,
     block_tokens,
     checkpoint_policy,
@@ -52,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", help="trace path (JSONL, Mooncake format); default: the bundled trace")
     r.add_argument("--limit", type=positive_int, default=None, help="first N requests (default 40; --simulate: all)")
     r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
-    r.add_argument("--model", default="small", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
+    r.add_argument("--model", default="small",
+                   help="preset (tiny, small, kimi-linear-48b-a3b; DeepSeek-V4: v4-tiny, v4-small) or a model "
+                        "directory (Kimi Linear or deepseek_v4)")
     r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
                         "smaller scales the trace down keeping its sharing (model runs default to 64; at most 65536)")
@@ -102,9 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "it (a mooncake:// URL takes ?timeout_s=S for its setup deadline, default 5)")
     r.add_argument("--store-alignment", type=positive_int, default=None,
                    help="tokens; only these boundaries become store entries (default: --block-size)")
-    r.add_argument("--host-mib", type=non_negative_int, default=256,
-                   help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256; "
+    r.add_argument("--host-mib", type=non_negative_int, default=None,
+                   help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256, "
+                        "0 for a DeepSeek-V4 model, which runs on the device cache alone; "
                         "--simulate: byte accounting only)")
+    r.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
+                   help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
+                        "saved at the hit, placed by --policy; default), periodic=P (saved every P tokens, a "
+                        "multiple of --prefix-match-unit; the hit recomputes from the nearest one) or recompute "
+                        "(nothing saved; the hit recomputes the window's dependency cone)")
     r.add_argument("--host-write-through", action="store_true",
                    help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
     r.add_argument("--host-groups", choices=("all", "kda"), default="all",
@@ -390,6 +399,28 @@ def _replay(args, console: Console) -> int:
     from hybridkv.replay.trace import TraceError
 
     limit = args.limit if args.limit is not None else (None if args.simulate else 40)
+    from hybridkv.engine.build import is_v4
+    v4 = is_v4(args.model)
+    if args.swa_recovery is not None and not v4:
+        console.print(f"[red]error:[/red] --swa-recovery {args.swa_recovery}: applies to DeepSeek-V4 models "
+                      f"(v4-tiny, v4-small, or a deepseek_v4 directory); --model {args.model} is Kimi Linear, whose "
+                      "KDA checkpoints are restored at the hit", markup=True, highlight=False)
+        return 2
+    if v4 and args.simulate:
+        console.print(f"[red]error:[/red] --simulate with --model {args.model}: simulating a DeepSeek-V4 model is "
+                      "not supported; replay it with the model", markup=True, highlight=False)
+        return 2
+    host_mib = args.host_mib if args.host_mib is not None else (0 if v4 else 256)
+    if v4:                            # a V4 model runs on one engine's device cache for now
+        for flag, bad in (("--host-mib", host_mib or None),
+                          ("--instances", args.instances if args.instances > 1 else None),
+                          ("--store", None if args.store == "none" else args.store), ("--timed", args.timed or None)):
+            if bad is not None:
+                shown = "" if bad is True else f" {bad}"
+                console.print(f"[red]error:[/red] {flag}{shown} with --model {args.model}: a DeepSeek-V4 model runs on "
+                              "one engine's device cache alone for now (no host tier, store, instances or timed "
+                              "fleet)", markup=True, highlight=False)
+                return 2
     if args.all:
         if args.limit is not None:
             console.print(f"[red]error:[/red] --all and --limit {args.limit} contradict each other; give one",
@@ -404,7 +435,8 @@ def _replay(args, console: Console) -> int:
         num_kv_pages=args.kv_pages, num_checkpoint_slots=args.checkpoint_slots, verify=args.verify,
         simulate=args.simulate, skip_bad=args.skip_bad, seed=args.seed, progress=not args.no_progress,
         instances=args.instances, store=args.store, store_alignment=args.store_alignment,
-        host_bytes=args.host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
+        host_bytes=host_mib << 20, host_write_through=args.host_write_through, threads=args.threads,
+        swa_recovery=args.swa_recovery,
         host_groups=("full", "kda") if args.host_groups == "all" else ("kda",),
         host_interval=args.host_interval,
         eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.coordinator import EvictedEntry, HybridCacheCoordinator
-from hybridkv.cache.groups import FULL, KDA, reuse_cap
+from hybridkv.cache.groups import FULL, KDA, KDASpec, reuse_cap
 from hybridkv.cache.pools import CheckpointPool
+from hybridkv.engine.backend import KDA_CODEC
 from hybridkv.model.state import KDACheckpoint
 from hybridkv.store.eviction import LRUOrder, RecencyOrder
 
@@ -303,7 +304,8 @@ def test_a_request_never_evicts_the_pages_of_its_own_hit():
 
 
 def tensor_pool(slots: int) -> CheckpointPool:
-    return CheckpointPool(slots, recurrent_shape=(1, 1, 2, 2), conv_shape=(1, 6, 3))
+    spec = KDASpec(num_layers=1, num_heads=1, head_dim=2, conv_dim=6, conv_width=3)
+    return CheckpointPool(slots, spec=spec.group_spec(), codec=KDA_CODEC)
 
 
 def ckpt(value: float, boundary: int) -> KDACheckpoint:

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.cache.groups import BOUNDARY, PREFIX, GroupSpec, KDASpec
 from hybridkv.cache.pools import CheckpointPool, PagePool
+from hybridkv.engine.backend import KDA_CODEC
 from hybridkv.model.state import KDACheckpoint
 
 
@@ -301,7 +303,7 @@ def test_page_pool_matches_a_reference_model(ops):
 def test_bookkeeping_only_checkpoint_pool_has_no_storage():
     pool = CheckpointPool(3, slot_bytes=1234)
     assert pool.num_slots == 3 and pool.num_free == 3
-    assert pool.recurrent is None and pool.conv is None
+    assert pool.tensors is None and pool.spec is None
     assert pool.slot_bytes == 1234
     assert pool.published == [False] * 3
     assert pool.next_victim() is None
@@ -430,14 +432,32 @@ def test_checkpoint_pool_check_invariants_detects_a_referenced_slot_on_the_evict
 
 
 def _tensor_pool(num_slots=2, conv_dtype=torch.float16):
-    return CheckpointPool(num_slots, recurrent_shape=(1, 2, 3, 3), conv_shape=(1, 18, 2), conv_dtype=conv_dtype)
+    spec = KDASpec(num_layers=1, num_heads=2, head_dim=3, conv_dim=18, conv_width=2,
+                   conv_dtype=str(conv_dtype).removeprefix("torch."))
+    return CheckpointPool(num_slots, spec=spec.group_spec(), codec=KDA_CODEC)
 
 
 def test_tensor_backed_pool_sizes_slot_bytes_from_its_storage():
     pool = _tensor_pool(conv_dtype=torch.float16)
-    assert pool.recurrent.shape == (2, 1, 2, 3, 3) and pool.recurrent.dtype == torch.float32
-    assert pool.conv.shape == (2, 1, 18, 2) and pool.conv.dtype == torch.float16
-    assert pool.slot_bytes == 18 * 4 + 36 * 2
+    rec = pool.tensors["recurrent"]
+    assert rec.shape == (2, 1, 2, 3, 3) and rec.dtype == torch.float32
+    for third in ("conv.q", "conv.k", "conv.v"):
+        assert pool.tensors[third].shape == (2, 1, 6, 2) and pool.tensors[third].dtype == torch.float16
+    assert pool.slot_bytes == 18 * 4 + 36 * 2 == pool.spec.bytes_per_entry
+
+
+def test_a_pool_built_from_a_spec_stores_any_boundary_groups_components_without_a_codec():
+    spec = GroupSpec("swa", BOUNDARY, 64, (("window", "bfloat16", (2, 3, 4)), ("tails", "float32", (2, 5))))
+    pool = CheckpointPool(1, spec=spec)
+    assert pool.slot_bytes == 2 * 3 * 4 * 2 + 2 * 5 * 4
+    state = {"window": torch.full((2, 3, 4), 1.5, dtype=torch.bfloat16), "tails": torch.arange(10.0).reshape(2, 5)}
+    slot = pool.take_free()
+    pool.write(slot, state)
+    got = pool.read(slot, 128)
+    assert set(got) == {"window", "tails"} and torch.equal(got["tails"], state["tails"])
+    assert torch.equal(got["window"], state["window"])
+    with pytest.raises(ValueError, match="not prefix group 'full'"):
+        CheckpointPool(1, spec=GroupSpec("full", PREFIX))
 
 
 def test_tensor_backed_pool_refuses_a_write_without_tensors():
@@ -461,7 +481,7 @@ def test_tensor_backed_pool_reads_back_a_private_copy_of_what_was_written():
     got.recurrent.zero_()                       # the reader gets a copy, not a view
     assert torch.equal(pool.read(slot, 64).recurrent, torch.arange(18, dtype=torch.float32).reshape(1, 2, 3, 3))
     other = 1 - slot
-    assert not pool.recurrent[other].any()      # other slots untouched
+    assert not pool.tensors["recurrent"][other].any()      # other slots untouched
 
 
 def _pool_state(pool: PagePool):

@@ -21,8 +21,8 @@ def checkpoint_at(engine, prompt, boundary):
     node = path[boundary // engine.config.prefix_match_unit - 1]
     if node.checkpoint is None:
         return None
-    pool = engine.cache.checkpoints
-    return pool.recurrent[node.checkpoint].clone(), pool.conv[node.checkpoint].clone()
+    ckpt = engine.cache.checkpoints.read(node.checkpoint, boundary)
+    return ckpt.recurrent, ckpt.conv
 
 
 def published_boundaries(engine, prompt):

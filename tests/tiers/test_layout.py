@@ -68,8 +68,10 @@ def test_horizon_objects_round_up_to_the_millisecond_and_reject_junk():
     assert len(keys) == 8 and len(set(keys)) == 8 and all(k.startswith("hkv4-horizon/") for k in keys)
 
 
-def test_the_abi_version_is_the_same_in_both_layers():
-    from hybridkv.cache import purge
+def test_the_abi_version_is_defined_once_and_names_the_key_prefix():
+    from hybridkv.cache import abi, purge
     from hybridkv.tiers import layout
 
-    assert purge.ABI_VERSION == layout.ABI_VERSION
+    assert purge.ABI_VERSION is abi.ABI_VERSION and layout.ABI_VERSION is abi.ABI_VERSION
+    assert abi.KEY_PREFIX == f"hkv{abi.ABI_VERSION}"
+    assert layout.entry_key(b"n" * 32, b"c" * 32, "full", "manifest").startswith(f"hkv{abi.ABI_VERSION}/")

@@ -2,7 +2,7 @@
 
 The coordinator owns the index and both device pools. It answers lookups with
 a :class:`MatchResult` (joint hit, per-group hits, branching boundary; the rule
-is :func:`hybridkv.cache.groups.joint_hit`), gives a request its pages and
+is :func:`hybridkv.cache.groups.joint_hit` over the matched path, :class:`PathPresence`), gives a request its pages and
 working state (:meth:`acquire`), publishes what the request computed in one call
 (:meth:`publish`, which also retires superseded tail checkpoints) and takes
 everything back (:meth:`release`). It never reports a joint hit that lacks a
@@ -17,10 +17,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from operator import attrgetter
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.groups import FULL, KDA, reuse_cap
+from hybridkv.cache.groups import KIMI_LINEAR, Family, joint_hit, reuse_cap
 from hybridkv.cache.index import BlockNode, PrefixIndex
 from hybridkv.cache.namespace import (
     bind_namespace,
@@ -30,7 +31,9 @@ from hybridkv.cache.namespace import (
     chained_block_hashes,
 )
 from hybridkv.cache.pools import CheckpointPool, PagePool
-from hybridkv.model.state import KDACheckpoint
+
+if TYPE_CHECKING:                      # the model's state type, named in annotations only
+    from hybridkv.model.state import KDACheckpoint
 
 _page_of = attrgetter("page")      # a node's page, read in C over a path (lookup, acquire)
 
@@ -39,6 +42,38 @@ CopyPage = Callable[[int, int, int], None]
 
 TAIL = "tail"
 """Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
+
+
+class PathPresence:
+    """:class:`~hybridkv.cache.groups.Presence` over a matched index path (the device's entries of a
+    prompt): every prefix group of the family is held on every node of the path (they share one
+    page per block, and a walk stops at the first unit without one), every boundary group where a
+    node holds a checkpoint slot (one slot per boundary: the family's one boundary group's state).
+
+    Args:
+        path: index nodes of units ``1 .. len(path)`` from the root.
+        unit: ``prefix_match_unit`` in tokens.
+        family: the model family (default Kimi Linear: ``full`` paged, ``kda`` checkpoints).
+    """
+
+    __slots__ = ("path", "unit", "family")
+
+    def __init__(self, path: list[BlockNode], unit: int, family: Family = KIMI_LINEAR) -> None:
+        self.path, self.unit, self.family = path, unit, family
+
+    def prefix_run(self, group: str, limit: int) -> int:
+        if group not in self.family.prefix_names:
+            raise KeyError(f"the device index holds no prefix group {group!r}")
+        return min(len(self.path), limit // self.unit) * self.unit
+
+    def deepest_state(self, group: str, at_most: int) -> int:
+        if group not in self.family.names or self.family.spec(group).prefix_closed:
+            raise KeyError(f"the device index holds no boundary group {group!r}")
+        path = self.path
+        k = min(len(path), at_most // self.unit)
+        while k and path[k - 1].checkpoint is None:
+            k -= 1
+        return k * self.unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +134,10 @@ class MatchResult:
         path: matched index nodes, one per unit, up to ``kv_hit``.
         namespace: the request's namespace digest (the engine's when it gave none), before
             binding: the owner of what the request publishes, for quotas and purges.
+        restart: where computation resumes (``<= hit``; ``None`` given: ``hit``): ``[restart, hit)``
+            is recomputed to rebuild the boundary state at ``hit`` (its prefix groups' entries are
+            cached), from the state saved at ``restart`` (or the zero state at 0, or, when no
+            state is saved there, the raw tokens: a recompute cone).
     """
 
     hit: int
@@ -109,6 +148,11 @@ class MatchResult:
     hashes: list[bytes]
     path: list[BlockNode]
     namespace: bytes | None = None
+    restart: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.restart is None:
+            self.restart = self.hit
 
 
 @dataclass(slots=True)
@@ -147,6 +191,8 @@ class HybridCacheCoordinator:
             namespace, the engine's and per-request ones, is bound to it before
             hashing (:func:`~hybridkv.cache.namespace.bind_namespace`).
         clock: seconds (default ``time.time``); stamps index nodes for purges by age.
+        family: the model family whose joint-hit rule lookups follow
+            (:func:`~hybridkv.cache.groups.joint_hit`; its groups are ``full`` and ``kda``).
 
     Eviction follows ``config.eviction`` (both pools; the checkpoint pool is built with the
     same policy by the backend); without ``config.tenant_quota`` an ``lru`` page pool keeps no
@@ -158,8 +204,9 @@ class HybridCacheCoordinator:
     def __init__(self, config: CacheConfig, namespace: bytes, checkpoints: CheckpointPool,
                  page_bytes: int = 0, copy_page: CopyPage | None = None,
                  on_evict: EvictCallback | None = None, binding: bytes = b"",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, family: Family = KIMI_LINEAR) -> None:
         self.config = config
+        self.family = family
         self.namespace = namespace
         self.clock = clock
         # pages described only where quotas read them: an lru pool without quotas ranks by recency alone
@@ -260,23 +307,28 @@ class HybridCacheCoordinator:
                              f"({len(token_ids) // g} whole units of {g})")
         limit = reuse_cap(len(token_ids), g)
         path = self.index.walk(hashes[: limit // g])
-        # joint_hit(path, limit, GROUPS), computed directly: a walked path is consecutive units
-        # from token 0, each with its KV, all within ``limit``, so the full-attention group's
-        # hit is the whole path, the KDA group's its deepest checkpoint, and they agree there
-        kv_hit = len(path) * g
-        hit = next((n.end for n in reversed(path) if n.checkpoint is not None), 0)
-        per_group = {FULL: kv_hit, KDA: hit}
+        joint = joint_hit(self.family, PathPresence(path, g, self.family), limit)
+        kv_hit, hit, restart = joint.kv_hit, joint.hit, joint.restart
         if touch:   # the same prompt looked up again before any admission: the same request waiting, one use
             key = (namespace or self.namespace, len(token_ids), hashes[-1] if hashes else b"")
             count, self._last_lookup = key != self._last_lookup, key
             # each page once, deepest first: the root end is the most recent
             self.pages.touch_many(dict.fromkeys(map(_page_of, reversed(path))), count)
-            if hit:
-                self.checkpoints.touch(path[hit // g - 1].checkpoint, count)
+            slot = self._state_slot(path, restart)            # the state a hit resumes from
+            if slot is not None:
+                self.checkpoints.touch(slot, count)
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
-                           branching_boundary=kv_hit if kv_hit > hit else None,
-                           per_group=per_group, hashes=hashes, path=path,
-                           namespace=namespace or self.namespace)
+                           branching_boundary=joint.branching_boundary,
+                           per_group=joint.per_group, hashes=hashes, path=path,
+                           namespace=namespace or self.namespace, restart=restart)
+
+    def _state_slot(self, path: list[BlockNode], boundary: int) -> int | None:
+        """The checkpoint slot saved at ``boundary`` on ``path`` (``None``: none there, at 0, or a
+        boundary off the unit grid, e.g. a recompute cone's restart point)."""
+        g = self.config.prefix_match_unit
+        if boundary <= 0 or boundary % g or boundary // g > len(path):
+            return None
+        return path[boundary // g - 1].checkpoint
 
     def shorter_hits(self, match: MatchResult) -> list[MatchResult]:
         """Matches that reuse less than ``match``, deepest first: each checkpointed boundary of
@@ -285,12 +337,16 @@ class HybridCacheCoordinator:
         refusing. ``kv_hit`` is kept, so the branching boundary still gets its checkpoint."""
         g = self.config.prefix_match_unit
         out = []
-        for hit in [n.end for n in reversed(match.path[: match.hit // g - 1]) if n.has_checkpoint] + [0]:
+        presence, hit = PathPresence(match.path, g, self.family), match.hit
+        while hit:                          # the joint hit under a limit one unit below the last one
+            joint = joint_hit(self.family, presence, hit - g)
+            hit = joint.hit
             out.append(MatchResult(hit=hit, kv_hit=match.kv_hit, checkpoint_hit=hit,
                                    branching_boundary=match.kv_hit if match.kv_hit > hit else None,
-                                   per_group={FULL: match.kv_hit, KDA: hit}, hashes=match.hashes,
-                                   path=match.path, namespace=match.namespace))
-        return out if match.hit else []
+                                   per_group={**match.per_group, **{b: hit for b, _ in self.family.boundary}},
+                                   hashes=match.hashes, path=match.path, namespace=match.namespace,
+                                   restart=joint.restart))
+        return out
 
     def could_fit(self, match: MatchResult, num_tokens: int) -> bool:
         """Whether ``num_tokens`` positions could get their pages now, counting free pages,
@@ -326,11 +382,11 @@ class HybridCacheCoordinator:
         path = match.path[: hit // g]
         held = list(dict.fromkeys(map(_page_of, path)))     # every page on the hit path, before any eviction
         self.pages.ref_many(held)
-        state = None
-        if hit:                                              # copy the checkpoint out while it is held
-            slot = path[-1].checkpoint
+        state, restart = None, match.restart
+        slot = self._state_slot(path, restart)
+        if slot is not None:                                 # copy the checkpoint out while it is held
             self.checkpoints.ref(slot)
-            state = self.checkpoints.read(slot, hit)
+            state = self.checkpoints.read(slot, restart)
             self.checkpoints.unref(slot)
         shared = [path[((k + 1) * b) // g - 1].page for k in range(hit // b)]
         cow_src = path[-1].page if hit % b else None

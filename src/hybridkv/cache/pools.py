@@ -19,9 +19,12 @@ copying it into its working state).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from hybridkv._torch import torch
-from hybridkv.model.state import KDACheckpoint
+from hybridkv.cache.groups import GroupSpec
 from hybridkv.store.eviction import make_order
 
 
@@ -241,33 +244,56 @@ class PagePool(_RefcountedCache):
             assert (p in self.order) == (rc == 0 and nc > 0), f"page {p}: evictable membership wrong"
 
 
+@dataclass(frozen=True, slots=True)
+class StateCodec:
+    """How a boundary group's state object (the model's, e.g. a KDA checkpoint) maps to the
+    components of its :class:`~hybridkv.cache.groups.GroupSpec` and back; the cache never
+    imports the model, the backend that owns the model hands this in.
+
+    Attributes:
+        encode: ``state -> {component: tensor}`` (views allowed; the pool copies them).
+        decode: ``({component: tensor}, boundary in tokens) -> state`` (the tensors are the
+            pool's private copies).
+    """
+
+    encode: Callable[[Any], dict]
+    decode: Callable[[dict, int], Any]
+
+
 class CheckpointPool(_RefcountedCache):
-    """Fixed number of published-checkpoint slots, with optional tensor storage.
+    """Fixed number of published boundary-state slots (checkpoints), with optional tensor storage.
 
     Args:
         num_slots: slots.
-        recurrent_shape: ``(L_kda, H, K, V)`` of one checkpoint, or ``None`` for
-            a bookkeeping-only pool (simulation).
-        conv_shape: ``(L_kda, 3*H*K, kernel-1)``.
-        conv_dtype: torch dtype of the conv window (the model's compute dtype; ``None``: float32).
-        slot_bytes: bytes of one checkpoint (used for metrics when tensor-less).
+        spec: the boundary group's spec; its components (dtype, shape) are the storage of a
+            tensor-backed pool. ``None``: a bookkeeping-only pool (simulation).
+        codec: converts the model's state objects to and from the components (``None``: states
+            are ``{component: tensor}`` dicts).
+        slot_bytes: bytes of one checkpoint (used for metrics when tensor-less; a tensor-backed
+            pool takes its spec's ``bytes_per_entry``).
         device: torch device of the storage.
         eviction: ``lru`` or ``value`` (:func:`hybridkv.store.eviction.make_order`).
 
-    Storage: ``recurrent float32[num_slots, *recurrent_shape]`` and
-    ``conv conv_dtype[num_slots, *conv_shape]``, allocated once.
+    Storage: ``tensors[component]`` of ``dtype[num_slots, *shape]`` per spec component,
+    allocated once.
+
+    Raises:
+        ValueError: a ``spec`` of a prefix-closed group (naming it).
     """
 
-    def __init__(self, num_slots: int, *, recurrent_shape=None, conv_shape=None,
-                 conv_dtype=None, slot_bytes: int = 0, device="cpu", eviction: str = "lru") -> None:
+    def __init__(self, num_slots: int, *, spec: GroupSpec | None = None, codec: StateCodec | None = None,
+                 slot_bytes: int = 0, device="cpu", eviction: str = "lru") -> None:
         super().__init__(num_slots, eviction)
         self.num_slots = num_slots
         self.published = [False] * num_slots   # owner: the index (attach/detach)
-        self.recurrent = self.conv = None
-        if recurrent_shape is not None:
-            self.recurrent = torch.zeros((num_slots, *recurrent_shape), dtype=torch.float32, device=device)
-            self.conv = torch.zeros((num_slots, *conv_shape), dtype=conv_dtype or torch.float32, device=device)
-            slot_bytes = (self.recurrent[0].numel() * 4 + self.conv[0].numel() * self.conv.element_size())
+        self.spec, self.codec = spec, codec
+        self.tensors: dict[str, torch.Tensor] | None = None
+        if spec is not None:
+            if spec.prefix_closed:
+                raise ValueError(f"a checkpoint pool holds a boundary group's state, not prefix group {spec.name!r}")
+            self.tensors = {comp: torch.zeros((num_slots, *shape), dtype=getattr(torch, dtype), device=device)
+                            for comp, dtype, shape in spec.components}
+            slot_bytes = spec.bytes_per_entry
         self.slot_bytes = slot_bytes
 
     @property
@@ -279,13 +305,19 @@ class CheckpointPool(_RefcountedCache):
         """Reserve a free slot for writing (not yet published); ``None`` if none."""
         return self._free.popleft() if self._free else None
 
-    def write(self, slot: int, ckpt: KDACheckpoint | None) -> None:
-        """Copy ``ckpt`` into ``slot`` (the slot becomes cache-owned bytes)."""
-        if self.recurrent is not None:
+    def write(self, slot: int, ckpt) -> None:
+        """Copy the state ``ckpt`` (the codec's state object, or a component dict) into ``slot``
+        (the slot becomes cache-owned bytes).
+
+        Raises:
+            ValueError: a tensor-backed pool given no state.
+        """
+        if self.tensors is not None:
             if ckpt is None:
                 raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
-            self.recurrent[slot].copy_(ckpt.recurrent)
-            self.conv[slot].copy_(ckpt.conv)
+            parts = self.codec.encode(ckpt) if self.codec is not None else ckpt
+            for comp, t in self.tensors.items():
+                t[slot].copy_(parts[comp])
 
     def publish(self, slot: int, boundary: int = 0, owner=None, key: bytes | None = None) -> None:
         """Mark a written slot published (attached to an index node); it becomes evictable.
@@ -297,11 +329,13 @@ class CheckpointPool(_RefcountedCache):
         self.order.describe(slot, self.slot_bytes or 1, boundary, boundary, owner, key)
         self.order.add(slot)
 
-    def read(self, slot: int, boundary: int) -> KDACheckpoint | None:
-        """A private copy of the checkpoint in ``slot`` (``None`` when tensor-less)."""
-        if self.recurrent is None:
+    def read(self, slot: int, boundary: int):
+        """A private copy of the state in ``slot`` at ``boundary`` (tokens): the codec's state
+        object, or a component dict without a codec; ``None`` when tensor-less."""
+        if self.tensors is None:
             return None
-        return KDACheckpoint(self.recurrent[slot].clone(), self.conv[slot].clone(), boundary)
+        parts = {comp: t[slot].clone() for comp, t in self.tensors.items()}
+        return self.codec.decode(parts, boundary) if self.codec is not None else parts
 
     def _cached(self, slot: int) -> bool:
         return self.published[slot]

@@ -34,11 +34,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridkv.cache.abi import ABI_VERSION
 from hybridkv.cache.index import BlockNode
 
 
-#: The cache ABI version of store keys (``hkv4/...``; docs/cache_abi.md); tiers.layout.ABI_VERSION is the same number, kept equal by tests/tiers/test_layout.py.
-ABI_VERSION = 4
 
 @dataclass(frozen=True, slots=True)
 class PurgeSelector:

@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv._torch import torch
-from hybridkv.cache.groups import FullAttentionSpec, KDASpec
-from hybridkv.cache.pools import CheckpointPool
+from hybridkv.cache.groups import KIMI_LINEAR, FullAttentionSpec, KDASpec
+from hybridkv.cache.pools import CheckpointPool, StateCodec
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
+
+KDA_CODEC = StateCodec(KDACheckpoint.components, KDACheckpoint.from_components)
+"""A :class:`KDACheckpoint` as the ``kda`` group's components and back (the checkpoint pool's codec)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ class TorchBackend:
 
     tensors = True
     """Step items carry their ids as torch tensors."""
+    family = KIMI_LINEAR
+    """The cache groups this backend's state is made of (``full`` + ``kda``)."""
 
     def __init__(self, model, num_pages: int, block_size: int) -> None:
         self.model = model
@@ -78,6 +83,21 @@ class TorchBackend:
         self.kda_spec = KDASpec.for_model(cfg, str(zero.conv.dtype).removeprefix("torch."))
         self._zero = zero
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page over all MLA layers."""
+        return self.full_spec.page_size_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all MLA layers."""
+        return self.full_spec.bytes_per_token
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one KDA checkpoint."""
+        return self.kda_spec.page_size_bytes
+
     def cache_binding(self) -> bytes:
         """What cached state of this backend depends on, whatever namespace a caller passes:
         the model's weight digest, its compute dtype and the group specs (state layout)."""
@@ -85,8 +105,7 @@ class TorchBackend:
 
     def new_checkpoint_pool(self, num_slots: int, eviction: str = "lru") -> CheckpointPool:
         """A tensor-backed pool shaped like this model's checkpoints (``eviction``: ``lru`` / ``value``)."""
-        return CheckpointPool(num_slots, recurrent_shape=tuple(self._zero.recurrent.shape),
-                              conv_shape=tuple(self._zero.conv.shape), conv_dtype=self._zero.conv.dtype,
+        return CheckpointPool(num_slots, spec=self.kda_spec.group_spec(), codec=KDA_CODEC,
                               device=self._zero.recurrent.device, eviction=eviction)
 
     def copy_page(self, src: int, dst: int, num_tokens: int) -> None:
@@ -142,6 +161,23 @@ class SimulatedBackend:
 
     tensors = False
     """Step items carry their ids as numpy arrays (no torch on the simulated path)."""
+    family = KIMI_LINEAR
+    """The cache groups this backend's state is made of (``full`` + ``kda``)."""
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page over all MLA layers."""
+        return self.full_spec.page_size_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all MLA layers."""
+        return self.full_spec.bytes_per_token
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one KDA checkpoint."""
+        return self.kda_spec.page_size_bytes
 
     def __init__(self, full_spec: FullAttentionSpec, kda_spec: KDASpec,
                  prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005,

@@ -5,6 +5,8 @@ builds each instance with, and what :class:`hybridkv.api.LLM` stands on.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -18,19 +20,48 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import SimulatedBackend, StepItem, TorchBackend
 from hybridkv.engine.engine import CacheListener, Engine
 from hybridkv.model.config import PRESETS, HybridConfig
+from hybridkv.model.v4.config import V4_PRESETS, MODEL_TYPE as V4_MODEL_TYPE, V4Config
 from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.store_tier import StoreTier
 
 if TYPE_CHECKING:                 # imported where a model is loaded: it imports torch
     from hybridkv.model.model import HybridModel
+    from hybridkv.model.v4.model import V4Model
 
 log = logging.getLogger("hybridkv.engine.build")
 
 
 # -- models ------------------------------------------------------------------
-def model_config(name: str | os.PathLike) -> HybridConfig:
-    """Config of a preset name (``tiny``, ``small``, ``kimi-linear-48b-a3b``) or a model directory.
+def is_v4(name: str | os.PathLike) -> bool:
+    """Whether ``name`` is a DeepSeek-V4 model: a ``v4-*`` preset, or a directory whose
+    ``config.json`` has ``model_type`` ``deepseek_v4`` (an unreadable one is not)."""
+    if not isinstance(name, (str, os.PathLike)):
+        return False
+    path = Path(name)
+    if path.is_dir():
+        try:
+            data = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(data, dict) and data.get("model_type") == V4_MODEL_TYPE
+    return str(name) in V4_PRESETS
+
+
+def refuse_v4(name: str | os.PathLike, what: str) -> None:
+    """Raise when ``name`` is a DeepSeek-V4 model and ``what`` (a command) does not run one yet.
+
+    Raises:
+        ValueError: naming the model and the command, and what does run it.
+    """
+    if is_v4(name):
+        raise ValueError(f"{what} does not run DeepSeek-V4 models yet (model {str(name)!r}); "
+                         "`hybridkv replay --model ...` and `LLM(...)` do")
+
+
+def model_config(name: str | os.PathLike) -> HybridConfig | V4Config:
+    """Config of a preset name (``tiny``, ``small``, ``kimi-linear-48b-a3b``; ``v4-tiny``,
+    ``v4-small``) or a model directory (Kimi Linear, or ``model_type`` ``deepseek_v4``).
 
     Raises:
         ValueError: unknown preset name, or an invalid ``config.json`` (named).
@@ -38,15 +69,21 @@ def model_config(name: str | os.PathLike) -> HybridConfig:
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"model must be a preset name or a model directory, got {name!r}")
     path = Path(name)
+    if is_v4(path):
+        return V4Config.from_hf(path) if path.is_dir() else V4Config.preset(str(name))
     if path.is_dir():
         return HybridConfig.from_hf(path)
+    names = ", ".join((*PRESETS, *V4_PRESETS))
     if str(name) not in PRESETS and (os.sep in str(name) or str(name).startswith(".")):
-        raise FileNotFoundError(f"model directory {str(name)!r} does not exist (presets: {', '.join(PRESETS)})")
+        raise FileNotFoundError(f"model directory {str(name)!r} does not exist (presets: {names})")
+    if str(name) not in PRESETS:
+        raise ValueError(f"unknown preset {str(name)!r}; choose one of {names} or a model directory")
     return HybridConfig.preset(str(name))
 
 
-def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:
-    """A :class:`~hybridkv.model.model.HybridModel` in eval mode, fp32 on CPU: a preset with
+def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel | V4Model:
+    """A :class:`~hybridkv.model.model.HybridModel` (or, for a DeepSeek-V4 preset or directory,
+    a :class:`~hybridkv.model.v4.model.V4Model`) in eval mode, fp32 on CPU: a preset with
     deterministic random weights from ``seed``, or a directory saved by ``transformers`` /
     ``HybridModel.save_pretrained`` (``seed`` unused).
 
@@ -57,8 +94,17 @@ def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel:
     from hybridkv.model.model import HybridModel          # here: it imports torch
 
     path = Path(name)
+    if is_v4(path):
+        from hybridkv.model.v4.model import V4Model
+        model = V4Model.from_pretrained(path) if path.is_dir() else V4Model.from_preset(str(name), seed=seed)
+        return model.eval()
     model = HybridModel.from_pretrained(path) if path.is_dir() else HybridModel.from_preset(str(name), seed=seed)
     return model.eval()
+
+
+def _is_v4_model(model) -> bool:
+    """A DeepSeek-V4 model or config."""
+    return isinstance(getattr(model, "config", model), V4Config)
 
 
 def check_pool_memory(config: CacheConfig, model: HybridConfig, instances: int = 1, kv_hint: str = "") -> None:
@@ -171,7 +217,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
                  host_bytes: int = 0, host_write_through: bool = False, host_groups: tuple[str, ...] = ("full", "kda"),
                  prefetch: bool = True, store_required: bool = False,
                  listener: CacheListener | None = None,
-                 step_cost: Callable[[list[StepItem]], float] | None = None) -> EngineHandle:
+                 step_cost: Callable[[list[StepItem]], float] | None = None,
+                 swa_recovery: str | None = None) -> EngineHandle:
     """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
 
     Args:
@@ -196,6 +243,11 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         listener: hears every publication and eviction (:class:`~hybridkv.engine.engine.CacheListener`).
         step_cost: simulation only: ``step_cost(items) -> seconds`` of one step
             (:class:`~hybridkv.engine.backend.SimulatedBackend`).
+        swa_recovery: DeepSeek-V4 only: how a hit restores the ``swa`` boundary state,
+            ``window`` (default), ``periodic=P`` or ``recompute``
+            (:class:`~hybridkv.cache.swa.SwaRecovery`); it also sets which boundaries get a
+            saved state (``config.policy`` for ``window``, every ``P`` tokens, or none).
+            A V4 model runs on the device cache alone (no host tier or store yet).
 
     Returns:
         An :class:`EngineHandle`; call its ``close()`` when done (it stops the store worker).
@@ -204,14 +256,35 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
             store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
             ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
-            URL (named).
+            URL (named); ``swa_recovery`` with a Kimi Linear model, a DeepSeek-V4 config to
+            simulate, or a host tier / store with a DeepSeek-V4 model.
+        ConfigError: a bad ``swa_recovery``, or a ``block_size`` that is not a multiple of a V4
+            model's compression rates (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
     """
     if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
         raise ValueError(f"host_bytes={host_bytes!r} must be an integer >= 0")
     if host_write_through and not host_bytes:
         raise ValueError("host_write_through=True needs a host tier: host_bytes is 0")
-    if isinstance(model, HybridConfig):
+    v4 = _is_v4_model(model)
+    if swa_recovery is not None and not v4:
+        raise ValueError(f"swa_recovery={swa_recovery!r} applies to DeepSeek-V4 models (sliding-window state); "
+                         f"{model_name} is a Kimi Linear model, whose KDA checkpoints are restored at the hit")
+    if v4:
+        if not hasattr(model, "prefill_capture"):
+            raise ValueError(f"{model_name}: simulating a DeepSeek-V4 model is not supported; run it with the model")
+        if host_bytes or store_url not in ("none", ""):
+            raise ValueError(f"{model_name}: a DeepSeek-V4 model runs on the device cache alone (its csa/hca/swa "
+                             f"groups have no host or store layout yet): host_bytes={host_bytes}, "
+                             f"store_url={store_url!r}; use host_bytes=0 and store 'none'")
+        from hybridkv.cache.swa import SwaRecovery
+        from hybridkv.engine.v4backend import V4Backend
+        recovery = SwaRecovery.parse(swa_recovery)
+        recovery.check(config.prefix_match_unit)
+        config = dataclasses.replace(config, policy=recovery.policy(config.policy))
+        backend = V4Backend(model, config.num_kv_pages, config.block_size, config.prefix_match_unit, recovery)
+        digest, payload = model.weight_digest(), True
+    elif isinstance(model, HybridConfig):
         if store_url not in ("none", ""):
             raise ValueError(f"simulation has no tensors for a store: store_url={store_url!r}; use 'none'")
         full, kda = FullAttentionSpec.for_model(model, config.block_size), KDASpec.for_model(model)

@@ -35,6 +35,7 @@ class EngineStats:
     kv_hit_tokens: int = 0
     requests_with_hit: int = 0
     branch_recompute_tokens: int = 0
+    restore_recompute_tokens: int = 0
     checkpoints_created: dict[str, int] = field(default_factory=dict)
     checkpoints_skipped: int = 0
     checkpoints_retired: int = 0
@@ -104,10 +105,10 @@ class Engine:
         self._writes_back = any(t.write_back for t in tiers)
         self.listener = listener
         self.cache = HybridCacheCoordinator(config, namespace, pool,
-                                            page_bytes=backend.full_spec.page_size_bytes,
+                                            page_bytes=backend.page_bytes,
                                             copy_page=backend.copy_page,
                                             on_evict=self._on_evict if self._writes_back or listener else None,
-                                            binding=backend.cache_binding())
+                                            binding=backend.cache_binding(), family=backend.family)
         self.compute_rate = ComputeRate()
         self.timings: TimingSink | None = None
         self.connector = TierConnector(self.cache, backend, tiers, compute=self.compute_rate) if tiers else None
@@ -299,6 +300,10 @@ class Engine:
                 self.stats.rejected += 1
                 continue
             self.waiting.popleft()
+            if match.restart < match.hit:     # the hit's boundary state is rebuilt from the restart point
+                alloc.state = self.backend.rebuild(req.prompt, alloc.block_table, match.restart, match.hit,
+                                                   alloc.state)
+                self.stats.restore_recompute_tokens += match.hit - match.restart
             if self.connector is not None:             # each tier credited with what it supplied of the hit
                 self.connector.admitted(req, match, t, fetched.credit(match.hit) if fetched else {})
             req.match, req.alloc, req.computed = match, alloc, match.hit

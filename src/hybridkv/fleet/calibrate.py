@@ -27,7 +27,7 @@ import numpy as np
 
 from hybridkv._torch import torch
 from hybridkv.engine.backend import StepItem, TorchBackend
-from hybridkv.engine.build import load_model
+from hybridkv.engine.build import load_model, refuse_v4
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.steplog import (
     StepLogError,
@@ -86,6 +86,7 @@ def calibrate(model_name: str = "small", seed: int = 0, repeats: int = 3,
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r}: expected one of {', '.join(CLOCKS)}")
     tick = CLOCKS[clock]
+    refuse_v4(model_name, "calibrate")
     model = load_model(model_name, seed)
     longest = max(s + n for s, n in PREFILL_SHAPES) + max(c for _, c in DECODE_SHAPES)
     pages = -(-longest // block_size)

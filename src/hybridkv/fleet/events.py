@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from itertools import islice, takewhile
 
 from hybridkv.cache.coordinator import EvictedEntry
-from hybridkv.cache.groups import FULL, KDA, JointHit
+from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, JointHit, KeySetPresence, joint_hit
 
 
 class EventKind(enum.Enum):
@@ -144,6 +144,9 @@ class InstanceView:
         unit: ``prefix_match_unit`` in tokens (the spacing of the keys).
     """
 
+    family = KIMI_LINEAR
+    """The model family whose joint-hit rule :meth:`match` follows."""
+
     def __init__(self, unit: int) -> None:
         self.unit = unit
         self.epoch = -1
@@ -187,18 +190,16 @@ class InstanceView:
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit this instance would give a prompt with unit hashes ``hashes``, under
         ``limit`` tokens (:func:`~hybridkv.cache.groups.reuse_cap`): the rule of
-        :func:`~hybridkv.cache.groups.joint_hit` over the boundaries the events reported."""
-        kv_hit, hit = self.hits(hashes, limit)
-        return JointHit(hit, {FULL: kv_hit, KDA: hit})
+        :func:`~hybridkv.cache.groups.joint_hit` over the keys the events reported
+        (:meth:`presence`)."""
+        return joint_hit(self.family, self.presence(hashes), limit)
+
+    def presence(self, hashes: list[bytes]) -> KeySetPresence:
+        """The :class:`~hybridkv.cache.groups.Presence` of this view for a prompt's unit hashes:
+        ``full`` where a key has KV, ``kda`` where it has a checkpoint."""
+        return KeySetPresence(hashes, self.unit, {FULL: self.kv, KDA: self.checkpoints})
 
     def hits(self, hashes: list[bytes], limit: int) -> tuple[int, int]:
-        """``(kv_hit, hit)`` of :meth:`match` (tokens), without building the :class:`JointHit`."""
-        g, kv, ck = self.unit, self.kv, self.checkpoints
-        # joint_hit over boundaries that all hold KV (the run) and lie within ``limit``: the full
-        # group's hit is the run, the KDA group's the deepest checkpoint on it, and they agree
-        # at the latter; computed directly (this runs for every instance on every arrival).
-        run = len(list(takewhile(kv.__contains__, islice(hashes, limit // g))))
-        deepest = run
-        while deepest and hashes[deepest - 1] not in ck:
-            deepest -= 1
-        return run * g, deepest * g
+        """``(kv_hit, hit)`` of :meth:`match` (tokens)."""
+        m = self.match(hashes, limit)
+        return m.kv_hit, m.hit

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, joint_hit, joint_hits
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
 from hybridkv.fleet.store import StoreCost, paying_load
@@ -225,10 +226,110 @@ def live_instances(fleet: FleetState) -> list[int]:
         raise ValueError(NO_LIVE_INSTANCE)
     return live
 
-_NO_HIT = (0, 0)
-"""``(kv_hit, hit)`` of a view holding nothing of the prompt."""
 _PLAIN_VIEW = {InstanceView}
 _UNIT = attrgetter("unit")
+
+
+class _ViewsPresence:
+    """:class:`~hybridkv.cache.groups.Presences` of several views (one per instance) for the units
+    of one prompt (:meth:`HybridRouter.route`, every instance on every arrival): ``full`` where a
+    unit has KV in a view (``kv``), ``kda`` where it has a checkpoint (``checkpoints``). Most views
+    hold the same few units of a prompt (a shared first block), so the last run found is checked
+    whole (in C, ``issuperset``) before a unit-by-unit walk; a view without the first unit has
+    a run of 0 at once.
+
+    Args:
+        units: the prompt's unit hashes within its reuse cap.
+        unit: ``prefix_match_unit`` in tokens.
+        views: the views, in the order of the answers.
+    """
+
+    __slots__ = ("units", "unit", "views")
+
+    def __init__(self, units: list[bytes], unit: int, views: list[InstanceView]) -> None:
+        self.units, self.unit, self.views = units, unit, views
+
+    def prefix_runs(self, group: str, limit: int) -> list[int]:
+        if group != FULL:
+            raise KeyError(f"a view holds no prefix group {group!r}")
+        units, g = self.units, self.unit
+        n = min(len(units), limit // g)
+        if n < len(units):                          # a shorter limit than the prompt's slice
+            units = units[:n]
+        if not n:
+            return [0] * len(self.views)
+        first, out = units[0], []
+        append = out.append
+        guess, head = 0, ()                         # the last run found (units) and its units
+        for view in self.views:
+            kv = view.kv
+            if first not in kv:
+                append(0)
+            elif guess and kv.issuperset(head):
+                if guess < n and units[guess] in kv:
+                    append((guess + len(list(takewhile(kv.__contains__, islice(units, guess, None))))) * g)
+                else:
+                    append(guess * g)
+            else:
+                run = len(list(takewhile(kv.__contains__, units)))
+                guess, head = run, units[:run]
+                append(run * g)
+        return out
+
+    def deepest_states(self, group: str, at_most: list[int]) -> list[int]:
+        if group != KDA:
+            raise KeyError(f"a view holds no boundary group {group!r}")
+        units, g, out = self.units, self.unit, []
+        append, n = out.append, len(self.units)
+        for view, top in zip(self.views, at_most):
+            if not top:
+                append(0)
+                continue
+            k = top // g
+            if k > n:
+                k = n
+            ck = view.checkpoints
+            while k and units[k - 1] not in ck:
+                k -= 1
+            append(k * g)
+        return out
+
+
+class _RoutedPresence:
+    """:class:`~hybridkv.cache.groups.Presence` of a view together with the prompts a router sent
+    its instance that have no first token yet (:meth:`RoutedPrompts.extend`): ``full`` where either
+    holds a unit's KV, ``kda`` where either holds its checkpoint. The view's own joint hit
+    ``pair`` is known already: the run continues from its ``kv_hit``, the scan stops at its hit."""
+
+    __slots__ = ("units", "unit", "kv", "vkv", "ck", "vck", "pair")
+
+    def __init__(self, units, unit, kv, vkv, ck, vck, pair: tuple[int, int]) -> None:
+        self.units, self.unit, self.kv, self.vkv, self.ck, self.vck, self.pair = units, unit, kv, vkv, ck, vck, pair
+
+    def prefix_run(self, group: str, limit: int) -> int:
+        if group != FULL:
+            raise KeyError(f"routed prompts hold no prefix group {group!r}")
+        g, units, kv, vkv = self.unit, self.units, self.kv, self.vkv
+        n = min(len(units), limit // g)
+        run = min(self.pair[0] // g, n)
+        while run < n and units[run] in kv:
+            more = len(list(takewhile(kv.__contains__, islice(units, run, n))))
+            more += len(list(takewhile(vkv.__contains__, islice(units, run + more, n))))
+            if not more:
+                break
+            run += more
+        return run * g
+
+    def deepest_state(self, group: str, at_most: int) -> int:
+        if group != KDA:
+            raise KeyError(f"routed prompts hold no boundary group {group!r}")
+        g, units, ck, vck = self.unit, self.units, self.ck, self.vck
+        deepest, floor = min(at_most // g, len(units)), self.pair[1] // g
+        if deepest < floor:                         # below the view's own hit: nothing known there
+            floor = 0
+        while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
+            deepest -= 1
+        return deepest * g
 
 
 class Router(ABC):
@@ -682,20 +783,13 @@ class RoutedPrompts:
         the view's ``pair``: the KV run continued through units either holds, and the deepest
         boundary on it with a checkpoint in either."""
         self._fold()
-        g, kv, vkv = self.unit, self._kv, view.kv
+        g, kv = self.unit, self._kv
         run = pair[0] // g
         if (run >= len(units) or units[run] not in kv) and pair[0] == pair[1]:
             return pair             # most records: another conversation, and no KV past the checkpoint
-        while run < len(units) and units[run] in kv:
-            more = len(list(takewhile(kv.__contains__, islice(units, run, None))))
-            more += len(list(takewhile(vkv.__contains__, islice(units, run + more, None))))
-            if not more:
-                break
-            run += more
-        deepest, ck, vck, floor = run, self._checkpoints, view.checkpoints, pair[1] // g
-        while deepest > floor and units[deepest - 1] not in ck and units[deepest - 1] not in vck:
-            deepest -= 1
-        return run * g, max(deepest, floor) * g
+        m = joint_hit(KIMI_LINEAR, _RoutedPresence(units, g, kv, view.kv, self._checkpoints, view.checkpoints, pair),
+                      len(units) * g)
+        return m.kv_hit, m.hit
 
 
 class HybridRouter(Router):
@@ -861,8 +955,8 @@ class HybridRouter(Router):
         p0 = self.predicted_prefill(req, 0)
         live = fleet.live
         cool = self._cool(live, q if len(live) == len(q) else [q[j] for j in live])   # live: ascending
-        # views of one kind and unit (a fleet's): InstanceView.hits inline below, over one slice of
-        # the prompt's hashes shared by the views (a call a view on every arrival otherwise)
+        # views of one kind and unit (a fleet's): the joint-hit rule over one slice of the prompt's
+        # hashes shared by the views, through one _RunGuessPresence (the last run found reused)
         plain = limit >= 0 and {*map(type, views)} == _PLAIN_VIEW and len({*map(_UNIT, views)}) == 1
         g = views[live[0]].unit if plain else 0
         units = hashes[:limit // g] if plain else hashes
@@ -871,37 +965,19 @@ class HybridRouter(Router):
             unit = views[live[0]].unit
             routed, active = self._routed(fleet, unit), self._active
             cunits = units if unit == g else hashes[:limit // unit]       # the views' slice when they share it
-        first, n_units = (units[0] if units else None), len(units)
-        # the last run found (units), its units, its last unit and its pair when checkpointed there
-        guess, head, top, full = 0, (), None, None
+        if plain:       # the rule for every cool view at once (lists, in the order of ``cool``)
+            kv_hits, hits, _ = joint_hits(KIMI_LINEAR, _ViewsPresence(units, g, [views[j] for j in cool]), limit)
+            view_pairs = list(zip(kv_hits, hits))
         waiting = self.options.waiting_counts(loads, live) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
-        for j in cool:
+        for k, j in enumerate(cool):
             view = views[j]
-            if not plain:
+            if plain:
+                pair = view_pairs[k]
+            else:
                 m = view.match(hashes, limit)
                 pair = (m.kv_hit, m.hit)
-            elif first in (kv := view.kv):
-                # the run: most views hold the same few units of a prompt (a shared first block),
-                # so the last run found is checked whole (in C) before a unit-by-unit walk
-                pair = None
-                if guess and kv.issuperset(head):
-                    run = guess
-                    if run < n_units and units[run] in kv:
-                        run += len(list(takewhile(kv.__contains__, islice(units, run, None))))
-                    elif top in view.checkpoints:        # that run again, checkpointed at its end
-                        pair = full
-                else:
-                    run = len(list(takewhile(kv.__contains__, units)))
-                    guess, head, top, full = run, units[:run], units[run - 1], (run * g, run * g)
-                if pair is None:
-                    deepest, ck = run, view.checkpoints
-                    while deepest and units[deepest - 1] not in ck:
-                        deepest -= 1
-                    pair = (run * g, deepest * g)
-            else:
-                pair = _NO_HIT
             if j in active:
                 own[j] = pair                            # the view's own pair, before the records
                 pair = routed[j].extend(cunits, view, pair)

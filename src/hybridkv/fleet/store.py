@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice, repeat, takewhile
+from itertools import repeat
 
-from hybridkv.cache.groups import FULL, KDA, JointHit
+from hybridkv.cache.groups import FULL, KDA, KeySetPresence
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 
 MOONCAKE_LOAD_BYTES_PER_S = 1.1e9
@@ -253,17 +253,9 @@ class StoreView(InstanceView):
         if self.capacity_bytes is not None:
             self._uses.append((stamp, tuple(used)))
 
-    def match(self, hashes: list[bytes], limit: int) -> JointHit:
-        """The joint hit over whole store entries (boundaries at multiples of ``alignment``):
-        the entries held from token 0 on, within ``limit`` tokens, up to the deepest checkpoint."""
-        g, a, ck, step = self.unit, self.alignment, self.checkpoints, self._step
-        # the entry keys of the prompt within the limit: units step-1, 2 step-1, ..., counted
-        # from the first while held (in C: no copy of the prompt's hashes)
-        top = len(list(takewhile(self.kv.__contains__, islice(hashes, step - 1, limit // g, step)))) * a
-        # joint_hit over the entries [EntryPresence(e, True, C(P_e) held) for e = a, 2a, ... <= top]
-        # computed directly: every entry has its KV, so the full group's hit is the last entry, the
-        # KDA group's the deepest with a checkpoint, and they agree at the latter
-        hit = top
-        while hit and hashes[hit // g - 1] not in ck:
-            hit -= a
-        return JointHit(hit, {FULL: top, KDA: hit})
+    def presence(self, hashes: list[bytes]) -> KeySetPresence:
+        """The :class:`~hybridkv.cache.groups.Presence` of the store for a prompt's unit hashes:
+        boundaries at whole entries (multiples of ``alignment``), ``full`` where the entry's KV
+        is held, ``kda`` where its checkpoint is; :meth:`match` (inherited) applies the joint-hit
+        rule over it."""
+        return KeySetPresence(hashes, self.unit, {FULL: self.kv, KDA: self.checkpoints}, self._step)

@@ -39,6 +39,19 @@ class KDACheckpoint:
         """Deep copy (new storage) of both components."""
         return KDACheckpoint(self.recurrent.clone(), self.conv.clone(), self.boundary)
 
+    def components(self) -> dict[str, torch.Tensor]:
+        """The ``kda`` group's entry components (views, no copy): ``recurrent`` and the q | k | v
+        thirds of the conv window, ``conv.q`` / ``conv.k`` / ``conv.v`` each ``[L_kda, H*K, width]``
+        (names and shapes: :meth:`hybridkv.cache.groups.KDASpec.entry_shape`)."""
+        q, k, v = self.conv.chunk(3, dim=1)
+        return {"recurrent": self.recurrent, "conv.q": q, "conv.k": k, "conv.v": v}
+
+    @classmethod
+    def from_components(cls, parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
+        """Inverse of :meth:`components`: ``C(P_boundary)`` (the conv thirds joined in a new tensor)."""
+        conv = torch.cat([parts["conv.q"], parts["conv.k"], parts["conv.v"]], dim=1)
+        return cls(parts["recurrent"], conv, boundary)
+
     @property
     def nbytes(self) -> int:
         """Size of both components in bytes."""

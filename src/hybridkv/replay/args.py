@@ -241,6 +241,17 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def swa_recovery_arg(text: str) -> str:
+    """``window``, ``periodic=P`` (``P`` a positive integer, tokens) or ``recompute``
+    (``--swa-recovery``); returned as written, normalised (:class:`~hybridkv.cache.swa.SwaRecovery`)."""
+    from hybridkv.cache.config import ConfigError
+    from hybridkv.cache.swa import SwaRecovery
+    try:
+        return str(SwaRecovery.parse(text))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def restart_spec(text: str) -> tuple[int, float]:
     """``INSTANCE@SECONDS`` (``--restart``): a 0-based instance index and a time on the fleet's
     clock in seconds (after ``--time-scale``), e.g. ``3@120.5``."""

@@ -45,6 +45,8 @@ class InstanceSpec:
         trace: with ``units``, the trace request of each prompt (same order as ``prompts``).
         units: key the cache by :class:`~hybridkv.replay.trace.TraceUnits` payloads of ``trace``
             instead of hashing ``prompts`` (simulation, where the prompts are placeholders).
+        swa_recovery: DeepSeek-V4 models: ``window``, ``periodic=P`` or ``recompute``
+            (:class:`~hybridkv.cache.swa.SwaRecovery`); ``None`` for Kimi Linear.
     """
 
     instance_id: int
@@ -62,6 +64,7 @@ class InstanceSpec:
     simulate: bool = False
     trace: list[TraceRequest] = field(default_factory=list)
     units: TraceUnits | None = None
+    swa_recovery: str | None = None
 
 
 @dataclass(slots=True)
@@ -147,8 +150,9 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
     if spec.simulate:               # no tensors: a payload-free host tier, no store (the store option is ignored)
         built = build_engine(model_config(spec.model), spec.config, model_name=spec.model, **host)
     else:
+        v4 = {"swa_recovery": spec.swa_recovery} if spec.swa_recovery is not None else {}
         built = build_engine(load_model(spec.model, spec.seed), spec.config, model_name=spec.model,
-                             store_url=spec.store_url, **host)
+                             store_url=spec.store_url, **host, **v4)
     engine = built.engine
     requests = [Request(f"r{i}", p, o, record_logits=i in spec.verify)
                 for i, p, o in zip(spec.indices, spec.prompts, spec.output_lengths)]
@@ -187,7 +191,7 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
     res = InstanceResult(
         stats={k: getattr(s, k) for k in s.__slots__}, kv_bytes_peak=engine.cache.kv_bytes_peak,
         checkpoint_bytes_peak=engine.cache.checkpoint_bytes_peak,
-        kv_bytes_per_token=backend.full_spec.bytes_per_token, checkpoint_bytes=backend.kda_spec.page_size_bytes,
+        kv_bytes_per_token=backend.kv_bytes_per_token, checkpoint_bytes=backend.checkpoint_bytes,
         evicted_pages=engine.cache.evicted_pages, evicted_checkpoints=engine.cache.evicted_checkpoints,
         compute_seconds=backend.modelled_seconds if model is None else seconds,
         tiers=built.tier_stats())

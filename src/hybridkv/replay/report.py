@@ -331,6 +331,9 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     for policy, count in sorted(r.checkpoints_created.items()):
         table.add_row(f"checkpoints created ({policy})", _tokens(count))
     table.add_row("branch recompute tokens", _tokens(r.branch_recompute_tokens))
+    if r.config and "swa_recovery" in r.config:        # DeepSeek-V4
+        table.add_row("SWA recovery", str(r.config["swa_recovery"]))
+        table.add_row("restore recompute tokens", _tokens(r.config["restore_recompute_tokens"]))
     table.add_row("checkpoint bytes (peak)", _bytes(r.checkpoint_bytes_peak))
     table.add_row("KV bytes (peak)", _bytes(r.kv_bytes_peak))
     if r.verify is None or not r.verify.requests:
@@ -369,6 +372,13 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     label = "prefill throughput (cost model)" if r.mode == "simulate" else "prefill throughput (engine time)"
     table.add_row(label, "-" if tps is None else f"{tps:,.0f} tok/s")
     console.print(table)
+    if r.config and "swa_recovery" in r.config:
+        console.print("reused: prompt tokens whose compressed entries (csa, hca) and sliding-window state (swa) came "
+                      "from the cache; oracle: what a state at every prefix_match_unit boundary with no eviction "
+                      "would reuse; branch recompute: entries that were cached but recomputed for lack of a saved "
+                      "state; restore recompute: tokens recomputed to rebuild the window state at a hit "
+                      "(periodic, recompute).", style="dim")
+        return
     console.print("reused: prompt tokens whose MLA KV and KDA state came from a cache tier; oracle: what a "
                   "checkpoint at every prefix_match_unit boundary with no eviction would reuse; branch recompute: KV that "
                   "was cached but recomputed for lack of a checkpoint.", style="dim")

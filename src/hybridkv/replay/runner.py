@@ -37,6 +37,8 @@ from rich.progress import (
 )
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
+from hybridkv.cache.swa import CSA, HCA, SwaRecovery, check_block_size
+from hybridkv.model.v4.config import V4Config
 from hybridkv.engine.build import check_pool_memory, model_config
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
@@ -125,6 +127,7 @@ class ReplayOptions:
     restarts: tuple[tuple[int, float], ...] = ()
     crashes: tuple[tuple[int, float], ...] = ()
     cold_start_s: float = DEFAULT_COLD_START_S
+    swa_recovery: str | None = None
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -169,11 +172,15 @@ def default_host_interval(block_size: int, host_bytes: int, host_groups=("full",
     return HOST_INTERVAL_BLOCKS * block_size
 
 
-def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy) -> int:
-    """Slots so that nothing is evicted. Simulating (no tensors): the most the policy can create,
+def _default_slots(opts: ReplayOptions, prompts, policy: CheckpointPolicy, v4: bool = False) -> int:
+    """Slots so that nothing is evicted. Simulating (no tensors), or a DeepSeek-V4 run (``v4``:
+    its ``periodic=P`` policy saves a state every ``P`` tokens): the most the policy can create,
     per request two branch (the device's and a lower tier's), one tail and one per ``interval``
-    (one per unit without an interval: a bound that holds whatever the policy); else 4 per request."""
-    if opts.simulate:
+    (one per unit without an interval: a bound that holds whatever the policy); a V4 policy that
+    saves nothing (``recompute``): 16; else 4 per request."""
+    if v4 and not (policy.branch or policy.tail or policy.interval or policy.hint):
+        return 16
+    if opts.simulate or v4:
         g = opts.prefix_match_unit
         if policy.interval and not policy.hint:
             return 16 + sum(3 + len(p) // policy.interval for p in prompts)
@@ -226,6 +233,14 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     policy = CheckpointPolicy.parse(opts.policy if opts.policy is not None
                                     else default_policy(opts.block_tokens, opts.prefix_match_unit))
     mcfg = model_config(opts.model)
+    recovery = None
+    if isinstance(mcfg, V4Config):   # the strategy places the saved boundary states (build_engine applies it too)
+        recovery = SwaRecovery.parse(opts.swa_recovery)
+        recovery.check(opts.prefix_match_unit)
+        policy = recovery.policy(policy)
+    elif opts.swa_recovery is not None:
+        raise ValueError(f"swa_recovery={opts.swa_recovery!r} applies to DeepSeek-V4 models; {opts.model} is "
+                         "a Kimi Linear model")
     units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
     if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised
         prompts = placeholder_prompts([scaled_input_length(r, opts.block_tokens) for r in reqs])
@@ -237,16 +252,28 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         num_kv_pages=opts.num_kv_pages or pages_needed + opts.max_num_seqs,
-        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy),
+        num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy, recovery is not None),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
         host_probation=opts.host_probation,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))
+    if recovery is not None:
+        check_block_size(cfg.block_size, {CSA: mcfg.csa_rate, HCA: mcfg.hca_rate})
+        for what, bad in (("instances", opts.instances if opts.instances > 1 else None),
+                          ("store", opts.store if opts.store != "none" else None),
+                          ("host_bytes", opts.host_bytes or None), ("timed", opts.timed or None)):
+            if bad is not None:
+                raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
+                                 "cache alone for now (no host tier, store or timed fleet)")
     if not opts.simulate:
         hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
-        check_pool_memory(cfg, mcfg, opts.instances, hint)
+        sizes = mcfg
+        if recovery is not None:        # DeepSeek-V4: its pages and slots, from the group specs
+            from hybridkv.engine.v4backend import pool_sizes
+            sizes = pool_sizes(mcfg, cfg.block_size, cfg.prefix_match_unit)
+        check_pool_memory(cfg, sizes, opts.instances, hint)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):
@@ -269,7 +296,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                           verify={i for i in verify_ids if i % n == k}, store_url=store_url,
                           host_bytes=opts.host_bytes, host_write_through=opts.host_write_through,
                           host_groups=tuple(opts.host_groups), simulate=opts.simulate,
-                          trace=reqs[k::n] if units is not None else [], units=units)
+                          trace=reqs[k::n] if units is not None else [], units=units,
+                          swa_recovery=None if recovery is None else str(recovery))
              for k in range(n)]
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not opts.progress, transient=False) as bar:
@@ -289,6 +317,9 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                 shutil.rmtree(scratch, ignore_errors=True)
         bar.update(task, completed=len(reqs))
     report = _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, time.perf_counter() - t0)
+    if recovery is not None:          # DeepSeek-V4 only: the strategy and what restoring hits recomputed
+        report.config["swa_recovery"] = str(recovery)
+        report.config["restore_recompute_tokens"] = sum(r.stats.get("restore_recompute_tokens", 0) for r in results)
     report.cpu_seconds = round(_cpu_seconds() - cpu0, 3)
     for key, seconds in (("requests_per_second", report.wall_seconds), ("requests_per_cpu_second", report.cpu_seconds)):
         rate = ratio(report.requests, seconds)

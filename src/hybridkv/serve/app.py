@@ -240,7 +240,7 @@ class Server:
             APIError: 400 for an unknown field, a field of the wrong type or not exactly one scope; 403 when an
                 ``X-Tenant`` request names another tenant, ``all`` or ``abi_version``.
         """
-        from hybridkv.tiers.layout import ABI_VERSION
+        from hybridkv.cache.abi import ABI_VERSION
 
         body = _json_object(await read_body(request) or b"{}")
         unknown = next((name for name in body if name not in INVALIDATE_FIELDS), None)

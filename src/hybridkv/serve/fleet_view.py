@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from hybridkv.cache.groups import EntryPresence, JointHit, joint_hit
+from hybridkv.cache.groups import KIMI_LINEAR, BoundaryList, EntryPresence, JointHit, joint_hit
 from hybridkv.cache.namespace import CacheIdentity, bind_namespace, chained_block_hashes
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 from hybridkv.fleet.routers import InstanceLoad
@@ -94,7 +94,7 @@ class SharedStoreView(InstanceView):
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit the store would give a prompt with unit hashes ``hashes`` under ``limit``."""
-        return joint_hit(self._presence(hashes, limit), limit)
+        return joint_hit(KIMI_LINEAR, BoundaryList(self._presence(hashes, limit)), limit)
 
 
 class FleetMismatch(ValueError):

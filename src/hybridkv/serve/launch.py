@@ -23,7 +23,8 @@ import uvicorn
 
 from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import EngineHandle, build_engine, check_pool_memory, load_model, model_config
+from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory, load_model, model_config,
+                                   refuse_v4)
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
@@ -207,6 +208,7 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
                          num_checkpoint_slots=opts.checkpoint_slots, policy=CheckpointPolicy.parse(opts.policy),
                          mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
                          store_alignment=opts.store_alignment)
+    refuse_v4(opts.model, "serve")
     check_pool_memory(config, model_config(opts.model))         # before loading or allocating anything
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)

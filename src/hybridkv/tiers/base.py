@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from hybridkv.cache.groups import FULL, KDA, EntryPresence, joint_hit, nbytes
+from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, BoundaryList, EntryPresence, joint_hit, nbytes
 from hybridkv.tiers.layout import entry_key
 
 if TYPE_CHECKING:                       # annotations only: a simulated run imports no torch
@@ -287,7 +287,7 @@ class Tier(ABC):
             return None
         has_kv = [True] * (len(bounds) - len(kv_bounds)) + found[: len(kv_bounds)]
         presence = [EntryPresence(b, kv, ck) for b, kv, ck in zip(bounds, has_kv, found[len(kv_bounds):])]
-        joint = joint_hit(presence, cap)
+        joint = joint_hit(KIMI_LINEAR, BoundaryList(presence), cap)
         ckpts = tuple(p.end for p in presence if p.has_checkpoint and p.end <= joint.kv_hit)
         return RemoteMatch(joint.kv_hit, ckpts, joint.hit, joint.branching_boundary)
 

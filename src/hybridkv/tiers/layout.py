@@ -35,11 +35,10 @@ from dataclasses import dataclass
 import xxhash
 
 from hybridkv._torch import torch
+from hybridkv.cache.abi import ABI_VERSION, KEY_PREFIX
 from hybridkv.cache.groups import DTYPE_BYTES, nbytes
 from hybridkv.model.state import KDACheckpoint
 
-ABI_VERSION = 4  # the same as hybridkv.cache.purge.ABI_VERSION (the lower layer's copy; tests/tiers/test_layout.py)
-KEY_PREFIX = "hkv4"
 LAYOUT_VERSION = "hkv4-full-latents-f32+kda-rec-f32-conv-qkv"
 CHECKSUM = "xxh3_128"
 
@@ -340,11 +339,9 @@ def verify_component(comp: Component, buffer, offset: int = 0, nread: int | None
 def checkpoint_components(ckpt: KDACheckpoint) -> dict[str, torch.Tensor]:
     """The ``kda`` entry components of a checkpoint: ``recurrent`` and the q | k | v conv thirds
     (names and shapes: :meth:`hybridkv.cache.groups.KDASpec.entry_shape`)."""
-    q, k, v = ckpt.conv.chunk(3, dim=1)
-    return {"recurrent": ckpt.recurrent, "conv.q": q, "conv.k": k, "conv.v": v}
+    return ckpt.components()
 
 
 def checkpoint_from_components(parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
     """Inverse of :func:`checkpoint_components`: ``C(P_boundary)``."""
-    conv = torch.cat([parts["conv.q"], parts["conv.k"], parts["conv.v"]], dim=1)
-    return KDACheckpoint(parts["recurrent"], conv, boundary)
+    return KDACheckpoint.from_components(parts, boundary)

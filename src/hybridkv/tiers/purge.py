@@ -35,12 +35,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from hybridkv.cache.abi import KEY_PREFIX
 from hybridkv.cache.purge import PurgeSelector, purge_device
 from hybridkv.store.base import ObjectStore
 from hybridkv.tiers.layout import (
     HORIZON_MAX_AHEAD_S,
     HORIZON_SLOTS,
-    KEY_PREFIX,
     decode_horizon,
     encode_horizon,
     horizon_key,
