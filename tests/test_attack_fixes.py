@@ -123,3 +123,20 @@ def test_a_trace_line_is_read_as_utf8(tmp_path):
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + line)
     assert [r.input_length for r in load_trace(bom).requests] == [100]
+
+
+def test_a_huge_num_hidden_layers_is_refused_at_once(tmp_path, capsys):
+    """``config.json`` with ``num_hidden_layers: 1000000000`` and the usual short layer lists hung
+    (the check listed every layer in neither list: a billion). It is refused at once naming the
+    first such layer and num_hidden_layers."""
+    from hybridkv.cli import main
+    from hybridkv.model.config import HybridConfig
+
+    d = HybridConfig.preset("tiny").to_hf_dict()
+    d["num_hidden_layers"] = 10**9
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    rc = main(["replay", "--model", str(tmp_path), "--limit", "2", "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2
+    assert "layer 5 in neither list (each of the num_hidden_layers=1000000000 layers is KDA or MLA exactly once)" \
+        in err, err
