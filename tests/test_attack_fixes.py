@@ -140,3 +140,23 @@ def test_a_huge_num_hidden_layers_is_refused_at_once(tmp_path, capsys):
     assert rc == 2
     assert "layer 5 in neither list (each of the num_hidden_layers=1000000000 layers is KDA or MLA exactly once)" \
         in err, err
+
+
+def test_weights_larger_than_the_machine_are_refused_before_allocating(tmp_path, capsys):
+    """A ``config.json`` within the schema's bounds whose weights cannot fit (``hidden_size``
+    2^31 - 1: 49,336 GiB) failed in torch's CPU allocator with a ``RuntimeError`` traceback. It is
+    refused before anything is allocated, naming the GiB, the config's sizes and the machine's
+    memory."""
+    from hybridkv.cli import main
+    from hybridkv.model.config import HybridConfig
+
+    d = HybridConfig.preset("tiny").to_hf_dict()
+    d["hidden_size"] = 2**31 - 1
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    rc = main(["replay", "--model", str(tmp_path), "--limit", "2", "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2
+    assert err.startswith("error: the model's weights need 49336.0 GiB (13243531668039 parameters from "
+                          "hidden_size=2147483647, vocab_size=1024,"), err
+    assert "GiB of memory" in err and "Traceback" not in err
