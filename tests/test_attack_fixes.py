@@ -160,3 +160,41 @@ def test_weights_larger_than_the_machine_are_refused_before_allocating(tmp_path,
     assert err.startswith("error: the model's weights need 49336.0 GiB (13243531668039 parameters from "
                           "hidden_size=2147483647, vocab_size=1024,"), err
     assert "GiB of memory" in err and "Traceback" not in err
+
+
+def _trace_line() -> str:
+    return json.dumps({"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [1]}) + "\n"
+
+
+def test_an_output_onto_an_input_or_another_output_is_refused(tmp_path, capsys):
+    """``replay --json`` onto its own ``--trace`` replaced the trace with the report, and
+    ``--json`` with ``--step-log`` onto one file kept only one of them; both exited 0. Each is
+    refused before the run naming both options, and the input is left as it was."""
+    from hybridkv.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(_trace_line())
+    rc = main(["replay", "--simulate", "--trace", str(trace), "--json", str(trace), "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and trace.read_text() == _trace_line()
+    assert err == (f"error: --json {trace} is the same file as --trace {trace}: writing one would overwrite the "
+                   "other; choose another path")
+    out = tmp_path / "out.json"
+    rc = main(["replay", "--simulate", "--timed", "--trace", str(trace), "--json", str(out),
+               "--step-log", str(tmp_path / "." / "out.json"), "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and not out.exists()
+    assert err.startswith(f"error: --step-log {tmp_path / '.' / 'out.json'} is the same file as --json {out}"), err
+
+
+def test_calibrate_out_through_a_link_to_its_step_log_is_refused(tmp_path, capsys):
+    from hybridkv.cli import main
+
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"meta": {}, "steps": []}))
+    link = tmp_path / "link.json"
+    link.symlink_to(steps)
+    rc = main(["calibrate", "--from-steps", str(steps), "--out", str(link)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and json.loads(steps.read_text()) == {"meta": {}, "steps": []}
+    assert err.startswith(f"error: --out {link} is the same file as --from-steps {steps}"), err

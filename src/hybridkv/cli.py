@@ -13,6 +13,7 @@ path), with one ``error:`` line naming the offending value.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             console.print(f"[red]error:[/red] {flag} {path}: {problem}", markup=True, highlight=False, soft_wrap=True)
             return 2
+    clash = _output_clash(args)
+    if clash:
+        console.print(f"[red]error:[/red] {clash}", markup=True, highlight=False, soft_wrap=True)
+        return 2
     if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
         from hybridkv.store.url import check_store_url
         try:                                       # before a log file or a re-exec: a bad URL is one line
@@ -563,6 +568,33 @@ def _output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     options = {"replay": (("--json", "json_path"), ("--step-log", "step_log")), "calibrate": (("--out", "out"),),
                "bench-serve": (("--json", "json_path"),)}.get(args.command, ())     # soak: in cmd_soak
     return [(flag, getattr(args, name)) for flag, name in options if getattr(args, name, None)]
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (the same real path, or one inode)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:                      # one of them does not exist yet
+        return False
+
+
+def _output_clash(args: argparse.Namespace) -> str | None:
+    """An output file that is also an input file or another output of the command (``replay --json``
+    onto its ``--trace`` replaced the trace with the report; ``--json`` and ``--step-log`` onto one
+    file kept only the last written), as an error naming both options; else ``None``."""
+    inputs = {"replay": (("--trace", "trace"), ("--cost-model", "cost_model")),
+              "calibrate": (("--from-steps", "from_steps"),),
+              "bench-serve": (("--trace", "trace"),)}.get(args.command, ())
+    seen = [(flag, path) for flag, name in inputs if (path := getattr(args, name, None))]
+    for flag, path in _output_paths(args):
+        for other_flag, other in seen:
+            if _same_file(path, other):
+                return (f"{flag} {path} is the same file as {other_flag} {other}: writing one would overwrite "
+                        "the other; choose another path")
+        seen.append((flag, path))
+    return None
 
 
 if __name__ == "__main__":
