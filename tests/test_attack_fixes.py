@@ -198,3 +198,21 @@ def test_calibrate_out_through_a_link_to_its_step_log_is_refused(tmp_path, capsy
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and json.loads(steps.read_text()) == {"meta": {}, "steps": []}
     assert err.startswith(f"error: --out {link} is the same file as --from-steps {steps}"), err
+
+
+@pytest.mark.parametrize("extra", [["--json", "out.json"], ["--rounds", "3"], ["--checks", "10"], ["--seconds", "5"]],
+                         ids=["json", "rounds", "checks", "seconds"])
+def test_soak_case_refuses_the_options_of_a_new_run(tmp_path, capsys, monkeypatch, extra):
+    """``soak --case FILE --json OUT`` wrote no report and ``--rounds``/``--checks``/``--seconds``
+    were ignored, silently (exit 0 or 1 on the rerun's result). Each is refused, naming it."""
+    from hybridkv.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    case = tmp_path / "case.json"
+    case.write_text(json.dumps({"config": {}, "shrunk": [{}]}))
+    rc = main(["soak", "--case", str(case), *extra])
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and not (tmp_path / "out.json").exists()
+    assert err == (f"error: {extra[0]} {float(extra[1]) if extra[0] == '--seconds' else extra[1]} has no effect "
+                   f"with --case {case}: a rerun of a recorded failure prints its checks and writes no report; "
+                   "drop one of them"), err

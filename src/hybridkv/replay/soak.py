@@ -530,6 +530,13 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.case is None and args.checks is None and args.seconds is None and args.rounds is None:
         print("error: give --checks N, --seconds S or --rounds N", file=sys.stderr)
         return 2
+    if args.case is not None:                  # a rerun of one recorded failure: no new run, no report
+        for flag, value in (("--json", args.json_path), ("--checks", args.checks), ("--seconds", args.seconds),
+                            ("--rounds", args.rounds)):
+            if value is not None:
+                print(f"error: {flag} {value} has no effect with --case {args.case}: a rerun of a recorded "
+                      "failure prints its checks and writes no report; drop one of them", file=sys.stderr)
+                return 2
     if args.json_path is not None and args.case is None:     # fail before a long run, not after it
         problem = unwritable(args.json_path)
         if problem:
