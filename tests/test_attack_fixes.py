@@ -216,3 +216,32 @@ def test_soak_case_refuses_the_options_of_a_new_run(tmp_path, capsys, monkeypatc
     assert err == (f"error: {extra[0]} {float(extra[1]) if extra[0] == '--seconds' else extra[1]} has no effect "
                    f"with --case {case}: a rerun of a recorded failure prints its checks and writes no report; "
                    "drop one of them"), err
+
+
+def _help_texts(parser) -> list[str]:
+    """Every help and description text of ``parser`` and its subcommands."""
+    import argparse
+
+    texts = [parser.description or ""]
+    for action in parser._actions:
+        texts.append(action.help or "")
+        if isinstance(action, argparse._SubParsersAction):
+            texts += [a.help or "" for a in action._choices_actions]
+            for sub in action.choices.values():
+                texts += _help_texts(sub)
+    return texts
+
+
+def test_every_docs_page_the_cli_help_names_exists():
+    """``hybridkv serve --help`` pointed at docs/serve.md and the router, replay and cache purge
+    options at docs/routing.md and docs/cache_abi.md, pages that no longer exist."""
+    import re
+    from pathlib import Path
+
+    from hybridkv.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    named = {m for text in _help_texts(build_parser()) for m in re.findall(r"docs/[\w./-]+\.md", text)}
+    assert named, "the help names no page at all: the pattern is stale"
+    missing = sorted(p for p in named if not (root / p).is_file())
+    assert not missing, missing

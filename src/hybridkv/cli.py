@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="--timed, hybrid router: share 0..1 of an instance's own waiting count in the weight on "
                         "its work, the rest the fleet's mean (default 1: lowest median TTFT; lower trades median "
-                        "for tail TTFT under overload, docs/routing.md)")
+                        "for tail TTFT under overload, docs/concepts/routing.md)")
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
                         "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
@@ -318,7 +318,8 @@ def _register_cache_cli(sub) -> None:
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
     p.add_argument("--abi-version", type=int, metavar="N",
                    help="remove every object of the older cache ABI vN (1, 2 or 3: keys hkvN/...), which no current "
-                        "reader reaches; alone, or for v3 with --model and --weight-digest (docs/cache_abi.md)")
+                        "reader reaches; alone, or for v3 with --model and --weight-digest "
+                        "(docs/reference/cache-abi.md)")
 
 
 def _cache_purge(args, console: Console) -> int:

@@ -36,7 +36,7 @@ from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
 def register_cli(sub) -> None:
     """Add the ``serve``, ``router`` and ``bench-serve`` subcommands to ``sub`` (argparse subparsers)."""
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/serve.md)",
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/how-to/serve.md)",
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -110,7 +110,7 @@ def _serve(args) -> int:
 
 def _register_router(sub) -> None:
     from hybridkv.fleet.routers import ROUTER_NAMES
-    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/serve.md)",
+    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/how-to/serve.md)",
                        description="Route OpenAI-style requests to workers by their cache events and load.")
     r.add_argument("--worker", action="append", required=True, metavar="URL",
                    help="a worker's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
@@ -123,7 +123,7 @@ def _register_router(sub) -> None:
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
-                        "the mean over healthy workers (default 1; docs/routing.md)")
+                        "the mean over healthy workers (default 1; docs/concepts/routing.md)")
     r.add_argument("--poll-interval", type=poll_seconds, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
