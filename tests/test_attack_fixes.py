@@ -245,3 +245,17 @@ def test_every_docs_page_the_cli_help_names_exists():
     assert named, "the help names no page at all: the pattern is stale"
     missing = sorted(p for p in named if not (root / p).is_file())
     assert not missing, missing
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    ({"model": 5}, TypeError, "model=5 must be a preset name or a model directory"),
+    ({"seed": -1}, ValueError, r"seed=-1 must be in \[0, 2\*\*63 - 1\]"),
+    ({"seed": 2**64}, ValueError, r"seed=18446744073709551616 must be in \[0, 2\*\*63 - 1\]"),
+], ids=["model-int", "seed-negative", "seed-2**64"])
+def test_llm_names_a_bad_model_or_seed(kwargs, exc, text):
+    """``LLM(model=5)`` said ``expected str, bytes or os.PathLike object, not int`` (no argument
+    named); ``LLM(seed=-1)`` was accepted though ``--seed`` refuses it. Both fail before loading."""
+    from hybridkv import LLM
+
+    with pytest.raises(exc, match=text):
+        LLM(**kwargs)

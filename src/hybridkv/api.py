@@ -135,9 +135,10 @@ class LLM:
     Raises:
         ConfigError: an invalid cache setting (a ``ValueError`` naming the field and value), e.g.
             a ``swa_recovery`` text, or a ``block_size`` not a multiple of a V4 model's rates.
-        ValueError: an unknown preset, a bad ``host_mib`` / ``threads``, or a malformed store URL;
+        ValueError: an unknown preset, a ``seed`` outside [0, 2**63 - 1], a bad ``host_mib`` / ``threads``,
+            or a malformed store URL;
             ``swa_recovery`` with a Kimi Linear model; a host tier or store with a V4 model.
-        TypeError: ``seed`` not an integer, ``store`` not a string.
+        TypeError: ``model`` not a string or path, ``seed`` not an integer, ``store`` not a string.
         FileNotFoundError: a model directory without config or weights.
 
     Not thread-safe: one :meth:`generate` at a time. Use as a context manager or call
@@ -151,8 +152,12 @@ class LLM:
                  store: str = "none", store_alignment: int | None = None, threads: int | None = None,
                  swa_recovery: str | None = None) -> None:
         self._handle: EngineHandle | None = None
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model={model!r} must be a preset name or a model directory")
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise TypeError(f"seed={seed!r} must be an integer")
+        if not 0 <= seed <= 2**63 - 1:          # the seeds torch and numpy accept, as the CLI's --seed
+            raise ValueError(f"seed={seed!r} must be in [0, 2**63 - 1]")
         if not isinstance(host_mib, (int, np.integer)) or isinstance(host_mib, bool) or host_mib < 0:
             raise ValueError(f"host_mib={host_mib!r} must be an integer >= 0")
         if threads is not None:
