@@ -115,7 +115,7 @@ class LLM:
             process, shared with no other LLM or process, gone when it closes). Unreachable at
             startup (e.g. a disk store on a read-only file system): a warning naming it, and the
             LLM runs without it. (Mooncake clients open wildcard listeners unless the
-            process runs under ``hybridkv.store.mooncake.loopback``; see docs/mooncake.md.)
+            process runs under ``hybridkv.store.mooncake.loopback``; see docs/how-to/mooncake.md.)
         store_alignment: tokens; only these boundaries become store entries (a multiple of
             ``block_size``; default ``block_size``).
         threads: torch intra-op threads (``torch.set_num_threads``, process-wide); ``None``

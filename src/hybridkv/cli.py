@@ -1,8 +1,9 @@
 """Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
-store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md), ``hybridkv serve``
-and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md),
-``hybridkv cache purge`` (docs/memory.md) and ``hybridkv calibrate`` (the CPU cost model of timed
-simulation, docs/routing.md).
+store, docs/how-to/mooncake.md), ``hybridkv soak`` (randomized exactness checks, docs/how-to/soak.md),
+``hybridkv serve``, ``hybridkv router`` and ``hybridkv bench-serve`` (the OpenAI-compatible server, its
+router and its load generator, docs/how-to/serve.md), ``hybridkv cache purge``
+(docs/how-to/purge-and-quotas.md) and ``hybridkv calibrate`` (the CPU cost model of timed simulation,
+docs/how-to/simulate-and-calibrate.md). Every option: docs/reference/cli.md.
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 130 when Ctrl-C stopped a replay (the figures so far are printed and
@@ -81,15 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the device pools: lru, or value "
                         "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru "
-                        "(value measured no better at the frontier's target cell: docs/memory.md, "
-                        "'The default order')")
+                        "(value measured no better at the frontier's target cell: docs/concepts/eviction.md, "
+                        "'Which order to use')")
     r.add_argument("--host-eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the host tier (it holds the device's victims); default lru, "
-                        "which measured better than value there (docs/memory.md)")
+                        "which measured better than value there (docs/concepts/eviction.md)")
     r.add_argument("--host-probation", type=fraction, default=HOST_PROBATION,
                    help="share of the host tier that speculative host-only checkpoints (--host-interval) may "
                         "hold while entries the device evicted need the room (2Q's A1in; default "
-                        f"{HOST_PROBATION}; docs/memory.md)")
+                        f"{HOST_PROBATION}; docs/how-to/tiers.md)")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host-interval", type=non_negative_int, default=None,
                    help="tokens: also capture a checkpoint every N tokens of each prefill for the host tier only "
                         "(written through; not kept on the device); a multiple of --block-size; 0 = off; default "
-                        "4 x --block-size with a host tier (docs/memory.md)")
+                        "4 x --block-size with a host tier (docs/how-to/tiers.md)")
     r.add_argument("--instances", type=positive_int, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin (default 1)")
     r.add_argument("--timed", action="store_true",
@@ -184,8 +185,8 @@ def _leave_to_exit() -> None:
 
     The run's fleet (millions of index nodes, unit tables and views, held in cycles) is garbage
     once the report is written, and the interpreter's exit would collect it and free it one
-    object at a time: about 1.1 CPU s after the whole trace at 32 instances (docs/routing.md,
-    "Simulator speed", eighth round). ``gc.freeze`` moves every tracked object out of the
+    object at a time: about 1.1 CPU s after the whole trace at 32 instances (docs/results/replay.md,
+    "Simulator speed"). ``gc.freeze`` moves every tracked object out of the
     collector's reach instead, and the operating system takes the memory back. Only for the
     command line's own process after a simulated replay: it has no files or connections left
     open in those objects (a simulation opens no store; the scratch store is removed before)

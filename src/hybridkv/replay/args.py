@@ -276,7 +276,7 @@ def restart_spec(text: str) -> tuple[int, float]:
 
 def add_store_cost_arguments(parser: argparse.ArgumentParser, gbps_help: str, latency_help: str) -> None:
     """``--store-gbps`` (GB/s) and ``--store-latency-us`` (microseconds per object) with the
-    Mooncake figures measured in docs/benchmarks.md as defaults
+    Mooncake figures measured in docs/results/store.md as defaults
     (:data:`~hybridkv.fleet.store.MOONCAKE_LOAD_BYTES_PER_S`, ``MOONCAKE_GET_LATENCY_S``);
     ``*_help`` says what each prices in the command at hand (the default is appended)."""
     from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S

@@ -1,5 +1,5 @@
 """Soak: randomized workloads on the ``tiny`` model, every finished request checked against a full
-prefill (issue 11, item 1; docs/reliability.md, section "Soak").
+prefill (docs/how-to/soak.md).
 
 Each *round* is derived from ``(seed, round index)`` alone: a random engine configuration
 (policy, mechanism, block size, match unit, step budget, small pools, host tier, memory or

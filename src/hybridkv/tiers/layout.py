@@ -1,4 +1,4 @@
-"""Cache ABI v4: object keys, component encoding and manifests (DESIGN §5; docs/cache_abi.md).
+"""Cache ABI v4: object keys, component encoding and manifests (DESIGN §5; docs/reference/cache-abi.md).
 
 An *entry* is one group's state at one aligned boundary ``L`` of one prefix:
 
@@ -23,7 +23,7 @@ checksums), v2 (``hkv2/`` keys, the ``full`` group named ``kv``) and v3 (``hkv3/
 without the owner segment) objects are simply absent to a v4 reader. The checksum detects
 corrupt and truncated objects; keys already come from the SHA-256 chain, so a fast non-cryptographic hash suffices
 (XXH3-128 via the ``xxhash`` package, ~10 GB/s against ~1 GB/s for SHA-256 on the
-development machine, docs/benchmarks.md).
+development machine, docs/results/store.md).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def entry_key(namespace: bytes, chain_hash: bytes, group: str, component: str, r
 
 def legacy_prefix(abi_version: int, model: bytes | None = None) -> str:
     """Key prefix of every object of an older cache ABI (``hkv3/``; ``hkv3/<model>/`` for one
-    model's v3 objects; v1 and v2 keys have no model segment). docs/cache_abi.md "Versions"."""
+    model's v3 objects; v1 and v2 keys have no model segment). docs/reference/cache-abi.md "Versions"."""
     if not 1 <= abi_version < ABI_VERSION:
         raise ValueError(f"cache ABI v{abi_version} is not an older ABI (1 to {ABI_VERSION - 1})")
     if model is not None and abi_version < 3:
@@ -99,7 +99,7 @@ def owner_prefix(model: bytes | None, owner: bytes | None) -> str:
 
 
 #: Key prefix of expiry horizons: the purge by age of a store that cannot list its keys
-#: (docs/cache_abi.md "Expiry horizons"). Outside ``hkv4/`` so no purge by prefix removes one.
+#: (docs/concepts/commit-protocol.md "Expiry horizons"). Outside ``hkv4/`` so no purge by prefix removes one.
 HORIZON_PREFIX = "hkv4-horizon"
 HORIZON_SLOTS = ("a", "b")
 #: Largest horizon object a reader accepts (bytes; ours are about 14: ``"1764558000.123"``).
@@ -225,7 +225,7 @@ def entry_manifest(namespace: bytes, chain_hash: bytes, parent_hash: bytes | Non
 
     ``owner`` (the request namespace digest the entry was cached under, written as hex) and
     ``created`` (Unix seconds) are optional fields readers ignore; purges select by them
-    (docs/cache_abi.md)."""
+    (docs/reference/cache-abi.md)."""
     listing = [{"name": name, "key": key, "nbytes": data.nbytes, "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape), "checksum": checksum(data)} for name, key, data, t in components]
     manifest = {"abi": ABI_VERSION, "layout": LAYOUT_VERSION, "checksum": CHECKSUM, "group": group,
