@@ -259,3 +259,27 @@ def test_llm_names_a_bad_model_or_seed(kwargs, exc, text):
 
     with pytest.raises(exc, match=text):
         LLM(**kwargs)
+
+
+@pytest.mark.parametrize("argv", [["soak", "--seconds", "inf"], ["soak", "--shrink-seconds", "inf"],
+                                  ["bench-serve", "--max-seconds", "inf"]])
+def test_an_infinite_time_limit_is_refused_naming_the_option(argv, capsys):
+    """``soak --seconds inf`` / ``--shrink-seconds inf`` / ``bench-serve --max-seconds inf`` ran with
+    no limit at all (exit 0); a limit must be a finite number of seconds."""
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[1] in err and "inf" in err and "finite" in err
+
+
+def test_a_host_tier_larger_than_the_machine_is_refused_before_the_run(capsys):
+    """``replay --host-mib 99999999999`` (about 93 PiB) was accepted: the host tier fills as entries
+    are written, so it could only end in an out-of-memory kill. Refused before anything loads."""
+    from hybridkv.cli import main
+
+    code = main(["replay", "--model", "tiny", "--limit", "2", "--no-progress", "--host-mib", "99999999999"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--host-mib 99999999999" in err and "GiB of memory" in err

@@ -273,7 +273,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         if recovery is not None:        # DeepSeek-V4: its pages and slots, from the group specs
             from hybridkv.engine.v4backend import pool_sizes
             sizes = pool_sizes(mcfg, cfg.block_size, cfg.prefix_match_unit)
-        check_pool_memory(cfg, sizes, opts.instances, hint)
+        check_pool_memory(cfg, sizes, opts.instances, hint, host_bytes=opts.host_bytes)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):

@@ -47,7 +47,7 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.replay.args import (
     non_negative_int,
-    positive_float,
+    finite_positive_float,
     positive_int,
     seed_value,
     thread_count,
@@ -497,10 +497,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_value, default=0,
                    help="soak seed; round i depends only on (seed, i) (default 0)")
     p.add_argument("--checks", type=positive_int, default=None, help="stop once N requests were checked")
-    p.add_argument("--seconds", type=positive_float, default=None, help="stop starting rounds after S seconds")
+    p.add_argument("--seconds", type=finite_positive_float, default=None, help="stop starting rounds after S seconds")
     p.add_argument("--rounds", type=positive_int, default=None, help="stop after N rounds")
     p.add_argument("--first-round", type=non_negative_int, default=0, help="index of the first round (default 0)")
-    p.add_argument("--shrink-seconds", type=positive_float, default=60.0,
+    p.add_argument("--shrink-seconds", type=finite_positive_float, default=60.0,
                    help="time to shrink a failing round's request sequence (default 60)")
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
     p.add_argument("--eviction", choices=EVICTION_CHOICES, default="lru",

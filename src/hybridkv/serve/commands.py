@@ -25,7 +25,6 @@ from hybridkv.replay.args import (
     page_tokens,
     pool_entries,
     port_number,
-    positive_float,
     positive_int,
     seed_value,
     thread_count,
@@ -74,7 +73,7 @@ def register_cli(sub) -> None:
     b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
     b.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="factor on the trace's timestamps, 1e-6 to 1e6 (2: half the rate; default 1)")
-    b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
+    b.add_argument("--max-seconds", type=finite_positive_float, default=600.0, help="stop after this long (default 600)")
     b.add_argument("--block-tokens", type=block_tokens, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
     b.add_argument("--seed", type=seed_value, default=0, help="seed of the synthetic token ids")
