@@ -283,3 +283,15 @@ def test_a_host_tier_larger_than_the_machine_is_refused_before_the_run(capsys):
     code = main(["replay", "--model", "tiny", "--limit", "2", "--no-progress", "--host-mib", "99999999999"])
     err = capsys.readouterr().err
     assert code == 2 and "--host-mib 99999999999" in err and "GiB of memory" in err
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"num_kv_pages": 10**12}, "num_kv_pages=1000000000000"),
+                                               ({"host_mib": 10**11}, "host_mib=100000000000")])
+def test_llm_pools_larger_than_the_machine_are_refused_naming_the_argument(kwargs, named):
+    """``LLM(num_kv_pages=10**12)`` was an allocator ``RuntimeError`` (the CLI checked, the Python
+    API did not); now the same check, naming the keyword argument rather than a CLI option."""
+    from hybridkv import LLM
+
+    with pytest.raises(ValueError, match="GiB of memory") as exc:
+        LLM("tiny", **kwargs)
+    assert named in str(exc.value) and "--" not in str(exc.value)

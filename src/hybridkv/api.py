@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import EngineHandle, build_engine, load_model
+from hybridkv.engine.build import (API_POOL_NAMES, EngineHandle, build_engine, check_pool_memory, load_model,
+                                   model_config)
 from hybridkv.engine.engine import Engine, EngineStats
 from hybridkv.engine.request import Request, Status
+from hybridkv.model.config import HybridConfig
 
 log = logging.getLogger("hybridkv.api")
 
@@ -176,6 +178,11 @@ class LLM:
             max_num_seqs=max_num_seqs, store_alignment=store_alignment)
         self.model_name = str(model)
         self.store_url = store
+        sizes = model_config(model)
+        if not isinstance(sizes, HybridConfig):         # DeepSeek-V4: its pages and slots, from the group specs
+            from hybridkv.engine.v4backend import pool_sizes
+            sizes = pool_sizes(sizes, self.config.block_size, self.config.prefix_match_unit)
+        check_pool_memory(self.config, sizes, host_bytes=int(host_mib) << 20, names=API_POOL_NAMES)
         if threads is not None:
             torch.set_num_threads(threads)
         self.model = load_model(model, int(seed))
