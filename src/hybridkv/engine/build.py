@@ -256,8 +256,9 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
             store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
             ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
-            URL (named); ``swa_recovery`` with a Kimi Linear model, a DeepSeek-V4 config to
-            simulate, or a host tier / store with a DeepSeek-V4 model.
+            URL (named); ``swa_recovery`` with a Kimi Linear model, or a host tier / store with a
+            DeepSeek-V4 model (a :class:`~hybridkv.model.v4.config.V4Config` is simulated by
+            :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`).
         ConfigError: a bad ``swa_recovery``, or a ``block_size`` that is not a multiple of a V4
             model's compression rates (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
@@ -270,9 +271,18 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     if swa_recovery is not None and not v4:
         raise ValueError(f"swa_recovery={swa_recovery!r} applies to DeepSeek-V4 models (sliding-window state); "
                          f"{model_name} is a Kimi Linear model, whose KDA checkpoints are restored at the hit")
-    if v4:
-        if not hasattr(model, "prefill_capture"):
-            raise ValueError(f"{model_name}: simulating a DeepSeek-V4 model is not supported; run it with the model")
+    if v4 and not hasattr(model, "prefill_capture"):       # a V4Config: simulate its groups, no tensors
+        if host_bytes or store_url not in ("none", ""):
+            raise ValueError(f"{model_name}: a simulated DeepSeek-V4 model runs on the device cache alone: "
+                             f"host_bytes={host_bytes}, store_url={store_url!r}; use host_bytes=0 and store 'none'")
+        from hybridkv.cache.swa import SwaRecovery
+        from hybridkv.engine.v4backend import SimulatedV4Backend
+        recovery = SwaRecovery.parse(swa_recovery)
+        recovery.check(config.prefix_match_unit)
+        config = dataclasses.replace(config, policy=recovery.policy(config.policy))
+        backend = SimulatedV4Backend(model, config.block_size, config.prefix_match_unit, recovery, step_cost=step_cost)
+        digest, model, payload = "simulated", None, False
+    elif v4:
         if host_bytes or store_url not in ("none", ""):
             raise ValueError(f"{model_name}: a DeepSeek-V4 model runs on the device cache alone (its csa/hca/swa "
                              f"groups have no host or store layout yet): host_bytes={host_bytes}, "

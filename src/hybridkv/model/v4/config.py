@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 #: Names of the bundled DeepSeek-V4 presets (``src/hybridkv/model/presets/<name>.json``).
-V4_PRESETS = ("v4-tiny", "v4-small")
+V4_PRESETS = ("v4-tiny", "v4-small", "deepseek-v4-flash")
+
+#: Presets of published sizes that only ``--simulate`` runs (no weights are built for them):
+#: ``deepseek-v4-flash`` has ``transformers.DeepseekV4Config()``'s defaults (the
+#: DeepSeek-V4-Flash-Base shapes, 284B parameters).
+V4_SIMULATE_ONLY = ("deepseek-v4-flash",)
 
 MODEL_TYPE = "deepseek_v4"
 """``model_type`` of a DeepSeek-V4 ``config.json``."""
