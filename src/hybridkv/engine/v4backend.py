@@ -208,8 +208,8 @@ class V4Backend:
         self._slot = {li: (CSA, i) for i, li in enumerate(cfg.csa_layers)}
         self._slot.update({li: (HCA, i) for i, li in enumerate(cfg.hca_layers)})
         self._rates = tuple(cfg.rate(i) for i in range(cfg.num_hidden_layers))
-        self.restore_tokens: list[int] = []
-        """Tokens each restore recomputed (``hit − restart``), in order (:meth:`rebuild`)."""
+        self.restores: list[tuple[int, int]] = []
+        """``(restart, hit)`` of each restore that recomputed ``[restart, hit)`` (:meth:`rebuild`), tokens."""
 
     # -- sizes (metrics) ----------------------------------------------------------
     @property
@@ -326,7 +326,7 @@ class V4Backend:
             The :class:`~hybridkv.model.v4.state.V4BoundaryState` at ``hit``.
         """
         from hybridkv.model.v4.state import restore
-        self.restore_tokens.append(hit - restart)
+        self.restores.append((restart, hit))
         entries = self.entries(block_table, hit)
         ids = torch.from_numpy(np.ascontiguousarray(prompt[:hit], dtype=np.int64))
         with torch.no_grad():
@@ -380,10 +380,10 @@ class SimulatedV4Backend:
         self.recovery_cost = recovery_cost or cost_model("h200-deepseek-v4-flash")
         self.shapes = V4Shapes.of(config)
         self.modelled_seconds = 0.0
+        self.restores: list[tuple[int, int]] = []
+        """``(restart, hit)`` of each restore that recomputed ``[restart, hit)``, tokens."""
         self.restore_seconds: list[float] = []
         """Modelled seconds of each restore's recompute (:meth:`recovery_seconds`), in order."""
-        self.restore_tokens: list[int] = []
-        """Tokens each restore recomputed (``hit − restart``), in order."""
 
     page_bytes = V4Backend.page_bytes
     kv_bytes_per_token = V4Backend.kv_bytes_per_token
@@ -430,7 +430,7 @@ class SimulatedV4Backend:
         """Price the restore's recompute (added to the modelled seconds when steps are priced)
         and record it; the state is a placeholder."""
         seconds = self.recovery_seconds(restart, hit)
-        self.restore_tokens.append(hit - restart)
+        self.restores.append((restart, hit))
         self.restore_seconds.append(seconds)
         if self.step_cost is not None:
             self.modelled_seconds += seconds

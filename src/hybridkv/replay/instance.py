@@ -89,7 +89,7 @@ class InstanceResult:
     reused: dict = field(default_factory=dict)          # trace index -> reused tokens (admitted requests)
     interrupted: bool = False                           # stopped by Ctrl-C before its requests were done
     weight_digest: str | None = None                    # the model's (None: simulated): what cache purge --weight-digest takes
-    restore_tokens: list[int] = field(default_factory=list)      # DeepSeek-V4: tokens each restore recomputed
+    restores: list[tuple[int, int]] = field(default_factory=list)  # DeepSeek-V4: (restart, hit) of each restore
     restore_seconds: list[float] = field(default_factory=list)   # simulated V4: each restore's modelled seconds
 
 
@@ -207,7 +207,7 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
     res.interrupted = interrupted
-    res.restore_tokens = list(getattr(backend, "restore_tokens", ()))
+    res.restores = list(getattr(backend, "restores", ()))
     res.restore_seconds = list(getattr(backend, "restore_seconds", ()))
     res.weight_digest = model.weight_digest() if model is not None else None     # cached since the build
     if model is not None and not interrupted:

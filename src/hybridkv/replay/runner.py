@@ -324,6 +324,10 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if recovery is not None:          # DeepSeek-V4 only: the strategy and what restoring hits recomputed
         report.config["swa_recovery"] = str(recovery)
         report.config["restore_recompute_tokens"] = sum(r.stats.get("restore_recompute_tokens", 0) for r in results)
+        from hybridkv.replay.v4report import restore_summary
+        report.config["swa_restore"] = restore_summary(results, mcfg, recovery, opts.simulate,
+                                                       results[0].kv_bytes_per_token, report.kv_bytes_peak,
+                                                       report.checkpoint_bytes_peak)
     report.cpu_seconds = round(_cpu_seconds() - cpu0, 3)
     for key, seconds in (("requests_per_second", report.wall_seconds), ("requests_per_cpu_second", report.cpu_seconds)):
         rate = ratio(report.requests, seconds)
