@@ -337,13 +337,16 @@ class V4Shapes:
 
 
 def v4_flash_config():
-    """The bundled ``deepseek-v4-flash`` preset: ``transformers.DeepseekV4Config()``'s defaults
+    """The bundled ``deepseek-v4-flash`` preset, DeepSeek-V4-Flash's published shapes: the layer
+    schedule of the model card (``deepseek-ai/DeepSeek-V4-Flash``: layers 0 and 1 sliding
+    window only, even layers from 2 CSA at rate 4, odd layers from 3 HCA at rate 128: 2 + 21 +
+    20 = 43), every other shape from ``transformers.DeepseekV4Config()``'s defaults
     (transformers 5.25, whose docstring names the ``deepseek-ai/DeepSeek-V4-Flash-Base``
-    checkpoint): 43 layers (2 + 1 HCA bootstrap, then 20 CSA and 20 HCA alternating), hidden
-    4096, 64 heads of 512 (one shared K=V head), ``q_lora_rank`` 1024, 8 output groups of rank
-    1024, 256 routed experts (6 per token) + 1 shared of width 2048, compress rates 4 / 128,
-    ``sliding_window`` 128, indexer 64 heads of 128 with ``index_topk`` 512, ``hc_mult`` 4,
-    vocab 129,280."""
+    checkpoint): hidden 4096, 64 heads of 512 (one shared K=V head, 64 RoPE channels),
+    ``q_lora_rank`` 1024, 8 output groups of rank 1024, 256 routed experts (6 per token) + 1
+    shared of width 2048, the first 3 layers hash-routed, ``sliding_window`` 128, indexer 64
+    heads of 128 with ``index_topk`` 512, ``hc_mult`` 4, vocab 129,280. The parameters these
+    give (284.33e9, :class:`V4Shapes`) match the published 284B total."""
     from hybridkv.model.v4.config import V4Config
     return V4Config.preset("deepseek-v4-flash")
 
@@ -356,15 +359,15 @@ def h200_deepseek_v4_flash(mfu: float = 0.4, bandwidth_efficiency: float = 0.7,
 
     * Linear FLOPs per token: ``2 ×`` activated parameters (dense + 6/256 of the routed
       experts: 13.8e9 of 284.3e9, embeddings included), plus the attention a token does whatever its position
-      once past 2048 tokens: 43 windows of 128 keys and 20 CSA top-512 selections, each key
+      once past 2048 tokens: 43 windows of 128 keys and 21 CSA top-512 selections, each key
       ``64 heads · 2 · 1024`` FLOPs (:meth:`V4Shapes.flops_per_token`).
     * Per (query, context token) pair: the indexer scoring CSA entries (``64 · 2 · 128`` per
-      entry, one entry per 4 tokens, 20 layers) and HCA attending every entry (one per 128
-      tokens, 23 layers) (:meth:`V4Shapes.flops_per_pair`).
+      entry, one entry per 4 tokens, 21 layers) and HCA attending every entry (one per 128
+      tokens, 20 layers) (:meth:`V4Shapes.flops_per_pair`).
     * Memory: dense and routed weights as for Kimi (2 bytes each, expert coverage ``1 −
-      (1 − 6/256)^n``); a decoder reads per context token the indexer keys (20 layers × 128 ×
-      2 B / 4) and the HCA entries (23 × 512 × 2 B / 128), and per sequence its 43 windows (127
-      rows) and 20 × 512 selected CSA entries of 1024 B.
+      (1 − 6/256)^n``); a decoder reads per context token the indexer keys (21 layers × 128 ×
+      2 B / 4) and the HCA entries (20 × 512 × 2 B / 128), and per sequence its 43 windows (127
+      rows) and 21 × 512 selected CSA entries of 1024 B.
     """
     s = V4Shapes.of(v4_flash_config())
     flops = H200_BF16_DENSE_FLOPS * mfu
@@ -380,7 +383,7 @@ def h200_deepseek_v4_flash(mfu: float = 0.4, bandwidth_efficiency: float = 0.7,
         state_s_per_seq=per_seq_bytes / bw,
         source=f"derived: H200 {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOPS bf16 dense at {mfu:.0%} MFU, "
                f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s HBM at {bandwidth_efficiency:.0%}; DeepSeek-V4-Flash "
-               f"shapes (transformers DeepseekV4Config defaults): {s.activated_params / 1e9:.1f}B activated / "
+               f"shapes (model card schedule, transformers DeepseekV4Config defaults): {s.activated_params / 1e9:.1f}B activated / "
                f"{s.total_params / 1e9:.1f}B total params")
 
 

@@ -23,8 +23,8 @@ from typing import Any
 V4_PRESETS = ("v4-tiny", "v4-small", "deepseek-v4-flash")
 
 #: Presets of published sizes that only ``--simulate`` runs (no weights are built for them):
-#: ``deepseek-v4-flash`` has ``transformers.DeepseekV4Config()``'s defaults (the
-#: DeepSeek-V4-Flash-Base shapes, 284B parameters).
+#: ``deepseek-v4-flash`` has DeepSeek-V4-Flash's published shapes (284B parameters; sources in
+#: :func:`hybridkv.fleet.costmodel.v4_flash_config`).
 V4_SIMULATE_ONLY = ("deepseek-v4-flash",)
 
 MODEL_TYPE = "deepseek_v4"
