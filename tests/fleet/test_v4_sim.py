@@ -108,3 +108,22 @@ def test_simulated_flash_replays_untimed_and_timed(tmp_path, capsys):
     assert main(["replay", "--model", "deepseek-v4-flash", "--trace", trace, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "deepseek-v4-flash" in err and "--simulate" in err and "Traceback" not in err
+
+
+def test_recovery_seconds_price_the_cone_triangle():
+    """recompute prices the cone's layer-rows (114,681 for V4-Flash at h = 8192), periodic the
+    whole ``[c, h)`` through every layer; a hit shorter than the cone recomputes from 0."""
+    from hybridkv.engine.v4backend import SimulatedV4Backend
+    cfg = v4_flash_config()
+    m = h200_deepseek_v4_flash()
+    cone = SimulatedV4Backend(cfg, 512, 64, "recompute")
+    per = SimulatedV4Backend(cfg, 512, 64, "periodic=2048")
+    h, n = 8192, 5461
+    tri = cone.recovery_seconds(h - n, h)
+    full = per.recovery_seconds(h - n, h)
+    assert math.isclose(full, m.prefill_seconds(h - n, h), rel_tol=1e-6)
+    assert math.isclose(tri, m.linear_s_per_token * 114_681 / 43
+                        + m.attention_s_per_pair * (5334 * (h - 5334) + 5334 * 5335 // 2) * 114_681 / (43 * 5334),
+                        rel_tol=1e-6)
+    assert 0.45 < tri / full < 0.55
+    assert math.isclose(cone.recovery_seconds(0, 4096), per.recovery_seconds(0, 4096), rel_tol=REL)

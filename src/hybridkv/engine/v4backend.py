@@ -414,14 +414,18 @@ class SimulatedV4Backend:
     def recovery_seconds(self, restart: int, hit: int) -> float:
         """Modelled compute seconds of rebuilding the boundary state at ``hit`` from ``restart``
         (tokens): ``periodic`` recomputes ``[restart, hit)`` through every layer; ``recompute``
-        only the cone's rows of each layer (:func:`~hybridkv.model.v4.cone.recompute_cone_rows`,
-        a triangle), priced by :func:`~hybridkv.fleet.costmodel.v4_recompute_seconds`."""
+        only the cone: layer ``l`` computes outputs for the last ``R_{l+1}`` rows
+        (:func:`~hybridkv.model.v4.cone.recompute_cone_rows`, a triangle: 114,681 layer-rows for
+        V4-Flash against 43 × 5,461 through every layer), priced by
+        :func:`~hybridkv.fleet.costmodel.v4_recompute_seconds`; a hit shorter than the cone
+        recomputes ``[0, hit)`` through every layer, as the engine does."""
         from hybridkv.fleet.costmodel import v4_recompute_seconds
         from hybridkv.model.v4.cone import recompute_cone_rows
         if hit <= restart:
             return 0.0
         if self.recovery.kind == "recompute" and restart > 0:
-            rows = recompute_cone_rows(self.config, hit)
+            cone = recompute_cone_rows(self.config, hit)      # layer l computes outputs for R_{l+1} rows
+            rows = (*cone[1:], 0)
         else:
             rows = (hit - restart,) * self.config.num_hidden_layers
         return v4_recompute_seconds(self.recovery_cost, self.shapes, rows, hit - max(rows))

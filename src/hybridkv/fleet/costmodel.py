@@ -388,10 +388,12 @@ def h200_deepseek_v4_flash(mfu: float = 0.4, bandwidth_efficiency: float = 0.7,
 
 
 def v4_recompute_seconds(cost: StepCostModel, shapes: V4Shapes, layer_rows: tuple[int, ...], start: int) -> float:
-    """Compute seconds of rebuilding a boundary state by recomputing ``layer_rows[l]`` input
-    rows of each layer ``l`` (tokens; :func:`~hybridkv.model.v4.cone.recompute_cone_rows`, or
-    ``(n,) * L`` for ``n`` tokens through every layer) ending at token ``start + max rows``:
-    each layer-row costs ``1 / L`` of a token's linear time plus its context pairs."""
+    """Compute seconds of rebuilding a boundary state by computing ``layer_rows[l]`` output rows
+    of each layer ``l`` (tokens: the cone's ``R_{l+1}`` of
+    :func:`~hybridkv.model.v4.cone.recompute_cone_rows`, or ``(n,) * L`` for ``n`` tokens
+    through every layer) ending at token ``start + max rows``: each layer-row costs ``1 / L`` of
+    a token's linear time and of its context pairs (the K=V projections of the extra window rows
+    a layer reads are not counted)."""
     L = shapes.layers
     rows = sum(layer_rows)
     n = max(layer_rows, default=0)
