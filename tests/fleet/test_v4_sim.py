@@ -127,3 +127,10 @@ def test_recovery_seconds_price_the_cone_triangle():
                         rel_tol=1e-6)
     assert 0.45 < tri / full < 0.55
     assert math.isclose(cone.recovery_seconds(0, 4096), per.recovery_seconds(0, 4096), rel_tol=REL)
+
+
+def test_flash_preset_builds_no_model():
+    """The simulate-only preset is refused by load_model with one message naming it."""
+    from hybridkv.engine.build import load_model
+    with pytest.raises(ValueError, match="deepseek-v4-flash.*simulate-only"):
+        load_model("deepseek-v4-flash")

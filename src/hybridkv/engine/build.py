@@ -20,7 +20,7 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import SimulatedBackend, StepItem, TorchBackend
 from hybridkv.engine.engine import CacheListener, Engine
 from hybridkv.model.config import PRESETS, HybridConfig
-from hybridkv.model.v4.config import V4_PRESETS, MODEL_TYPE as V4_MODEL_TYPE, V4Config
+from hybridkv.model.v4.config import V4_PRESETS, V4_SIMULATE_ONLY, MODEL_TYPE as V4_MODEL_TYPE, V4Config
 from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.store_tier import StoreTier
@@ -88,12 +88,16 @@ def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel | V4Model:
     ``HybridModel.save_pretrained`` (``seed`` unused).
 
     Raises:
-        ValueError: unknown preset, or a bad config / missing or misshaped tensor (named).
+        ValueError: unknown preset, a simulate-only preset (``deepseek-v4-flash``), or a bad
+            config / missing or misshaped tensor (named).
         FileNotFoundError: a directory without config or weights.
     """
     from hybridkv.model.model import HybridModel          # here: it imports torch
 
     path = Path(name)
+    if str(name) in V4_SIMULATE_ONLY and not path.is_dir():
+        raise ValueError(f"model {str(name)!r} is a simulate-only preset (published shapes, no weights to build "
+                         "on this machine): simulate it (`hybridkv replay --simulate`), or use v4-tiny / v4-small")
     if is_v4(path):
         from hybridkv.model.v4.model import V4Model
         model = V4Model.from_pretrained(path) if path.is_dir() else V4Model.from_preset(str(name), seed=seed)
