@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for tail TTFT under overload, docs/routing.md)")
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
-                        "default; h200-deepseek-v4-flash, the default for a DeepSeek-V4 model) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
+                        "default; h200-deepseek-v4-flash, the default for a DeepSeek-V4 model) or a JSON file "
+                        "from `hybridkv calibrate`; a real run's router prices prefill with it")
     add_store_cost_arguments(r, "--timed: store load bandwidth in GB/s of the simulated store (--simulate with "
                                 "--instances > 1; 0: none) and of the router's estimate",
                              "--timed: microseconds per store object, likewise")

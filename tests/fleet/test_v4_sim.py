@@ -65,7 +65,8 @@ def test_flash_shapes_and_cost_model_from_the_config():
 
 def _opts(trace, simulate, strategy, **kw):
     return ReplayOptions(trace=trace, limit=None, model="v4-tiny", block_tokens=64, simulate=simulate,
-                         max_output_tokens=None if simulate else 1, swa_recovery=strategy, progress=False, host_bytes=0, **kw)
+                         max_output_tokens=None if simulate else 1, swa_recovery=strategy, progress=False,
+                         host_bytes=0, **kw)
 
 
 @pytest.mark.parametrize("strategy", ["window", "periodic=128", "recompute"])

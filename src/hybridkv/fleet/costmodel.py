@@ -232,7 +232,7 @@ class V4Shapes:
         swa_bytes_per_token: the sliding-window K=V of one token over every layer
             (``L · head_dim``), the quantity the seed compares with the compressed cache.
         window_state_bytes: one saved window state, ``L · (W − 1) · head_dim``.
-        head_dim: K=V width.
+        head_dim, index_head_dim: K=V width, indexer key width.
     """
 
     total_params: int
@@ -247,6 +247,7 @@ class V4Shapes:
     hca_rate: int
     index_topk: int
     head_dim: int
+    index_head_dim: int
     window_flops_per_key: int
     entry_flops_per_key: int
     index_flops_per_entry: int
@@ -271,9 +272,7 @@ class V4Shapes:
         CSA layer ``t mod 4`` rows of both series (``2·head_dim``) and of the indexer
         (``2·index_head_dim``) plus the ``csa_rate``-row overlap of each, per HCA layer
         ``t mod hca_rate`` rows of ``head_dim`` — kv and gate projections alike."""
-        # index_bytes_per_token = csa_layers * index_head_dim * 2 / csa_rate
-        di = round(self.index_bytes_per_token * self.csa_rate / (self.csa_layers * BF16_BYTES)) if self.csa_layers else 0
-        d = self.head_dim
+        d, di = self.head_dim, self.index_head_dim
         csa_rows = (t % self.csa_rate) * 2 * (d + di) + (self.csa_rate * (d + di) if t >= self.csa_rate else 0)
         return BF16_BYTES * 2 * (self.csa_layers * csa_rows + self.hca_layers * (t % self.hca_rate) * d)
 
@@ -315,7 +314,7 @@ class V4Shapes:
         return cls(
             total_params=total, routed_params=L * routed_layer, experts=E, experts_per_token=c.num_experts_per_tok,
             layers=L, window=c.sliding_window, csa_layers=n_csa, hca_layers=n_hca, csa_rate=c.csa_rate,
-            hca_rate=c.hca_rate, index_topk=c.index_topk, head_dim=d,
+            hca_rate=c.hca_rate, index_topk=c.index_topk, head_dim=d, index_head_dim=di,
             window_flops_per_key=H * 2 * 2 * d, entry_flops_per_key=H * 2 * 2 * d, index_flops_per_entry=Hi * 2 * di,
             csa_bytes_per_token=n_csa * (d + di) * BF16_BYTES / c.csa_rate,
             hca_bytes_per_token=n_hca * d * BF16_BYTES / c.hca_rate,
@@ -383,7 +382,8 @@ def h200_deepseek_v4_flash(mfu: float = 0.4, bandwidth_efficiency: float = 0.7,
         state_s_per_seq=per_seq_bytes / bw,
         source=f"derived: H200 {H200_BF16_DENSE_FLOPS / 1e12:.0f} TFLOPS bf16 dense at {mfu:.0%} MFU, "
                f"{H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s HBM at {bandwidth_efficiency:.0%}; DeepSeek-V4-Flash "
-               f"shapes (model card schedule, transformers DeepseekV4Config defaults): {s.activated_params / 1e9:.1f}B activated / "
+               f"shapes (model card schedule, transformers DeepseekV4Config defaults): "
+               f"{s.activated_params / 1e9:.1f}B activated / "
                f"{s.total_params / 1e9:.1f}B total params")
 
 

@@ -345,7 +345,8 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
             rs = sr.get("recovery_seconds")
             if rs and rs["p50"] is not None:
                 st = sr["recovery_seconds_from_store"]
-                table.add_row("recovery p50 / p99 (device; store)", f"{rs['p50'] * 1e3:.2f} / {rs['p99'] * 1e3:.2f} ms; "
+                table.add_row("recovery p50 / p99 (device; store)",
+                              f"{rs['p50'] * 1e3:.2f} / {rs['p99'] * 1e3:.2f} ms; "
                               f"{st['p50'] * 1e3:.2f} / {st['p99'] * 1e3:.2f} ms")
     table.add_row("checkpoint bytes (peak)", _bytes(r.checkpoint_bytes_peak))
     table.add_row("KV bytes (peak)", _bytes(r.kv_bytes_peak))
