@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--limit", type=positive_int, default=None, help="first N requests (default 40; --simulate: all)")
     r.add_argument("--all", action="store_true", help="no limit: every request of the trace")
     r.add_argument("--model", default="small",
-                   help="preset (tiny, small, kimi-linear-48b-a3b; DeepSeek-V4: v4-tiny, v4-small) or a model "
+                   help="preset (tiny, small, kimi-linear-48b-a3b; DeepSeek-V4: v4-tiny, v4-small, deepseek-v4-flash with "
+                        "--simulate) or a model "
                         "directory (Kimi Linear or deepseek_v4)")
     r.add_argument("--block-tokens", type=block_tokens, default=None,
                    help="tokens per trace hash id: 512 replays real lengths (the --simulate default); "
@@ -142,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for tail TTFT under overload, docs/concepts/routing.md)")
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
-                        "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
+                        "default; h200-deepseek-v4-flash, the default for a DeepSeek-V4 model) or a JSON file "
+                        "from `hybridkv calibrate`; a real run's router prices prefill with it")
     add_store_cost_arguments(r, "--timed: store load bandwidth in GB/s of the simulated store (--simulate with "
                                 "--instances > 1; 0: none) and of the router's estimate",
                              "--timed: microseconds per store object, likewise")
@@ -413,15 +415,18 @@ def _replay(args, console: Console) -> int:
                       f"(v4-tiny, v4-small, or a deepseek_v4 directory); --model {args.model} is Kimi Linear, whose "
                       "KDA checkpoints are restored at the hit", markup=True, highlight=False)
         return 2
-    if v4 and args.simulate:
-        console.print(f"[red]error:[/red] --simulate with --model {args.model}: simulating a DeepSeek-V4 model is "
-                      "not supported; replay it with the model", markup=True, highlight=False)
+    from hybridkv.model.v4.config import V4_SIMULATE_ONLY
+    if args.model in V4_SIMULATE_ONLY and not args.simulate:
+        console.print(f"[red]error:[/red] --model {args.model} is a simulate-only preset (published shapes, no "
+                      "weights): add --simulate, or replay v4-tiny / v4-small with the model",
+                      markup=True, highlight=False)
         return 2
     host_mib = args.host_mib if args.host_mib is not None else (0 if v4 else 256)
     if v4:                            # a V4 model runs on one engine's device cache for now
         for flag, bad in (("--host-mib", host_mib or None),
-                          ("--instances", args.instances if args.instances > 1 else None),
-                          ("--store", None if args.store == "none" else args.store), ("--timed", args.timed or None)):
+                          ("--instances", args.instances if args.instances > 1 and not args.simulate else None),
+                          ("--store", None if args.store == "none" else args.store),
+                          ("--timed", args.timed if args.timed and not args.simulate else None)):
             if bad is not None:
                 shown = "" if bad is True else f" {bad}"
                 console.print(f"[red]error:[/red] {flag}{shown} with --model {args.model}: a DeepSeek-V4 model runs on "

@@ -23,8 +23,10 @@ print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("
 """
 
 
-@pytest.mark.parametrize("extra", [[], ["--timed", "--instances", "4", "--router", "hybrid"]],
-                         ids=["untimed", "timed4"])
+@pytest.mark.parametrize("extra", [[], ["--timed", "--instances", "4", "--router", "hybrid"],
+                                   ["--model", "deepseek-v4-flash", "--swa-recovery", "recompute", "--timed",
+                                    "--instances", "2"]],
+                         ids=["untimed", "timed4", "v4-timed2"])
 def test_simulated_replay_imports_no_torch(tmp_path, extra):
     out = tmp_path / "report.json"
     run = subprocess.run([sys.executable, "-c", _CHILD, str(out), *extra], capture_output=True, text=True,

@@ -20,7 +20,7 @@ from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import SimulatedBackend, StepItem, TorchBackend
 from hybridkv.engine.engine import CacheListener, Engine
 from hybridkv.model.config import PRESETS, HybridConfig
-from hybridkv.model.v4.config import V4_PRESETS, MODEL_TYPE as V4_MODEL_TYPE, V4Config
+from hybridkv.model.v4.config import V4_PRESETS, V4_SIMULATE_ONLY, MODEL_TYPE as V4_MODEL_TYPE, V4Config
 from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.host import HostTier
 from hybridkv.tiers.store_tier import StoreTier
@@ -88,12 +88,16 @@ def load_model(name: str | os.PathLike, seed: int = 0) -> HybridModel | V4Model:
     ``HybridModel.save_pretrained`` (``seed`` unused).
 
     Raises:
-        ValueError: unknown preset, or a bad config / missing or misshaped tensor (named).
+        ValueError: unknown preset, a simulate-only preset (``deepseek-v4-flash``), or a bad
+            config / missing or misshaped tensor (named).
         FileNotFoundError: a directory without config or weights.
     """
     from hybridkv.model.model import HybridModel          # here: it imports torch
 
     path = Path(name)
+    if str(name) in V4_SIMULATE_ONLY and not path.is_dir():
+        raise ValueError(f"model {str(name)!r} is a simulate-only preset (published shapes, no weights to build "
+                         "on this machine): simulate it (`hybridkv replay --simulate`), or use v4-tiny / v4-small")
     if is_v4(path):
         from hybridkv.model.v4.model import V4Model
         model = V4Model.from_pretrained(path) if path.is_dir() else V4Model.from_preset(str(name), seed=seed)
@@ -271,8 +275,9 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
             store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
             ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
-            URL (named); ``swa_recovery`` with a Kimi Linear model, a DeepSeek-V4 config to
-            simulate, or a host tier / store with a DeepSeek-V4 model.
+            URL (named); ``swa_recovery`` with a Kimi Linear model, or a host tier / store with a
+            DeepSeek-V4 model (a :class:`~hybridkv.model.v4.config.V4Config` is simulated by
+            :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`).
         ConfigError: a bad ``swa_recovery``, or a ``block_size`` that is not a multiple of a V4
             model's compression rates (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
@@ -285,9 +290,18 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     if swa_recovery is not None and not v4:
         raise ValueError(f"swa_recovery={swa_recovery!r} applies to DeepSeek-V4 models (sliding-window state); "
                          f"{model_name} is a Kimi Linear model, whose KDA checkpoints are restored at the hit")
-    if v4:
-        if not hasattr(model, "prefill_capture"):
-            raise ValueError(f"{model_name}: simulating a DeepSeek-V4 model is not supported; run it with the model")
+    if v4 and not hasattr(model, "prefill_capture"):       # a V4Config: simulate its groups, no tensors
+        if host_bytes or store_url not in ("none", ""):
+            raise ValueError(f"{model_name}: a simulated DeepSeek-V4 model runs on the device cache alone: "
+                             f"host_bytes={host_bytes}, store_url={store_url!r}; use host_bytes=0 and store 'none'")
+        from hybridkv.cache.swa import SwaRecovery
+        from hybridkv.engine.v4backend import SimulatedV4Backend
+        recovery = SwaRecovery.parse(swa_recovery)
+        recovery.check(config.prefix_match_unit)
+        config = dataclasses.replace(config, policy=recovery.policy(config.policy))
+        backend = SimulatedV4Backend(model, config.block_size, config.prefix_match_unit, recovery, step_cost=step_cost)
+        digest, model, payload = "simulated", None, False
+    elif v4:
         if host_bytes or store_url not in ("none", ""):
             raise ValueError(f"{model_name}: a DeepSeek-V4 model runs on the device cache alone (its csa/hca/swa "
                              f"groups have no host or store layout yet): host_bytes={host_bytes}, "

@@ -47,7 +47,7 @@ def max_cone_tokens(config, unit: int) -> int:
     at any boundary that is a multiple of ``unit``: the cone depends on ``h`` only through
     ``h mod rate`` once ``h`` exceeds it, so one period of every rate past the unclipped bound
     covers every case."""
-    from hybridkv.model.v4.model import recompute_cone_tokens
+    from hybridkv.model.v4.cone import recompute_cone_tokens
     period = math.lcm(unit, config.csa_rate, config.hca_rate)
     reach = config.num_hidden_layers * config.sliding_window + config.hca_rate + 2 * config.csa_rate
     first = -(-reach // unit) * unit
@@ -208,6 +208,8 @@ class V4Backend:
         self._slot = {li: (CSA, i) for i, li in enumerate(cfg.csa_layers)}
         self._slot.update({li: (HCA, i) for i, li in enumerate(cfg.hca_layers)})
         self._rates = tuple(cfg.rate(i) for i in range(cfg.num_hidden_layers))
+        self.restores: list[tuple[int, int]] = []
+        """``(restart, hit)`` of each restore that recomputed ``[restart, hit)`` (:meth:`rebuild`), tokens."""
 
     # -- sizes (metrics) ----------------------------------------------------------
     @property
@@ -324,6 +326,7 @@ class V4Backend:
             The :class:`~hybridkv.model.v4.state.V4BoundaryState` at ``hit``.
         """
         from hybridkv.model.v4.state import restore
+        self.restores.append((restart, hit))
         entries = self.entries(block_table, hit)
         ids = torch.from_numpy(np.ascontiguousarray(prompt[:hit], dtype=np.int64))
         with torch.no_grad():
@@ -332,3 +335,107 @@ class V4Backend:
             start = saved if saved is not None else self.model.empty_state().boundary_state
             _, end = self.model.prefill(ids[restart:], restore(entries, start))
         return end.boundary_state
+
+
+class SimulatedV4Backend:
+    """A DeepSeek-V4 model's cache groups without tensors (``--simulate``): the same specs,
+    family and restart points as :class:`V4Backend`, so the index, matcher, checkpoint policy
+    and scheduler decide exactly as they do with the model; compute time comes from a cost
+    model.
+
+    Args:
+        config: a :class:`~hybridkv.model.v4.config.V4Config` (only its shapes are read).
+        block_size, prefix_match_unit: tokens, as for :class:`V4Backend`.
+        swa_recovery: ``window``, ``periodic=P`` or ``recompute``.
+        step_cost: ``step_cost(items) -> seconds`` of one step (a
+            :class:`~hybridkv.fleet.costmodel.StepCostModel` through the fleet); ``None``: steps
+            cost nothing (an untimed replay).
+        recovery_cost: the cost model that prices each restore's recompute
+            (:meth:`recovery_seconds`; default the built-in ``h200-deepseek-v4-flash``).
+        dtype: entry dtype of the byte counts (``bfloat16``: the H200 models' assumption).
+
+    Raises:
+        ConfigError: a ``block_size`` that is not a multiple of the compression rates, or a
+            ``periodic`` period not a multiple of ``prefix_match_unit``.
+    """
+
+    tensors = False
+    """Step items carry numpy ids (no torch on the simulated path)."""
+    copy_page = None
+
+    def __init__(self, config, block_size: int, prefix_match_unit: int, swa_recovery: SwaRecovery | str | None = None,
+                 step_cost=None, recovery_cost=None, dtype: str = "bfloat16") -> None:
+        from hybridkv.fleet.costmodel import V4Shapes, cost_model
+        self.config, self.vocab_size = config, config.vocab_size
+        self.block_size, self.unit = block_size, prefix_match_unit
+        self.recovery = SwaRecovery.parse(swa_recovery)
+        self.recovery.check(prefix_match_unit)
+        check_block_size(block_size, {CSA: config.csa_rate, HCA: config.hca_rate})
+        self.csa_spec, self.hca_spec = prefix_specs(config, dtype)
+        self.swa_spec = swa_spec(config, prefix_match_unit, dtype)
+        self.cone_tokens = max_cone_tokens(config, prefix_match_unit)
+        self.family: Family = v4_family(self.csa_spec, self.hca_spec, self.swa_spec,
+                                        self.recovery.restore(self.cone_tokens))
+        self.step_cost = step_cost
+        self.recovery_cost = recovery_cost or cost_model("h200-deepseek-v4-flash")
+        self.shapes = V4Shapes.of(config)
+        self.modelled_seconds = 0.0
+        self.restores: list[tuple[int, int]] = []
+        """``(restart, hit)`` of each restore that recomputed ``[restart, hit)``, tokens."""
+        self.restore_seconds: list[float] = []
+        """Modelled seconds of each restore's recompute (:meth:`recovery_seconds`), in order."""
+
+    page_bytes = V4Backend.page_bytes
+    kv_bytes_per_token = V4Backend.kv_bytes_per_token
+    checkpoint_bytes = V4Backend.checkpoint_bytes
+
+    def cache_binding(self) -> bytes:
+        """No weights: the specs alone (simulated entries never meet real ones)."""
+        return f"simulated-v4|{(self.csa_spec, self.hca_spec, self.swa_spec)}".encode()
+
+    def new_checkpoint_pool(self, num_slots: int, eviction: str = "lru") -> CheckpointPool:
+        """A bookkeeping-only pool of ``swa`` slots."""
+        return CheckpointPool(num_slots, slot_bytes=self.swa_spec.bytes_per_entry, eviction=eviction)
+
+    def read_kv(self, block_table, start, end):
+        """No tensors in simulation."""
+        return
+
+    def write_pages(self, pages, latents) -> None:
+        """No tensors in simulation."""
+
+    def run(self, items: list[StepItem]) -> list[StepOutput]:
+        """Account the modelled time and answer with placeholders."""
+        if self.step_cost is not None:
+            self.modelled_seconds += self.step_cost(items)
+        return [StepOutput(next_token=0, logits=None, end_state=None,
+                           checkpoints={b: None for b in it.capture}) for it in items]
+
+    def recovery_seconds(self, restart: int, hit: int) -> float:
+        """Modelled compute seconds of rebuilding the boundary state at ``hit`` from ``restart``
+        (tokens): ``periodic`` recomputes ``[restart, hit)`` through every layer; ``recompute``
+        only the cone: layer ``l`` computes outputs for the last ``R_{l+1}`` rows
+        (:func:`~hybridkv.model.v4.cone.recompute_cone_rows`, a triangle: 114,681 layer-rows for
+        V4-Flash against 43 × 5,461 through every layer), priced by
+        :func:`~hybridkv.fleet.costmodel.v4_recompute_seconds`; a hit shorter than the cone
+        recomputes ``[0, hit)`` through every layer, as the engine does."""
+        from hybridkv.fleet.costmodel import v4_recompute_seconds
+        from hybridkv.model.v4.cone import recompute_cone_rows
+        if hit <= restart:
+            return 0.0
+        if self.recovery.kind == "recompute" and restart > 0:
+            cone = recompute_cone_rows(self.config, hit)      # layer l computes outputs for R_{l+1} rows
+            rows = (*cone[1:], 0)
+        else:
+            rows = (hit - restart,) * self.config.num_hidden_layers
+        return v4_recompute_seconds(self.recovery_cost, self.shapes, rows, hit - max(rows))
+
+    def rebuild(self, prompt, block_table, restart: int, hit: int, saved):
+        """Price the restore's recompute (added to the modelled seconds when steps are priced)
+        and record it; the state is a placeholder."""
+        seconds = self.recovery_seconds(restart, hit)
+        self.restores.append((restart, hit))
+        self.restore_seconds.append(seconds)
+        if self.step_cost is not None:
+            self.modelled_seconds += seconds
+        return None

@@ -89,6 +89,8 @@ class InstanceResult:
     reused: dict = field(default_factory=dict)          # trace index -> reused tokens (admitted requests)
     interrupted: bool = False                           # stopped by Ctrl-C before its requests were done
     weight_digest: str | None = None                    # the model's (None: simulated): what cache purge --weight-digest takes
+    restores: list[tuple[int, int]] = field(default_factory=list)  # DeepSeek-V4: (restart, hit) of each restore
+    restore_seconds: list[float] = field(default_factory=list)   # simulated V4: each restore's modelled seconds
 
 
 def _drive(engine: Engine, spec: InstanceSpec, requests: list[Request], progress, turn, stop=None) -> None:
@@ -147,10 +149,10 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
         torch.set_num_threads(threads)
     host = {"host_bytes": spec.host_bytes, "host_groups": spec.host_groups,
             "host_write_through": spec.host_write_through and spec.host_bytes > 0}
+    v4 = {"swa_recovery": spec.swa_recovery} if spec.swa_recovery is not None else {}
     if spec.simulate:               # no tensors: a payload-free host tier, no store (the store option is ignored)
-        built = build_engine(model_config(spec.model), spec.config, model_name=spec.model, **host)
+        built = build_engine(model_config(spec.model), spec.config, model_name=spec.model, **host, **v4)
     else:
-        v4 = {"swa_recovery": spec.swa_recovery} if spec.swa_recovery is not None else {}
         built = build_engine(load_model(spec.model, spec.seed), spec.config, model_name=spec.model,
                              store_url=spec.store_url, **host, **v4)
     engine = built.engine
@@ -205,6 +207,8 @@ def collect_result(built: EngineHandle, indices: list[int], requests: list[Reque
     if built.store_tier is not None:
         res.store_misses = Counter(built.store_tier.stats.misses)
     res.interrupted = interrupted
+    res.restores = list(getattr(backend, "restores", ()))
+    res.restore_seconds = list(getattr(backend, "restore_seconds", ()))
     res.weight_digest = model.weight_digest() if model is not None else None     # cached since the build
     if model is not None and not interrupted:
         _verify(model, [r for r in requests if r.record_logits], res)

@@ -334,6 +334,20 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     if r.config and "swa_recovery" in r.config:        # DeepSeek-V4
         table.add_row("SWA recovery", str(r.config["swa_recovery"]))
         table.add_row("restore recompute tokens", _tokens(r.config["restore_recompute_tokens"]))
+        sr = r.config.get("swa_restore")
+        if sr:
+            per = sr["recompute_tokens_per_hit"]
+            if per["mean"] is not None:
+                table.add_row("restore recompute per hit mean / p99", f"{per['mean']:,.1f} / {per['p99']:,.0f}")
+            b = sr["device_bytes_per_cached_token"]
+            table.add_row("device bytes per cached token", f"{b['total']:,.1f} ({b['compressed']:,} compressed "
+                          f"+ {b['swa_states']:,.1f} saved states)")
+            rs = sr.get("recovery_seconds")
+            if rs and rs["p50"] is not None:
+                st = sr["recovery_seconds_from_store"]
+                table.add_row("recovery p50 / p99 (device; store)",
+                              f"{rs['p50'] * 1e3:.2f} / {rs['p99'] * 1e3:.2f} ms; "
+                              f"{st['p50'] * 1e3:.2f} / {st['p99'] * 1e3:.2f} ms")
     table.add_row("checkpoint bytes (peak)", _bytes(r.checkpoint_bytes_peak))
     table.add_row("KV bytes (peak)", _bytes(r.kv_bytes_peak))
     if r.verify is None or not r.verify.requests:

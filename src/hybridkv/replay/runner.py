@@ -38,7 +38,7 @@ from rich.progress import (
 
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
 from hybridkv.cache.swa import CSA, HCA, SwaRecovery, check_block_size
-from hybridkv.model.v4.config import V4Config
+from hybridkv.model.v4.config import V4_SIMULATE_ONLY, V4Config
 from hybridkv.engine.build import check_pool_memory, model_config
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
@@ -261,12 +261,16 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                        if opts.host_interval is None else opts.host_interval or None))
     if recovery is not None:
         check_block_size(cfg.block_size, {CSA: mcfg.csa_rate, HCA: mcfg.hca_rate})
-        for what, bad in (("instances", opts.instances if opts.instances > 1 else None),
+        if not opts.simulate and opts.model in V4_SIMULATE_ONLY:
+            raise ValueError(f"model {opts.model!r} is a simulate-only preset (published shapes, no weights): "
+                             "replay it with simulate=True (--simulate)")
+        for what, bad in (("instances", opts.instances if opts.instances > 1 and not opts.simulate else None),
                           ("store", opts.store if opts.store != "none" else None),
-                          ("host_bytes", opts.host_bytes or None), ("timed", opts.timed or None)):
+                          ("host_bytes", opts.host_bytes or None),
+                          ("timed", opts.timed if opts.timed and not opts.simulate else None)):
             if bad is not None:
                 raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
-                                 "cache alone for now (no host tier, store or timed fleet)")
+                                 "cache alone for now (no host tier or store; instances and timed only simulated)")
     if not opts.simulate:
         hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
         sizes = mcfg
@@ -320,6 +324,10 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if recovery is not None:          # DeepSeek-V4 only: the strategy and what restoring hits recomputed
         report.config["swa_recovery"] = str(recovery)
         report.config["restore_recompute_tokens"] = sum(r.stats.get("restore_recompute_tokens", 0) for r in results)
+        from hybridkv.replay.v4report import restore_summary
+        report.config["swa_restore"] = restore_summary(results, mcfg, recovery, opts.simulate,
+                                                       results[0].kv_bytes_per_token, report.kv_bytes_peak,
+                                                       report.checkpoint_bytes_peak)
     report.cpu_seconds = round(_cpu_seconds() - cpu0, 3)
     for key, seconds in (("requests_per_second", report.wall_seconds), ("requests_per_cpu_second", report.cpu_seconds)):
         rate = ratio(report.requests, seconds)
@@ -397,7 +405,8 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
                       record_steps=opts.step_log is not None, threads=opts.threads,
                       step_clock=opts.step_clock,
                       store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
-                      restarts=opts.restarts, crashes=opts.crashes, cold_start_s=opts.cold_start_s)
+                      restarts=opts.restarts, crashes=opts.crashes, cold_start_s=opts.cold_start_s,
+                      swa_recovery=opts.swa_recovery)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

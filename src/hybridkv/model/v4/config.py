@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 #: Names of the bundled DeepSeek-V4 presets (``src/hybridkv/model/presets/<name>.json``).
-V4_PRESETS = ("v4-tiny", "v4-small")
+V4_PRESETS = ("v4-tiny", "v4-small", "deepseek-v4-flash")
+
+#: Presets of published sizes that only ``--simulate`` runs (no weights are built for them):
+#: ``deepseek-v4-flash`` has DeepSeek-V4-Flash's published shapes (284B parameters; sources in
+#: :func:`hybridkv.fleet.costmodel.v4_flash_config`).
+V4_SIMULATE_ONLY = ("deepseek-v4-flash",)
 
 MODEL_TYPE = "deepseek_v4"
 """``model_type`` of a DeepSeek-V4 ``config.json``."""
