@@ -109,7 +109,7 @@ def _serve(args) -> int:
 
 def _register_router(sub) -> None:
     from hybridkv.fleet.routers import ROUTER_NAMES
-    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/how-to/serve.md)",
+    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/how-to/route-a-fleet.md)",
                        description="Route OpenAI-style requests to workers by their cache events and load.")
     r.add_argument("--worker", action="append", required=True, metavar="URL",
                    help="a worker's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
