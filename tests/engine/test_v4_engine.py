@@ -19,8 +19,9 @@ from hybridkv.cli import main
 from hybridkv.engine.build import build_engine, is_v4, load_model, model_config
 from hybridkv.engine.request import Request
 from hybridkv.engine.v4backend import max_cone_tokens
+from hybridkv.model.v4.cone import recompute_cone_tokens
 from hybridkv.model.v4.config import V4Config
-from hybridkv.model.v4.model import V4Model, recompute_cone_tokens
+from hybridkv.model.v4.model import V4Model
 
 LOGIT_TOL = 1e-4
 """Largest |Δlogit| allowed between a cached run and a full prefill (fp32; the issue's bound)."""

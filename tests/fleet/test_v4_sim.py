@@ -115,10 +115,12 @@ def test_recovery_seconds_price_the_cone_triangle():
     """recompute prices the cone's layer-rows (114,681 for V4-Flash at h = 8192), periodic the
     whole ``[c, h)`` through every layer; a hit shorter than the cone recomputes from 0."""
     from hybridkv.engine.v4backend import SimulatedV4Backend
+    from hybridkv.fleet.costmodel import v4_restore_pricer
     cfg = v4_flash_config()
     m = h200_deepseek_v4_flash()
-    cone = SimulatedV4Backend(cfg, 512, 64, "recompute")
-    per = SimulatedV4Backend(cfg, 512, 64, "periodic=2048")
+    cone = SimulatedV4Backend(cfg, 512, 64, "recompute", restore_cost=v4_restore_pricer(cfg, "recompute"))
+    per = SimulatedV4Backend(cfg, 512, 64, "periodic=2048", restore_cost=v4_restore_pricer(cfg, "periodic=2048"))
+    assert SimulatedV4Backend(cfg, 512, 64, "recompute").recovery_seconds(0, 4096) == 0.0   # counted, not priced
     h, n = 8192, 5461
     tri = cone.recovery_seconds(h - n, h)
     full = per.recovery_seconds(h - n, h)

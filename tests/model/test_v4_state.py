@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.model.v4.cone import recompute_cone_rows, recompute_cone_tokens
 from hybridkv.model.v4.config import V4Config
-from hybridkv.model.v4.model import V4Model, recompute_cone_rows, recompute_cone_tokens
+from hybridkv.model.v4.model import V4Model
 from hybridkv.model.v4.oracle import NaiveV4
 from hybridkv.model.v4.state import V4CompressedEntries, restore
 

@@ -237,7 +237,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
                  prefetch: bool = True, store_required: bool = False,
                  listener: CacheListener | None = None,
                  step_cost: Callable[[list[StepItem]], float] | None = None,
-                 swa_recovery: str | None = None) -> EngineHandle:
+                 swa_recovery: str | None = None,
+                 restore_cost: Callable[[int, int], float] | None = None) -> EngineHandle:
     """Backend, namespace, lower tiers and engine for ``model`` under ``config``.
 
     Args:
@@ -299,7 +300,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         recovery = SwaRecovery.parse(swa_recovery)
         recovery.check(config.prefix_match_unit)
         config = dataclasses.replace(config, policy=recovery.policy(config.policy))
-        backend = SimulatedV4Backend(model, config.block_size, config.prefix_match_unit, recovery, step_cost=step_cost)
+        backend = SimulatedV4Backend(model, config.block_size, config.prefix_match_unit, recovery, step_cost=step_cost,
+                                     restore_cost=restore_cost)
         digest, model, payload = "simulated", None, False
     elif v4:
         if host_bytes or store_url not in ("none", ""):

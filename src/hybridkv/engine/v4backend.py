@@ -43,7 +43,7 @@ def max_tail_rows(rate: int, unit: int) -> int:
 
 
 def max_cone_tokens(config, unit: int) -> int:
-    """The largest recompute cone (:func:`~hybridkv.model.v4.model.recompute_cone_tokens`, tokens)
+    """The largest recompute cone (:func:`~hybridkv.model.v4.cone.recompute_cone_tokens`, tokens)
     at any boundary that is a multiple of ``unit``: the cone depends on ``h`` only through
     ``h mod rate`` once ``h`` exceeds it, so one period of every rate past the unclipped bound
     covers every case."""
@@ -350,8 +350,9 @@ class SimulatedV4Backend:
         step_cost: ``step_cost(items) -> seconds`` of one step (a
             :class:`~hybridkv.fleet.costmodel.StepCostModel` through the fleet); ``None``: steps
             cost nothing (an untimed replay).
-        recovery_cost: the cost model that prices each restore's recompute
-            (:meth:`recovery_seconds`; default the built-in ``h200-deepseek-v4-flash``).
+        restore_cost: ``restore_cost(restart, hit) -> seconds`` of rebuilding the boundary
+            state at ``hit`` from ``restart`` (:func:`hybridkv.fleet.costmodel.v4_restore_pricer`,
+            given by the fleet and replay layers); ``None``: restores are counted, not priced.
         dtype: entry dtype of the byte counts (``bfloat16``: the H200 models' assumption).
 
     Raises:
@@ -364,8 +365,7 @@ class SimulatedV4Backend:
     copy_page = None
 
     def __init__(self, config, block_size: int, prefix_match_unit: int, swa_recovery: SwaRecovery | str | None = None,
-                 step_cost=None, recovery_cost=None, dtype: str = "bfloat16") -> None:
-        from hybridkv.fleet.costmodel import V4Shapes, cost_model
+                 step_cost=None, restore_cost=None, dtype: str = "bfloat16") -> None:
         self.config, self.vocab_size = config, config.vocab_size
         self.block_size, self.unit = block_size, prefix_match_unit
         self.recovery = SwaRecovery.parse(swa_recovery)
@@ -377,8 +377,7 @@ class SimulatedV4Backend:
         self.family: Family = v4_family(self.csa_spec, self.hca_spec, self.swa_spec,
                                         self.recovery.restore(self.cone_tokens))
         self.step_cost = step_cost
-        self.recovery_cost = recovery_cost or cost_model("h200-deepseek-v4-flash")
-        self.shapes = V4Shapes.of(config)
+        self.restore_cost = restore_cost
         self.modelled_seconds = 0.0
         self.restores: list[tuple[int, int]] = []
         """``(restart, hit)`` of each restore that recomputed ``[restart, hit)``, tokens."""
@@ -413,22 +412,10 @@ class SimulatedV4Backend:
 
     def recovery_seconds(self, restart: int, hit: int) -> float:
         """Modelled compute seconds of rebuilding the boundary state at ``hit`` from ``restart``
-        (tokens): ``periodic`` recomputes ``[restart, hit)`` through every layer; ``recompute``
-        only the cone: layer ``l`` computes outputs for the last ``R_{l+1}`` rows
-        (:func:`~hybridkv.model.v4.cone.recompute_cone_rows`, a triangle: 114,681 layer-rows for
-        V4-Flash against 43 × 5,461 through every layer), priced by
-        :func:`~hybridkv.fleet.costmodel.v4_recompute_seconds`; a hit shorter than the cone
-        recomputes ``[0, hit)`` through every layer, as the engine does."""
-        from hybridkv.fleet.costmodel import v4_recompute_seconds
-        from hybridkv.model.v4.cone import recompute_cone_rows
-        if hit <= restart:
+        (tokens), by the ``restore_cost`` given (0 without one)."""
+        if hit <= restart or self.restore_cost is None:
             return 0.0
-        if self.recovery.kind == "recompute" and restart > 0:
-            cone = recompute_cone_rows(self.config, hit)      # layer l computes outputs for R_{l+1} rows
-            rows = (*cone[1:], 0)
-        else:
-            rows = (hit - restart,) * self.config.num_hidden_layers
-        return v4_recompute_seconds(self.recovery_cost, self.shapes, rows, hit - max(rows))
+        return self.restore_cost(restart, hit)
 
     def rebuild(self, prompt, block_table, restart: int, hit: int, saved):
         """Price the restore's recompute (added to the modelled seconds when steps are priced)

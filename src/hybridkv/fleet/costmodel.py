@@ -24,6 +24,7 @@ default of ``--simulate --timed``) and a CPU model fitted by ``hybridkv calibrat
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -399,6 +400,33 @@ def v4_recompute_seconds(cost: StepCostModel, shapes: V4Shapes, layer_rows: tupl
     n = max(layer_rows, default=0)
     pairs = n * start + n * (n + 1) // 2
     return cost.linear_s_per_token * rows / L + cost.attention_s_per_pair * pairs * rows / max(L * n, 1)
+
+
+def v4_restore_pricer(config, swa_recovery, cost: StepCostModel | None = None) -> Callable[[int, int], float]:
+    """``price(restart, hit) -> seconds`` of rebuilding a DeepSeek-V4 boundary state at ``hit``
+    from ``restart`` (tokens) under ``swa_recovery`` (a :class:`~hybridkv.cache.swa.SwaRecovery`
+    or its text), for :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`: ``periodic``
+    recomputes ``[restart, hit)`` through every layer; ``recompute`` only the cone: layer ``l``
+    computes outputs for the last ``R_{l+1}`` rows (:func:`~hybridkv.model.v4.cone.recompute_cone_rows`,
+    a triangle: 114,681 layer-rows for V4-Flash against 43 x 5,461 through every layer), priced by
+    :func:`v4_recompute_seconds`; a hit shorter than the cone recomputes ``[0, hit)`` through every
+    layer, as the engine does. ``cost``: default the built-in ``h200-deepseek-v4-flash``."""
+    from hybridkv.cache.swa import SwaRecovery
+    from hybridkv.model.v4.cone import recompute_cone_rows
+    kind = SwaRecovery.parse(swa_recovery).kind
+    cost = cost or cost_model("h200-deepseek-v4-flash")
+    shapes = V4Shapes.of(config)
+
+    def price(restart: int, hit: int) -> float:
+        if hit <= restart:
+            return 0.0
+        if kind == "recompute" and restart > 0:
+            rows = (*recompute_cone_rows(config, hit)[1:], 0)      # layer l computes outputs for R_{l+1} rows
+        else:
+            rows = (hit - restart,) * config.num_hidden_layers
+        return v4_recompute_seconds(cost, shapes, rows, hit - max(rows))
+
+    return price
 
 
 BUILTIN_COST_MODELS["h200-deepseek-v4-flash"] = h200_deepseek_v4_flash

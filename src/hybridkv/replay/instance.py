@@ -17,6 +17,7 @@ from hybridkv.cache.config import CacheConfig
 from hybridkv.engine.build import EngineHandle, build_engine, load_model, model_config
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
+from hybridkv.fleet.costmodel import v4_restore_pricer
 from hybridkv.replay.trace import TraceRequest, TraceUnits
 
 TURN_FAILED = -1
@@ -151,7 +152,10 @@ def run_instance(spec: InstanceSpec, progress=None, turn=None, threads: int | No
             "host_write_through": spec.host_write_through and spec.host_bytes > 0}
     v4 = {"swa_recovery": spec.swa_recovery} if spec.swa_recovery is not None else {}
     if spec.simulate:               # no tensors: a payload-free host tier, no store (the store option is ignored)
-        built = build_engine(model_config(spec.model), spec.config, model_name=spec.model, **host, **v4)
+        mcfg = model_config(spec.model)
+        if spec.swa_recovery is not None:          # DeepSeek-V4: each restore's recompute priced by the V4-Flash model
+            v4["restore_cost"] = v4_restore_pricer(mcfg, spec.swa_recovery)
+        built = build_engine(mcfg, spec.config, model_name=spec.model, **host, **v4)
     else:
         built = build_engine(load_model(spec.model, spec.seed), spec.config, model_name=spec.model,
                              store_url=spec.store_url, **host, **v4)

@@ -25,7 +25,7 @@ from hybridkv.cache.config import CacheConfig
 from hybridkv.cache.groups import FullAttentionSpec, KDASpec
 from hybridkv.engine.build import build_engine, load_model, model_config
 from hybridkv.engine.request import Request
-from hybridkv.fleet.costmodel import StepCostModel, cost_model
+from hybridkv.fleet.costmodel import StepCostModel, cost_model, v4_restore_pricer
 from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
 from hybridkv.fleet.routers import HybridOptions, RouterConfig, make_router
 from hybridkv.fleet.simulator import Fleet, timing_summary
@@ -138,7 +138,8 @@ def _builder(setup: TimedSetup, cfg: CacheConfig):
     """``build(listener, step_cost)`` for every instance (one model object shared read-only)."""
     if setup.simulate:
         mcfg = model_config(setup.model)
-        v4 = {"swa_recovery": setup.swa_recovery} if isinstance(mcfg, V4Config) else {}
+        v4 = {"swa_recovery": setup.swa_recovery,
+              "restore_cost": v4_restore_pricer(mcfg, setup.swa_recovery)} if isinstance(mcfg, V4Config) else {}
         return lambda listener, step_cost: build_engine(mcfg, cfg, model_name=setup.model, listener=listener,
                                                         step_cost=step_cost, **v4)
     model = load_model(setup.model, setup.seed)

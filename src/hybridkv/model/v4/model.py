@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.model.v4.cone import recompute_cone_rows, recompute_cone_tokens  # noqa: F401 (re-exported)
+from hybridkv.model.v4.cone import recompute_cone_rows
 from hybridkv.model.v4.config import V4Config
 from hybridkv.model.v4.layers import (Attention, Backbone, Compressor, apply_rope, hc_head, hc_merge,
                                       hc_weights, inv_freq, moe, pool_windows, rms_norm, rope_table)
