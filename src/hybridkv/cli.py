@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens; only these boundaries become store entries (default: --block-size)")
     r.add_argument("--host-mib", type=non_negative_int, default=None,
                    help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256, "
-                        "0 for a DeepSeek-V4 model, which runs on the device cache alone; "
+                        "0 for a DeepSeek-V4 model; "
                         "--simulate: byte accounting only)")
     r.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
                    help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
@@ -411,16 +411,10 @@ def _replay(args, console: Console) -> int:
                       "not supported; replay it with the model", markup=True, highlight=False)
         return 2
     host_mib = args.host_mib if args.host_mib is not None else (0 if v4 else 256)
-    if v4:                            # a V4 model runs on one engine's device cache for now
-        for flag, bad in (("--host-mib", host_mib or None),
-                          ("--instances", args.instances if args.instances > 1 else None),
-                          ("--store", None if args.store == "none" else args.store), ("--timed", args.timed or None)):
-            if bad is not None:
-                shown = "" if bad is True else f" {bad}"
-                console.print(f"[red]error:[/red] {flag}{shown} with --model {args.model}: a DeepSeek-V4 model runs on "
-                              "one engine's device cache alone for now (no host tier, store, instances or timed "
-                              "fleet)", markup=True, highlight=False)
-                return 2
+    if v4 and args.timed:             # the timed fleet prices Kimi Linear shapes only
+        console.print(f"[red]error:[/red] --timed with --model {args.model}: the timed fleet has no DeepSeek-V4 "
+                      "cost model; replay it without --timed", markup=True, highlight=False)
+        return 2
     if args.all:
         if args.limit is not None:
             console.print(f"[red]error:[/red] --all and --limit {args.limit} contradict each other; give one",

@@ -261,12 +261,9 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                        if opts.host_interval is None else opts.host_interval or None))
     if recovery is not None:
         check_block_size(cfg.block_size, {CSA: mcfg.csa_rate, HCA: mcfg.hca_rate})
-        for what, bad in (("instances", opts.instances if opts.instances > 1 else None),
-                          ("store", opts.store if opts.store != "none" else None),
-                          ("host_bytes", opts.host_bytes or None), ("timed", opts.timed or None)):
-            if bad is not None:
-                raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
-                                 "cache alone for now (no host tier, store or timed fleet)")
+        if opts.timed:
+            raise ValueError(f"timed=True with DeepSeek-V4 model {opts.model}: the timed fleet has no DeepSeek-V4 "
+                             "cost model")
     if not opts.simulate:
         hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
         sizes = mcfg

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from hybridkv.cache.groups import KIMI_LINEAR, Family
 from hybridkv.cache.groups import nbytes
 from hybridkv.store.base import DAMAGED, ObjectStore, StoreUnavailable
 from hybridkv.tiers.base import PURGE_UNREACHABLE, Entry, Tier, TierPurge
@@ -86,8 +87,8 @@ class StoreTier(Tier):
     def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  retry_seconds: float = 2.0, name: str = "store", write_through: bool = True,
                  write_back: bool | None = None, max_age_s: float | None = None,
-                 horizon_refresh_s: float = 0.0) -> None:
-        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back)
+                 horizon_refresh_s: float = 0.0, family: Family = KIMI_LINEAR) -> None:
+        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back, family=family)
         if max_age_s is not None and not (0 < max_age_s < float("inf")):
             raise ValueError(f"max_age_s={max_age_s!r} must be a positive finite number of seconds")
         if not (0 <= horizon_refresh_s < float("inf")):
