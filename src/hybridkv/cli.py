@@ -312,8 +312,8 @@ def _register_cache_cli(sub) -> None:
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
     p.add_argument("--abi-version", type=int, metavar="N",
-                   help="remove every object of the older cache ABI vN (1, 2 or 3: keys hkvN/...), which no current "
-                        "reader reaches; alone, or for v3 with --model and --weight-digest (docs/cache_abi.md)")
+                   help="remove every object of the older cache ABI vN (1 to 4: keys hkvN/...), which no current "
+                        "reader reaches; alone, or for v3 and v4 with --model and --weight-digest (docs/cache_abi.md)")
 
 
 def _cache_purge(args, console: Console) -> int:

@@ -12,10 +12,15 @@ import torch
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.cache.groups import tier_entry_shapes
+from hybridkv.cache.namespace import CacheIdentity
+from hybridkv.cache.swa import SwaRecovery
 from hybridkv.cache.purge import PurgeSelector
 from hybridkv.cli import main
 from hybridkv.engine.build import build_engine, load_model
+from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request
+from hybridkv.engine.v4backend import V4Backend
+from hybridkv.tiers.connector import tier_for
 from hybridkv.tiers.purge import purge
 
 LOGIT_TOL = 1e-4
@@ -94,6 +99,31 @@ def test_a_second_engine_reuses_the_store_exactly(tiny, tmp_path, recovery):
         _check_exact(tiny, r)
     finally:
         b.close()
+
+
+class _Engine:
+    """An engine over a V4 backend whose only lower tier is ``store`` (any backend), as
+    :func:`_serve` takes it."""
+
+    def __init__(self, model, store, recovery: str) -> None:
+        rec = SwaRecovery.parse(recovery)
+        cfg = CacheConfig(block_size=64, prefix_match_unit=64, num_kv_pages=64, num_checkpoint_slots=16,
+                          policy=rec.policy(CheckpointPolicy.parse("branch+tail")))
+        backend = V4Backend(model, cfg.num_kv_pages, cfg.block_size, cfg.prefix_match_unit, rec)
+        ns = CacheIdentity(model_repo="v4-test", weight_digest=model.weight_digest()).digest()
+        self.store_tier = tier_for(store, backend, ns, cfg.prefix_match_unit, cfg.store_boundary)
+        self.engine = Engine(cfg, backend, ns, tiers=[self.store_tier])
+
+
+@pytest.mark.parametrize("recovery", RECOVERIES)
+def test_every_store_backend_carries_v4_entries(tiny, store, recovery):
+    """memory, disk and Mooncake (the session's master): one engine commits, a fresh one reuses."""
+    prompts = _prompts(tiny.config.vocab_size, seed=1)
+    _serve(_Engine(tiny, store, recovery), prompts[0], "a0")
+    b = _Engine(tiny, store, recovery)
+    r = _serve(b, prompts[1], "b0")
+    assert r.reused == 320 and b.store_tier.stats.hit_tokens == 320
+    _check_exact(tiny, r)
 
 
 def test_one_manifest_per_page_entry_and_a_broken_component_installs_nothing(tiny, tmp_path):
