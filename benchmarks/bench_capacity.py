@@ -15,7 +15,7 @@ cost model's rate, :class:`hybridkv.engine.backend.SimulatedBackend`), with evic
 With ``--host-factor F`` (default 2, the issue's "host at 2x the device") each run also gets a
 host tier of ``F`` times the device capacity in bytes (``pages * page bytes + slots * slot bytes``):
 simulate mode's payload-free host tier (real keys, capacity, eviction order, demotion of device
-evictions and promotion of host hits; docs/memory.md), holding KV pages and checkpoints. Orders:
+evictions and promotion of host hits; docs/concepts/eviction.md), holding KV pages and checkpoints. Orders:
 ``lru`` (device and host), ``value`` (device pools by value, host LRU: the default
 ``host_eviction``) and, with a host, ``value+host-value`` (both by value).
 ``--host-factor 0``: device only. The baseline (100%) has no host.

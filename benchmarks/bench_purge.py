@@ -1,5 +1,5 @@
 """Purges by owner and by age on a real local Mooncake master and on disk (cache ABI v4), and what
-the expiry horizons cost a load (docs/memory.md, "Purge").
+the expiry horizons cost a load (docs/results/store.md, "Purge").
 
 For each backend: ``--prefixes`` prefixes of each of two owners, each one ``full`` and one ``kda``
 entry at 1024 tokens (synthetic tensors of the shapes below, ~1.9 MiB per pair), written through a

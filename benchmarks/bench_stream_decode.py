@@ -4,7 +4,7 @@ that never occurs (the search runs on every token). Prints seconds per output le
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_stream_decode.py --tokens 1000 4000
 
-Results: docs/serve.md ("Tokenizers").
+Results: docs/results/serving.md ("Streaming: incremental decoding").
 """
 
 from __future__ import annotations

@@ -86,12 +86,12 @@ apt_install() {
   apt_get update -q && apt_get install -y -q "$@"
 }
 
-# libibverbs1: needed to import the Mooncake transfer engine (docs/DESIGN.md section 11).
+# libibverbs1: needed to import the Mooncake transfer engine (docs/design/design.md section 11).
 if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
   apt_install libibverbs1
 fi
 
-# gcc: builds the LD_PRELOAD library that keeps Mooncake's listeners on loopback (docs/mooncake.md).
+# gcc: builds the LD_PRELOAD library that keeps Mooncake's listeners on loopback (docs/how-to/mooncake.md).
 if ! command -v cc >/dev/null 2>&1; then
   apt_install gcc libc6-dev
 fi

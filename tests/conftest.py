@@ -20,7 +20,7 @@ def pytest_configure(config):
 
     Mooncake clients (the tests create some in this process) open wildcard
     listeners; the preloaded shim keeps every one of them on 127.0.0.1 and only
-    works from process start (docs/mooncake.md).
+    works from process start (docs/how-to/mooncake.md).
     """
     # Mooncake's native log stays on stderr (pytest captures it per test); the CLI's default of a
     # log file would point this process's descriptor 2 elsewhere (tests/store/test_mooncake.py

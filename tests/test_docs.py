@@ -134,3 +134,17 @@ def test_readme_is_short_starts_with_the_two_commands_and_links_existing_docs():
         assert (ROOT / target).exists(), f"README.md links {target}, which does not exist"
     history = re.findall(r"\bissue \d+|\brounds?\b(?!-)|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", readme)
     assert not history, f"README.md carries development history: {history}"
+
+
+def test_every_docs_page_cited_in_code_exists():
+    """Docstrings, help texts, error messages, benchmarks and scripts cite pages as ``docs/<path>.md``;
+    each must be a page of the site."""
+    cited = {}
+    for root in ("src", "benchmarks", "scripts"):
+        for path in (ROOT / root).rglob("*"):
+            if path.suffix in (".py", ".sh") and path.is_file():
+                for page in re.findall(r"docs/[\w./-]+?\.md\b", path.read_text(errors="replace")):
+                    cited.setdefault(page, str(path.relative_to(ROOT)))
+    assert len(cited) >= 10, "the code cites almost no page: the pattern is stale"
+    missing = {page: where for page, where in cited.items() if not (ROOT / page).is_file()}
+    assert not missing, f"pages cited in the code that do not exist (page: first file citing it): {missing}"

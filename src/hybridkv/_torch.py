@@ -2,8 +2,8 @@
 
 A simulated replay keeps its cache as bookkeeping only and never computes with tensors, but
 the modules it runs (engine, tiers, checkpoint pools) also serve the real model; importing
-torch at their top cost a simulated run about 1 CPU second of start-up (docs/routing.md,
-"Simulator speed", eighth round). Those modules take ``torch`` from here instead: an object
+torch at their top cost a simulated run about 1 CPU second of start-up (docs/results/replay.md,
+"Simulator speed"). Those modules take ``torch`` from here instead: an object
 whose attributes are the torch module's, which imports torch when the first one is read and
 keeps each attribute read, so later reads are ordinary attribute lookups.
 

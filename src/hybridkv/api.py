@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import EngineHandle, build_engine, load_model
+from hybridkv.engine.build import (API_POOL_NAMES, EngineHandle, build_engine, check_pool_memory, load_model,
+                                   model_config)
 from hybridkv.engine.engine import Engine, EngineStats
 from hybridkv.engine.request import Request, Status
+from hybridkv.model.config import HybridConfig
 
 log = logging.getLogger("hybridkv.api")
 
@@ -115,7 +117,7 @@ class LLM:
             process, shared with no other LLM or process, gone when it closes). Unreachable at
             startup (e.g. a disk store on a read-only file system): a warning naming it, and the
             LLM runs without it. (Mooncake clients open wildcard listeners unless the
-            process runs under ``hybridkv.store.mooncake.loopback``; see docs/mooncake.md.)
+            process runs under ``hybridkv.store.mooncake.loopback``; see docs/how-to/mooncake.md.)
         store_alignment: tokens; only these boundaries become store entries (a multiple of
             ``block_size``; default ``block_size``).
         threads: torch intra-op threads (``torch.set_num_threads``, process-wide); ``None``
@@ -135,9 +137,9 @@ class LLM:
     Raises:
         ConfigError: an invalid cache setting (a ``ValueError`` naming the field and value), e.g.
             a ``swa_recovery`` text, or a ``block_size`` not a multiple of a V4 model's rates.
-        ValueError: an unknown preset, a bad ``host_mib`` / ``threads``, or a malformed store URL;
-            ``swa_recovery`` with a Kimi Linear model.
-        TypeError: ``seed`` not an integer, ``store`` not a string.
+        ValueError: an unknown preset, a ``seed`` outside [0, 2**63 - 1], a bad ``host_mib`` / ``threads``,
+            or a malformed store URL; ``swa_recovery`` with a Kimi Linear model.
+        TypeError: ``model`` not a string or path, ``seed`` not an integer, ``store`` not a string.
         FileNotFoundError: a model directory without config or weights.
 
     Not thread-safe: one :meth:`generate` at a time. Use as a context manager or call
@@ -151,8 +153,12 @@ class LLM:
                  store: str = "none", store_alignment: int | None = None, threads: int | None = None,
                  swa_recovery: str | None = None) -> None:
         self._handle: EngineHandle | None = None
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model={model!r} must be a preset name or a model directory")
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise TypeError(f"seed={seed!r} must be an integer")
+        if not 0 <= seed <= 2**63 - 1:          # the seeds torch and numpy accept, as the CLI's --seed
+            raise ValueError(f"seed={seed!r} must be in [0, 2**63 - 1]")
         if not isinstance(host_mib, (int, np.integer)) or isinstance(host_mib, bool) or host_mib < 0:
             raise ValueError(f"host_mib={host_mib!r} must be an integer >= 0")
         if threads is not None:
@@ -171,6 +177,11 @@ class LLM:
             max_num_seqs=max_num_seqs, store_alignment=store_alignment)
         self.model_name = str(model)
         self.store_url = store
+        sizes = model_config(model)
+        if not isinstance(sizes, HybridConfig):         # DeepSeek-V4: its pages and slots, from the group specs
+            from hybridkv.engine.v4backend import pool_sizes
+            sizes = pool_sizes(sizes, self.config.block_size, self.config.prefix_match_unit)
+        check_pool_memory(self.config, sizes, host_bytes=int(host_mib) << 20, names=API_POOL_NAMES)
         if threads is not None:
             torch.set_num_threads(threads)
         self.model = load_model(model, int(seed))

@@ -1,8 +1,9 @@
 """Command line: ``hybridkv replay`` (the main job), ``hybridkv store`` (a local Mooncake
-store), ``hybridkv soak`` (randomized exactness checks, docs/reliability.md), ``hybridkv serve``
-and ``hybridkv bench-serve`` (the OpenAI-compatible server and its load generator, docs/serve.md),
-``hybridkv cache purge`` (docs/memory.md) and ``hybridkv calibrate`` (the CPU cost model of timed
-simulation, docs/routing.md).
+store, docs/how-to/mooncake.md), ``hybridkv soak`` (randomized exactness checks, docs/how-to/soak.md),
+``hybridkv serve``, ``hybridkv router`` and ``hybridkv bench-serve`` (the OpenAI-compatible server, its
+router and its load generator, docs/how-to/serve.md), ``hybridkv cache purge``
+(docs/how-to/purge-and-quotas.md) and ``hybridkv calibrate`` (the CPU cost model of timed simulation,
+docs/how-to/simulate-and-calibrate.md). Every option: docs/reference/cli.md.
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 130 when Ctrl-C stopped a replay (the figures so far are printed and
@@ -13,6 +14,7 @@ path), with one ``error:`` line naming the offending value.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -80,15 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the device pools: lru, or value "
                         "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru "
-                        "(value measured no better at the frontier's target cell: docs/memory.md, "
-                        "'The default order')")
+                        "(value measured no better at the frontier's target cell: docs/concepts/eviction.md, "
+                        "'Which order to use')")
     r.add_argument("--host-eviction", choices=("lru", "value"), default="lru",
                    help="eviction order of the host tier (it holds the device's victims); default lru, "
-                        "which measured better than value there (docs/memory.md)")
+                        "which measured better than value there (docs/concepts/eviction.md)")
     r.add_argument("--host-probation", type=fraction, default=HOST_PROBATION,
                    help="share of the host tier that speculative host-only checkpoints (--host-interval) may "
                         "hold while entries the device evicted need the room (2Q's A1in; default "
-                        f"{HOST_PROBATION}; docs/memory.md)")
+                        f"{HOST_PROBATION}; docs/how-to/tiers.md)")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -122,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host-interval", type=non_negative_int, default=None,
                    help="tokens: also capture a checkpoint every N tokens of each prefill for the host tier only "
                         "(written through; not kept on the device); a multiple of --block-size; 0 = off; default "
-                        "4 x --block-size with a host tier (docs/memory.md)")
+                        "4 x --block-size with a host tier (docs/how-to/tiers.md)")
     r.add_argument("--instances", type=positive_int, default=1,
                    help="engine instances (own processes) sharing the store, requests dealt round-robin (default 1)")
     r.add_argument("--timed", action="store_true",
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="--timed, hybrid router: share 0..1 of an instance's own waiting count in the weight on "
                         "its work, the rest the fleet's mean (default 1: lowest median TTFT; lower trades median "
-                        "for tail TTFT under overload, docs/routing.md)")
+                        "for tail TTFT under overload, docs/concepts/routing.md)")
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
                         "default) or a JSON file from `hybridkv calibrate`; a real run's router prices prefill with it")
@@ -183,8 +185,8 @@ def _leave_to_exit() -> None:
 
     The run's fleet (millions of index nodes, unit tables and views, held in cycles) is garbage
     once the report is written, and the interpreter's exit would collect it and free it one
-    object at a time: about 1.1 CPU s after the whole trace at 32 instances (docs/routing.md,
-    "Simulator speed", eighth round). ``gc.freeze`` moves every tracked object out of the
+    object at a time: about 1.1 CPU s after the whole trace at 32 instances (docs/results/replay.md,
+    "Simulator speed"). ``gc.freeze`` moves every tracked object out of the
     collector's reach instead, and the operating system takes the memory back. Only for the
     command line's own process after a simulated replay: it has no files or connections left
     open in those objects (a simulation opens no store; the scratch store is removed before)
@@ -249,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             console.print(f"[red]error:[/red] {flag} {path}: {problem}", markup=True, highlight=False, soft_wrap=True)
             return 2
+    clash = _output_clash(args)
+    if clash:
+        console.print(f"[red]error:[/red] {clash}", markup=True, highlight=False, soft_wrap=True)
+        return 2
     if args.command in ("replay", "serve") and args.store.startswith("mooncake://"):
         from hybridkv.store.url import check_store_url
         try:                                       # before a log file or a re-exec: a bad URL is one line
@@ -313,7 +319,8 @@ def _register_cache_cli(sub) -> None:
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
     p.add_argument("--abi-version", type=int, metavar="N",
                    help="remove every object of the older cache ABI vN (1 to 4: keys hkvN/...), which no current "
-                        "reader reaches; alone, or for v3 and v4 with --model and --weight-digest (docs/cache_abi.md)")
+                        "reader reaches; alone, or for v3 and v4 with --model and --weight-digest "
+                        "(docs/reference/cache-abi.md)")
 
 
 def _cache_purge(args, console: Console) -> int:
@@ -557,6 +564,33 @@ def _output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     options = {"replay": (("--json", "json_path"), ("--step-log", "step_log")), "calibrate": (("--out", "out"),),
                "bench-serve": (("--json", "json_path"),)}.get(args.command, ())     # soak: in cmd_soak
     return [(flag, getattr(args, name)) for flag, name in options if getattr(args, name, None)]
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (the same real path, or one inode)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:                      # one of them does not exist yet
+        return False
+
+
+def _output_clash(args: argparse.Namespace) -> str | None:
+    """An output file that is also an input file or another output of the command (``replay --json``
+    onto its ``--trace`` replaced the trace with the report; ``--json`` and ``--step-log`` onto one
+    file kept only the last written), as an error naming both options; else ``None``."""
+    inputs = {"replay": (("--trace", "trace"), ("--cost-model", "cost_model")),
+              "calibrate": (("--from-steps", "from_steps"),),
+              "bench-serve": (("--trace", "trace"),)}.get(args.command, ())
+    seen = [(flag, path) for flag, name in inputs if (path := getattr(args, name, None))]
+    for flag, path in _output_paths(args):
+        for other_flag, other in seen:
+            if _same_file(path, other):
+                return (f"{flag} {path} is the same file as {other_flag} {other}: writing one would overwrite "
+                        "the other; choose another path")
+        seen.append((flag, path))
+    return None
 
 
 if __name__ == "__main__":

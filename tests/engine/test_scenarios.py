@@ -1,4 +1,4 @@
-"""Acceptance scenarios S1-S7 and S11 (SCENARIOS.md) with the real tiny model.
+"""Acceptance scenarios S1-S7 and S11 (docs/design/scenarios.md) with the real tiny model.
 
 Every scenario asserts exact hit lengths and that logits at every computed
 position equal a no-cache prefill (fp32, <= 1e-4) with identical greedy tokens.

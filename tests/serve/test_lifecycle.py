@@ -281,7 +281,7 @@ def test_invalidate_by_tenant_removes_what_an_earlier_server_process_stored(tmp_
 
 
 def test_an_invalidation_matching_nothing_still_names_the_servers_tiers(tiered):
-    """docs/serve.md: ``tier_entries`` names the tiers the server was started with; a scope that
+    """docs/how-to/serve.md: ``tier_entries`` names the tiers the server was started with; a scope that
     matched no namespace answered ``{}`` as if there were none."""
     r = httpx.post(f"{tiered.url}/admin/cache/invalidate", json={"cache_salt": "never used"}, timeout=60)
     assert r.status_code == 200, r.text

@@ -1,4 +1,4 @@
-"""Cache ABI v4 keys and manifests: a manifest names only its own entry's objects, and one that does not
+"""Cache ABI v5 keys and manifests: a manifest names only its own entry's objects, and one that does not
 decode is an ``incomplete`` miss."""
 
 from __future__ import annotations

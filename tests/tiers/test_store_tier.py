@@ -1,5 +1,5 @@
 """StoreTier over the memory and disk byte stores: remote hits (S8, S9, S2 across instances), aligned
-boundaries (S7), object integrity (S10), malformed and broken entries, store outages (S13); SCENARIOS.md.
+boundaries (S7), object integrity (S10), malformed and broken entries, store outages (S13); docs/design/scenarios.md.
 
 The same scenarios against a real Mooncake master: test_store_tier_mooncake.py. The ``store`` fixture
 (memory, disk) is in conftest.py.

@@ -1,4 +1,4 @@
-"""The cache ABI version, defined once (docs/cache_abi.md).
+"""The cache ABI version, defined once (docs/reference/cache-abi.md).
 
 It names the layout of everything a lower tier or the store holds: object keys
 (``hkv<version>/<namespace>/<owner>/<chain>/<group>/r<rank>/<component>``), manifests and

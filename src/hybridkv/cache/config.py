@@ -199,7 +199,7 @@ class CacheConfig:
             builds. Default ``lru`` whatever ``eviction`` is: the host holds the device's victims
             (demoted on eviction), already ranked lowest by the device, and on the whole bundled
             trace with a host at 2x the device's bytes ``value`` on the host lost 2.3-7.3 points
-            of the oracle to ``lru`` at 1-10% device capacity (docs/memory.md).
+            of the oracle to ``lru`` at 1-10% device capacity (docs/concepts/eviction.md).
         host_probation: fraction in ``[0, 1]`` of a host tier's bytes that speculative host-only
             checkpoints (``host_interval``) may hold while entries the device evicted or holds need
             the room (:class:`~hybridkv.tiers.host.HostTier`'s probation; 2Q's A1in share, default

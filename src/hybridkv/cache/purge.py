@@ -13,7 +13,7 @@ applies the same selector (the whole purge across tiers is
 * ``created_before``: seconds on the clock the entry was stamped with (the
   coordinator's clock on the device, wall time in lower tiers): a TTL purge;
 * ``abi_version``: an older cache ABI (1 to 4): every store object under its key prefix
-  (``hkv3/``, or ``hkv3/<model>/`` with ``models``; docs/cache_abi.md). No reader of the
+  (``hkv3/``, or ``hkv3/<model>/`` with ``models``; docs/reference/cache-abi.md). No reader of the
   current ABI reaches those objects, so nothing else removes them; the device and the host
   tier hold only current entries, so such a purge selects nothing there. It combines only
   with ``models`` (v3 and v4 keys carry the model namespace; owners and ages are not read).

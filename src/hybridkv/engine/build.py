@@ -107,17 +107,27 @@ def _is_v4_model(model) -> bool:
     return isinstance(getattr(model, "config", model), V4Config)
 
 
-def check_pool_memory(config: CacheConfig, model: HybridConfig, instances: int = 1, kv_hint: str = "") -> None:
+CLI_POOL_NAMES = {"kv": "--kv-pages {}", "checkpoint": "--checkpoint-slots {}", "host": "--host-mib {}"}
+"""How :func:`check_pool_memory` names the sizes: as the command-line options that set them."""
+API_POOL_NAMES = {"kv": "num_kv_pages={}", "checkpoint": "num_checkpoint_slots={}", "host": "host_mib={}"}
+"""... and as the keyword arguments of :class:`hybridkv.api.LLM`."""
+
+
+def check_pool_memory(config: CacheConfig, model: HybridConfig, instances: int = 1, kv_hint: str = "",
+                      host_bytes: int = 0, names: dict[str, str] = CLI_POOL_NAMES) -> None:
     """Refuse device pools that cannot fit in this machine's memory, before any is allocated.
 
     Bytes per engine: ``num_kv_pages * block_size * kv_bytes_per_token`` (MLA latents, fp32) plus
     ``num_checkpoint_slots * checkpoint_bytes`` (KDA checkpoints, fp32), both allocated when the
     engine is built; times ``instances``, against physical memory (``SC_PHYS_PAGES * SC_PAGE_SIZE``).
     ``kv_hint`` is appended to the KV pool's part of the message (how its size was chosen).
+    ``host_bytes`` is each engine's host tier capacity (bytes): it fills as entries are written,
+    so a capacity above physical memory can only end in an out-of-memory kill later.
+    ``names`` formats each size in the message (:data:`CLI_POOL_NAMES` or :data:`API_POOL_NAMES`).
 
     Raises:
-        ValueError: more than physical memory; names ``--kv-pages`` / ``--checkpoint-slots`` with
-            their values, the GiB each needs and the machine's memory.
+        ValueError: more than physical memory; names ``--kv-pages`` / ``--checkpoint-slots`` (or
+            ``--host-mib``) with their values, the GiB each needs and the machine's memory.
     """
     kv = config.num_kv_pages * config.block_size * model.kv_bytes_per_token
     ckpt = config.num_checkpoint_slots * model.checkpoint_bytes
@@ -126,12 +136,17 @@ def check_pool_memory(config: CacheConfig, model: HybridConfig, instances: int =
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):          # not reported on this system: nothing to compare with
         return
+    if host_bytes * instances > have:
+        each = f" x {instances} instances" if instances > 1 else ""
+        raise ValueError(f"{names['host'].format(host_bytes >> 20)}{each}: the host tier may hold "
+                         f"{host_bytes * instances / 2**30:.1f} GiB but this machine has {have / 2**30:.1f} GiB "
+                         "of memory; give at most the memory the host tier may take")
     if need <= have:
         return
     each = f", x {instances} instances" if instances > 1 else ""
-    raise ValueError(f"the device pools need {need / 2**30:.1f} GiB (--kv-pages {config.num_kv_pages} of "
-                     f"{config.block_size} tokens: {kv / 2**30:.1f} GiB{kv_hint}; --checkpoint-slots "
-                     f"{config.num_checkpoint_slots}: {ckpt / 2**30:.1f} GiB{each}) but this machine has "
+    raise ValueError(f"the device pools need {need / 2**30:.1f} GiB ({names['kv'].format(config.num_kv_pages)} of "
+                     f"{config.block_size} tokens: {kv / 2**30:.1f} GiB{kv_hint}; "
+                     f"{names['checkpoint'].format(config.num_checkpoint_slots)}: {ckpt / 2**30:.1f} GiB{each}) but this machine has "
                      f"{have / 2**30:.1f} GiB of memory")
 
 

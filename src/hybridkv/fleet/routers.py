@@ -435,7 +435,7 @@ class PrefixRouter(Router):
     The chosen instance's tree then takes the whole prompt. The trees are never evicted:
     SGLang evicts a tenant's least recently used leaves only past ``max_tree_size`` (2**26
     characters per tenant at its launch default), which the bundled trace does not reach
-    (docs/routing.md).
+    (docs/concepts/routing.md, "Emulations checked against their sources").
 
     Args:
         unit: ``prefix_match_unit`` in tokens.
@@ -616,8 +616,8 @@ class HybridOptions:
             default) is the Little's-law estimate for that instance and gives the lowest median
             TTFT; lower values stop an instance whose requests are few but long (a long
             conversation's turns) from drawing the shared-prefix traffic that would balance its
-            queue, trading median TTFT for tail TTFT under overload (docs/routing.md, "The
-            waiting count: own or the fleet's").
+            queue, trading median TTFT for tail TTFT under overload (docs/results/routing.md,
+            "The waiting count: own or the fleet's").
 
     Raises:
         ValueError: a guard or tie band that is not a finite number >= 0, ``own_waiting`` not a

@@ -8,7 +8,7 @@ do not touch it. With a capacity it evicts least recently used entries (stored o
 loaded) until what it holds fits; without one it keeps everything. Loading ``[start, end)``
 costs one object round trip per KV segment plus one for the checkpoint, each with its
 manifest (two objects an entry), and the bytes over the store's bandwidth. The
-defaults are this project's Mooncake measurements (docs/benchmarks.md, docs/mooncake.md):
+defaults are this project's Mooncake measurements (docs/results/store.md):
 1.1 GB/s loads at the Kimi-48B entry sizes through the storage process, 194 µs a
 ``get_into``.
 """
@@ -23,9 +23,9 @@ from hybridkv.cache.groups import FULL, KDA, KeySetPresence
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 
 MOONCAKE_LOAD_BYTES_PER_S = 1.1e9
-"""Measured Mooncake load bandwidth at Kimi-48B entry sizes (docs/benchmarks.md), bytes/s."""
+"""Measured Mooncake load bandwidth at Kimi-48B entry sizes (docs/results/store.md), bytes/s."""
 MOONCAKE_GET_LATENCY_S = 194e-6
-"""Measured Mooncake ``get_into`` time of a small object (docs/benchmarks.md), seconds."""
+"""Measured Mooncake ``get_into`` time of a small object (docs/results/store.md), seconds."""
 DEFAULT_STORE_GIB = 1024.0
 """Capacity of the simulated shared store unless ``--store-gib`` says otherwise, GiB: an
 assumption (a Mooncake pool of 8 hosts lending 128 GiB of DRAM each), not a measurement."""

@@ -132,9 +132,12 @@ def layers_problem(kda: tuple[int, ...], mla: tuple[int, ...], n: int, first: in
     twice = sorted(i + first for i, c in count.items() if c > 1)
     if twice:
         return f"layer {twice[0]} listed twice (each layer is KDA or MLA exactly once)"
-    missing = sorted(i + first for i in range(n) if i not in count)
-    if missing:
-        return f"layer {missing[0]} in neither list (each layer is KDA or MLA exactly once)"
+    # the lowest layer in neither list: at most len(count) + 1 steps (a huge num_hidden_layers
+    # with short lists hung here, listing every missing layer)
+    missing = next((i for i in range(n) if i not in count), None)
+    if missing is not None:
+        return (f"layer {missing + first} in neither list (each of the num_hidden_layers={n} layers is KDA or "
+                "MLA exactly once)")
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -51,6 +52,26 @@ class Backbone(nn.Module):
         self.norm = NormWeight(config.hidden_size)
 
 
+def check_weight_memory(config: HybridConfig, parameters: int, device: str | torch.device = "cpu") -> None:
+    """Refuse a model whose fp32 weights (``parameters`` x 4 bytes) exceed this machine's memory,
+    before they are allocated (a config within the schema's bounds, e.g. ``hidden_size`` 2^31 - 1,
+    failed in torch's allocator with a traceback). Only checked for CPU weights.
+
+    Raises:
+        ValueError: naming the GiB needed, the config's main sizes and the machine's memory.
+    """
+    if torch.device(device).type != "cpu":
+        return
+    need = parameters * 4                                                      # bytes (fp32)
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")           # bytes
+    if need > have:
+        raise ValueError(f"the model's weights need {need / 2**30:.1f} GiB ({parameters} parameters from "
+                         f"hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
+                         f"intermediate_size={config.intermediate_size}, "
+                         f"num_hidden_layers={config.num_hidden_layers}, num_experts={config.num_experts}) "
+                         f"but this machine has {have / 2**30:.1f} GiB of memory")
+
+
 class HybridModel(nn.Module):
     """Kimi-Linear model (KDA + MLA + MoE) in pure torch.
 
@@ -73,6 +94,7 @@ class HybridModel(nn.Module):
         with torch.device("meta"):
             self.model = Backbone(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        check_weight_memory(config, sum(p.numel() for p in self.parameters()), device)
         self.to_empty(device=device)
         for name, p in self.named_parameters():
             if not name.endswith(self._FP32_SUFFIXES):

@@ -141,21 +141,23 @@ def block_tokens(text: str) -> int:
     return n
 
 
+def _positive_at_most(text: str, high: int, what: str) -> int:
+    """An integer in ``[1, high]``; above it, an error saying ``is more than {high} {what}``."""
+    n = positive_int(text)
+    if n > high:
+        raise argparse.ArgumentTypeError(f"{n} is more than {high} {what}")
+    return n
+
+
 def page_tokens(text: str) -> int:
     """``--block-size`` / ``--prefix-match-unit``: tokens in ``[1, MAX_BLOCK_TOKENS]`` (a page of
     more tokens than a trace hash id stands for has no use and makes one page gigabytes)."""
-    n = positive_int(text)
-    if n > MAX_BLOCK_TOKENS:
-        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_BLOCK_TOKENS} tokens")
-    return n
+    return _positive_at_most(text, MAX_BLOCK_TOKENS, "tokens")
 
 
 def pool_entries(text: str) -> int:
     """``--kv-pages`` / ``--checkpoint-slots``: an integer in ``[1, MAX_POOL_ENTRIES]``."""
-    n = positive_int(text)
-    if n > MAX_POOL_ENTRIES:
-        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_POOL_ENTRIES} entries in a pool")
-    return n
+    return _positive_at_most(text, MAX_POOL_ENTRIES, "entries in a pool")
 
 
 MAX_THREADS = 1024
@@ -165,10 +167,7 @@ segmentation fault) on the 2-core test machine, and a value beyond the int64 ran
 
 def thread_count(text: str) -> int:
     """``--threads``: an integer in ``[1, MAX_THREADS]``."""
-    n = positive_int(text)
-    if n > MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_THREADS} torch threads")
-    return n
+    return _positive_at_most(text, MAX_THREADS, "torch threads")
 
 
 MAX_NUM_SEQS = 1 << 16
@@ -177,10 +176,7 @@ MAX_NUM_SEQS = 1 << 16
 
 def max_num_seqs(text: str) -> int:
     """``--max-num-seqs``: an integer in ``[1, MAX_NUM_SEQS]``."""
-    n = positive_int(text)
-    if n > MAX_NUM_SEQS:
-        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_NUM_SEQS} requests running at once on an engine")
-    return n
+    return _positive_at_most(text, MAX_NUM_SEQS, "requests running at once on an engine")
 
 
 def seed_value(text: str) -> int:
@@ -276,7 +272,7 @@ def restart_spec(text: str) -> tuple[int, float]:
 
 def add_store_cost_arguments(parser: argparse.ArgumentParser, gbps_help: str, latency_help: str) -> None:
     """``--store-gbps`` (GB/s) and ``--store-latency-us`` (microseconds per object) with the
-    Mooncake figures measured in docs/benchmarks.md as defaults
+    Mooncake figures measured in docs/results/store.md as defaults
     (:data:`~hybridkv.fleet.store.MOONCAKE_LOAD_BYTES_PER_S`, ``MOONCAKE_GET_LATENCY_S``);
     ``*_help`` says what each prices in the command at hand (the default is appended)."""
     from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S

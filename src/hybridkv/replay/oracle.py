@@ -3,7 +3,7 @@
 For each request, in order, the oracle reuses the longest run of whole
 ``block_size``-token blocks (from position 0) that some earlier request also
 had, capped at ``T - 1`` tokens rounded down to a multiple of ``block_size``
-(logits at the last prompt position must be computed; DESIGN.md section 2).
+(logits at the last prompt position must be computed; docs/design/design.md section 2).
 Then it inserts all of the request's whole blocks. Nothing is ever evicted.
 
 Two entry points compute the same thing:

@@ -146,7 +146,7 @@ def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
 
     On the whole trace (simulate) this reaches 98.1% of the every-block oracle (98.06% of
     the every-unit oracle the replay reports)
-    with 9.9% of its checkpoint bytes (docs/policies.md).
+    with 9.9% of its checkpoint bytes (docs/results/policies.md).
     """
     if block_tokens % prefix_match_unit == 0:
         return f"branch+tail={block_tokens}+interval={14 * block_tokens}+supersede"
@@ -165,7 +165,7 @@ def default_host_interval(block_size: int, host_bytes: int, host_groups=("full",
     device policy's, and the device's evictions written back): about a quarter of what a
     checkpoint at every block costs, so a host of 25% of the every-block bytes holds nearly
     all of them for any trace, while the device keeps its sparse policy. Measured:
-    docs/memory.md (issue 12 item 1).
+    docs/results/memory.md.
     """
     if not host_bytes or "kda" not in host_groups or not lower_tiers_built:
         return None
@@ -270,7 +270,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         if recovery is not None:        # DeepSeek-V4: its pages and slots, from the group specs
             from hybridkv.engine.v4backend import pool_sizes
             sizes = pool_sizes(mcfg, cfg.block_size, cfg.prefix_match_unit)
-        check_pool_memory(cfg, sizes, opts.instances, hint)
+        check_pool_memory(cfg, sizes, opts.instances, hint, host_bytes=opts.host_bytes)
     if opts.instances < 1:
         raise ValueError(f"instances={opts.instances} must be >= 1")
     if opts.instances > len(reqs):
@@ -345,7 +345,7 @@ def _fewer_collections(on: bool):
     The simulated cache allocates millions of long-lived index nodes, and every collection
     of the young generations traverses them once or twice while finding nothing: with the
     thresholds raised to ``(100_000, 50, 1000)`` (the previous setting) collections still took
-    about 2 of the 17 CPU seconds of a whole-trace timed run at 32 instances (docs/routing.md,
+    about 2 of the 17 CPU seconds of a whole-trace timed run at 32 instances (docs/results/replay.md,
     "Simulator speed"). Reference counting still frees everything acyclic at once, and index
     nodes break their own cycles when removed, so memory does not wait on the collector: the
     whole-trace run peaked at 2,019 MiB with the collector off against 2,021 MiB with it on.

@@ -1,5 +1,5 @@
 """Soak: randomized workloads on the ``tiny`` model, every finished request checked against a full
-prefill (issue 11, item 1; docs/reliability.md, section "Soak").
+prefill (docs/how-to/soak.md).
 
 Each *round* is derived from ``(seed, round index)`` alone: a random engine configuration
 (policy, mechanism, block size, match unit, step budget, small pools, host tier, memory or
@@ -47,7 +47,7 @@ from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.replay.args import (
     non_negative_int,
-    positive_float,
+    finite_positive_float,
     positive_int,
     seed_value,
     thread_count,
@@ -497,10 +497,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_value, default=0,
                    help="soak seed; round i depends only on (seed, i) (default 0)")
     p.add_argument("--checks", type=positive_int, default=None, help="stop once N requests were checked")
-    p.add_argument("--seconds", type=positive_float, default=None, help="stop starting rounds after S seconds")
+    p.add_argument("--seconds", type=finite_positive_float, default=None, help="stop starting rounds after S seconds")
     p.add_argument("--rounds", type=positive_int, default=None, help="stop after N rounds")
     p.add_argument("--first-round", type=non_negative_int, default=0, help="index of the first round (default 0)")
-    p.add_argument("--shrink-seconds", type=positive_float, default=60.0,
+    p.add_argument("--shrink-seconds", type=finite_positive_float, default=60.0,
                    help="time to shrink a failing round's request sequence (default 60)")
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
     p.add_argument("--eviction", choices=EVICTION_CHOICES, default="lru",
@@ -530,6 +530,13 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.case is None and args.checks is None and args.seconds is None and args.rounds is None:
         print("error: give --checks N, --seconds S or --rounds N", file=sys.stderr)
         return 2
+    if args.case is not None:                  # a rerun of one recorded failure: no new run, no report
+        for flag, value in (("--json", args.json_path), ("--checks", args.checks), ("--seconds", args.seconds),
+                            ("--rounds", args.rounds)):
+            if value is not None:
+                print(f"error: {flag} {value} has no effect with --case {args.case}: a rerun of a recorded "
+                      "failure prints its checks and writes no report; drop one of them", file=sys.stderr)
+                return 2
     if args.json_path is not None and args.case is None:     # fail before a long run, not after it
         problem = unwritable(args.json_path)
         if problem:

@@ -1,5 +1,5 @@
 """Exactness of one finished soak request: its logits against a full prefill, and the routing-tie
-rule (docs/reliability.md, "Routing ties").
+rule (docs/how-to/soak.md, "Routing ties").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What one soak round is: a random engine configuration and a random request sequence, derived
-from ``(seed, round index)`` alone (docs/reliability.md, "Soak"). :mod:`hybridkv.replay.soak`
+from ``(seed, round index)`` alone (docs/how-to/soak.md). :mod:`hybridkv.replay.soak`
 drives the rounds and checks them.
 """
 

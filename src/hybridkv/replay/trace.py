@@ -1,6 +1,6 @@
 """Load the Mooncake conversation trace and synthesise token ids for it.
 
-The trace (DESIGN.md section 10) gives, per request, an arrival time, prompt and
+The trace (docs/design/design.md section 10) gives, per request, an arrival time, prompt and
 output lengths, and one prefix-chained hash id per 512-token prompt block. It
 carries no token ids, so each hash id gets its own deterministic token block:
 equal ids at equal positions give equal token blocks, which keeps the trace's

@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``, and for ``hybridkv router``
 ``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`), and SGLang's
 ``/server_info``, ``/model_info``, ``/get_load`` and ``/flush_cache`` (:mod:`hybridkv.serve.compat`). Errors answer with the
-OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/serve.md.
+OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/how-to/serve.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from hybridkv.replay.args import (
     page_tokens,
     pool_entries,
     port_number,
-    positive_float,
     positive_int,
     seed_value,
     thread_count,
@@ -36,7 +35,7 @@ from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
 def register_cli(sub) -> None:
     """Add the ``serve``, ``router`` and ``bench-serve`` subcommands to ``sub`` (argparse subparsers)."""
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/serve.md)",
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/how-to/serve.md)",
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
     s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -74,7 +73,7 @@ def register_cli(sub) -> None:
     b.add_argument("--limit", type=positive_int, default=200, help="first N requests (default 200)")
     b.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="factor on the trace's timestamps, 1e-6 to 1e6 (2: half the rate; default 1)")
-    b.add_argument("--max-seconds", type=positive_float, default=600.0, help="stop after this long (default 600)")
+    b.add_argument("--max-seconds", type=finite_positive_float, default=600.0, help="stop after this long (default 600)")
     b.add_argument("--block-tokens", type=block_tokens, default=64, help="synthetic tokens per trace hash id")
     b.add_argument("--max-tokens", type=positive_int, default=4, help="cap on generated tokens (default 4)")
     b.add_argument("--seed", type=seed_value, default=0, help="seed of the synthetic token ids")
@@ -110,7 +109,7 @@ def _serve(args) -> int:
 
 def _register_router(sub) -> None:
     from hybridkv.fleet.routers import ROUTER_NAMES
-    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/serve.md)",
+    r = sub.add_parser("router", help="HTTP router in front of several `hybridkv serve` workers (docs/how-to/serve.md)",
                        description="Route OpenAI-style requests to workers by their cache events and load.")
     r.add_argument("--worker", action="append", required=True, metavar="URL",
                    help="a worker's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
@@ -123,7 +122,7 @@ def _register_router(sub) -> None:
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
     r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
                    help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
-                        "the mean over healthy workers (default 1; docs/routing.md)")
+                        "the mean over healthy workers (default 1; docs/concepts/routing.md)")
     r.add_argument("--poll-interval", type=poll_seconds, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,

@@ -1,5 +1,5 @@
 """SGLang-style metadata, load and flush endpoints, so an SGLang router can register and drive a
-``hybridkv serve`` worker (docs/serve.md, "SGLang compatibility endpoints").
+``hybridkv serve`` worker (docs/how-to/serve.md, "Behind an SGLang router").
 
 Routes (all JSON):
 

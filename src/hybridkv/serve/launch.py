@@ -209,7 +209,7 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
                          mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
                          store_alignment=opts.store_alignment)
     refuse_v4(opts.model, "serve")
-    check_pool_memory(config, model_config(opts.model))         # before loading or allocating anything
+    check_pool_memory(config, model_config(opts.model), host_bytes=opts.host_mib << 20)   # before loading anything
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     model = load_model(opts.model, opts.seed)

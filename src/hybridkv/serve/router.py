@@ -82,7 +82,7 @@ class RouterSettings:
             arrive as they are published; 0 turns long polling off (periodic polls only).
         store_bytes_per_s, store_latency_s: the shared store's load bandwidth (bytes/s) and
             seconds per object for ``hybrid``'s transfer cost (default: the Mooncake figures
-            measured in docs/benchmarks.md); ``store_bytes_per_s`` 0: ignore the store.
+            measured in docs/results/store.md); ``store_bytes_per_s`` 0: ignore the store.
         hybrid: ``hybrid``'s options (:class:`~hybridkv.fleet.routers.HybridOptions`).
     """
 

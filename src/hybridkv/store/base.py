@@ -69,7 +69,7 @@ class ObjectStore(ABC):
     scheme = ""
 
     #: Whether :meth:`list_keys` works. A store tier reads expiry horizons only from a store
-    #: that cannot list (a purge by age writes them only there: docs/cache_abi.md).
+    #: that cannot list (a purge by age writes them only there: docs/concepts/commit-protocol.md).
     lists_keys = False
 
     @abstractmethod
@@ -94,7 +94,7 @@ class ObjectStore(ABC):
 
     def put_pinned(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """:meth:`put` of objects this backend's own eviction must never remove (expiry horizons,
-        docs/cache_abi.md): only :meth:`remove` does. Mooncake hard-pins them
+        docs/concepts/commit-protocol.md): only :meth:`remove` does. Mooncake hard-pins them
         (:class:`~hybridkv.store.mooncake.client.MooncakeStore`); the default is :meth:`put`, right
         for backends that never evict on their own (memory) and for those that list their keys
         (disk), where no purge writes a horizon."""
@@ -143,7 +143,7 @@ class ObjectStore(ABC):
     def remove_prefix(self, prefix: str, suffix: str = "") -> int:
         """Delete every key that starts with ``prefix`` and ends with ``suffix`` (a whole
         namespace, for purges). ``prefix`` and ``suffix`` may hold only letters, digits and
-        ``/ _ . -`` (keys of the cache ABI: docs/cache_abi.md), and ``prefix`` a ``*`` segment
+        ``/ _ . -`` (keys of the cache ABI: docs/reference/cache-abi.md), and ``prefix`` a ``*`` segment
         (``a/*/b/``: any one segment there). The default lists the keys
         (:meth:`list_keys`) and removes them; a backend that can match keys itself overrides it.
 

@@ -43,7 +43,7 @@ USENIX Symposium on Internet Technologies and Systems, 1997)::
   described (once the tier has filled: its capacity), so ``h`` means the same in a 1%
   and a 20% pool, the host tier and the disk store, and is deterministic (no
   seconds). Evictions do not move it: entries freed with an evicted page's subtree or
-  superseded would otherwise leave the clock frozen (docs/memory.md, "write clock").
+  superseded would otherwise leave the clock frozen (docs/concepts/eviction.md, "value").
 * ``h`` — how long uses are remembered — is chosen online where the holder gives each
   item's content key (the device page and checkpoint pools) by *miniature simulations*
   (Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations",
@@ -65,7 +65,7 @@ USENIX Symposium on Internet Technologies and Systems, 1997)::
   — the host tier, the disk store — keeps it). The shadows evict keys independently (no
   prefix closure, nothing pinned); a lookup touches its whole path, so an ancestor's
   weight is not below its descendants' and prefix closure holds approximately in them
-  as in the real order. Measured (docs/memory.md, "Sixth round"): within 0.3 point of
+  as in the real order. Measured (docs/results/memory.md, "Capacity sweep: the device alone"): within 0.3 point of
   ``lru`` at 20% of the bundled trace, ahead of it at 1-10% and on the synthetic trace
   except at 5% (−0.12); a fixed ``h`` cannot do both.
 * ``C`` — prefill saved by a hit — is the ``cost`` the holder gives, in
@@ -101,7 +101,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "value")
-HALF_LIFE_TURNOVERS = 1.0       # value order: an unused item's weight halves per turnover (docs/memory.md)
+HALF_LIFE_TURNOVERS = 1.0       # value order: an unused item's weight halves per turnover (docs/concepts/eviction.md)
 HALF_LIFE_GRID = (1 / 64, 1 / 16, 1 / 4, 1.0, 4.0)   # value order: the shadows' half-lives (turnovers)
 SHADOW_ITEMS = 4096             # value order: most sampled keys one shadow tracks (fixed-size sampling)
 SCORE_WINDOW_TURNOVERS = 1.0    # value order: half-life of a shadow's hit-value window (turnovers)

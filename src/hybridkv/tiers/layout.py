@@ -1,4 +1,4 @@
-"""Cache ABI v5: object keys, component encoding and manifests (DESIGN §5; docs/cache_abi.md).
+"""Cache ABI v5: object keys, component encoding and manifests (DESIGN §5; docs/reference/cache-abi.md).
 
 An *entry* is what one lifetime of a model's cache groups holds at one aligned boundary ``L``
 of one prefix (:func:`hybridkv.cache.groups.tier_entry_shapes`, driven by the group specs):
@@ -28,7 +28,7 @@ without the owner segment) and v4 (``hkv4/`` keys, one entry per Kimi Linear gro
 are simply absent to a v5 reader. The checksum detects
 corrupt and truncated objects; keys already come from the SHA-256 chain, so a fast non-cryptographic hash suffices
 (XXH3-128 via the ``xxhash`` package, ~10 GB/s against ~1 GB/s for SHA-256 on the
-development machine, docs/benchmarks.md).
+development machine, docs/results/store.md).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def entry_key(namespace: bytes, chain_hash: bytes, group: str, component: str, r
 
 def legacy_prefix(abi_version: int, model: bytes | None = None) -> str:
     """Key prefix of every object of an older cache ABI (``hkv3/``; ``hkv3/<model>/`` for one
-    model's v3 objects; v1 and v2 keys have no model segment). docs/cache_abi.md "Versions"."""
+    model's v3 objects; v1 and v2 keys have no model segment). docs/reference/cache-abi.md "Versions"."""
     if not 1 <= abi_version < ABI_VERSION:
         raise ValueError(f"cache ABI v{abi_version} is not an older ABI (1 to {ABI_VERSION - 1})")
     if model is not None and abi_version < 3:
@@ -104,7 +104,7 @@ def owner_prefix(model: bytes | None, owner: bytes | None) -> str:
 
 
 #: Key prefix of expiry horizons: the purge by age of a store that cannot list its keys
-#: (docs/cache_abi.md "Expiry horizons"). Outside ``hkv5/`` so no purge by prefix removes one.
+#: (docs/concepts/commit-protocol.md "Expiry horizons"). Outside ``hkv5/`` so no purge by prefix removes one.
 HORIZON_PREFIX = "hkv4-horizon"
 HORIZON_SLOTS = ("a", "b")
 #: Largest horizon object a reader accepts (bytes; ours are about 14: ``"1764558000.123"``).
@@ -230,7 +230,7 @@ def entry_manifest(namespace: bytes, chain_hash: bytes, parent_hash: bytes | Non
 
     ``owner`` (the request namespace digest the entry was cached under, written as hex) and
     ``created`` (Unix seconds) are optional fields readers ignore; purges select by them
-    (docs/cache_abi.md)."""
+    (docs/reference/cache-abi.md)."""
     listing = [{"name": name, "key": key, "nbytes": data.nbytes, "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape), "checksum": checksum(data)} for name, key, data, t in components]
     manifest = {"abi": ABI_VERSION, "layout": LAYOUT_VERSION, "checksum": CHECKSUM, "group": group,

@@ -6,7 +6,7 @@ under a running request), then from each lower tier (:meth:`Tier.purge`).
 :func:`purge_store` is the store part on its own, for a store no engine has open
 (``hybridkv cache purge --store URL``).
 
-Store (cache ABI v5: ``hkv5/<model ns>/<owner>/<chain>/...``, docs/cache_abi.md). A purge by
+Store (cache ABI v5: ``hkv5/<model ns>/<owner>/<chain>/...``, docs/reference/cache-abi.md). A purge by
 model version, by owner (tenant, salt) or by both removes key prefixes
 (:meth:`~hybridkv.store.base.ObjectStore.remove_prefix`, with a ``*`` model segment for
 owners alone): first every manifest under the prefix (the entries end for every reader at

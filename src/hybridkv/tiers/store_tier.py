@@ -1,6 +1,6 @@
 """One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
 
-A :class:`StoreTier` speaks cache ABI v4 (:mod:`hybridkv.tiers.layout`) to an
+A :class:`StoreTier` speaks cache ABI v5 (:mod:`hybridkv.tiers.layout`) to an
 :class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
 ``alignment`` (``store_alignment``) become entries. Every failure is a counted
 miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
@@ -63,7 +63,7 @@ _ALIGN = 64          # byte alignment of every slot in a load arena
 
 
 class StoreTier(Tier):
-    """Entries of one namespace in one object store (cache ABI v4).
+    """Entries of one namespace in one object store (cache ABI v5).
 
     Thread-safe: every store call and every statistics update runs under one
     lock, so a background prefetch and the engine's own calls can share a tier.

@@ -32,7 +32,7 @@ How Mooncake's answers map onto the :class:`ObjectStore` contract:
 * remove uses ``force=True``: every read leases the object for ~10 s and a
   plain remove would fail with -706 during that time.
 
-Quotas (``quota_bytes``, docs/memory.md "Quotas"): Mooncake records no owner and cannot list
+Quotas (``quota_bytes``, docs/how-to/purge-and-quotas.md "Quotas per tenant"): Mooncake records no owner and cannot list
 keys, so this backend keeps a ledger (:class:`~hybridkv.store.mooncake.ledger.OwnerLedger`) of
 the objects it wrote through :meth:`MooncakeStore.put_owned` per owner, in whole entries (keys
 sharing everything up to the last ``/``), least recently used first (its own puts and reads
@@ -211,7 +211,7 @@ class MooncakeStore(ObjectStore):
         """:meth:`put` with Mooncake's hard pin (``ReplicateConfig.with_hard_pin``): the master's
         eviction under memory pressure never removes these objects; only :meth:`remove` (or a
         master restart) does. For the few tiny objects that must outlive every entry they govern
-        (expiry horizons: docs/cache_abi.md); never for entries, which must stay evictable."""
+        (expiry horizons: docs/concepts/commit-protocol.md); never for entries, which must stay evictable."""
         return self._put(items, pinned=True)
 
     def put_owned(self, items: Sequence[tuple[str, Buffer]], owner: bytes | str | None) -> list[bool]:

@@ -1,4 +1,5 @@
-"""Per-owner quotas of a :class:`~hybridkv.store.mooncake.client.MooncakeStore` (docs/memory.md "Quotas").
+"""Per-owner quotas of a :class:`~hybridkv.store.mooncake.client.MooncakeStore`
+(docs/how-to/purge-and-quotas.md, "Quotas per tenant").
 
 Mooncake keeps no owner of an object and cannot list its keys, so a quota is enforced from
 what this process wrote: :class:`OwnerLedger` records, per owner (a request-namespace digest,

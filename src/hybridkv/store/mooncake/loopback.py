@@ -1,4 +1,4 @@
-"""Keep Mooncake's listeners on loopback (docs/mooncake.md).
+"""Keep Mooncake's listeners on loopback (docs/how-to/mooncake.md, "Loopback only").
 
 Mooncake clients open their handshake and data listeners on the wildcard
 address whatever ``MC_TCP_BIND_ADDRESS`` says. A 25-line ``LD_PRELOAD``
