@@ -39,11 +39,11 @@ def _prompts(vocab: int, shared: int = 330, tails=(40, 70), seed: int = 0) -> li
     return [np.concatenate([base, rng.integers(0, vocab, k)]) for k in tails]
 
 
-def _engine(model, recovery: str, store: str = "none", host_bytes: int = 0, **cache):
+def _engine(model, recovery: str, store: str = "none", host_bytes: int = 0, through: bool = True, **cache):
     cache = {"num_kv_pages": 64, "num_checkpoint_slots": 16, **cache}
     cfg = CacheConfig(block_size=64, prefix_match_unit=64, policy=CheckpointPolicy.parse("branch+tail"), **cache)
     return build_engine(model, cfg, model_name="v4-test", swa_recovery=recovery, store_url=store,
-                        host_bytes=host_bytes, host_write_through=bool(host_bytes))
+                        host_bytes=host_bytes, host_write_through=through and bool(host_bytes))
 
 
 def _serve(handle, prompt, name: str) -> Request:
@@ -162,6 +162,26 @@ def test_the_host_tier_holds_v4_entries(tiny, recovery):
         h.engine.cache.clear()                                  # the device forgets; the host keeps
         r = _serve(h, prompts[1], "a1")
         assert r.reused == 320 and host.stats.hit_tokens == 320
+        _check_exact(tiny, r)
+    finally:
+        h.close()
+
+
+def test_evicted_v4_state_is_written_back_to_the_host_and_reused(tiny):
+    """A device pool too small for two prompts: the first one's pages and state are evicted to the
+    write-back host tier by an unrelated prompt, and a third prompt sharing the first's prefix
+    takes them from the host."""
+    first, third = _prompts(tiny.config.vocab_size)
+    other = _prompts(tiny.config.vocab_size, seed=7)[0]
+    h = _engine(tiny, "window", host_bytes=64 << 20, through=False, num_kv_pages=8, num_checkpoint_slots=1)
+    try:
+        _serve(h, first, "a0")
+        _serve(h, other, "a1")
+        host = h.host_tier
+        kinds = {grp for _, grp in host._entries}
+        assert kinds == {"csa-hca", "swa"}, kinds              # pages and the state went to the host
+        r = _serve(h, third, "a2")
+        assert r.reused == 320 and host.stats.hit_tokens > 0
         _check_exact(tiny, r)
     finally:
         h.close()
