@@ -228,6 +228,17 @@ class SimulatedBackend:
     def write_pages(self, pages, latents) -> None:
         """No tensors in simulation."""
 
+    def read_page_entry(self, block_table, start, end):
+        """No tensors in simulation."""
+        return
+
+    def page_entry(self, page):
+        """No tensors in simulation."""
+        return
+
+    def write_page_entry(self, pages, components) -> None:
+        """No tensors in simulation."""
+
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """Account the modelled time and answer with placeholders."""
         if self.step_cost is not None:

@@ -109,7 +109,7 @@ TIMING_KINDS = ("lookup", "load", "transfer", "install", "saved_prefill")
   of a lower tier's directory (its name), at admission or by a background prefetch;
 * ``load``: one batched read of a tier's entries into host memory (``load_many``), at admission
   or in a background prefetch;
-* ``transfer``: the copy of one install's KV latents into device pages (``write_pages``);
+* ``transfer``: the copy of one install's page entries into device pages (``write_page_entry``);
 * ``install``: one install's remaining work: page allocation, indexing, checkpoint decode and
   attach (the checkpoint's copy into its slot is part of it);
 * ``saved_prefill``: per admitted request that reused ``h > 0`` tokens, ``h`` times the engine's
@@ -243,7 +243,8 @@ class TierConnector:
 
     Args:
         cache: the device coordinator.
-        backend: the torch backend (``read_kv`` / ``write_pages`` / ``page_latents``).
+        backend: the compute backend (``read_page_entry`` / ``page_entry`` / ``write_page_entry`` and
+            ``state_codec``: the page and state entries of its ``tier_family``).
         tiers: lower tiers, nearest first (host, then store).
         prefetch_limit_bytes: most bytes that background prefetches may hold
             at once (loaded and not yet installed); a prefetch that would
