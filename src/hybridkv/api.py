@@ -127,7 +127,7 @@ class LLM:
             at the hit, placed by ``policy``; ``None`` means this), ``periodic=P`` (saved every
             ``P`` tokens, a multiple of ``prefix_match_unit``; the hit recomputes from the nearest
             one) or ``recompute`` (nothing saved; the hit recomputes the window's dependency
-            cone). A V4 model runs on the device cache alone (``host_mib=0``, ``store='none'``).
+            cone). A V4 model's groups go to the host tier and the store like Kimi Linear's.
 
     Attributes:
         model: the loaded :class:`~hybridkv.model.model.HybridModel` (fp32, CPU).
@@ -138,8 +138,7 @@ class LLM:
         ConfigError: an invalid cache setting (a ``ValueError`` naming the field and value), e.g.
             a ``swa_recovery`` text, or a ``block_size`` not a multiple of a V4 model's rates.
         ValueError: an unknown preset, a ``seed`` outside [0, 2**63 - 1], a bad ``host_mib`` / ``threads``,
-            or a malformed store URL;
-            ``swa_recovery`` with a Kimi Linear model; a host tier or store with a V4 model.
+            or a malformed store URL; ``swa_recovery`` with a Kimi Linear model.
         TypeError: ``model`` not a string or path, ``seed`` not an integer, ``store`` not a string.
         FileNotFoundError: a model directory without config or weights.
 

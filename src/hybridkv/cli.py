@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens; only these boundaries become store entries (default: --block-size)")
     r.add_argument("--host-mib", type=non_negative_int, default=None,
                    help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256, "
-                        "0 for a DeepSeek-V4 model, which runs on the device cache alone; "
+                        "0 for a DeepSeek-V4 model; "
                         "--simulate: byte accounting only)")
     r.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
                    help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
@@ -320,8 +320,8 @@ def _register_cache_cli(sub) -> None:
     p.add_argument("--namespace", action="append", default=[], help="request namespace digest (hex); repeatable")
     p.add_argument("--older-than", type=finite_positive_float, help="seconds: entries created longer ago than this")
     p.add_argument("--abi-version", type=int, metavar="N",
-                   help="remove every object of the older cache ABI vN (1, 2 or 3: keys hkvN/...), which no current "
-                        "reader reaches; alone, or for v3 with --model and --weight-digest "
+                   help="remove every object of the older cache ABI vN (1 to 4: keys hkvN/...), which no current "
+                        "reader reaches; alone, or for v3 and v4 with --model and --weight-digest "
                         "(docs/reference/cache-abi.md)")
 
 
@@ -422,17 +422,14 @@ def _replay(args, console: Console) -> int:
                       markup=True, highlight=False)
         return 2
     host_mib = args.host_mib if args.host_mib is not None else (0 if v4 else 256)
-    if v4:                            # a V4 model runs on one engine's device cache for now
-        for flag, bad in (("--host-mib", host_mib or None),
-                          ("--instances", args.instances if args.instances > 1 and not args.simulate else None),
-                          ("--store", None if args.store == "none" else args.store),
-                          ("--timed", args.timed if args.timed and not args.simulate else None)):
-            if bad is not None:
-                shown = "" if bad is True else f" {bad}"
-                console.print(f"[red]error:[/red] {flag}{shown} with --model {args.model}: a DeepSeek-V4 model runs on "
-                              "one engine's device cache alone for now (no host tier, store, instances or timed "
-                              "fleet)", markup=True, highlight=False)
-                return 2
+    if v4 and args.simulate and host_mib:     # the simulated V4 groups live on the device alone
+        console.print(f"[red]error:[/red] --host-mib {host_mib} with --simulate --model {args.model}: a simulated "
+                      "DeepSeek-V4 model runs on the device cache alone (no host tier)", markup=True, highlight=False)
+        return 2
+    if v4 and args.timed and not args.simulate:
+        console.print(f"[red]error:[/red] --timed with --model {args.model}: a real DeepSeek-V4 fleet is not timed; "
+                      "add --simulate (the V4-Flash cost model) or replay it untimed", markup=True, highlight=False)
+        return 2
     if args.all:
         if args.limit is not None:
             console.print(f"[red]error:[/red] --all and --limit {args.limit} contradict each other; give one",

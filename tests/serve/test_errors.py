@@ -74,7 +74,7 @@ INVALIDATE_BAD = [({"tenant": 5}, "tenant", "tenant=5 must be a string"),
                   ({"cache_salt": ["s"]}, "cache_salt", "cache_salt=['s'] must be a string"),
                   ({"tenant": "nobody", "cache_salt": None}, None, None),     # null: not given (valid)
                   ({"all": "yes"}, "all", "all='yes' must be a boolean"),
-                  ({"abi_version": 4}, "abi_version", "abi_version=4 must be an older cache ABI version"),
+                  ({"abi_version": 5}, "abi_version", "abi_version=5 must be an older cache ABI version"),
                   ({"abi_version": 0}, "abi_version", "abi_version=0 must be an older cache ABI version"),
                   ({"abi_version": "3"}, "abi_version", "abi_version='3' must be an older cache ABI version"),
                   ({"abi_version": True}, "abi_version", "abi_version=True must be an older cache ABI version"),

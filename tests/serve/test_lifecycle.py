@@ -127,7 +127,7 @@ def test_invalidate_by_abi_version_removes_only_that_older_abis_objects(tiered):
             return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
         assert cached(ids) == 0
-        current = [k for k in old.list_keys("hkv4/")]
+        current = [k for k in old.list_keys("hkv5/")]
         assert current
         r = c.post("/admin/cache/invalidate", json={"abi_version": 3})
         assert r.status_code == 200, r.text
@@ -135,7 +135,7 @@ def test_invalidate_by_abi_version_removes_only_that_older_abis_objects(tiered):
         assert counts["namespaces"] == 0 and counts["device_nodes"] == 0
         assert counts["tier_entries"]["store"] == 2 and counts["tier_bytes"]["store"] is None
         assert old.exists(mine) == [False] * 4 and old.exists(other + v2) == [True] * 4
-        assert set(old.list_keys("hkv4/")) >= set(current)      # current entries untouched
+        assert set(old.list_keys("hkv5/")) >= set(current)      # current entries untouched
         assert cached(ids + [9]) == 256
         counts = c.post("/admin/cache/invalidate", json={"abi_version": 2}).json()
         assert counts["tier_entries"]["store"] == 1 and old.exists(v2) == [False, False]

@@ -1,4 +1,4 @@
-"""Cache ABI v4 keys and manifests: a manifest names only its own entry's objects, and one that does not
+"""Cache ABI v5 keys and manifests: a manifest names only its own entry's objects, and one that does not
 decode is an ``incomplete`` miss."""
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ def test_deeply_nested_manifest_is_an_incomplete_miss():
 def test_keys_carry_model_then_owner_and_owner_defaults_to_the_model():
     ns, owner, h = b"n" * 32, b"o" * 32, b"a" * 32
     key = entry_key(ns, h, "full", "latents", owner=owner)
-    assert key == f"hkv4/{ns.hex()}/{owner.hex()}/{h.hex()}/full/r0/latents"
-    assert entry_key(ns, h, "full", "latents") == f"hkv4/{ns.hex()}/{ns.hex()}/{h.hex()}/full/r0/latents"
+    assert key == f"hkv5/{ns.hex()}/{owner.hex()}/{h.hex()}/full/r0/latents"
+    assert entry_key(ns, h, "full", "latents") == f"hkv5/{ns.hex()}/{ns.hex()}/{h.hex()}/full/r0/latents"
     comps, (mkey, manifest) = encode_entry(ns, h, None, "full", 64, 64, {"latents": torch.zeros(1, 2, 3)},
                                            owner=owner)
-    assert mkey.startswith(f"hkv4/{ns.hex()}/{owner.hex()}/") and all(owner.hex() in k for k, _ in comps)
+    assert mkey.startswith(f"hkv5/{ns.hex()}/{owner.hex()}/") and all(owner.hex() in k for k, _ in comps)
     assert json.loads(manifest)["owner"] == owner.hex()
 
 

@@ -385,7 +385,7 @@ def _legacy_objects(model: bytes) -> list[tuple[str, bytes]]:
 
 
 def test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, store):
-    """``PurgeSelector(abi_version=3)``: every ``hkv3/`` object (manifests first), none of v4 or v2;
+    """``PurgeSelector(abi_version=3)``: every ``hkv3/`` object (manifests first), none of the current ABI or v2;
     with ``models`` only that model's v3 objects. Through the engine's purge too (device and host
     hold only current entries: nothing removed there)."""
     v = tiny_model.config.vocab_size
@@ -402,13 +402,13 @@ def test_store_purge_of_an_older_cache_abi_removes_only_its_objects(tiny_model, 
     assert counts.tier_entries == {"host": 0, "store": 1} and counts.device_nodes == 0 and counts.hidden == []
     assert store.exists(keys) == [False] * 6 + [True] * 2
     assert purge_store(store, PurgeSelector(abi_version=2)) == 1 and store.exists(keys) == [False] * 8
-    assert held_in(st, e, pa, TENANT_A) == [True, True]                   # v4 untouched
+    assert held_in(st, e, pa, TENANT_A) == [True, True]                   # current entries untouched
     f, _, _ = three_tiers(tiny_model, store)
     assert run(f, pa, TENANT_A, "v4 still served").reused == BLOCK
 
 
 @pytest.mark.parametrize("kwargs, named", [
-    ({"abi_version": 4}, "abi_version=4"), ({"abi_version": 0}, "abi_version=0"),
+    ({"abi_version": 5}, "abi_version=5"), ({"abi_version": 0}, "abi_version=0"),
     ({"abi_version": True}, "abi_version=True"), ({"abi_version": "3"}, "abi_version='3'"),
     ({"abi_version": 3, "owners": {TENANT_A}}, "carry no owner"),
     ({"abi_version": 3, "created_before": 1.0}, "carry no owner"),
@@ -435,7 +435,7 @@ def test_cli_purges_an_older_cache_abi(tiny_model, tmp_path, capsys):
     assert "removed 2 entries of cache ABI v3" in capsys.readouterr().out
     assert main(["cache", "purge", "--store", url, "--abi-version", "3"]) == 0
     assert "removed 1 entries of cache ABI v3" in capsys.readouterr().out
-    for bad, named in ((["--abi-version", "4"], "abi_version=4"),
+    for bad, named in ((["--abi-version", "5"], "abi_version=5"),
                        (["--abi-version", "3", "--namespace", TENANT_A.hex()], "combines only with models"),
                        (["--abi-version", "3", "--older-than", "60"], "combines only with models")):
         assert main(["cache", "purge", "--store", url, *bad]) == 2

@@ -10,6 +10,7 @@ import pytest
 from hkv_helpers import tokens
 from tier_helpers import instance
 
+from hybridkv.cache.abi import KEY_PREFIX
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.request import Request, Status
 from hybridkv.store.disk import DiskStore
@@ -42,7 +43,7 @@ def prompt_bytes(model, path) -> int:
 
 def whole_entries(store) -> bool:
     """Every manifest left names only components that are still there (no torn entry)."""
-    for key in store.list_keys("hkv4/"):
+    for key in store.list_keys(f"{KEY_PREFIX}/"):
         if key.endswith("/manifest"):
             (blob,) = store.get([key])
             comps = [c["key"] for c in json.loads(blob)["components"]]

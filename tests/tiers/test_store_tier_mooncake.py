@@ -102,7 +102,7 @@ def test_cli_purges_mooncake_by_namespace_tenant_and_age(tiny_model, mooncake, c
     assert test_purge.run(f, pc, test_purge.TENANT_B, "b old again").reused == 0
     assert f_st.stats.misses["expired"] >= 2
     assert test_purge.run(f, pd, test_purge.TENANT_B, "b new again").reused == test_purge.BLOCK
-    client.remove_prefix("hkv4/")                     # leave the unprefixed keys as they were
+    client.remove_prefix("hkv5/")                     # leave the unprefixed keys as they were
     client.remove_prefix("hkv4-horizon/")
 
 
@@ -216,11 +216,11 @@ def test_cli_purges_an_older_cache_abi_on_mooncake(tiny_model, mooncake, capsys)
         assert main(["cache", "purge", "--store", url, "--abi-version", "3"]) == 0
         assert "removed 1 entries of cache ABI v3" in capsys.readouterr().out
         assert client.exists(keys) == [False] * 6 + [True] * 2
-        assert main(["cache", "purge", "--store", url, "--abi-version", "4"]) == 2
-        assert "abi_version=4" in capsys.readouterr().err
+        assert main(["cache", "purge", "--store", url, "--abi-version", "5"]) == 2
+        assert "abi_version=5" in capsys.readouterr().err
         assert test_purge.held_in(st, e, pa, test_purge.TENANT_A) == [True, True]
     finally:
-        client.remove_prefix("hkv4/")                 # leave the unprefixed keys as they were
+        client.remove_prefix("hkv5/")                 # leave the unprefixed keys as they were
         client.remove_prefix("hkv2/")
         client.remove_prefix("hkv3/")
 

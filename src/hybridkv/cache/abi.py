@@ -6,7 +6,7 @@ payload encodings. Bump it when any of those changes; older versions are purged 
 key prefix, the current one by owners.
 """
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 """Current cache ABI version (int)."""
 
 KEY_PREFIX = f"hkv{ABI_VERSION}"

@@ -650,3 +650,59 @@ class KeySetPresence:
         while k and keys[k - 1] not in held:
             k -= step
         return k * self.unit
+
+
+# -- tier entries: storage by lifetime -------------------------------------------------------------
+
+
+def page_entry_name(family: Family) -> str:
+    """Name of a family's *page entry* in lower tiers: the prefix groups of one aligned segment
+    share one page id on the device, so a tier stores them as one entry under one manifest. With
+    one prefix group it is that group's name (``full``); with several, their names joined by ``-``
+    (``csa-hca``)."""
+    return "-".join(family.prefix_names)
+
+
+def tier_entry_shapes(family: Family, tokens: int) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+    """entry kind -> component -> ``(dtype name, shape)`` of a family's lower-tier entries whose
+    segments hold ``tokens`` tokens (the tier's alignment), in the order *page entry, state entry*:
+
+    * the page entry (:func:`page_entry_name`): every prefix group's entries of the segment; with
+      one prefix group its components keep their names (``latents``), with several each is
+      named ``<group>.<component>`` (``csa.kv``, ``csa.index``, ``hca.kv``);
+    * the state entry: the family's boundary group at one boundary (``kda``, ``swa``), its
+      components as its spec names them.
+
+    Raises:
+        ValueError: a family with other than one boundary group, or ``tokens`` not a multiple of a
+            prefix group's granularity (naming them).
+    """
+    bnames = [name for name, _ in family.boundary]
+    if len(bnames) != 1:
+        raise ValueError(f"family {family.name!r}: lower tiers store one boundary group per boundary, "
+                         f"this family has {bnames}")
+    prefix = [family.spec(n) for n in family.prefix_names]
+    if len(prefix) == 1:
+        page = prefix[0].entry_shape(tokens)
+    else:
+        page = {f"{g.name}.{c}": ds for g in prefix for c, ds in g.entry_shape(tokens).items()}
+    return {page_entry_name(family): page, bnames[0]: family.spec(bnames[0]).entry_shape()}
+
+
+def split_page_entry(family: Family, components: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    """A page entry's components (:func:`tier_entry_shapes`) per prefix group: group -> component
+    -> value (the inverse of the naming there)."""
+    if len(family.prefix_names) == 1:
+        return {family.prefix_names[0]: dict(components)}
+    out: dict[str, dict[str, object]] = {g: {} for g in family.prefix_names}
+    for name, value in components.items():
+        g, _, c = name.partition(".")
+        out[g][c] = value
+    return out
+
+
+def join_page_entry(family: Family, per_group: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
+    """Inverse of :func:`split_page_entry`: one page entry's components from group -> component -> value."""
+    if len(family.prefix_names) == 1:
+        return dict(per_group[family.prefix_names[0]])
+    return {f"{g}.{c}": v for g in family.prefix_names for c, v in per_group[g].items()}

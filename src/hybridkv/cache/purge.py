@@ -12,11 +12,11 @@ applies the same selector (the whole purge across tiers is
   weight digest after an upgrade;
 * ``created_before``: seconds on the clock the entry was stamped with (the
   coordinator's clock on the device, wall time in lower tiers): a TTL purge;
-* ``abi_version``: an older cache ABI (1, 2 or 3): every store object under its key prefix
+* ``abi_version``: an older cache ABI (1 to 4): every store object under its key prefix
   (``hkv3/``, or ``hkv3/<model>/`` with ``models``; docs/reference/cache-abi.md). No reader of the
   current ABI reaches those objects, so nothing else removes them; the device and the host
   tier hold only current entries, so such a purge selects nothing there. It combines only
-  with ``models`` (v3 keys carry the model namespace, no owner, and no age is read).
+  with ``models`` (v3 and v4 keys carry the model namespace; owners and ages are not read).
 
 Criteria combine with AND; at least one must be given.
 
@@ -73,11 +73,11 @@ class PurgeSelector:
                                  f"to {ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by owners, "
                                  "models or age)")
             if self.owners is not None or self.created_before is not None:
-                raise ValueError(f"purge abi_version={v!r} combines only with models: keys of cache ABI v{v} "
-                                 "carry no owner, and their age is not read")
+                raise ValueError(f"purge abi_version={v!r} combines only with models: an older ABI's objects are "
+                                 "removed by key prefix (v1 to v3 keys carry no owner), and their age is not read")
             if self.models is not None and v < 3:
                 raise ValueError(f"purge abi_version={v!r} cannot be narrowed by models: keys of cache ABI v{v} "
-                                 "carry no model namespace (v3 keys do)")
+                                 "carry no model namespace (v3 and v4 keys do)")
         cb = self.created_before
         if cb is not None and (isinstance(cb, bool) or not isinstance(cb, (int, float)) or not math.isfinite(cb)):
             raise ValueError(f"purge created_before={cb!r} must be a finite number of seconds")

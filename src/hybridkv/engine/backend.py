@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv._torch import torch
-from hybridkv.cache.groups import KIMI_LINEAR, FullAttentionSpec, KDASpec
+from hybridkv.cache.groups import KIMI_LINEAR, FullAttentionSpec, KDASpec, kimi_linear
 from hybridkv.cache.pools import CheckpointPool, StateCodec
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
 
@@ -82,6 +82,11 @@ class TorchBackend:
         zero = model.zero_checkpoint()
         self.kda_spec = KDASpec.for_model(cfg, str(zero.conv.dtype).removeprefix("torch."))
         self._zero = zero
+        #: The groups with their entry layouts (what lower tiers store; :func:`~hybridkv.cache.groups.tier_entry_shapes`).
+        self.tier_family = kimi_linear(self.full_spec, self.kda_spec)
+
+    state_codec = KDA_CODEC
+    """The ``kda`` state as its entry components and back (lower tiers encode and decode with it)."""
 
     @property
     def page_bytes(self) -> int:
@@ -131,6 +136,18 @@ class TorchBackend:
         view = latents.reshape(latents.shape[0], len(pages), b, latents.shape[-1])
         self.kv_pool.latents[:, pages] = view.to(self.kv_pool.latents.dtype)
 
+    def read_page_entry(self, block_table: list[int], start: int, end: int) -> dict[str, torch.Tensor]:
+        """The page entry of tokens ``[start, end)`` (whole pages): ``{"latents": read_kv(...)}``."""
+        return {"latents": self.read_kv(block_table, start, end)}
+
+    def page_entry(self, page: int) -> dict[str, torch.Tensor]:
+        """The page entry of one whole page: ``{"latents": page_latents(page)}``."""
+        return {"latents": self.page_latents(page)}
+
+    def write_page_entry(self, pages: list[int], components: dict[str, torch.Tensor]) -> None:
+        """Fill whole ``pages`` from a page entry's components (:meth:`write_pages` of ``latents``)."""
+        self.write_pages(pages, components["latents"])
+
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """One batched forward over every item (no autograd)."""
         reqs = [ForwardRequest(token_ids=it.token_ids, start=it.start,
@@ -161,6 +178,8 @@ class SimulatedBackend:
 
     tensors = False
     """Step items carry their ids as numpy arrays (no torch on the simulated path)."""
+    state_codec = None
+    """No tensors: lower tiers hold byte accounting only."""
     family = KIMI_LINEAR
     """The cache groups this backend's state is made of (``full`` + ``kda``)."""
 
@@ -187,6 +206,7 @@ class SimulatedBackend:
         self.vocab_size = vocab_size
         self.full_spec = full_spec
         self.kda_spec = kda_spec
+        self.tier_family = kimi_linear(full_spec, kda_spec)
         self.prefill_tokens_per_second = prefill_tokens_per_second
         self.decode_seconds = decode_seconds
         self.modelled_seconds = 0.0
@@ -206,6 +226,17 @@ class SimulatedBackend:
         return
 
     def write_pages(self, pages, latents) -> None:
+        """No tensors in simulation."""
+
+    def read_page_entry(self, block_table, start, end):
+        """No tensors in simulation."""
+        return
+
+    def page_entry(self, page):
+        """No tensors in simulation."""
+        return
+
+    def write_page_entry(self, pages, components) -> None:
         """No tensors in simulation."""
 
     def run(self, items: list[StepItem]) -> list[StepOutput]:

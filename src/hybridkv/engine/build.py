@@ -267,7 +267,6 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
             ``window`` (default), ``periodic=P`` or ``recompute``
             (:class:`~hybridkv.cache.swa.SwaRecovery`); it also sets which boundaries get a
             saved state (``config.policy`` for ``window``, every ``P`` tokens, or none).
-            A V4 model runs on the device cache alone (no host tier or store yet).
 
     Returns:
         An :class:`EngineHandle`; call its ``close()`` when done (it stops the store worker).
@@ -277,8 +276,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
             store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
             ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
             URL (named); ``swa_recovery`` with a Kimi Linear model, or a host tier / store with a
-            DeepSeek-V4 model (a :class:`~hybridkv.model.v4.config.V4Config` is simulated by
-            :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`).
+            simulated DeepSeek-V4 model (a :class:`~hybridkv.model.v4.config.V4Config` is simulated by
+            :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`, on the device cache alone).
         ConfigError: a bad ``swa_recovery``, or a ``block_size`` that is not a multiple of a V4
             model's compression rates (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
@@ -304,10 +303,6 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
                                      restore_cost=restore_cost)
         digest, model, payload = "simulated", None, False
     elif v4:
-        if host_bytes or store_url not in ("none", ""):
-            raise ValueError(f"{model_name}: a DeepSeek-V4 model runs on the device cache alone (its csa/hca/swa "
-                             f"groups have no host or store layout yet): host_bytes={host_bytes}, "
-                             f"store_url={store_url!r}; use host_bytes=0 and store 'none'")
         from hybridkv.cache.swa import SwaRecovery
         from hybridkv.engine.v4backend import V4Backend
         recovery = SwaRecovery.parse(swa_recovery)
@@ -330,8 +325,12 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
     host = store = None
     if host_bytes:
         from hybridkv.tiers.connector import host_tier_for
-        groups = tuple(host_groups)
-        through = groups if host_write_through else tuple(g for g in groups if g == "kda" and config.host_interval)
+        from hybridkv.cache.groups import page_entry_name
+        fam = backend.tier_family
+        page, state = page_entry_name(fam), fam.boundary[0][0]
+        # the Kimi Linear names of the two entry kinds stand for the page entry and the state entry
+        groups = tuple({"full": page, "kda": state}.get(g, g) for g in host_groups)
+        through = groups if host_write_through else tuple(g for g in groups if g == state and config.host_interval)
         host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
                              write_through=bool(through), eviction=config.host_eviction, quota=config.tenant_quota,
                              payload=payload, groups=groups, through_groups=through or None,

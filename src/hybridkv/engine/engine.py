@@ -95,7 +95,7 @@ class Engine:
     def __init__(self, config: CacheConfig, backend, namespace: bytes, tiers=(), prefetch: bool = True,
                  listener: CacheListener | None = None) -> None:
         tiers = list(tiers)
-        if config.host_interval and not any(t.writes_through("kda") for t in tiers):
+        if config.host_interval and not any(t.writes_through(t.state_group) for t in tiers):
             raise ValueError(f"host_interval={config.host_interval} captures checkpoints for lower tiers that "
                              "write checkpoints through, and this engine has none (it needs a host tier)")
         self.config = config

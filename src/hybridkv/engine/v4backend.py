@@ -199,6 +199,10 @@ class V4Backend:
         self.family: Family = v4_family(self.csa_spec, self.hca_spec, self.swa_spec,
                                         self.recovery.restore(self.cone_tokens))
         self._codec = swa_codec(cfg, self.swa_spec)
+        #: The groups with their entry layouts (lower tiers store them by spec).
+        self.tier_family = self.family
+        #: The ``swa`` state as its entry components and back (lower tiers encode and decode with it).
+        self.state_codec = self._codec
         dev, tdt = model.device, model.dtype
         n_csa, n_hca = len(cfg.csa_layers), len(cfg.hca_layers)
         z = (lambda *s: torch.zeros(s, dtype=tdt, device=dev))
@@ -249,6 +253,37 @@ class V4Backend:
         for pool, m in self._pools():
             n = num_tokens // m
             pool[:, dst, :n] = pool[:, src, :n]
+
+    def _page_pools(self):
+        """(page entry component, pool) of the prefix groups (names as in
+        :func:`~hybridkv.cache.groups.tier_entry_shapes`)."""
+        return ((f"{CSA}.kv", self.csa_kv), (f"{CSA}.index", self.csa_index), (f"{HCA}.kv", self.hca_kv))
+
+    def read_page_entry(self, block_table: list[int], start: int, end: int) -> dict[str, torch.Tensor]:
+        """The page entry of tokens ``[start, end)`` (whole pages): per component ``csa.kv``
+        ``[n_csa, (end − start) / csa_rate, head_dim]``, ``csa.index`` (``index_head_dim``), ``hca.kv``
+        ``[n_hca, (end − start) / hca_rate, head_dim]`` (copies).
+
+        Raises:
+            ValueError: ``start`` or ``end`` not a multiple of ``block_size`` (naming them).
+        """
+        b = self.block_size
+        if start % b or end % b:
+            raise ValueError(f"page entry [{start}, {end}) is not whole pages of {b} tokens")
+        pages = torch.tensor(block_table[start // b: end // b], dtype=torch.long)
+        return {name: pool[:, pages].reshape(pool.shape[0], -1, pool.shape[-1]).clone()
+                for name, pool in self._page_pools()}
+
+    def page_entry(self, page: int) -> dict[str, torch.Tensor]:
+        """The page entry of one whole page (copies; shapes as :meth:`read_page_entry`)."""
+        return {name: pool[:, page].clone() for name, pool in self._page_pools()}
+
+    def write_page_entry(self, pages: list[int], components: dict[str, torch.Tensor]) -> None:
+        """Fill whole ``pages`` from a page entry's components (shapes as :meth:`read_page_entry`)."""
+        idx = torch.tensor(pages, dtype=torch.long)
+        for name, pool in self._page_pools():
+            src = components[name]
+            pool[:, idx] = src.reshape(pool.shape[0], len(pages), pool.shape[2], pool.shape[-1]).to(pool.dtype)
 
     def entries(self, block_table: list[int], t: int):
         """The compressed entries of ``[0, t)`` gathered from pages (a

@@ -264,13 +264,11 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         if not opts.simulate and opts.model in V4_SIMULATE_ONLY:
             raise ValueError(f"model {opts.model!r} is a simulate-only preset (published shapes, no weights): "
                              "replay it with simulate=True (--simulate)")
-        for what, bad in (("instances", opts.instances if opts.instances > 1 and not opts.simulate else None),
-                          ("store", opts.store if opts.store != "none" else None),
-                          ("host_bytes", opts.host_bytes or None),
+        for what, bad in (("host_bytes", opts.host_bytes if opts.host_bytes and opts.simulate else None),
                           ("timed", opts.timed if opts.timed and not opts.simulate else None)):
             if bad is not None:
-                raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: it runs on one engine's device "
-                                 "cache alone for now (no host tier or store; instances and timed only simulated)")
+                raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: a simulated V4 model runs on the "
+                                 "device cache alone (no host tier), and a real V4 fleet is not timed")
     if not opts.simulate:
         hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
         sizes = mcfg

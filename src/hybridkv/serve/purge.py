@@ -7,8 +7,8 @@ process wrote to a persistent store. What this module adds is the server's side:
 :class:`NamespaceLedger` that maps a tenant and a salt to the request namespace digests they
 produced (the owners the purge selects by). ``all`` selects every entry of this server's model
 namespace. The ledger keeps digests and names only, never token ids. ``abi_version`` (an older
-cache ABI, 1 to 3) removes that ABI's store objects, which no reader of the current ABI reaches:
-for v3 those of this server's model (``hkv3/<model>/``), for v1 and v2 every one (their keys
+cache ABI, 1 to 4) removes that ABI's store objects, which no reader of the current ABI reaches:
+for v3 and v4 those of this server's model (``hkv3/<model>/``, ``hkv4/<model>/``), for v1 and v2 every one (their keys
 carry no model); the device and host tiers hold only current entries and lose nothing.
 """
 

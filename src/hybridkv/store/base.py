@@ -35,7 +35,7 @@ _KEY_PATTERN_CHARS = re.compile(r"[0-9A-Za-z/_.\-]*")
 def check_key_pattern(prefix: str, suffix: str = "") -> None:
     """Check the arguments of :meth:`ObjectStore.remove_prefix`.
 
-    ``prefix`` may hold ``*`` as a whole segment followed by ``/`` (``hkv4/*/<owner>/``): it
+    ``prefix`` may hold ``*`` as a whole segment followed by ``/`` (``hkv5/*/<owner>/``): it
     matches any one non-empty key segment.
 
     Raises:

@@ -14,7 +14,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, BoundaryList, EntryPresence, joint_hit, nbytes
+from hybridkv.cache.groups import (KIMI_LINEAR, BoundaryList, EntryPresence, Family, RecomputeCone, joint_hit,
+                                   nbytes)
 from hybridkv.tiers.layout import entry_key
 
 if TYPE_CHECKING:                       # annotations only: a simulated run imports no torch
@@ -98,6 +99,10 @@ class RemoteMatch:
     checkpoint_boundaries: tuple[int, ...]
     best_joint: int
     missing_branching_boundary: int | None
+    candidates: tuple[tuple[int, int], ...] = ()
+    """``(hit, state boundary)`` installs to try, best first: the joint hit at each limit (the
+    tier's boundaries below the previous one) and the boundary of the saved state its restore
+    strategy needs (0: none, the state is rebuilt from token 0 or by the recompute cone)."""
 
 
 class TierObserver(Protocol):
@@ -126,8 +131,12 @@ class Tier(ABC):
         namespace: namespace digest.
         unit: ``prefix_match_unit`` (tokens per chained hash).
         alignment: A (tokens) of this tier's entries; a multiple of ``unit``.
-        shapes: this model's entry shapes, group -> component -> ``(dtype, shape)``
-            (:func:`hybridkv.cache.groups.entry_shapes` with segment ``alignment``).
+        shapes: this model's entry shapes, entry kind -> component -> ``(dtype, shape)``, the
+            page entry first, then the state entry
+            (:func:`hybridkv.cache.groups.tier_entry_shapes` with segment ``alignment``).
+        family: the model's groups and restore strategies (the joint-hit rule of :meth:`lookup`;
+            default Kimi Linear); its prefix groups are stored as the page entry, its boundary
+            group as the state entry.
         name: tier name in reports (``host`` or ``store``).
         write_through: entries are saved as soon as they are computed.
         write_back: entries are saved when the device evicts them; default
@@ -139,9 +148,18 @@ class Tier(ABC):
     """
 
     def __init__(self, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
-                 name: str = "store", write_through: bool = True, write_back: bool | None = None) -> None:
+                 name: str = "store", write_through: bool = True, write_back: bool | None = None,
+                 family: Family = KIMI_LINEAR) -> None:
         if alignment <= 0 or alignment % unit:
             raise ValueError(f"store_alignment={alignment} must be a positive multiple of prefix_match_unit={unit}")
+        if len(shapes) != 2:
+            raise ValueError(f"tier entry shapes name {list(shapes)}: a page entry and a state entry expected")
+        #: The entry kinds: prefix groups of a segment (``full``, ``csa-hca``), boundary state (``kda``, ``swa``).
+        self.page_group, self.state_group = tuple(shapes)
+        self.family = family
+        #: Whether the family's restore strategy reads saved states (a recompute cone reads none).
+        self.saves_state = any(not isinstance(how, RecomputeCone) for _, how in family.boundary)
+        self._flags = {**{g: "has_kv" for g in family.prefix_names}, self.state_group: "has_checkpoint"}
         self.namespace = namespace
         self.unit = unit
         self.alignment = alignment
@@ -229,7 +247,7 @@ class Tier(ABC):
         by_owner: dict[bytes | None, list[tuple[bytes, str]]] = {}
         for h, b, owner in chains:
             if b % self.alignment == 0:
-                by_owner.setdefault(owner, []).extend((h, grp) for grp in (FULL, KDA))
+                by_owner.setdefault(owner, []).extend((h, grp) for grp in (self.page_group, self.state_group))
         total = total_bytes = 0
         for owner, wanted in by_owner.items():
             found = self.exists(wanted, owner)
@@ -281,15 +299,26 @@ class Tier(ABC):
             return RemoteMatch(0, (), 0, None)
         local = local_kv // a * a
         kv_bounds = [b for b in bounds if b > local]
-        found = self.exists([(self.chain_hash(hashes, b), FULL) for b in kv_bounds]
-                            + [(self.chain_hash(hashes, b), KDA) for b in bounds], owner)
+        state_bounds = bounds if self.saves_state else []
+        found = self.exists([(self.chain_hash(hashes, b), self.page_group) for b in kv_bounds]
+                            + [(self.chain_hash(hashes, b), self.state_group) for b in state_bounds], owner)
         if found is None:
             return None
         has_kv = [True] * (len(bounds) - len(kv_bounds)) + found[: len(kv_bounds)]
-        presence = [EntryPresence(b, kv, ck) for b, kv, ck in zip(bounds, has_kv, found[len(kv_bounds):])]
-        joint = joint_hit(KIMI_LINEAR, BoundaryList(presence), cap)
-        ckpts = tuple(p.end for p in presence if p.has_checkpoint and p.end <= joint.kv_hit)
-        return RemoteMatch(joint.kv_hit, ckpts, joint.hit, joint.branching_boundary)
+        has_state = found[len(kv_bounds):] if self.saves_state else [False] * len(bounds)
+        presence = BoundaryList([EntryPresence(b, kv, ck) for b, kv, ck in zip(bounds, has_kv, has_state)],
+                                self._flags)
+        joint = joint_hit(self.family, presence, cap)
+        ckpts = tuple(p.end for p in presence.boundaries if p.has_checkpoint and p.end <= joint.kv_hit)
+        if self.family.saved_pair is not None:    # saved at the hit: each saved state inside the run, deepest first
+            return RemoteMatch(joint.kv_hit, ckpts, joint.hit, joint.branching_boundary,
+                               tuple((b, b) for b in reversed(ckpts)))
+        candidates, j = [], joint
+        while j.hit > 0:                          # the joint hit at each shorter limit: next best on a miss
+            state = presence.deepest_state(self.state_group, j.hit) if self.saves_state else 0
+            candidates.append((j.hit, state))
+            j = joint_hit(self.family, presence, j.hit - a)
+        return RemoteMatch(joint.kv_hit, ckpts, joint.hit, joint.branching_boundary, tuple(candidates))
 
     def entry(self, hashes: list[bytes], boundary: int, group: str, tensors: dict) -> Entry:
         """An entry for :meth:`save_entries` at an aligned ``boundary`` of a prompt.

@@ -47,38 +47,38 @@ from hybridkv.cache.coordinator import (
     HybridCacheCoordinator,
     MatchResult,
 )
-from hybridkv.cache.groups import FULL, KDA, entry_shapes, reuse_cap
-from hybridkv.model.state import KDACheckpoint
+from hybridkv.cache.groups import reuse_cap, tier_entry_shapes
 from hybridkv.store.base import ObjectStore
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.host import HostTier
-from hybridkv.tiers.layout import checkpoint_components, checkpoint_from_components
 from hybridkv.tiers.store_tier import StoreTier
 
 log = logging.getLogger("hybridkv.store")
 
 def tier_for(store: ObjectStore, backend, namespace: bytes, unit: int, alignment: int,
              name: str = "store", write_through: bool = True) -> StoreTier:
-    """A :class:`StoreTier` shaped for ``backend``'s model (``full`` entries of ``alignment`` tokens)."""
-    return StoreTier(store, namespace, unit, alignment, entry_shapes(backend.full_spec, backend.kda_spec, alignment),
-                     name=name, write_through=write_through)
+    """A :class:`StoreTier` shaped for ``backend``'s model (its ``tier_family``'s entries, page entries of
+    ``alignment`` tokens)."""
+    return StoreTier(store, namespace, unit, alignment, tier_entry_shapes(backend.tier_family, alignment),
+                     name=name, write_through=write_through, family=backend.tier_family)
 
 
 def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, block_size: int,
                   write_through: bool = False, eviction: str = "lru", quota: float | None = None,
-                  payload: bool = True, groups: tuple[str, ...] = (FULL, KDA),
+                  payload: bool = True, groups: tuple[str, ...] | None = None,
                   through_groups: tuple[str, ...] | None = None,
                   probation_share: float = HOST_PROBATION) -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
     ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``);
-    ``payload=False``: byte accounting only (simulation); ``groups``: the groups it holds;
+    ``payload=False``: byte accounting only (simulation); ``groups``: the entry kinds it holds (default
+    both: the page entry and the state entry, e.g. ``("full", "kda")`` or ``("csa-hca", "swa")``);
     ``through_groups``: with ``write_through``, the groups written through (default all held);
     ``probation_share``: see :class:`HostTier`."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
-                    entry_shapes(backend.full_spec, backend.kda_spec, block_size), write_through=write_through,
+                    tier_entry_shapes(backend.tier_family, block_size), write_through=write_through,
                     eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)),
                     payload=payload, groups=groups, through_groups=through_groups,
-                    probation_share=probation_share)
+                    probation_share=probation_share, family=backend.tier_family)
 
 
 EWMA_WEIGHT = 0.3
@@ -109,7 +109,7 @@ TIMING_KINDS = ("lookup", "load", "transfer", "install", "saved_prefill")
   of a lower tier's directory (its name), at admission or by a background prefetch;
 * ``load``: one batched read of a tier's entries into host memory (``load_many``), at admission
   or in a background prefetch;
-* ``transfer``: the copy of one install's KV latents into device pages (``write_pages``);
+* ``transfer``: the copy of one install's page entries into device pages (``write_page_entry``);
 * ``install``: one install's remaining work: page allocation, indexing, checkpoint decode and
   attach (the checkpoint's copy into its slot is part of it);
 * ``saved_prefill``: per admitted request that reused ``h > 0`` tokens, ``h`` times the engine's
@@ -243,7 +243,8 @@ class TierConnector:
 
     Args:
         cache: the device coordinator.
-        backend: the torch backend (``read_kv`` / ``write_pages`` / ``page_latents``).
+        backend: the compute backend (``read_page_entry`` / ``page_entry`` / ``write_page_entry`` and
+            ``state_codec``: the page and state entries of its ``tier_family``).
         tiers: lower tiers, nearest first (host, then store).
         prefetch_limit_bytes: most bytes that background prefetches may hold
             at once (loaded and not yet installed); a prefetch that would
@@ -423,10 +424,10 @@ class TierConnector:
         verified. Loads nothing when they would take the bytes held by prefetches past
         ``prefetch_limit_bytes``."""
         rm = self._lookup(tier, hashes, cap, local_kv, owner)
-        if rm is None or rm.best_joint <= hit:
+        if rm is None or rm.best_joint <= hit or not rm.candidates:
             return 0, {}, 0
-        boundary = rm.best_joint
-        wanted = self._wanted(tier, local_kv, boundary)
+        boundary, state = rm.candidates[0]
+        wanted = self._wanted(tier, local_kv, boundary, state)
         if not self.worth_loading(tier, len(wanted), boundary - hit):
             return 0, {}, 0                         # admission will recompute (and count it declined)
         need = sum(tier.entry_nbytes(grp) for _, grp in wanted)
@@ -460,12 +461,16 @@ class TierConnector:
             self.prefetch_held_bytes -= nbytes
 
     @staticmethod
-    def _wanted(tier: Tier, kv_hit: int, boundary: int) -> list[tuple[int, str]]:
-        """The entries an install of ``boundary`` needs: the ``full`` segments past the device's
-        ``kv_hit`` (aligned down), then the ``kda`` entry."""
+    def _wanted(tier: Tier, kv_hit: int, boundary: int, state: int, have_state: int = -1) -> list[tuple[int, str]]:
+        """The entries an install of the hit ``boundary`` needs: the page entries of the segments past
+        the device's ``kv_hit`` (aligned down), then the state entry at ``state`` (none when ``state``
+        is 0, or not past ``have_state``, the device's own restart point)."""
         a = tier.alignment
         segs = range(min(kv_hit, boundary) // a * a + a, boundary + 1, a)
-        return [(b, FULL) for b in segs] + [(boundary, KDA)]
+        wanted = [(b, tier.page_group) for b in segs]
+        if state > 0 and state > have_state:
+            wanted.append((state, tier.state_group))
+        return wanted
 
     # -- admission ----------------------------------------------------------
     def fetch(self, key: Hashable, prompt, match: MatchResult, namespace: bytes | None = None) -> FetchResult:
@@ -498,11 +503,11 @@ class TierConnector:
                 tier.count_miss("absent")               # the tier has nothing beyond the device hit
             ready = (ready_from.take(tier.name, rm.best_joint, match.kv_hit, tier.purges)
                      if ready_from is not None else None)
-            for boundary in sorted(rm.checkpoint_boundaries, reverse=True):   # best first; next-best on a miss
+            for boundary, state in rm.candidates:             # best first; next-best on a miss
                 if boundary <= match.hit:
                     break
                 from_prefetch = ready if boundary == rm.best_joint else None
-                wanted = self._wanted(tier, match.kv_hit, boundary)
+                wanted = self._wanted(tier, match.kv_hit, boundary, state, match.restart)
                 entries = len(wanted)
                 if from_prefetch is None and not self.worth_loading(tier, entries, boundary - match.hit):
                     tier.stats.loads_declined += 1              # recomputing is predicted faster
@@ -535,10 +540,10 @@ class TierConnector:
 
     def _install(self, tier: Tier, match: MatchResult, boundary: int, wanted: list[tuple[int, str]],
                  ready: dict | None = None) -> bool:
-        """Install the KV segments the device lacks up to ``boundary`` and ``C(P_boundary)``, in order;
-        ``False`` at the first miss. The entries come from ``ready`` (a prefetch) when it has all of
-        them, else from one batched load (into the tier's staging arena for a store tier); ``wanted`` is
-        :meth:`_wanted` of that boundary."""
+        """Install the page entries the device lacks up to ``boundary``, then the state entry
+        :meth:`_wanted` names, in order; ``False`` at the first miss. The entries come from ``ready``
+        (a prefetch) when it has all of them, else from one batched load (into the tier's staging
+        arena for a store tier)."""
         a = tier.alignment
         hashes = match.hashes
         if ready is not None and all(ready.get(w) is not None for w in wanted):
@@ -551,27 +556,31 @@ class TierConnector:
             self._timed("load", time.perf_counter() - t0, tier.name)
         moved = [0.0]                                      # seconds in write_pages (the transfer)
 
-        def write(pages, lat) -> None:
+        def write(pages, comps) -> None:
             t = time.perf_counter()
-            self.backend.write_pages(pages, lat)
+            self.backend.write_page_entry(pages, comps)
             moved[0] += time.perf_counter() - t
 
         t0 = time.perf_counter()
         try:
-            for (b, _), entry in zip(wanted[:-1], got):
-                if entry is None or not self.cache.install_kv(
-                        hashes, b - a, b, lambda pages, lat=entry["latents"]: write(pages, lat), match.namespace):
+            for (b, grp), entry in zip(wanted, got):
+                if entry is None:
                     return False
-            kda = got[-1]
-            return kda is not None and self.cache.install_checkpoint(
-                hashes, checkpoint_from_components(kda, boundary) if tier.payload else None, boundary)
+                if grp == tier.page_group:
+                    if not self.cache.install_kv(hashes, b - a, b, lambda pages, c=entry: write(pages, c),
+                                                 match.namespace):
+                        return False
+                elif not self.cache.install_checkpoint(
+                        hashes, self.backend.state_codec.decode(entry, b) if tier.payload else None, b):
+                    return False
+            return True
         finally:
             self._timed("transfer", moved[0], tier.name)
             self._timed("install", time.perf_counter() - t0 - moved[0], tier.name)
 
     # -- saving -------------------------------------------------------------
     def upload(self, key: Hashable, alloc: Allocation, computed: int,
-               checkpoints: dict[int, KDACheckpoint | None]) -> None:
+               checkpoints: dict[int, object]) -> None:
         """Commit aligned KV segments of ``[0, computed)`` and aligned checkpoints the write-through
         tiers lack, after a prefill step of an admitted request.
 
@@ -588,7 +597,8 @@ class TierConnector:
             key: the request's handle (as given to :meth:`admitted`).
             alloc: its allocation.
             computed: prompt tokens computed so far (tokens).
-            checkpoints: boundary -> checkpoint created in this step.
+            checkpoints: boundary -> boundary state created in this step (the backend's state
+                object, e.g. a KDA checkpoint; ``None``: read it from the device).
         """
         st = self._state(key)
         hashes, final, first = st.hashes, computed >= st.prompt_len, st.uploads == 0
@@ -602,14 +612,15 @@ class TierConnector:
                 continue
             a = tier.alignment
             mark = 0 if final else st.marks.get(tier.name, 0)
-            kv = list(range(mark + a, computed // a * a + 1, a)) if tier.writes_through(FULL) else []
+            page, state = tier.page_group, tier.state_group
+            kv = list(range(mark + a, computed // a * a + 1, a)) if tier.writes_through(page) else []
             aligned = (sorted(b for b in checkpoints if b % a == 0 and b <= computed)
-                       if tier.writes_through(KDA) else [])
-            present = tier.exists([(tier.chain_hash(hashes, b), FULL) for b in kv]
-                                  + [(tier.chain_hash(hashes, b), KDA) for b in aligned], alloc.owner)
+                       if tier.writes_through(state) else [])
+            present = tier.exists([(tier.chain_hash(hashes, b), page) for b in kv]
+                                  + [(tier.chain_hash(hashes, b), state) for b in aligned], alloc.owner)
             if present is None:
                 continue
-            entries = [tier.entry(hashes, b, FULL, {"latents": self.backend.read_kv(alloc.block_table, b - a, b)}
+            entries = [tier.entry(hashes, b, page, self.backend.read_page_entry(alloc.block_table, b - a, b)
                                   if tier.payload else None)
                        for b, ok in zip(kv, present) if not ok]
             for b, ok in zip(aligned, present[len(kv):]):
@@ -617,13 +628,13 @@ class TierConnector:
                     continue
                 if not tier.payload:             # bytes only: the checkpoint must exist (made now, or published)
                     if b in made or self._published_at(alloc, b):
-                        entries.append(tier.entry(hashes, b, KDA, None))
+                        entries.append(tier.entry(hashes, b, state, None))
                     continue
                 ckpt = checkpoints[b]
                 if ckpt is None:
                     ckpt = self.cache.checkpoint_at(alloc, b)
                 if ckpt is not None:
-                    entries.append(tier.entry(hashes, b, KDA, checkpoint_components(ckpt)))
+                    entries.append(tier.entry(hashes, b, state, self.backend.state_codec.encode(ckpt)))
             speculative = {tier.chain_hash(hashes, b) for b in aligned if not self._published_at(alloc, b)}
             visible = iter(tier.save_entries(entries, owner=alloc.owner, speculative=speculative))  # two batched puts
             landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
@@ -647,7 +658,8 @@ class TierConnector:
         for tier in self._back:
             a = tier.alignment
             wanted = [(e, grp) for e in evicted if e.end % a == 0
-                      for grp, held in ((FULL, e.page is not None), (KDA, e.checkpoint is not None))
+                      for grp, held in ((tier.page_group, e.page is not None),
+                                        (tier.state_group, e.checkpoint is not None))
                       if held and tier.holds(grp)]
             if not wanted:
                 continue
@@ -661,10 +673,10 @@ class TierConnector:
                     continue
                 if not tier.payload:
                     tensors = None                      # bytes only (simulation)
-                elif grp == FULL:
-                    tensors = {"latents": self.backend.page_latents(e.page)}
+                elif grp == tier.page_group:
+                    tensors = self.backend.page_entry(e.page)
                 else:
-                    tensors = checkpoint_components(self.cache.read_checkpoint(e.checkpoint, e.end))
+                    tensors = self.backend.state_codec.encode(self.cache.read_checkpoint(e.checkpoint, e.end))
                 by_owner.setdefault(e.owner, []).append((e.key, e.parent_key, grp, e.end, tensors))
             for owner, entries in by_owner.items():
                 tier.save_entries(entries, owner=owner)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from hybridkv._torch import torch
 from hybridkv.cache.config import HOST_PROBATION
-from hybridkv.cache.groups import FULL, KDA
+from hybridkv.cache.groups import KIMI_LINEAR, Family
 from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier, TierPurge
 from hybridkv.tiers.layout import torch_dtype
@@ -79,7 +79,9 @@ class HostTier(Tier):
             a save over it evicts that owner's own entries first. ``None``: no quota.
         payload: hold tensors (default); ``False``: byte accounting only (simulation; the
             ``tensors`` of a save are ignored and may be ``None``).
-        groups: the groups held (default both, ``("full", "kda")``).
+        groups: the entry kinds held (default both: the page entry and the state entry of
+            ``shapes``, e.g. ``("full", "kda")``).
+        family: see :class:`Tier`.
         through_groups: with ``write_through``, the groups written through (default: every group
             held); the others are only written back. ``("kda",)``: checkpoints as they are
             computed, KV pages when the device evicts them.
@@ -98,12 +100,13 @@ class HostTier(Tier):
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
                  eviction: str = "lru", quota_bytes: int | None = None, payload: bool = True,
-                 groups: tuple[str, ...] = (FULL, KDA), through_groups: tuple[str, ...] | None = None,
-                 probation_share: float = HOST_PROBATION) -> None:
-        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True)
-        groups = tuple(groups)
-        if not groups or any(g not in (FULL, KDA) for g in groups):
-            raise ValueError(f"host tier groups={groups!r} must be a non-empty subset of {(FULL, KDA)}")
+                 groups: tuple[str, ...] | None = None, through_groups: tuple[str, ...] | None = None,
+                 probation_share: float = HOST_PROBATION, family: Family = KIMI_LINEAR) -> None:
+        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True, family=family)
+        kinds = (self.page_group, self.state_group)
+        groups = kinds if groups is None else tuple(groups)
+        if not groups or any(g not in kinds for g in groups):
+            raise ValueError(f"host tier groups={groups!r} must be a non-empty subset of {kinds}")
         self.groups = groups
         self.through_groups = groups if through_groups is None else tuple(through_groups)
         if any(g not in groups for g in self.through_groups):
@@ -225,7 +228,7 @@ class HostTier(Tier):
                     self._evict(self._victim(nbytes if on_probation else 0))
                 self._entries[key] = e = self._copy(tensors, nbytes) if self.payload else _HostEntry({}, nbytes)
                 e.owner, e.created = owner, time.time()
-                self._order.describe(key, nbytes, boundary if group == KDA else self.alignment, boundary, owner)
+                self._order.describe(key, nbytes, boundary if group == self.state_group else self.alignment, boundary, owner)
                 if on_probation:                        # described (quota bytes) but not in the main order
                     self._probation[key] = nbytes
                     self._probation_bytes += nbytes

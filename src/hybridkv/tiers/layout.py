@@ -1,14 +1,18 @@
-"""Cache ABI v4: object keys, component encoding and manifests (DESIGN §5; docs/reference/cache-abi.md).
+"""Cache ABI v5: object keys, component encoding and manifests (DESIGN §5; docs/reference/cache-abi.md).
 
-An *entry* is one group's state at one aligned boundary ``L`` of one prefix:
+An *entry* is what one lifetime of a model's cache groups holds at one aligned boundary ``L``
+of one prefix (:func:`hybridkv.cache.groups.tier_entry_shapes`, driven by the group specs):
 
-* ``full`` entry: MLA latents of tokens ``[L - A, L)`` for every MLA layer, one
-  component ``latents``: ``float32[num_mla_layers, A, kv_latent_dim]``.
-* ``kda`` entry: checkpoint ``C(P_L)``: components ``recurrent``
-  (``float32[L_kda, H, K, V]``) and ``conv.q``, ``conv.k``, ``conv.v``
-  (each ``[L_kda, H*K, kernel-1]``, the q | k | v thirds of the conv window).
+* the *page entry*: every prefix group's entries of the segment ``[L - A, L)`` under one
+  manifest (Kimi Linear: ``full``, component ``latents``
+  ``float32[num_mla_layers, A, kv_latent_dim]``; DeepSeek-V4: ``csa-hca``, components
+  ``csa.kv``, ``csa.index``, ``hca.kv``);
+* the *state entry*: the boundary group's state at ``L`` (Kimi Linear: ``kda``, checkpoint
+  ``C(P_L)``: ``recurrent`` ``float32[L_kda, H, K, V]`` and ``conv.q``, ``conv.k``, ``conv.v``
+  each ``[L_kda, H*K, kernel-1]``; DeepSeek-V4: ``swa``, windows, compressor tails and
+  overlaps).
 
-Keys: ``hkv4/<namespace hex>/<owner hex>/<chained hash hex of [0, L)>/<group>/r<rank>/<component>``
+Keys: ``hkv5/<namespace hex>/<owner hex>/<chained hash hex of [0, L)>/<group>/r<rank>/<component>``
 (``namespace``: the engine's model namespace; ``owner``: the request namespace the entry
 was cached under, so a purge by tenant or salt is a key-prefix removal on any backend);
 the manifest is the component ``manifest``. The manifest (JSON, UTF-8) lists every
@@ -19,8 +23,9 @@ exists only if its manifest and every component exist and verify.
 
 Group names and entry shapes come from :mod:`hybridkv.cache.groups` (one vocabulary
 from the config to the keys). Older ABIs are not read: v1 (``hkv1/`` keys, SHA-256
-checksums), v2 (``hkv2/`` keys, the ``full`` group named ``kv``) and v3 (``hkv3/`` keys
-without the owner segment) objects are simply absent to a v4 reader. The checksum detects
+checksums), v2 (``hkv2/`` keys, the ``full`` group named ``kv``), v3 (``hkv3/`` keys
+without the owner segment) and v4 (``hkv4/`` keys, one entry per Kimi Linear group) objects
+are simply absent to a v5 reader. The checksum detects
 corrupt and truncated objects; keys already come from the SHA-256 chain, so a fast non-cryptographic hash suffices
 (XXH3-128 via the ``xxhash`` package, ~10 GB/s against ~1 GB/s for SHA-256 on the
 development machine, docs/results/store.md).
@@ -39,7 +44,7 @@ from hybridkv.cache.abi import ABI_VERSION, KEY_PREFIX
 from hybridkv.cache.groups import DTYPE_BYTES, nbytes
 from hybridkv.model.state import KDACheckpoint
 
-LAYOUT_VERSION = "hkv4-full-latents-f32+kda-rec-f32-conv-qkv"
+LAYOUT_VERSION = "hkv5-page-entry+state-entry"
 CHECKSUM = "xxh3_128"
 
 #: Largest manifest a reader accepts (bytes); ours are about 1 KiB. A load reads the
@@ -99,7 +104,7 @@ def owner_prefix(model: bytes | None, owner: bytes | None) -> str:
 
 
 #: Key prefix of expiry horizons: the purge by age of a store that cannot list its keys
-#: (docs/concepts/commit-protocol.md "Expiry horizons"). Outside ``hkv4/`` so no purge by prefix removes one.
+#: (docs/concepts/commit-protocol.md "Expiry horizons"). Outside ``hkv5/`` so no purge by prefix removes one.
 HORIZON_PREFIX = "hkv4-horizon"
 HORIZON_SLOTS = ("a", "b")
 #: Largest horizon object a reader accepts (bytes; ours are about 14: ``"1764558000.123"``).
@@ -249,7 +254,7 @@ def encode_entry(namespace: bytes, chain_hash: bytes, parent_hash: bytes | None,
         namespace: namespace digest.
         chain_hash: chained hash of ``[0, boundary)``.
         parent_hash: chained hash of ``[0, boundary - segment)`` (``None`` at the start).
-        group: ``"full"`` or ``"kda"``.
+        group: the entry kind (``"full"`` / ``"kda"``, ``"csa-hca"`` / ``"swa"``).
         boundary: ``L`` in tokens.
         segment: ``A`` in tokens (the tokens a ``full`` entry covers).
         tensors: component name -> tensor.

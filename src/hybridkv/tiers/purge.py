@@ -6,7 +6,7 @@ under a running request), then from each lower tier (:meth:`Tier.purge`).
 :func:`purge_store` is the store part on its own, for a store no engine has open
 (``hybridkv cache purge --store URL``).
 
-Store (cache ABI v4: ``hkv4/<model ns>/<owner>/<chain>/...``, docs/reference/cache-abi.md). A purge by
+Store (cache ABI v5: ``hkv5/<model ns>/<owner>/<chain>/...``, docs/reference/cache-abi.md). A purge by
 model version, by owner (tenant, salt) or by both removes key prefixes
 (:meth:`~hybridkv.store.base.ObjectStore.remove_prefix`, with a ``*`` model segment for
 owners alone): first every manifest under the prefix (the entries end for every reader at
@@ -135,8 +135,8 @@ def purge_store_detail(store: ObjectStore, selector: PurgeSelector) -> StorePurg
       reads those objects.
     * No age criterion: by key prefix, one prefix per (model, owner) pair of the selector (``*``
       for a criterion not given), on every backend; orphaned components under it go too.
-    * With an age criterion, on a backend that lists keys: the manifests under ``hkv4/`` (or
-      ``hkv4/<model>/``) are read and the selected ones removed, then the components each
+    * With an age criterion, on a backend that lists keys: the manifests under ``hkv5/`` (or
+      ``hkv5/<model>/``) are read and the selected ones removed, then the components each
       lists (only keys inside its own entry). Manifests that do not parse are left alone.
     * With an age criterion, on a backend that cannot list (Mooncake): an expiry horizon is
       raised for each (model, owner) scope of the selector (:func:`raise_horizon`); nothing is
@@ -244,7 +244,7 @@ def raise_horizon(store: ObjectStore, model: bytes | None, owner: bytes | None, 
 
 def _selected(key: str, blob: bytes | None, selector: PurgeSelector) -> tuple[list[str], int] | None:
     """The component keys of the entry whose manifest is ``blob``, and their bytes as the manifest
-    lists them, if ``selector`` selects it (model and owner from the key: ``hkv4/<model>/<owner>/...``)."""
+    lists them, if ``selector`` selects it (model and owner from the key: ``hkv5/<model>/<owner>/...``)."""
     if blob is None:
         return None
     parts = key.split("/")

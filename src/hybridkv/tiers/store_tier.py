@@ -1,6 +1,6 @@
 """One cache tier over an object store: remote lookup, verified loads, committed saves (DESIGN §5).
 
-A :class:`StoreTier` speaks cache ABI v4 (:mod:`hybridkv.tiers.layout`) to an
+A :class:`StoreTier` speaks cache ABI v5 (:mod:`hybridkv.tiers.layout`) to an
 :class:`~hybridkv.store.base.ObjectStore`. Only boundaries aligned to
 ``alignment`` (``store_alignment``) become entries. Every failure is a counted
 miss with a reason (absent, evicted, checksum, incomplete, unreachable); no
@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from hybridkv.cache.groups import KIMI_LINEAR, Family
 from hybridkv.cache.groups import nbytes
 from hybridkv.store.base import DAMAGED, ObjectStore, StoreUnavailable
 from hybridkv.tiers.base import PURGE_UNREACHABLE, Entry, Tier, TierPurge
@@ -62,7 +63,7 @@ _ALIGN = 64          # byte alignment of every slot in a load arena
 
 
 class StoreTier(Tier):
-    """Entries of one namespace in one object store (cache ABI v4).
+    """Entries of one namespace in one object store (cache ABI v5).
 
     Thread-safe: every store call and every statistics update runs under one
     lock, so a background prefetch and the engine's own calls can share a tier.
@@ -86,8 +87,8 @@ class StoreTier(Tier):
     def __init__(self, store: ObjectStore, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  retry_seconds: float = 2.0, name: str = "store", write_through: bool = True,
                  write_back: bool | None = None, max_age_s: float | None = None,
-                 horizon_refresh_s: float = 0.0) -> None:
-        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back)
+                 horizon_refresh_s: float = 0.0, family: Family = KIMI_LINEAR) -> None:
+        super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back, family=family)
         if max_age_s is not None and not (0 < max_age_s < float("inf")):
             raise ValueError(f"max_age_s={max_age_s!r} must be a positive finite number of seconds")
         if not (0 <= horizon_refresh_s < float("inf")):
@@ -223,10 +224,16 @@ class StoreTier(Tier):
             arena = self._arena(pos, staging)
             if arena is None:
                 return [None] * len(wanted)
-            views = [memoryview(arena[o:o + n]) for o, n in zip(offsets, sizes)]
-            nread = self._call(self.store.get_into, keys, views)
-            if nread is None:
+            # a component of no bytes (e.g. a state's compressor tail at a boundary where none is
+            # open) is listed in its manifest but never stored: some backends refuse empty objects
+            asked = [i for i, n in enumerate(sizes) if n > 0]
+            views = [memoryview(arena[offsets[i]:offsets[i] + sizes[i]]) for i in asked]
+            got = self._call(self.store.get_into, [keys[i] for i in asked], views)
+            if got is None:
                 return [None] * len(wanted)
+            nread = [0] * len(keys)
+            for i, n in zip(asked, got):
+                nread[i] = n
             if fresh:
                 stored = cached[1]
             else:
@@ -355,7 +362,9 @@ class StoreTier(Tier):
         owner = self.namespace if owner is None else owner
         parts = [entry_components(self.namespace, h, group, tensors, owner=owner)
                  for h, _, group, _, tensors in entries]
-        pending = self.submit(self._call, put, [(key, data) for cs in parts for _, key, data, _ in cs])
+        # components of no bytes are listed in the manifest only (some backends refuse empty objects)
+        parts_stored = [[c for c in cs if c[2].nbytes] for cs in parts]
+        pending = self.submit(self._call, put, [(key, data) for cs in parts_stored for _, key, data, _ in cs])
         now = time.time()
         manifests = [entry_manifest(self.namespace, h, parent, group, boundary, self.alignment, cs,
                                     owner=owner, created=now)
@@ -364,7 +373,7 @@ class StoreTier(Tier):
         if ok is None:
             return [False] * len(entries)
         done, i = [], 0
-        for cs in parts:
+        for cs in parts_stored:
             done.append(all(ok[i:i + len(cs)]))
             i += len(cs)
         ok = self._call(put, [m for m, d in zip(manifests, done) if d]) if any(done) else []
