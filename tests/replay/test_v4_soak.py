@@ -3,6 +3,8 @@ are exact against full prefills and leak-free; the rounds run on the device cach
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hybridkv.cache.config import ConfigError
@@ -57,3 +59,31 @@ def test_soak_options_for_v4(capsys):
         soak.run_soak(0, rounds=1, swa_recovery="recompute")
     with pytest.raises(ConfigError, match="periodic=96"):
         soak.run_soak(0, rounds=1, model_name="v4-tiny", swa_recovery="periodic=96")
+
+
+def test_a_wrong_v4_logit_is_caught_and_its_case_reruns_on_v4(v4_model, monkeypatch, tmp_path, capsys):
+    """A V4 backend that gets the first row of each chunk resumed at a 64-aligned position wrong
+    (a stand-in for a restore bug) fails the soak; the recorded case names its model and reruns on it."""
+    from hybridkv.engine.v4backend import V4Backend
+    run = V4Backend.run
+
+    def wrong(self, items):
+        outs = run(self, items)
+        for it, out in zip(items, outs):
+            if it.start > 0 and it.start % 64 == 0 and out.logits is not None and out.logits.shape[0] > 1:
+                out.logits[0] += 0.01
+        return outs
+
+    monkeypatch.setattr(V4Backend, "run", wrong)
+    monkeypatch.setitem(soak._MODELS, "v4-tiny", v4_model)
+    out = tmp_path / "soak.json"
+    assert soak.main(["--model", "v4-tiny", "--swa-recovery", "recompute", "--seed", "1", "--rounds", "2",
+                      "--shrink-seconds", "3", "--quiet", "--json", str(out)]) == 1
+    printed = capsys.readouterr()
+    assert "v4-tiny: every round runs on the device cache alone; skipped: host tier" in printed.err
+    (f,) = json.loads(out.read_text())["failures"]
+    assert f["kind"] == "mismatch" and f["config"]["model"] == "v4-tiny"
+    assert f["reproduce"].endswith("--model v4-tiny --swa-recovery recompute")
+    assert [x.kind for x in soak.run_case(out).failures][:1] == ["mismatch"]
+    monkeypatch.setattr(V4Backend, "run", run)
+    assert soak.run_case(out).failures == []
