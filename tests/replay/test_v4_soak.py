@@ -87,3 +87,15 @@ def test_a_wrong_v4_logit_is_caught_and_its_case_reruns_on_v4(v4_model, monkeypa
     assert [x.kind for x in soak.run_case(out).failures][:1] == ["mismatch"]
     monkeypatch.setattr(V4Backend, "run", run)
     assert soak.run_case(out).failures == []
+
+
+def test_v4_small_rounds_take_whole_hca_entries_per_block():
+    """v4-small's HCA rate is 128: a drawn 64-token block becomes 128, and the round's engine builds."""
+    from hybridkv.engine.build import model_config
+    rate = model_config("v4-small").hca_rate
+    rounds = [make_round(0, i, 1024)[0] for i in range(40)]
+    assert any(rc.block_size % rate for rc in rounds)
+    for rc in rounds:
+        v4 = soak.for_model(rc, "v4-small", None)
+        assert v4.block_size % rate == 0 and rc.block_size <= v4.block_size < rc.block_size + rate
+        v4.cache_config()                                       # still a valid cache config

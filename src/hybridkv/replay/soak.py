@@ -399,12 +399,18 @@ def soak_model(name: str = PRESET) -> HybridModel:
 def for_model(rc: RoundConfig, model_name: str, swa_recovery: str | None) -> RoundConfig:
     """Round settings ``rc`` as run on preset ``model_name``: unchanged for Kimi Linear; on a
     DeepSeek-V4 model, on the device cache alone (:data:`V4_SKIPPED`) under ``swa_recovery``,
-    with the match unit at :data:`PERIODIC_SOAK_UNIT` where the drawn one does not divide the
-    period of ``periodic=P``."""
+    the block size rounded up to a multiple of the largest compression rate (``v4-small``'s HCA
+    rate is 128: a drawn 64 becomes 128; fewer, larger pages still hold each request), and the
+    match unit at :data:`PERIODIC_SOAK_UNIT` where the drawn one does not divide the period of
+    ``periodic=P``."""
     if not is_v4(model_name):
         return rc
     from hybridkv.cache.swa import SwaRecovery
-    rc = replace(rc.on_device_alone(), model=model_name, swa_recovery=swa_recovery)
+    from hybridkv.engine.build import model_config
+    cfg = model_config(model_name)
+    rate = max(cfg.csa_rate, cfg.hca_rate)
+    rc = replace(rc.on_device_alone(), model=model_name, swa_recovery=swa_recovery,
+                 block_size=-(-rc.block_size // rate) * rate)
     recovery = SwaRecovery.parse(swa_recovery)
     if recovery.kind == "periodic" and recovery.period % rc.prefix_match_unit:
         rc = replace(rc, prefix_match_unit=PERIODIC_SOAK_UNIT)
