@@ -132,8 +132,9 @@ def test_split_steps_and_evictions_stay_exact(tiny):
 
 def test_commands_without_v4_support_refuse_it(tmp_path, capsys):
     from hybridkv.serve.launch import ServeOptions, build_handle
-    with pytest.raises(ValueError, match=r"serve does not run DeepSeek-V4 models yet \(model 'v4-tiny'\)"):
-        build_handle(ServeOptions(model="v4-tiny", port=0, threads=1))
+    with pytest.raises(ValueError, match=r"--store memory:// with --model v4-tiny: a DeepSeek-V4 model runs on the "
+                                         r"device cache alone"):
+        build_handle(ServeOptions(model="v4-tiny", port=0, threads=1, store="memory://"))
     assert main(["calibrate", "--model", "v4-tiny", "--out", str(tmp_path / "c.json")]) == 2
     assert "calibrate does not run DeepSeek-V4 models yet" in capsys.readouterr().err.replace("\n", " ")
 

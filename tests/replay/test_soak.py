@@ -56,7 +56,7 @@ def _tamper(monkeypatch):
 
 def test_a_wrong_logit_is_reported_with_seed_round_and_shrunk_sequence(tiny_model, monkeypatch, tmp_path, capsys):
     _tamper(monkeypatch)
-    monkeypatch.setattr(soak, "_MODEL", tiny_model)            # the CLI below reuses the loaded model
+    monkeypatch.setitem(soak._MODELS, "tiny", tiny_model)      # the CLI below reuses the loaded model
     out = tmp_path / "soak.json"
     rc = soak.main(["--seed", "3", "--rounds", "3", "--shrink-seconds", "15", "--quiet", "--json", str(out)])
     assert rc == 1

@@ -1,5 +1,6 @@
-"""Soak: randomized workloads on the ``tiny`` model, every finished request checked against a full
-prefill (docs/how-to/soak.md).
+"""Soak: randomized workloads on the ``tiny`` model (or a DeepSeek-V4 preset, ``--model v4-tiny``:
+on the device cache alone), every finished request checked against a full prefill
+(docs/how-to/soak.md).
 
 Each *round* is derived from ``(seed, round index)`` alone: a random engine configuration
 (policy, mechanism, block size, match unit, step budget, small pools, host tier, memory or
@@ -42,7 +43,7 @@ import numpy as np
 from hybridkv._torch import torch
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
-from hybridkv.engine.build import EngineHandle, load_model
+from hybridkv.engine.build import EngineHandle, build_engine, is_v4, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.replay.args import (
@@ -50,6 +51,7 @@ from hybridkv.replay.args import (
     finite_positive_float,
     positive_int,
     seed_value,
+    swa_recovery_arg,
     thread_count,
     unwritable,
 )
@@ -79,7 +81,19 @@ if TYPE_CHECKING:                 # imported where a model is loaded: it imports
     from hybridkv.model.model import HybridModel
 
 PRESET = "tiny"
-"""The model every soak runs on (preset weights from seed 0)."""
+"""The model a soak runs on by default (preset weights from seed 0)."""
+
+V4_SOAK_PRESETS = ("v4-tiny", "v4-small")
+"""DeepSeek-V4 presets a soak runs on (``--model``; weights from seed 0)."""
+
+V4_SKIPPED = ("host tier", "store (memory, disk)", "two engines sharing a store", "store faults")
+"""What a round on a DeepSeek-V4 model leaves out: its csa/hca/swa groups run on the device
+cache alone (no host or store layout yet), so these draws of :func:`make_round` are dropped
+(:meth:`RoundConfig.on_device_alone`)."""
+
+PERIODIC_SOAK_UNIT = 64
+"""Match unit of a DeepSeek-V4 round whose drawn unit does not divide ``periodic=P``'s period
+(tokens; every drawn block size is a multiple of it)."""
 
 FAILURE_KINDS = ("mismatch", "leak", "exception", "rejected", "stuck")
 
@@ -121,6 +135,8 @@ def _build(model: HybridModel, rc: RoundConfig, store: ObjectStore | None, disk_
     """Engine ``index`` of a round (what :func:`hybridkv.engine.build.build_engine` builds, over a store
     object the caller may share between engines). A fault-injecting wrapper goes on ``faulty``."""
     cfg = rc.cache_config()
+    if is_v4(rc.model):                                # device cache alone: build_engine places its states
+        return build_engine(model, cfg, model_name=rc.model, prefetch=rc.prefetch, swa_recovery=rc.swa_recovery)
     backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
     ns = CacheIdentity(model_repo=PRESET, weight_digest=model.weight_digest()).digest()
     host = (host_tier_for(rc.host_bytes, backend, ns, cfg.prefix_match_unit, cfg.block_size,
@@ -370,20 +386,41 @@ def shrink(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], kind: 
     return current, runs
 
 
-_MODEL: HybridModel | None = None
+_MODELS: dict[str, HybridModel] = {}
 
 
-def soak_model() -> HybridModel:
-    """The ``tiny`` preset (seed 0), loaded once per process."""
-    global _MODEL
-    if _MODEL is None:
-        _MODEL = load_model(PRESET, seed=0)
-    return _MODEL
+def soak_model(name: str = PRESET) -> HybridModel:
+    """Preset ``name`` (``tiny``, ``v4-tiny``, ``v4-small``; seed 0), loaded once per process."""
+    if name not in _MODELS:
+        _MODELS[name] = load_model(name, seed=0)
+    return _MODELS[name]
+
+
+def for_model(rc: RoundConfig, model_name: str, swa_recovery: str | None) -> RoundConfig:
+    """Round settings ``rc`` as run on preset ``model_name``: unchanged for Kimi Linear; on a
+    DeepSeek-V4 model, on the device cache alone (:data:`V4_SKIPPED`) under ``swa_recovery``,
+    the block size rounded up to a multiple of the largest compression rate (``v4-small``'s HCA
+    rate is 128: a drawn 64 becomes 128; fewer, larger pages still hold each request), and the
+    match unit at :data:`PERIODIC_SOAK_UNIT` where the drawn one does not divide the period of
+    ``periodic=P``."""
+    if not is_v4(model_name):
+        return rc
+    from hybridkv.cache.swa import SwaRecovery
+    from hybridkv.engine.build import model_config
+    cfg = model_config(model_name)
+    rate = max(cfg.csa_rate, cfg.hca_rate)
+    rc = replace(rc.on_device_alone(), model=model_name, swa_recovery=swa_recovery,
+                 block_size=-(-rc.block_size // rate) * rate)
+    recovery = SwaRecovery.parse(swa_recovery)
+    if recovery.kind == "periodic" and recovery.period % rc.prefix_match_unit:
+        rc = replace(rc, prefix_match_unit=PERIODIC_SOAK_UNIT)
+    return rc
 
 
 def run_soak(seed: int, checks: int | None = None, seconds: float | None = None, *, rounds: int | None = None,
              first_round: int = 0, shrink_seconds: float = 60.0, stop_on_failure: bool = True,
-             model: HybridModel | None = None, log=None, eviction: str = "lru") -> SoakReport:
+             model: HybridModel | None = None, log=None, eviction: str = "lru", model_name: str = PRESET,
+             swa_recovery: str | None = None) -> SoakReport:
     """Run rounds ``first_round, first_round + 1, ...`` of soak ``seed`` until a bound is reached.
 
     Args:
@@ -394,25 +431,38 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
         first_round: index of the first round.
         shrink_seconds: time given to shrinking each failing round.
         stop_on_failure: stop after the first failing round (after shrinking it).
-        model: the model (default :func:`soak_model`); it must be the ``tiny`` preset for the
-            reproduce command to hold.
+        model: the model (default :func:`soak_model` of ``model_name``); it must be that preset
+            with seed 0 for the reproduce command to hold.
         log: called with a line of progress now and then (``None``: silent).
         eviction: ``lru``, ``value`` or ``mixed`` (:func:`~hybridkv.replay.soak_rounds.round_eviction`).
+        model_name: preset the rounds run on: ``tiny``, or ``v4-tiny`` / ``v4-small`` (DeepSeek-V4:
+            every round on the device cache alone, see :func:`for_model`).
+        swa_recovery: DeepSeek-V4 only: ``window`` (default), ``periodic=P`` or ``recompute``.
 
     Raises:
-        ValueError: no bound given, a bound that is not positive, or an unknown ``eviction``.
+        ValueError: no bound given, a bound that is not positive, an unknown ``eviction``, or
+            ``swa_recovery`` with a Kimi Linear model.
+        ConfigError: a bad ``swa_recovery`` (named).
     """
     if checks is None and seconds is None and rounds is None:
         raise ValueError("run_soak needs a bound: checks, seconds or rounds")
     round_eviction(eviction, 0)                    # an unknown choice fails before any round
+    if swa_recovery is not None:
+        if not is_v4(model_name):
+            raise ValueError(f"swa_recovery={swa_recovery!r} applies to DeepSeek-V4 models; {model_name} is Kimi "
+                             "Linear, whose KDA checkpoints are restored at the hit")
+        from hybridkv.cache.swa import SwaRecovery
+        SwaRecovery.parse(swa_recovery).check(PERIODIC_SOAK_UNIT)
     for name, v in (("checks", checks), ("seconds", seconds), ("rounds", rounds)):
         if v is not None and not v > 0:
             raise ValueError(f"{name}={v!r} must be positive")
-    model = model or soak_model()
+    model = model or soak_model(model_name)
     vocab = model.config.vocab_size
     ref = Reference(model)
     report = SoakReport(seed=seed, first_round=first_round)
-    flag = "" if eviction == "lru" else f" --eviction {eviction}"
+    flag = ("" if model_name == PRESET else f" --model {model_name}") \
+        + ("" if swa_recovery is None else f" --swa-recovery {swa_recovery}") \
+        + ("" if eviction == "lru" else f" --eviction {eviction}")
     t0 = time.monotonic()
     last_log = t0
     i = first_round
@@ -426,7 +476,7 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
             if seconds is not None and time.monotonic() - t0 >= seconds:
                 break
             rc, specs = make_round(seed, i, vocab)
-            rc = replace(rc, eviction=round_eviction(eviction, i))
+            rc = for_model(replace(rc, eviction=round_eviction(eviction, i)), model_name, swa_recovery)
             res = run_sequence(model, rc, specs, ref, janitor)
             report.add(rc, res)
             if res.failures:
@@ -484,7 +534,7 @@ def run_case(path: str | Path, model: HybridModel | None = None) -> RunResult:
         specs = [RequestSpec(**s) for s in data["shrunk"]]
     except TypeError as exc:           # unknown or missing fields
         raise ValueError(f"a recorded config or request does not fit this version: {exc}") from None
-    return run_sequence(model or soak_model(), rc, specs)
+    return run_sequence(model or soak_model(rc.model), rc, specs)
 
 
 def _json_kind(value) -> str:
@@ -506,6 +556,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction", choices=EVICTION_CHOICES, default="lru",
                    help="eviction order of the device pools and host tier: lru (default; every earlier "
                         "round reproduces), value, or mixed (value in odd rounds)")
+    p.add_argument("--model", choices=(PRESET, *V4_SOAK_PRESETS), default=PRESET,
+                   help="preset the rounds run on (default tiny); a DeepSeek-V4 preset runs every round on the "
+                        "device cache alone: the drawn host tier, store, second engine and store faults are skipped")
+    p.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
+                   help="DeepSeek-V4 models: how a hit restores the sliding-window state (default window; "
+                        f"periodic=P needs P a multiple of {PERIODIC_SOAK_UNIT})")
     p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
     p.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the report here")
@@ -515,10 +571,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register_cli(subparsers) -> None:
     """Add ``soak`` to the ``hybridkv`` command's subparsers (``args.soak_func(args)`` runs it)."""
-    p = subparsers.add_parser("soak", help="randomized workloads on the tiny model, every request checked "
+    p = subparsers.add_parser("soak", help="randomized workloads on the tiny model (or v4-tiny), every request checked "
                                            "against a full prefill",
                               description="Random engine configurations and request sequences (prefix trees, "
-                                          "sessions, resends, short prompts, cancellations) on the tiny model; "
+                                          "sessions, resends, short prompts, cancellations) on the tiny model (or a "
+                                          "DeepSeek-V4 preset, --model); "
                                           "every finished request is compared with a full prefill and every "
                                           "drained engine is checked for leaks. Exit 1 on any failure.")
     add_arguments(p)
@@ -537,6 +594,24 @@ def cmd_soak(args: argparse.Namespace) -> int:
                 print(f"error: {flag} {value} has no effect with --case {args.case}: a rerun of a recorded "
                       "failure prints its checks and writes no report; drop one of them", file=sys.stderr)
                 return 2
+    if args.swa_recovery is not None and not is_v4(args.model):
+        print(f"error: --swa-recovery {args.swa_recovery}: applies to DeepSeek-V4 models (--model v4-tiny or "
+              f"v4-small); --model {args.model} is Kimi Linear, whose KDA checkpoints are restored at the hit",
+              file=sys.stderr)
+        return 2
+    if args.swa_recovery is not None:
+        from hybridkv.cache.config import ConfigError
+        from hybridkv.cache.swa import SwaRecovery
+        try:
+            SwaRecovery.parse(args.swa_recovery).check(PERIODIC_SOAK_UNIT)
+        except ConfigError as exc:
+            print(f"error: --swa-recovery {args.swa_recovery}: {exc} (the soak draws units of 64 and 128 tokens)",
+                  file=sys.stderr)
+            return 2
+    if args.case is not None and (args.model != PRESET or args.swa_recovery is not None):
+        print(f"error: --model {args.model} / --swa-recovery have no effect with --case {args.case}: the recorded "
+              "config names its model and strategy; drop them", file=sys.stderr)
+        return 2
     if args.json_path is not None and args.case is None:     # fail before a long run, not after it
         problem = unwritable(args.json_path)
         if problem:
@@ -568,10 +643,13 @@ def _soak(args: argparse.Namespace) -> int:
             print(f"  {f.kind}: {f.detail.splitlines()[0]}")
         return 1 if res.failures else 0
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    if is_v4(args.model):
+        print(f"{args.model}: every round runs on the device cache alone; skipped: {', '.join(V4_SKIPPED)} "
+              "(a DeepSeek-V4 model has no host or store layout yet)", file=sys.stderr, flush=True)
     report = run_soak(args.seed, args.checks, args.seconds, rounds=args.rounds, first_round=args.first_round,
                       shrink_seconds=args.shrink_seconds, stop_on_failure=not args.keep_going, log=log,
-                      eviction=args.eviction)
-    vocab = soak_model().config.vocab_size
+                      eviction=args.eviction, model_name=args.model, swa_recovery=args.swa_recovery)
+    vocab = soak_model(args.model).config.vocab_size
     for f in report.failures:
         print(f.render(vocab))
     print(report.summary())

@@ -5,7 +5,7 @@ drives the rounds and checks them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,6 +36,10 @@ class RoundConfig:
             ``unavailable`` at a third of it); 0: none.
         eviction: eviction order of the device pools and the host tier (``lru`` or ``value``;
             not drawn by :func:`make_round`: the soak's ``--eviction`` option sets it).
+        model: the preset the round runs on (``tiny``, or DeepSeek-V4's ``v4-tiny`` / ``v4-small``;
+            not drawn: the soak's ``--model`` sets it).
+        swa_recovery: DeepSeek-V4 only: ``window``, ``periodic=P`` or ``recompute``
+            (:class:`~hybridkv.cache.swa.SwaRecovery`; ``None``: the default, ``window``).
     """
 
     policy: str
@@ -55,6 +59,14 @@ class RoundConfig:
     prefetch: bool = True
     faults: float = 0.0
     eviction: str = "lru"
+    model: str = "tiny"
+    swa_recovery: str | None = None
+
+    def on_device_alone(self) -> RoundConfig:
+        """These settings without what a DeepSeek-V4 model does not run with yet: no host tier, no
+        store (so no store faults) and one engine (the workload's instances all map to it)."""
+        return replace(self, host_bytes=0, host_write_through=False, store="none", store_capacity=None,
+                                   store_alignment=None, instances=1, faults=0.0)
 
     def cache_config(self) -> CacheConfig:
         """The validated :class:`CacheConfig` of these settings."""

@@ -27,6 +27,7 @@ from hybridkv.replay.args import (
     port_number,
     positive_int,
     seed_value,
+    swa_recovery_arg,
     thread_count,
     time_scale,
 )
@@ -37,7 +38,8 @@ def register_cli(sub) -> None:
     """Add the ``serve``, ``router`` and ``bench-serve`` subcommands to ``sub`` (argparse subparsers)."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the engine (docs/how-to/serve.md)",
                        description="Serve a model with the hybrid prefix cache over an OpenAI-compatible API.")
-    s.add_argument("--model", default="tiny", help="preset (tiny, small, kimi-linear-48b-a3b) or a model directory")
+    s.add_argument("--model", default="tiny",
+                   help="preset (tiny, small, kimi-linear-48b-a3b; DeepSeek-V4: v4-tiny, v4-small) or a model directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=port_number, default=8000,
                    help="port (default 8000; 0: a free one, printed at start); a taken port is an error at start")
@@ -61,6 +63,12 @@ def register_cli(sub) -> None:
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests waiting for admission before answering 503 (default 64)")
     s.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
+    s.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
+                   help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
+                        "saved at the hit, placed by --policy; default), periodic=P (saved every P tokens, a "
+                        "multiple of --prefix-match-unit) or recompute (nothing saved; the hit recomputes the "
+                        "window's dependency cone). A V4 model serves from the device cache alone (no --store, "
+                        "--host-mib)")
     s.set_defaults(func=_serve)
 
     _register_router(sub)
@@ -98,7 +106,7 @@ def _serve(args) -> int:
                         kv_pages=args.kv_pages, checkpoint_slots=args.checkpoint_slots,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         host_mib=args.host_mib, threads=args.threads, max_model_len=args.max_model_len,
-                        max_waiting=args.max_waiting)
+                        max_waiting=args.max_waiting, swa_recovery=args.swa_recovery)
     try:
         serve_forever(opts)
     except (ConfigError, ValueError, FileNotFoundError) as exc:

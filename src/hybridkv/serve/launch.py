@@ -23,8 +23,8 @@ import uvicorn
 
 from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
-from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory, load_model, model_config,
-                                   refuse_v4)
+from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory, is_v4, load_model,
+                                   model_config)
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
@@ -171,6 +171,8 @@ class ServeOptions:
         max_model_len: prompt + generated tokens per request; default: the KV pool's tokens.
         max_waiting: submitted, not yet admitted requests before answering 503.
         kv_pages: device KV pages; default enough for 65,536 tokens.
+        swa_recovery: DeepSeek-V4 models only: ``window`` (default), ``periodic=P`` or ``recompute``
+            (:class:`~hybridkv.cache.swa.SwaRecovery`); refused for a Kimi Linear model.
         Others: as ``hybridkv replay`` names them.
     """
 
@@ -193,6 +195,7 @@ class ServeOptions:
     max_model_len: int | None = None
     max_waiting: int = 64
     default_max_tokens: int = 16
+    swa_recovery: str | None = None
 
 
 def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> EngineHandle:
@@ -208,13 +211,38 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
                          num_checkpoint_slots=opts.checkpoint_slots, policy=CheckpointPolicy.parse(opts.policy),
                          mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
                          store_alignment=opts.store_alignment)
-    refuse_v4(opts.model, "serve")
-    check_pool_memory(config, model_config(opts.model), host_bytes=opts.host_mib << 20)   # before loading anything
+    sizes = model_config(opts.model)
+    if is_v4(opts.model):
+        check_v4_options(opts)
+        from hybridkv.engine.v4backend import pool_sizes
+        sizes = pool_sizes(sizes, config.block_size, config.prefix_match_unit)   # its pages and slots, by group
+    elif opts.swa_recovery is not None:
+        raise ValueError(f"--swa-recovery {opts.swa_recovery}: applies to DeepSeek-V4 models (v4-tiny, v4-small, or "
+                         f"a deepseek_v4 directory); --model {opts.model} is Kimi Linear, whose KDA checkpoints are "
+                         "restored at the hit")
+    check_pool_memory(config, sizes, host_bytes=opts.host_mib << 20)   # before loading anything
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     model = load_model(opts.model, opts.seed)
     return build_engine(model, config, model_name=opts.model, store_url=opts.store, host_bytes=opts.host_mib << 20,
-                        listener=listener)
+                        listener=listener, swa_recovery=opts.swa_recovery)
+
+
+def check_v4_options(opts: ServeOptions) -> None:
+    """Refuse what a DeepSeek-V4 model does not run with yet: a host tier or a store (its csa/hca/swa
+    groups run on the device cache alone), and a simulate-only preset (no weights).
+
+    Raises:
+        ValueError: naming the option, its value and the model.
+    """
+    from hybridkv.model.v4.config import V4_SIMULATE_ONLY
+    if opts.model in V4_SIMULATE_ONLY:
+        raise ValueError(f"--model {opts.model} is a simulate-only preset (published shapes, no weights); "
+                         "serve v4-tiny, v4-small or a deepseek_v4 directory")
+    for flag, bad in (("--host-mib", opts.host_mib or None), ("--store", None if opts.store in ("none", "") else opts.store)):
+        if bad is not None:
+            raise ValueError(f"{flag} {bad} with --model {opts.model}: a DeepSeek-V4 model runs on the device cache "
+                             "alone for now (no host tier or store)")
 
 
 def build_server(opts: ServeOptions) -> Server:

@@ -43,7 +43,7 @@ def engine_snapshot(handle: EngineHandle, queue_depth: int) -> dict:
     """
     engine, cache = handle.engine, handle.engine.cache
     s = engine.stats
-    kv_per_token = handle.backend.full_spec.bytes_per_token
+    kv_per_token = handle.backend.kv_bytes_per_token      # MLA latents; a V4 model: its csa/hca entries
     counters = {"requests": s.requests, "requests_with_hit": s.requests_with_hit,
                 "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
                 "kv_hit_tokens": s.kv_hit_tokens, "computed_prompt_tokens": s.computed_prompt_tokens,

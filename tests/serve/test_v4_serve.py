@@ -1,0 +1,76 @@
+"""``hybridkv serve --model v4-tiny``: the official ``openai`` client against a live DeepSeek-V4
+server under each SWA recovery strategy; a shared prefix is reused and the generated tokens are a
+full prefill's greedy tokens."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import wait_idle
+
+from hybridkv.cli import main
+from hybridkv.engine.build import load_model
+from hybridkv.serve.launch import RunningServer, ServeOptions, build_handle
+
+PREFIX_TOKENS = 192
+"""Tokens the two prompts share (three 64-token pages)."""
+
+MAX_TOKENS = 4
+"""Greedy tokens generated per completion."""
+
+
+@pytest.fixture(scope="module")
+def v4():
+    """The reference: v4-tiny with the server's seed, run cache-free."""
+    return load_model("v4-tiny", 0)
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of ``model`` after ``prompt``, each from a full prefill (no cache)."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor(ids, dtype=torch.int64)[None])[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("recovery", ["window", "periodic=128", "recompute"])
+def test_a_shared_prefix_is_reused_exactly(v4, recovery):
+    rng = np.random.default_rng(5)
+    vocab = v4.config.vocab_size
+    prefix = rng.integers(3, vocab, PREFIX_TOKENS).tolist()
+    prompts = [prefix + rng.integers(3, vocab, k).tolist() for k in (30, 50)]
+    with RunningServer(ServeOptions(model="v4-tiny", port=0, threads=1, kv_pages=64, checkpoint_slots=8,
+                                    swa_recovery=recovery)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        outs = [c.completions.create(model="v4-tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True}) for p in prompts]
+        assert outs[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert outs[1].usage.prompt_tokens_details.cached_tokens >= 128    # a 64-aligned boundary of the prefix
+        assert outs[1].usage.prompt_tokens_details.cached_tokens <= PREFIX_TOKENS
+        for p, out in zip(prompts, outs):
+            got = out.choices[0].token_ids
+            assert len(got) == out.usage.completion_tokens == MAX_TOKENS
+            assert got == _greedy(v4, p, MAX_TOKENS)
+        state = wait_idle(s)
+        assert state["page_refs"] == 0 and state["slot_refs"] == 0 and state["pages_accounted"]
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        samples = {smp.name: smp.value for f in text_string_to_metric_families(text) for smp in f.samples
+                   if not smp.labels or set(smp.labels) == {"le"} and smp.labels["le"] == "+Inf"}
+        assert samples["hybridkv_reused_prompt_tokens_count"] == 2
+        assert samples["hybridkv_reused_prompt_tokens_sum"] == outs[1].usage.prompt_tokens_details.cached_tokens
+
+
+def test_serve_refuses_what_v4_does_not_run_yet(capsys):
+    with pytest.raises(ValueError, match=r"--host-mib 16 with --model v4-tiny"):
+        build_handle(ServeOptions(model="v4-tiny", port=0, threads=1, host_mib=16))
+    assert main(["serve", "--model", "tiny", "--port", "0", "--swa-recovery", "recompute"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --swa-recovery recompute: applies to DeepSeek-V4 models" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "v4-tiny", "--port", "0", "--swa-recovery", "periodic=0"])
+    assert "--swa-recovery" in capsys.readouterr().err
