@@ -60,7 +60,29 @@ class StepOutput:
     checkpoints: dict[int, KDACheckpoint | None]
 
 
-class TorchBackend:
+class _KimiSizes:
+    """Sizes of a Kimi Linear backend's entries, from its ``full_spec`` and ``kda_spec`` (bytes)."""
+
+    full_spec: FullAttentionSpec
+    kda_spec: KDASpec
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page over all MLA layers."""
+        return self.full_spec.page_size_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all MLA layers."""
+        return self.full_spec.bytes_per_token
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one KDA checkpoint."""
+        return self.kda_spec.page_size_bytes
+
+
+class TorchBackend(_KimiSizes):
     """Runs the real model over a paged KV pool.
 
     Args:
@@ -87,21 +109,6 @@ class TorchBackend:
 
     state_codec = KDA_CODEC
     """The ``kda`` state as its entry components and back (lower tiers encode and decode with it)."""
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one KV page over all MLA layers."""
-        return self.full_spec.page_size_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes of one token over all MLA layers."""
-        return self.full_spec.bytes_per_token
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        """Bytes of one KDA checkpoint."""
-        return self.kda_spec.page_size_bytes
 
     def cache_binding(self) -> bytes:
         """What cached state of this backend depends on, whatever namespace a caller passes:
@@ -160,7 +167,7 @@ class TorchBackend:
                            checkpoints=dict(o.checkpoints)) for o in outs]
 
 
-class SimulatedBackend:
+class SimulatedBackend(_KimiSizes):
     """No tensors: every answer is a placeholder; compute time comes from a cost model.
 
     Cost model (seconds) for a step: ``sum(n_i) / prefill_tokens_per_second``
@@ -182,21 +189,6 @@ class SimulatedBackend:
     """No tensors: lower tiers hold byte accounting only."""
     family = KIMI_LINEAR
     """The cache groups this backend's state is made of (``full`` + ``kda``)."""
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one KV page over all MLA layers."""
-        return self.full_spec.page_size_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes of one token over all MLA layers."""
-        return self.full_spec.bytes_per_token
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        """Bytes of one KDA checkpoint."""
-        return self.kda_spec.page_size_bytes
 
     def __init__(self, full_spec: FullAttentionSpec, kda_spec: KDASpec,
                  prefill_tokens_per_second: float = 4000.0, decode_seconds: float = 0.005,
