@@ -63,3 +63,13 @@ def test_unknown_preset_and_bad_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         V4Config.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize(("key", "value"), [("rms_norm_eps", "x"), ("routed_scaling_factor", True),
+                                            ("swiglu_limit", "10"), ("hc_eps", [1e-6])])
+def test_a_float_field_of_the_wrong_json_type_is_refused_naming_it(key, value):
+    """``float()`` used to convert ``true`` to 1.0 (accepted) and fail on ``"x"`` without the field."""
+    d = V4Config.preset("v4-tiny").to_hf_dict()
+    d[key] = value
+    with pytest.raises(ValueError, match=f"{key}=.*must be a number"):
+        V4Config.from_hf(d)

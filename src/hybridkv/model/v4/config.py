@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hybridkv.model.config_schema import Field
+
 #: Names of the bundled DeepSeek-V4 presets (``src/hybridkv/model/presets/<name>.json``).
 V4_PRESETS = ("v4-tiny", "v4-small", "deepseek-v4-flash")
 
@@ -267,6 +269,11 @@ class V4Config:
                 raise _bad(key, None, "required key is missing")
             return default
 
+        def number(key: str, default: float) -> float:
+            """A finite number > 0, checked as the Kimi schema checks its floats (a bool or a string
+            is refused, not converted)."""
+            return Field(key, (key,), kind=float, default=default).read(d, {})
+
         n = get("num_hidden_layers", 43)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise _bad("num_hidden_layers", n, "must be an int >= 1")
@@ -325,11 +332,11 @@ class V4Config:
             csa_rate=csa, hca_rate=hca, index_n_heads=get("index_n_heads"),
             index_head_dim=get("index_head_dim"), index_topk=get("index_topk"),
             hc_mult=get("hc_mult", 4), hc_sinkhorn_iters=get("hc_sinkhorn_iters", 20),
-            hc_eps=float(get("hc_eps", 1e-6)), mlp_layer_types=tuple(list(mlp)[:n]),
+            hc_eps=number("hc_eps", 1e-6), mlp_layer_types=tuple(list(mlp)[:n]),
             n_routed_experts=get("n_routed_experts"), num_experts_per_tok=get("num_experts_per_tok"),
             moe_intermediate_size=get("moe_intermediate_size"), scoring_func=get("scoring_func", "sqrtsoftplus"),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(get("swiglu_limit", 10.0)), rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            routed_scaling_factor=number("routed_scaling_factor", 1.5),
+            swiglu_limit=number("swiglu_limit", 10.0), rms_norm_eps=number("rms_norm_eps", 1e-6),
             rope_main=_rope_spec("main", main, max_pos), rope_compress=_rope_spec("compress", comp, max_pos),
             max_position_embeddings=max_pos, pad_token_id=d.get("pad_token_id"),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
