@@ -1,6 +1,7 @@
 """``hybridkv serve --model v4-tiny``: the official ``openai`` client against a live DeepSeek-V4
-server under each SWA recovery strategy; a shared prefix is reused and the generated tokens are a
-full prefill's greedy tokens."""
+server under each SWA recovery strategy; a shared prefix is reused (from the device, from a disk
+store after a restart, from the host tier after an eviction) and the generated tokens are a full
+prefill's (a cache-off server's) greedy tokens; events and ``/server_info`` name V4's groups."""
 
 from __future__ import annotations
 
@@ -65,9 +66,56 @@ def test_a_shared_prefix_is_reused_exactly(v4, recovery):
         assert samples["hybridkv_reused_prompt_tokens_sum"] == outs[1].usage.prompt_tokens_details.cached_tokens
 
 
-def test_serve_refuses_what_v4_does_not_run_yet(capsys):
-    with pytest.raises(ValueError, match=r"--host-mib 16 with --model v4-tiny"):
-        build_handle(ServeOptions(model="v4-tiny", port=0, threads=1, host_mib=16))
+def _ask(s: RunningServer, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy token ids and cached prompt tokens of one completion, through the ``openai`` client."""
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = c.completions.create(model="v4-tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                               extra_body={"return_token_ids": True, "ignore_eos": True})
+    return out.choices[0].token_ids, out.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("recovery", ["window", "periodic=64", "recompute"])
+def test_store_and_host_tier_carry_v4_groups(tmp_path, recovery):
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(3, 1000, PREFIX_TOKENS).tolist()
+    first, second = prefix + rng.integers(3, 1000, 30).tolist(), prefix + rng.integers(3, 1000, 50).tolist()
+    other = rng.integers(3, 1000, 400).tolist()
+    with RunningServer(ServeOptions(model="v4-tiny", port=0, threads=1, policy="none")) as off:
+        want = _ask(off, second)
+    assert want[1] == 0
+    store = f"disk://{tmp_path}/store"
+    opts = ServeOptions(model="v4-tiny", port=0, threads=1, kv_pages=64, checkpoint_slots=8, swa_recovery=recovery,
+                        store=store)
+    with RunningServer(opts) as s:
+        assert _ask(s, first)[1] == 0
+        wait_idle(s)
+        info = httpx.get(s.url + "/v1/cache/info", timeout=30).json()
+        groups = httpx.get(s.url + "/server_info", timeout=30).json()["cache_groups"]
+        events = httpx.get(s.url + "/v1/cache/events", timeout=30).json()["events"]
+    assert [(g["name"], g["kind"], g["unit"]) for g in groups] == [("csa", "paged", 4), ("hca", "paged", 16),
+                                                                  ("swa", "state", 64)]
+    assert info["groups"] == groups and all(g["entry_bytes"] > 0 for g in groups)
+    assert [g["name"] for g in info["store"]["groups"]] == ["csa", "hca", "swa"]
+    seen = {(e["kind"], e["medium"], e["group"]) for e in events}
+    for medium in ("device", "store"):        # a page event per paged group; a saved state under swa
+        assert {("blocks_stored", medium, "csa"), ("blocks_stored", medium, "hca")} <= seen
+        assert (("checkpoints_stored", medium, "swa") in seen) == (recovery != "recompute")
+    with RunningServer(opts) as s:           # a restart: the device is empty, the store is not
+        got = _ask(s, second)
+        loaded = s.server.handle.store_tier.stats.hit_tokens
+    assert got[1] == loaded == PREFIX_TOKENS and got[0] == want[0]
+    # the host tier: the first prompt's pages are evicted to it by an unrelated long prompt
+    with RunningServer(ServeOptions(model="v4-tiny", port=0, threads=1, kv_pages=8, checkpoint_slots=8,
+                                    swa_recovery=recovery, host_mib=16, max_model_len=512)) as s:
+        assert _ask(s, first)[1] == 0 and _ask(s, other)[1] == 0
+        got = _ask(s, second)
+        from_host = s.server.handle.host_tier.stats.hit_tokens
+    assert got[0] == want[0] and got[1] >= 128 and from_host >= 128
+
+
+def test_serve_refuses_what_v4_does_not_run(capsys):
+    with pytest.raises(ValueError, match=r"--model deepseek-v4-flash is a simulate-only preset"):
+        build_handle(ServeOptions(model="deepseek-v4-flash", port=0, threads=1))
     assert main(["serve", "--model", "tiny", "--port", "0", "--swa-recovery", "recompute"]) == 2
     err = capsys.readouterr().err
     assert "error: --swa-recovery recompute: applies to DeepSeek-V4 models" in err and "Traceback" not in err

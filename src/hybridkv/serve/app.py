@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
-from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed
+from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed, group_info
 from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import (
@@ -275,12 +275,14 @@ class Server:
 
     async def cache_info(self) -> dict:
         """``GET /v1/cache/info``: what a router needs to hash prompts as this server does (the
-        namespace fields, the backend binding, units in tokens), the event epoch and the shared
-        store's ``{id, alignment, kv_bytes_per_token, checkpoint_bytes}`` (``null``: none)."""
+        namespace fields, the backend binding, units in tokens), the event epoch, the model's cache
+        groups (:func:`~hybridkv.serve.cache_events.group_info`: the ``group`` of its events) and the
+        shared store's ``{id, alignment, kv_bytes_per_token, checkpoint_bytes, groups}`` (``null``: none)."""
         cfg = self.handle.engine.config
         return {"model": self.settings.model_name, "epoch": self.events.epoch, "identity": self.identity(),
                 "binding": self.handle.backend.cache_binding().hex(), "prefix_match_unit": cfg.prefix_match_unit,
-                "block_size": cfg.block_size, "vocab_size": self.vocab_size, "store": self.events.store_info()}
+                "block_size": cfg.block_size, "vocab_size": self.vocab_size,
+                "groups": group_info(self.handle.backend.tier_family), "store": self.events.store_info()}
 
     async def cache_events(self, request: Request, after: int = -1, epoch: int | None = None,
                            limit: int = EVENT_PAGE_MAX, wait: float = 0.0) -> dict:

@@ -9,7 +9,7 @@ worker's shared store tier (:meth:`EventFeed.watch_store`, a
 removals, in the same sequence, with ``medium: "store"`` (as vLLM's KV events name the medium a
 block lives on); the worker's own device cache is ``medium: "device"``. The answer::
 
-    {"epoch": E', "events": [{"seq", "kind", "medium", "keys": [hex, ...]}, ...], "next": S,
+    {"epoch": E', "events": [{"seq", "kind", "medium", "group", "keys": [hex, ...]}, ...], "next": S,
      "gap": bool, "more": bool}
 
 ``E'`` is the worker's epoch: a fresh one at every start (``time.time_ns()``) and after every
@@ -18,11 +18,18 @@ for drops its view (the page then starts at the new epoch's first event still bu
 ``gap`` says events the reader had not seen fell out of the buffer (it should drop its view
 too); ``next`` is the ``after`` of the next call plus one. With ``wait=S`` (seconds) a reader
 that is up to date is answered as soon as a new event arrives, or empty after ``S`` seconds
-(a long poll: :meth:`EventFeed.wait`). Store events carry the store entry's chained hash at
-an ``alignment`` boundary: ``blocks_stored`` / ``blocks_removed`` for KV segments (group
-``full``), ``checkpoints_stored`` / ``checkpoints_removed`` for checkpoints (group ``kda``),
-``all_cleared`` after a purge removed entries it cannot name. Keys are chained hashes, never
-token ids; nothing here logs them.
+(a long poll: :meth:`EventFeed.wait`).
+
+Events are per cache group of the served model's family
+(:class:`~hybridkv.cache.groups.Family`): a paged (prefix-closed) group's units are
+``blocks_stored`` / ``blocks_removed``, a boundary-state group's are ``checkpoints_stored`` /
+``checkpoints_removed``, and every such event names its group in ``group`` (``full`` / ``kda``
+for Kimi Linear; ``csa``, ``hca`` / ``swa`` for DeepSeek-V4, whose two paged groups share a
+page, so each page event comes once per paged group with the same keys). A reader of a worker
+that sends no ``group`` takes ``full`` for blocks and ``kda`` for checkpoints. Store events
+carry the store entry's chained hash at an ``alignment`` boundary, ``all_cleared`` follows a
+purge that removed entries it cannot name. Keys are chained hashes, never token ids; nothing
+here logs them.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import threading
 import time
 from collections import deque
 
-from hybridkv.cache.groups import FULL, KDA
+from hybridkv.cache.groups import KIMI_LINEAR, Family, nbytes
 from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher
 
 EVENT_BUFFER = 65536
@@ -45,6 +52,32 @@ MAX_WAIT_S = 30.0
 """Longest long poll (``wait``) one ``GET /v1/cache/events`` may ask for, seconds."""
 DEVICE, STORE = "device", "store"
 """The ``medium`` of an event: the worker's own cache (device pools), or its shared store tier."""
+PAGED, STATE = "paged", "state"
+"""The ``kind`` of a cache group in ``/server_info`` and ``/v1/cache/info``: prefix-closed entries
+in pages (``blocks_*`` events), or a boundary state (``checkpoints_*`` events)."""
+_BLOCK_KINDS = (EventKind.BLOCKS_STORED, EventKind.BLOCKS_REMOVED)
+
+
+def group_info(family: Family, tokens: int | None = None) -> list[dict]:
+    """The cache groups of ``family`` as ``/server_info`` reports them: per group ``{"name",
+    "kind"}`` (:data:`PAGED` / :data:`STATE`), ``"unit"`` (tokens: what one paged entry
+    summarises, the spacing of a state's boundaries; :attr:`~hybridkv.cache.groups.GroupSpec.granularity`)
+    and ``"entry_bytes"``: one entry's payload (:attr:`~hybridkv.cache.groups.GroupSpec.bytes_per_entry`),
+    or with ``tokens`` (a store's alignment) a paged group's entries of ``tokens`` tokens; ``null``
+    for a family without a layout.
+
+    Raises:
+        ValueError: ``tokens`` not a multiple of a paged group's unit (naming both).
+    """
+    out = []
+    for g in family.groups:
+        size = None
+        if g.components:
+            size = (g.bytes_per_entry if tokens is None or not g.prefix_closed
+                    else sum(nbytes(d, s) for d, s in g.entry_shape(tokens).values()))
+        out.append({"name": g.name, "kind": PAGED if g.prefix_closed else STATE, "unit": g.granularity,
+                    "entry_bytes": size})
+    return out
 
 
 class EventFeed:
@@ -54,21 +87,38 @@ class EventFeed:
 
     Args:
         capacity: events kept (oldest dropped first; a reader that falls behind gets ``gap``).
+        family: the served model's cache groups (:meth:`use_family` sets it once the engine is
+            built); events of a paged group name it, one event per paged group.
 
     Raises:
         ValueError: ``capacity`` < 1 (named).
     """
 
-    def __init__(self, capacity: int = EVENT_BUFFER) -> None:
+    def __init__(self, capacity: int = EVENT_BUFFER, family: Family = KIMI_LINEAR) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be an integer >= 1 (events)")
+        self.use_family(family)
         self._publisher = EventPublisher(0)
         self._publisher.epoch = time.time_ns()
         self._lock = threading.Lock()
-        self._events: deque[tuple[str, CacheEvent]] = deque(maxlen=capacity)
+        self._events: deque[tuple[str, str | None, CacheEvent]] = deque(maxlen=capacity)   # medium, group, event
         self._next = 0                         # seq of the next event of this epoch
         self._store: dict | None = None        # what /v1/cache/info says of the store tier
+        self._store_groups: tuple[str, str] = ("", "")   # the store tier's page and state entry kinds
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    def use_family(self, family: Family) -> None:
+        """Name events by ``family``'s groups (its paged groups for ``blocks_*``, its boundary group
+        for ``checkpoints_*``; the store's entries by the same names).
+
+        Raises:
+            ValueError: a family with other than one boundary group (naming it).
+        """
+        bnames = [name for name, _ in family.boundary]
+        if len(bnames) != 1:
+            raise ValueError(f"family {family.name!r}: the event feed names one boundary group, it has {bnames}")
+        self.family = family
+        self._paged, self._state = family.prefix_names, bnames[0]
 
     @property
     def epoch(self) -> int:
@@ -87,14 +137,20 @@ class EventFeed:
                 digits) is published, as the store's ``id``: workers with the same id share it.
         """
         self._store = {"id": hashlib.sha256(url.encode()).hexdigest()[:16], "alignment": tier.alignment,
-                       "kv_bytes_per_token": tier.entry_nbytes(FULL) // tier.alignment,
-                       "checkpoint_bytes": tier.entry_nbytes(KDA)}
+                       "kv_bytes_per_token": tier.entry_nbytes(tier.page_group) // tier.alignment,
+                       "checkpoint_bytes": tier.entry_nbytes(tier.state_group),
+                       "groups": group_info(tier.family, tier.alignment)}
+        self._store_groups = (tier.page_group, tier.state_group)
         tier.observer = self
 
     def store_info(self) -> dict | None:
-        """``{"id", "alignment" (tokens), "kv_bytes_per_token", "checkpoint_bytes"}`` of the watched
-        store, or ``None`` (no store tier)."""
-        return dict(self._store) if self._store is not None else None
+        """``{"id", "alignment" (tokens), "kv_bytes_per_token", "checkpoint_bytes", "groups"}`` of the
+        watched store, or ``None`` (no store tier): bytes per token of a page entry (every paged
+        group), bytes of one state entry, and :func:`group_info` of its family with each paged
+        group's bytes per ``alignment`` tokens."""
+        if self._store is None:
+            return None
+        return {**self._store, "groups": [dict(g) for g in self._store["groups"]]}
 
     def entries_saved(self, tier: str, entries: list[tuple[bytes, str]]) -> None:
         """Store entries committed (:class:`~hybridkv.tiers.base.TierObserver`)."""
@@ -110,13 +166,15 @@ class EventFeed:
             self._append(STORE, EventKind.ALL_CLEARED, ())
 
     def _store_event(self, kv_kind: EventKind, ck_kind: EventKind, entries: list[tuple[bytes, str]]) -> None:
-        kv = [h for h, grp in entries if grp == FULL]
-        ck = [h for h, grp in entries if grp == KDA]
+        page, state = self._store_groups          # a page entry holds every paged group of its segment
+        kv = [h for h, grp in entries if grp == page]
+        ck = [h for h, grp in entries if grp == state]
         with self._lock:
             if kv:
-                self._append(STORE, kv_kind, kv)
+                for g in self._paged:
+                    self._append(STORE, kv_kind, kv, g)
             if ck:
-                self._append(STORE, ck_kind, ck)
+                self._append(STORE, ck_kind, ck, self._state)
 
     # -- the engine thread (CacheListener) ------------------------------------------
     def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
@@ -134,11 +192,16 @@ class EventFeed:
 
     def _take(self) -> None:
         for e in self._publisher.drain():
-            self._append(DEVICE, e.kind, e.keys)
+            if e.kind in _BLOCK_KINDS:
+                for g in self._paged:
+                    self._append(DEVICE, e.kind, e.keys, g)
+            else:
+                self._append(DEVICE, e.kind, e.keys, None if e.kind is EventKind.ALL_CLEARED else self._state)
 
-    def _append(self, medium: str, kind: EventKind, keys) -> None:
-        """Buffer one event under the lock and wake every long poll."""
-        self._events.append((medium, CacheEvent(0, self._publisher.epoch, self._next, kind, tuple(keys))))
+    def _append(self, medium: str, kind: EventKind, keys, group: str | None = None) -> None:
+        """Buffer one event (of cache group ``group``; ``None``: ``all_cleared``) under the lock and
+        wake every long poll."""
+        self._events.append((medium, group, CacheEvent(0, self._publisher.epoch, self._next, kind, tuple(keys))))
         self._next += 1
         for loop, ev in self._waiters:
             loop.call_soon_threadsafe(ev.set)
@@ -166,14 +229,14 @@ class EventFeed:
         with self._lock:
             current = self._publisher.epoch
             start = after + 1 if epoch == current else 0
-            first = self._events[0][1].seq if self._events else self._next
+            first = self._events[0][2].seq if self._events else self._next
             i = max(start - first, 0)
             page = list(itertools.islice(self._events, i, i + limit))
-            nxt = page[-1][1].seq + 1 if page else max(start, first)
+            nxt = page[-1][2].seq + 1 if page else max(start, first)
             more = nxt < self._next
         return {"epoch": current, "next": nxt, "gap": start < first, "more": more,
-                "events": [{"seq": e.seq, "kind": e.kind.value, "medium": m, "keys": [k.hex() for k in e.keys]}
-                           for m, e in page]}
+                "events": [{"seq": e.seq, "kind": e.kind.value, "medium": m, **({"group": g} if g else {}),
+                            "keys": [k.hex() for k in e.keys]} for m, g, e in page]}
 
     async def wait(self, epoch: int | None, after: int, limit: int = EVENT_PAGE_MAX, wait_s: float = 0.0) -> dict:
         """:meth:`page`, but when it would be empty for a reader that is up to date (same

@@ -67,8 +67,8 @@ def register_cli(sub) -> None:
                    help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
                         "saved at the hit, placed by --policy; default), periodic=P (saved every P tokens, a "
                         "multiple of --prefix-match-unit) or recompute (nothing saved; the hit recomputes the "
-                        "window's dependency cone). A V4 model serves from the device cache alone (no --store, "
-                        "--host-mib)")
+                        "window's dependency cone). --host-mib and --store carry a V4 model's groups as they "
+                        "carry Kimi Linear's")
     s.set_defaults(func=_serve)
 
     _register_router(sub)

@@ -32,6 +32,7 @@ from hybridkv import __version__
 from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.build import EngineHandle
 from hybridkv.model.config import MODEL_TYPE
+from hybridkv.serve.cache_events import group_info
 from hybridkv.serve.protocol import APIError, tenant_header
 from hybridkv.tiers.purge import purge as purge_tiers
 
@@ -78,7 +79,9 @@ class CompatRoutes:
     async def server_info(self) -> dict:
         """``GET /server_info``: what the worker serves and its limits (tokens, requests), and
         ``weight_digest``: the hex SHA-256 of its weights (``"simulated"`` without a model), the
-        ``--weight-digest`` that ``hybridkv cache purge --model`` needs (a digest, never content)."""
+        ``--weight-digest`` that ``hybridkv cache purge --model`` needs (a digest, never content),
+        and ``cache_groups``: the model's cache groups (name, kind ``paged`` / ``state``, unit in
+        tokens, bytes per entry; :func:`~hybridkv.serve.cache_events.group_info`)."""
         s = self.server
         cfg = s.handle.engine.config
         return {"model_id": s.settings.model_name, "served_model_name": s.settings.model_name,
@@ -88,6 +91,7 @@ class CompatRoutes:
                 "max_prefill_tokens": cfg.max_num_batched_tokens, "max_running_requests": cfg.max_num_seqs,
                 "max_waiting_requests": s.worker.max_waiting, "page_size": cfg.block_size,
                 "prefix_match_unit": cfg.prefix_match_unit, "tp_size": 1, "dp_size": 1,
+                "cache_groups": group_info(s.handle.backend.tier_family),
                 "version": f"hybridkv-{__version__}"}
 
     async def model_info(self) -> dict:

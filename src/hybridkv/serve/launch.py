@@ -229,8 +229,8 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
 
 
 def check_v4_options(opts: ServeOptions) -> None:
-    """Refuse what a DeepSeek-V4 model does not run with yet: a host tier or a store (its csa/hca/swa
-    groups run on the device cache alone), and a simulate-only preset (no weights).
+    """Refuse a simulate-only DeepSeek-V4 preset (published shapes, no weights): a server needs the
+    model. (A host tier and a store carry V4's groups as they carry Kimi Linear's.)
 
     Raises:
         ValueError: naming the option, its value and the model.
@@ -239,10 +239,6 @@ def check_v4_options(opts: ServeOptions) -> None:
     if opts.model in V4_SIMULATE_ONLY:
         raise ValueError(f"--model {opts.model} is a simulate-only preset (published shapes, no weights); "
                          "serve v4-tiny, v4-small or a deepseek_v4 directory")
-    for flag, bad in (("--host-mib", opts.host_mib or None), ("--store", None if opts.store in ("none", "") else opts.store)):
-        if bad is not None:
-            raise ValueError(f"{flag} {bad} with --model {opts.model}: a DeepSeek-V4 model runs on the device cache "
-                             "alone for now (no host tier or store)")
 
 
 def build_server(opts: ServeOptions) -> Server:
@@ -254,6 +250,7 @@ def build_server(opts: ServeOptions) -> Server:
     events = EventFeed()
     handle = build_handle(opts, events)
     try:
+        events.use_family(handle.backend.tier_family)              # events name the model's cache groups
         if handle.store_tier is not None:
             events.watch_store(handle.store_tier, opts.store)      # store writes reach routers too
         cfg = handle.engine.config
