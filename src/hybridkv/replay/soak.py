@@ -9,7 +9,8 @@ trees, multi-turn sessions, identical resends, prompts shorter than a unit or a 
 30% cancellations at a chosen stage). The driver steps the engines by hand and cancels
 between steps. Every finished request is one *check*: its logits at every computed position
 against a no-cache forward of ``prompt + output[:-1]`` (at most
-:data:`~hybridkv.replay.soak_check.TOLERANCE`; routing ties apart, :mod:`~hybridkv.replay.soak_check`), and the
+:data:`~hybridkv.replay.soak_check.TOLERANCE`; routing and argmax ties apart,
+:mod:`~hybridkv.replay.soak_check`), and the
 same greedy tokens. After each round: no references held, every page free or evictable,
 ``check_invariants()`` passes, the connector holds no request and (after ``drain``) no
 prefetch bytes; then the cache is cleared and must be empty.
@@ -249,6 +250,9 @@ def run_sequence(model: HybridModel, rc: RoundConfig, specs: list[RequestSpec], 
         check = check_request(ref, r)
         if check.tie is not None:
             res.routing_ties += 1                 # neither a check nor a mismatch: see check_request
+            return
+        if check.argmax_tie is not None:
+            res.argmax_ties += 1                  # likewise: equal top logits ordered either way
             return
         res.checks += 1
         res.max_abs_logit_diff = max(res.max_abs_logit_diff, check.diff)

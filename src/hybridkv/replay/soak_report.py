@@ -51,6 +51,9 @@ class SoakCounters:
         checks: finished requests compared with a full prefill.
         routing_ties: finished requests that differ from the first position on which the full
             prefill's MoE routing is a tie (:func:`check_request`); not counted as checks.
+        argmax_ties: finished requests whose logits all agree but whose greedy tokens differ only
+            where the full prefill's logits of the two tokens are within the argmax-tie tolerance
+            (:func:`check_request`); not counted as checks.
         max_abs_logit_diff: largest difference over every check.
         evicted_pages, evicted_checkpoints: device evictions (all engines).
         store_hit_tokens, host_hit_tokens: hit tokens the store / host tiers supplied.
@@ -64,6 +67,7 @@ class SoakCounters:
 
     checks: int = 0
     routing_ties: int = 0
+    argmax_ties: int = 0
     max_abs_logit_diff: float = 0.0
     evicted_pages: int = 0
     evicted_checkpoints: int = 0
@@ -150,7 +154,8 @@ class SoakReport(SoakCounters):
         c = ", ".join(f"{k} {v}" for k, v in self.cancellations.items())
         return "\n".join([
             (f"soak seed {self.seed}: {self.rounds} rounds, {self.checks} checks, {self.mismatches} mismatches, "
-             f"{self.routing_ties} routing ties, max |dlogit| {self.max_abs_logit_diff:.3g}, {self.leaks} leaks, "
+             f"{self.routing_ties} routing ties, {self.argmax_ties} argmax ties, "
+             f"max |dlogit| {self.max_abs_logit_diff:.3g}, {self.leaks} leaks, "
              f"{self.exceptions} exceptions, "
              f"{self.rejected} rejected, {self.wall_seconds:.1f} s"),
             f"  requests {self.requests}; cancelled: {c}",
