@@ -1,6 +1,5 @@
-"""Soak: randomized workloads on the ``tiny`` model (or a DeepSeek-V4 preset, ``--model v4-tiny``:
-on the device cache alone), every finished request checked against a full prefill
-(docs/how-to/soak.md).
+"""Soak: randomized workloads on the ``tiny`` model (or a DeepSeek-V4 preset, ``--model v4-tiny``),
+every finished request checked against a full prefill (docs/how-to/soak.md).
 
 Each *round* is derived from ``(seed, round index)`` alone: a random engine configuration
 (policy, mechanism, block size, match unit, step budget, small pools, host tier, memory or
@@ -44,7 +43,7 @@ import numpy as np
 from hybridkv._torch import torch
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
-from hybridkv.engine.build import EngineHandle, build_engine, is_v4, load_model
+from hybridkv.engine.build import EngineHandle, is_v4, load_model
 from hybridkv.engine.engine import Engine
 from hybridkv.engine.request import Request, Status
 from hybridkv.replay.args import (
@@ -86,11 +85,6 @@ PRESET = "tiny"
 
 V4_SOAK_PRESETS = ("v4-tiny", "v4-small")
 """DeepSeek-V4 presets a soak runs on (``--model``; weights from seed 0)."""
-
-V4_SKIPPED = ("host tier", "store (memory, disk)", "two engines sharing a store", "store faults")
-"""What a round on a DeepSeek-V4 model leaves out: its csa/hca/swa groups run on the device
-cache alone (no host or store layout yet), so these draws of :func:`make_round` are dropped
-(:meth:`RoundConfig.on_device_alone`)."""
 
 PERIODIC_SOAK_UNIT = 64
 """Match unit of a DeepSeek-V4 round whose drawn unit does not divide ``periodic=P``'s period
@@ -136,10 +130,16 @@ def _build(model: HybridModel, rc: RoundConfig, store: ObjectStore | None, disk_
     """Engine ``index`` of a round (what :func:`hybridkv.engine.build.build_engine` builds, over a store
     object the caller may share between engines). A fault-injecting wrapper goes on ``faulty``."""
     cfg = rc.cache_config()
-    if is_v4(rc.model):                                # device cache alone: build_engine places its states
-        return build_engine(model, cfg, model_name=rc.model, prefetch=rc.prefetch, swa_recovery=rc.swa_recovery)
-    backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
-    ns = CacheIdentity(model_repo=PRESET, weight_digest=model.weight_digest()).digest()
+    if is_v4(rc.model):            # its groups by spec; the strategy places the saved states (as build_engine)
+        from hybridkv.cache.swa import SwaRecovery
+        from hybridkv.engine.v4backend import V4Backend
+        recovery = SwaRecovery.parse(rc.swa_recovery)
+        recovery.check(cfg.prefix_match_unit)
+        cfg = replace(cfg, policy=recovery.policy(cfg.policy))
+        backend = V4Backend(model, cfg.num_kv_pages, cfg.block_size, cfg.prefix_match_unit, recovery)
+    else:
+        backend = TorchBackend(model, cfg.num_kv_pages, cfg.block_size)
+    ns = CacheIdentity(model_repo=rc.model, weight_digest=model.weight_digest()).digest()
     host = (host_tier_for(rc.host_bytes, backend, ns, cfg.prefix_match_unit, cfg.block_size,
                           write_through=rc.host_write_through, eviction=rc.eviction) if rc.host_bytes else None)
     if disk_dir is not None:                                            # one per engine, like processes
@@ -402,19 +402,20 @@ def soak_model(name: str = PRESET) -> HybridModel:
 
 def for_model(rc: RoundConfig, model_name: str, swa_recovery: str | None) -> RoundConfig:
     """Round settings ``rc`` as run on preset ``model_name``: unchanged for Kimi Linear; on a
-    DeepSeek-V4 model, on the device cache alone (:data:`V4_SKIPPED`) under ``swa_recovery``,
-    the block size rounded up to a multiple of the largest compression rate (``v4-small``'s HCA
-    rate is 128: a drawn 64 becomes 128; fewer, larger pages still hold each request), and the
-    match unit at :data:`PERIODIC_SOAK_UNIT` where the drawn one does not divide the period of
-    ``periodic=P``."""
+    DeepSeek-V4 model, under ``swa_recovery`` with the drawn host tier, store, engines and faults,
+    the block size and a drawn store alignment rounded up to a multiple of the largest
+    compression rate (``v4-small``'s HCA rate is 128: a drawn 64 becomes 128; fewer, larger pages
+    still hold each request), and the match unit at :data:`PERIODIC_SOAK_UNIT` where the drawn
+    one does not divide the period of ``periodic=P``."""
     if not is_v4(model_name):
         return rc
     from hybridkv.cache.swa import SwaRecovery
     from hybridkv.engine.build import model_config
     cfg = model_config(model_name)
     rate = max(cfg.csa_rate, cfg.hca_rate)
-    rc = replace(rc.on_device_alone(), model=model_name, swa_recovery=swa_recovery,
-                 block_size=-(-rc.block_size // rate) * rate)
+    up = (lambda n: None if n is None else -(-n // rate) * rate)
+    rc = replace(rc, model=model_name, swa_recovery=swa_recovery, block_size=up(rc.block_size),
+                 store_alignment=up(rc.store_alignment))
     recovery = SwaRecovery.parse(swa_recovery)
     if recovery.kind == "periodic" and recovery.period % rc.prefix_match_unit:
         rc = replace(rc, prefix_match_unit=PERIODIC_SOAK_UNIT)
@@ -561,8 +562,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eviction order of the device pools and host tier: lru (default; every earlier "
                         "round reproduces), value, or mixed (value in odd rounds)")
     p.add_argument("--model", choices=(PRESET, *V4_SOAK_PRESETS), default=PRESET,
-                   help="preset the rounds run on (default tiny); a DeepSeek-V4 preset runs every round on the "
-                        "device cache alone: the drawn host tier, store, second engine and store faults are skipped")
+                   help="preset the rounds run on (default tiny; DeepSeek-V4: v4-tiny, v4-small, with the same "
+                        "drawn host tier, store, second engine and store faults)")
     p.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
                    help="DeepSeek-V4 models: how a hit restores the sliding-window state (default window; "
                         f"periodic=P needs P a multiple of {PERIODIC_SOAK_UNIT})")
@@ -647,9 +648,6 @@ def _soak(args: argparse.Namespace) -> int:
             print(f"  {f.kind}: {f.detail.splitlines()[0]}")
         return 1 if res.failures else 0
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    if is_v4(args.model):
-        print(f"{args.model}: every round runs on the device cache alone; skipped: {', '.join(V4_SKIPPED)} "
-              "(a DeepSeek-V4 model has no host or store layout yet)", file=sys.stderr, flush=True)
     report = run_soak(args.seed, args.checks, args.seconds, rounds=args.rounds, first_round=args.first_round,
                       shrink_seconds=args.shrink_seconds, stop_on_failure=not args.keep_going, log=log,
                       eviction=args.eviction, model_name=args.model, swa_recovery=args.swa_recovery)

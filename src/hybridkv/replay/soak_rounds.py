@@ -62,12 +62,6 @@ class RoundConfig:
     model: str = "tiny"
     swa_recovery: str | None = None
 
-    def on_device_alone(self) -> RoundConfig:
-        """These settings without what a DeepSeek-V4 model does not run with yet: no host tier, no
-        store (so no store faults) and one engine (the workload's instances all map to it)."""
-        return replace(self, host_bytes=0, host_write_through=False, store="none", store_capacity=None,
-                                   store_alignment=None, instances=1, faults=0.0)
-
     def cache_config(self) -> CacheConfig:
         """The validated :class:`CacheConfig` of these settings."""
         return CacheConfig(block_size=self.block_size, prefix_match_unit=self.prefix_match_unit,
