@@ -69,6 +69,11 @@ def register_cli(sub) -> None:
                         "multiple of --prefix-match-unit) or recompute (nothing saved; the hit recomputes the "
                         "window's dependency cone). --host-mib and --store carry a V4 model's groups as they "
                         "carry Kimi Linear's")
+    s.add_argument("--shadow-verify", type=fraction, default=None, metavar="RATE",
+                   help="share of requests, in [0, 1], whose cache hits are recomputed without the cache in the "
+                        "engine's idle time and compared (logits within 1e-4, same greedy tokens, ties apart); a "
+                        "mismatch quarantines the entries the request reused in every tier (default 0.01; 0: off; "
+                        "1: every hit; Kimi Linear models)")
     s.set_defaults(func=_serve)
 
     _register_router(sub)
@@ -106,7 +111,8 @@ def _serve(args) -> int:
                         kv_pages=args.kv_pages, checkpoint_slots=args.checkpoint_slots,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         host_mib=args.host_mib, threads=args.threads, max_model_len=args.max_model_len,
-                        max_waiting=args.max_waiting, swa_recovery=args.swa_recovery)
+                        max_waiting=args.max_waiting, swa_recovery=args.swa_recovery,
+                        shadow_verify=args.shadow_verify)
     try:
         serve_forever(opts)
     except (ConfigError, ValueError, FileNotFoundError) as exc:

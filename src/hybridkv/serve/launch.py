@@ -28,6 +28,7 @@ from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
+from hybridkv.serve.shadow import make_verifier
 from hybridkv.serve.tokenizer import load_codec
 from hybridkv.serve.worker import EngineWorker
 
@@ -173,6 +174,9 @@ class ServeOptions:
         kv_pages: device KV pages; default enough for 65,536 tokens.
         swa_recovery: DeepSeek-V4 models only: ``window`` (default), ``periodic=P`` or ``recompute``
             (:class:`~hybridkv.cache.swa.SwaRecovery`); refused for a Kimi Linear model.
+        shadow_verify: share of requests whose cache hits are recomputed without the cache and
+            compared, in [0, 1] (:mod:`hybridkv.serve.shadow`); ``None``: the default
+            (:data:`~hybridkv.serve.shadow.DEFAULT_SHADOW_RATE`, off on a DeepSeek-V4 model); 0: off.
         Others: as ``hybridkv replay`` names them.
     """
 
@@ -196,6 +200,7 @@ class ServeOptions:
     max_waiting: int = 64
     default_max_tokens: int = 16
     swa_recovery: str | None = None
+    shadow_verify: float | None = None
 
 
 def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> EngineHandle:
@@ -261,9 +266,13 @@ def build_server(opts: ServeOptions) -> Server:
                              f"({cfg.num_kv_pages} pages of {cfg.block_size})")
         codec = load_codec(opts.model, handle.backend.vocab_size)
         metrics = ServeMetrics()
+        shadow = make_verifier(handle, opts.shadow_verify, metrics)
+        log.info("shadow verification: %s", f"{shadow.rate:g} of requests (their cache hits recomputed when idle)"
+                 if shadow is not None else "off")
         worker = EngineWorker(handle, opts.max_waiting, on_step=metrics.step.observe,
                               on_admit=lambda s: metrics.queue_wait.observe(s.queue_seconds),
-                              on_purge=events.reset)     # purges are not evictions: routers rebuild
+                              on_purge=events.reset,     # purges are not evictions: routers rebuild
+                              shadow=shadow)
         worker.start()
     except BaseException:
         handle.close()

@@ -152,6 +152,9 @@ class ServeMetrics:
         saved_prefill: histogram of the prefill seconds each hit saved (seconds).
         http_errors: error answers by HTTP status code.
         flushes: ``POST /flush_cache`` calls served.
+        shadow_checks, shadow_mismatches, shadow_dropped: shadow verification counters;
+            shadow_ties: by ``kind`` (``routing``, ``argmax``); shadow_check_seconds: a sampled hit's
+            end to its verdict (seconds) (:mod:`hybridkv.serve.shadow`).
     """
 
     def __init__(self) -> None:
@@ -183,6 +186,20 @@ class ServeMetrics:
         self.saved_prefill = Histogram("hybridkv_saved_prefill_seconds", "per request with a hit: reused "
                                        "tokens times the measured compute seconds per token",
                                        buckets=_FINE_SECONDS, registry=r)
+        self.shadow_checks = Counter("hybridkv_shadow_checks", "shadow verifications completed (a served hit "
+                                     "recomputed without the cache and compared), whatever the outcome",
+                                     registry=r)
+        self.shadow_mismatches = Counter("hybridkv_shadow_mismatches", "shadow verifications that found a served "
+                                         "hit wrong (its entries were quarantined)", registry=r)
+        self.shadow_ties = Counter("hybridkv_shadow_ties", "shadow verifications that differed only at a routing "
+                                   "or argmax tie (nothing quarantined)", ["kind"], registry=r)
+        for kind in ("routing", "argmax"):
+            self.shadow_ties.labels(kind)          # both series from the start, at 0
+        self.shadow_dropped = Counter("hybridkv_shadow_dropped", "sampled hits not verified: the shadow queue was "
+                                      "full", registry=r)
+        self.shadow_check_seconds = Histogram("hybridkv_shadow_check_seconds", "a sampled hit's end to its shadow "
+                                              "verification's verdict (waiting for idle slots included)",
+                                              buckets=_SECONDS, registry=r)
         self._timing = {"lookup": self.lookup, "load": self.load, "transfer": self.transfer,
                         "install": self.install}
         self._engine = _EngineCollector()

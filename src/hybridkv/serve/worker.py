@@ -12,6 +12,9 @@ from its own thread with events:
 
 An invalidation waits until no request runs: new jobs are held back meanwhile, so the purge
 never touches an entry a request holds.
+
+With a shadow verifier (:mod:`hybridkv.serve.shadow`) the thread also recomputes sampled hits
+without the cache, one chunk at a time, only when it has no request to run and none in its inbox.
 """
 
 from __future__ import annotations
@@ -91,13 +94,17 @@ class EngineWorker:
         on_admit: called on the engine thread with :class:`JobStats` when a job is admitted.
         on_purge: called on the engine thread after each round of invalidations, before held jobs
             enter (a server starts its event feed's new epoch there).
+        shadow: the :class:`~hybridkv.serve.shadow.ShadowVerifier` (``None``: no shadow
+            verification): it samples jobs as they enter, takes the sampled hits as they finish and
+            runs one chunk of a check whenever the engine has nothing else to do.
     """
 
     def __init__(self, handle: EngineHandle, max_waiting: int = 64,
                  on_step: Callable[[float], None] | None = None,
                  on_admit: Callable[[JobStats], None] | None = None,
-                 on_purge: Callable[[], None] | None = None) -> None:
+                 on_purge: Callable[[], None] | None = None, shadow=None) -> None:
         self.handle = handle
+        self.shadow = shadow
         self.max_waiting = max_waiting
         self.ledger = NamespaceLedger()
         self._on_step = on_step
@@ -198,7 +205,8 @@ class EngineWorker:
         engine = self.handle.engine
         try:
             while not self._stop.is_set():
-                self._drain_inbox(block=not engine.has_work and not self._purges)
+                shadow = self.shadow is not None and self.shadow.pending
+                self._drain_inbox(block=not engine.has_work and not self._purges and not shadow)
                 if self._purges and not engine.has_work:
                     self._run_purges()
                 if engine.has_work:
@@ -207,6 +215,8 @@ class EngineWorker:
                     if self._on_step is not None:
                         self._on_step(time.perf_counter() - t0)
                     self._deliver()
+                elif shadow and not self._purges and self._inbox.empty():
+                    self.shadow.step()        # the idle slot: one chunk, then the inbox again
         except BaseException as exc:          # reported to every waiting client
             self.error = exc
             log.exception("engine thread failed")
@@ -268,7 +278,8 @@ class EngineWorker:
 
     def _enter(self, job: Job) -> None:
         job.request = Request(f"s{next(self._ids)}", job.prompt, job.max_tokens, hints=job.hints,
-                              namespace=job.namespace, sampler=job.sampler)
+                              namespace=job.namespace, sampler=job.sampler,
+                              record_logits=self.shadow is not None and self.shadow.sample())
         try:
             self.handle.engine.add_request(job.request)
         except ValueError as exc:
@@ -326,6 +337,8 @@ class EngineWorker:
                 self._jobs.remove(job)
                 self._retire(job)
                 job.emit(("done", "stop" if stopped else "length"))
+                if r.record_logits and self.shadow is not None:
+                    self.shadow.offer(r, greedy=job.sampler is None)
 
     def _run_purges(self) -> None:
         purges, self._purges = self._purges, []

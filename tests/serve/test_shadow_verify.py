@@ -1,0 +1,188 @@
+"""Shadow verification (``hybridkv serve --shadow-verify``): a served hit recomputed without the
+cache, a wrong entry found and quarantined in every tier, ties and full queues counted apart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import prompt_ids
+
+from hybridkv.cache.groups import KDA
+from hybridkv.engine.request import Request
+from hybridkv.serve.launch import RunningServer, ServeOptions, build_handle
+from hybridkv.serve.metrics import ServeMetrics
+from hybridkv.serve.shadow import ShadowVerifier
+
+WAIT_S = 60.0
+"""Longest wait for a shadow check to finish (seconds; it runs in the idle engine's slots)."""
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` whose name starts with ``hybridkv_shadow``, parsed by
+    prometheus_client's text parser (labels folded into the name)."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name.startswith("hybridkv_shadow"):
+                key = s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "le")
+                if "le" not in s.labels:
+                    out[key] = s.value
+    return out
+
+
+def _complete(url: str, prompt: list[int]) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                  "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait_checks(url: str, n: int) -> dict[str, float]:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        m = _metrics(url)
+        if m.get("hybridkv_shadow_checks_total", 0) >= n or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def _checkpoint_manifests(s: RunningServer) -> int:
+    """Checkpoint (KDA) entries the server's store holds, listed on the engine thread."""
+    def count(h):
+        return sum(k.endswith("/manifest") and f"/{KDA}/" in k for k in h.store_tier.store.list_keys("hkv"))
+    return s.server.worker.call(count).result(timeout=30)
+
+
+def _perturb_checkpoints(tier):
+    """Make ``tier`` a writer whose KDA checkpoints are wrong before they are published: each
+    floating-point component is raised by 0.5, then checksummed and written as usual (the
+    manifest's checksums match the wrong bytes). Returns the honest ``save_entries``."""
+    honest = tier.save_entries
+
+    def save(entries, owner=None, speculative=()):
+        wrong = [(h, parent, group, b, {k: t + 0.5 if group == KDA and t.is_floating_point() else t
+                                        for k, t in tensors.items()})
+                 for h, parent, group, b, tensors in entries]
+        return honest(wrong, owner=owner, speculative=speculative)
+
+    tier.save_entries = save
+    return honest
+
+
+def test_a_perturbed_checkpoint_with_a_valid_checksum_is_found_and_quarantined(tmp_path, server_off):
+    prompt = prompt_ids(31, 300)
+    with RunningServer(ServeOptions(port=0, threads=1, store=f"disk://{tmp_path}", shadow_verify=1.0)) as s:
+        tier = s.server.handle.store_tier
+        honest = _perturb_checkpoints(tier)
+        first = _complete(s.url, prompt)                                   # computes; the store gets wrong checkpoints
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        s.server.worker.call(lambda h: h.store_tier.submit(lambda: None).result()).result(timeout=30)
+        tier.save_entries = honest                                         # later writers are honest
+        assert _checkpoint_manifests(s) > 0
+        assert httpx.post(s.url + "/flush_cache", timeout=30).status_code == 200     # device empty, store kept
+        events = httpx.get(s.url + "/v1/cache/events", params={"after": -1}, timeout=30).json()
+
+        served = _complete(s.url, prompt)                                  # restored from the wrong checkpoint
+        assert served["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        m = _wait_checks(s.url, 1)
+        assert m["hybridkv_shadow_checks_total"] == 1 and m["hybridkv_shadow_mismatches_total"] == 1, m
+        assert m["hybridkv_shadow_dropped_total"] == 0 and m["hybridkv_shadow_check_seconds_count"] == 1
+
+        # quarantined in every tier: nothing of the prefix is left to reuse, on the device or in the store
+        assert _checkpoint_manifests(s) == 0
+        later = httpx.get(s.url + "/v1/cache/events", params={"epoch": events["epoch"], "after": events["next"] - 1},
+                          timeout=30).json()
+        removed = {(e["medium"], e["kind"]) for e in later["events"]}
+        assert ("device", "blocks_removed") in removed and ("store", "checkpoints_removed") in removed, removed
+
+        again = _complete(s.url, prompt)                                   # exact: as a cache-off server answers
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["choices"][0]["text"] == _complete(server_off.url, prompt)["choices"][0]["text"]
+        m = _wait_checks(s.url, 1)
+        assert m["hybridkv_shadow_mismatches_total"] == 1
+
+
+def test_exact_hits_pass_and_a_full_queue_drops_the_check():
+    handle = build_handle(ServeOptions(port=0, threads=1))
+    try:
+        engine = handle.engine
+        prompt = np.asarray(prompt_ids(32, 200), dtype=np.int64)
+        miss = engine.add_request(Request("miss", prompt.copy(), 3, record_logits=True))
+        engine.run_until_done()
+        hit = engine.add_request(Request("hit", prompt.copy(), 3, record_logits=True))
+        engine.run_until_done()
+        assert miss.reused == 0 and hit.reused > 0
+        metrics = ServeMetrics()
+        v = ShadowVerifier(handle, 1.0, metrics, queue_size=1, chunk_tokens=64)
+        assert not v.offer(miss, greedy=True)                               # a miss is never queued
+        assert v.offer(hit, greedy=True) and not v.offer(hit, greedy=True)
+        assert v.dropped == 1
+        steps = 0
+        while v.pending:
+            outcome = v.step()
+            steps += 1
+        assert steps == -(-(hit.prompt_len + 2) // 64)                    # one chunk per idle slot
+        assert outcome.problem is None and v.checks == 1 and v.mismatches == 0
+    finally:
+        handle.close()
+
+
+def test_the_rate_is_checked_and_zero_samples_nothing():
+    handle = build_handle(ServeOptions(port=0, threads=1))
+    try:
+        assert not any(ShadowVerifier(handle, 0.0).sample() for _ in range(100))
+        assert all(ShadowVerifier(handle, 1.0).sample() for _ in range(100))
+        for bad in (-0.1, 1.5):
+            try:
+                ShadowVerifier(handle, bad)
+            except ValueError as exc:
+                assert "--shadow-verify" in str(exc) and str(bad) in str(exc)
+            else:
+                raise AssertionError(f"rate {bad} accepted")
+    finally:
+        handle.close()
+
+
+def test_the_cli_refuses_a_rate_outside_zero_to_one():
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", "--shadow-verify", "1.5"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--shadow-verify" in r.stderr and "'1.5'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_argmax_tie_is_counted_and_nothing_is_quarantined():
+    """The prompt of soak seed 86626, round 1287, request #21: the full prefill's two largest logits
+    at its last position are equal (tests/replay/test_argmax_tie.py). A hit that served the other
+    of the two is a tie: counted under ``kind="argmax"``, no mismatch, the entries stay."""
+    from hybridkv.replay.soak_rounds import build_prompt
+    handle = build_handle(ServeOptions(port=0, threads=1))
+    try:
+        engine = handle.engine
+        prompt, _ = build_prompt([["r", 1361757979, 384], ["r", 1471509622, 34], ["r", 155059214, 28]], {},
+                                 handle.backend.vocab_size)
+        engine.add_request(Request("warm", prompt[:390].copy(), 1))
+        engine.run_until_done()
+        hit = engine.add_request(Request("hit", prompt.copy(), 1, record_logits=True))
+        engine.run_until_done()
+        assert hit.reused > 0
+        top2 = torch.topk(hit.logits[prompt.shape[0] - 1], 2).indices.tolist()
+        hit.output = [top2[1] if hit.output[0] == top2[0] else top2[0]]     # the other of the two served
+        metrics = ServeMetrics()
+        v = ShadowVerifier(handle, 1.0, metrics)
+        assert v.offer(hit, greedy=True)
+        while v.pending:
+            outcome = v.step()
+        assert outcome.argmax_tie == prompt.shape[0] - 1 and outcome.problem is None
+        assert (v.checks, v.ties, v.mismatches) == (1, 1, 0)
+        assert metrics.registry.get_sample_value("hybridkv_shadow_ties_total", {"kind": "argmax"}) == 1
+        again = engine.add_request(Request("again", prompt.copy(), 1))
+        engine.run_until_done()
+        assert again.reused == hit.reused                                   # nothing was quarantined
+    finally:
+        handle.close()
