@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds and per-instance load")
     r.add_argument("--time-scale", type=time_scale, default=1.0,
                    help="--timed: multiply arrival times by this, 1e-6 to 1e6 (> 1 slows arrivals; default 1)")
+    r.add_argument("--slo", type=slo_arg, default=None, metavar="KEY=SECONDS[,...]",
+                   help="--timed: service-level targets the report's goodput counts against: ttft_, e2e_ or "
+                        "queue_ with mean, p50, p90 or p99, e.g. ttft_p99=2.0,ttft_p50=0.5")
     from hybridkv.fleet.routers import ROUTER_NAMES
     r.add_argument("--router", choices=ROUTER_NAMES, default=None,
                    help="--timed: router (default hybrid with --instances > 1)")
@@ -179,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridkv.serve.commands import register_cli as register_serve_cli
     register_serve_cli(sub)
     _add_calibrate(sub)
+    from hybridkv.replay.plan_cmd import add_plan_parser
+    add_plan_parser(sub)
     return p
 
 
@@ -197,6 +202,15 @@ def _leave_to_exit() -> None:
     import gc
 
     gc.freeze()
+
+
+def slo_arg(text: str) -> dict[str, float]:
+    """``--slo``: :func:`~hybridkv.fleet.operating.parse_slo`'s targets (seconds)."""
+    from hybridkv.fleet.operating import parse_slo
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_calibrate(sub) -> None:
@@ -234,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("--step-log", args.step_log),
                             ("--step-clock", None if args.step_clock == "wall" else args.step_clock),
                             ("--store-gib", args.store_gib), ("--restart", args.restarts or None),
+                            ("--slo", None if args.slo is None else ",".join(f"{k}={v:g}" for k, v in args.slo.items())),
                             ("--crash", args.crashes or None), ("--cold-start", args.cold_start_s)):
             if value is not None:
                 shown = " ".join(f"{j}@{at:g}" for j, at in value) if isinstance(value, list) else value
@@ -283,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     if args.command == "calibrate":
         return args.calibrate_func(args)
+    if args.command == "plan":
+        return args.plan_func(args)
     return 2
 
 
@@ -454,7 +471,7 @@ def _replay(args, console: Console) -> int:
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),
-        cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s)
+        cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s, slo=args.slo)
     if args.store_required and args.store != "none":
         problem = _store_unavailable(args.store)
         if problem:

@@ -42,8 +42,12 @@ TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds"
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
                  "warm_start_reused_tokens", "evictions", "reused_histogram") + TIMED_KEYS + (
-                     "interrupted", "cpu_seconds", "requests_per_second", "requests_per_cpu_second")
+                     "interrupted", "cpu_seconds", "requests_per_second", "requests_per_cpu_second") + (
+                     "goodput", "queue_skew", "tier_capacity", "device_memory", "phases")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
+
+OPERATING_KEYS = ("goodput", "queue_skew", "tier_capacity", "device_memory", "phases")
+"""Operating figures a timed replay sets (:mod:`hybridkv.fleet.operating`; ``goodput`` only with an SLO)."""
 
 REUSE_BUCKET_EDGES = (1, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 """Lower edges (tokens) of the reused-length histogram's buckets after the ``0`` bucket."""
@@ -211,6 +215,11 @@ class ReplayReport:
     cpu_seconds: float | None = None
     requests_per_second: float | None = None
     requests_per_cpu_second: float | None = None
+    goodput: dict[str, Any] | None = None
+    queue_skew: dict[str, Any] | None = None
+    tier_capacity: dict[str, Any] | None = None
+    device_memory: dict[str, Any] | None = None
+    phases: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict with the required keys in order, then the optional keys that are set."""
@@ -292,6 +301,35 @@ def _timed_rows(r: ReplayReport, table: Table) -> None:
         q = r.requeued["ttft_seconds"]
         table.add_row("requeued: TTFT mean / p50 / p99",
                       f"{r.requeued['requests']:,}: " + " / ".join(f"{q[k]:.3f}" for k in ("mean", "p50", "p99")) + " s")
+
+
+def _operating_rows(r: ReplayReport, table: Table) -> None:
+    """Rows of a timed replay's operating figures: goodput, queue skew, tiers, device memory, phases."""
+    if r.goodput is not None:
+        g = r.goodput
+        rate = "-" if g["per_second"] is None else f"{g['per_second']:.3f} req/s"
+        table.add_row("goodput (met every target)", f"{g['requests']:,} ({_pct(g['fraction'])}), {rate}")
+        for key, t in g["targets"].items():
+            value = "-" if t["value"] is None else f"{t['value']:.3f}"
+            table.add_row(f"SLO {key} <= {t['target']:g} s", f"{value} s: {'met' if t['met'] else 'MISSED'}")
+    if r.queue_skew is not None and r.queue_skew["skew"] is not None:
+        table.add_row("queue skew (max / mean queue)", f"{r.queue_skew['skew']:.3f}")
+    for name, t in (r.tier_capacity or {}).items():
+        occ = "unlimited" if t["occupancy"] is None else _pct(t["occupancy"])
+        rate = "-" if t["evicted_bytes_per_second"] is None else f"{_bytes(int(t['evicted_bytes_per_second']))}/s"
+        table.add_row(f"{name} capacity / peak / evicted", f"{_bytes(t['capacity_bytes'])} / {occ} / {rate}")
+    d = r.device_memory
+    if d is not None:
+        share = "-" if d["cache_share"] is None else _pct(d["cache_share"])
+        table.add_row("checkpoint share of device pools", share)
+        table.add_row("requests delayed / refused for KV pages",
+                      f"{d['delayed_requests']:,} / {d['refused_requests']:,}")
+    for name in ("cold_start", "steady", "drift"):
+        p = (r.phases or {}).get(name)
+        if p and p["requests"]:
+            t = p["ttft_seconds"]
+            table.add_row(f"phase {name.replace('_', ' ')}: requests, TTFT p50 / p99, hit",
+                          f"{p['requests']:,}, {t['p50']:.3f} / {t['p99']:.3f} s, {_pct(p['token_hit_rate'])}")
 
 
 def render_summary(report: ReplayReport, console: Console | None = None) -> None:
@@ -377,6 +415,7 @@ def render_summary(report: ReplayReport, console: Console | None = None) -> None
     if r.store_misses and any(r.store_misses.values()):
         table.add_row("store misses", ", ".join(f"{k} {v}" for k, v in r.store_misses.items() if v))
     _timed_rows(r, table)
+    _operating_rows(r, table)
     table.add_row("wall time", f"{r.wall_seconds:,.2f} s")
     if r.cpu_seconds is not None:
         table.add_row("CPU time", f"{r.cpu_seconds:,.2f} s")

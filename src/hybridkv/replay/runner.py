@@ -55,6 +55,7 @@ from hybridkv.replay.instance import (
 )
 from hybridkv.replay.oracle import oracle_from_trace
 from hybridkv.replay.report import (
+    OPERATING_KEYS,
     TIMED_KEYS,
     ReplayReport,
     VerifyReport,
@@ -83,7 +84,9 @@ class ReplayOptions:
     :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
     ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`), and so
     are ``crashes`` (each instance back after ``cold_start_s``); ``hybrid``: the ``hybrid``
-    router's options (:class:`~hybridkv.fleet.routers.HybridOptions`)."""
+    router's options (:class:`~hybridkv.fleet.routers.HybridOptions`); ``slo``: timed only,
+    service-level targets in seconds (:func:`~hybridkv.fleet.operating.parse_slo`) the report's
+    ``goodput`` counts against."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -128,6 +131,7 @@ class ReplayOptions:
     crashes: tuple[tuple[int, float], ...] = ()
     cold_start_s: float = DEFAULT_COLD_START_S
     swa_recovery: str | None = None
+    slo: dict[str, float] | None = None
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -333,6 +337,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     if timed is not None:
         for key in TIMED_KEYS:
             setattr(report, key, timed.timing[key])
+        for key in OPERATING_KEYS:
+            setattr(report, key, timed.timing.get(key))
         if opts.step_log is not None:
             try:                # checked writable before the run; failing now still keeps the report
                 write_step_log(opts.step_log, timed.steps,
@@ -404,7 +410,7 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
                       step_clock=opts.step_clock,
                       store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
                       restarts=opts.restarts, crashes=opts.crashes, cold_start_s=opts.cold_start_s,
-                      swa_recovery=opts.swa_recovery)
+                      swa_recovery=opts.swa_recovery, slo=opts.slo)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

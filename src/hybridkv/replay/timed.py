@@ -84,6 +84,8 @@ class TimedSetup:
             routed again; :meth:`~hybridkv.fleet.simulator.Fleet.schedule_crash`).
         cold_start_s: seconds a crashed instance takes to be back.
         swa_recovery: DeepSeek-V4 models: ``window``, ``periodic=P`` or ``recompute``.
+        slo: service-level targets (:func:`~hybridkv.fleet.operating.parse_slo`, seconds) the
+            report's ``goodput`` is counted against; ``None``: no goodput.
     """
 
     model: str
@@ -107,6 +109,7 @@ class TimedSetup:
     cold_start_s: float = DEFAULT_COLD_START_S
     hybrid: HybridOptions = HybridOptions()
     swa_recovery: str | None = None
+    slo: dict[str, float] | None = None
 
 
 @dataclass(slots=True)
@@ -245,5 +248,7 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     if sim_store is not None:
         timing["store"].update(capacity_bytes=view.capacity_bytes, bytes_peak=view.bytes_peak,
                                evicted_bytes=view.evicted_bytes)
+    from hybridkv.replay.operating import timed_operating_figures
+    timing.update(timed_operating_figures(setup, cfg, frs, instances, results, view))
     steps = sorted((r for inst in instances for r in inst.step_log or ()), key=lambda r: (r.start, r.instance))
     return TimedRun(results, timing, steps)

@@ -1,0 +1,566 @@
+"""Capacity planning: from a trace and service-level targets to the cheapest fleet that meets them.
+
+The planner searches fleet configurations (:class:`FleetConfig`) on the timed fleet simulator
+(``hybridkv replay --simulate --timed``, :func:`hybridkv.replay.runner.run_replay`) and prices
+each (:class:`Prices`). It is a search, not a grid:
+
+1. **Lower bound.** Each request's own prefill on an idle instance with every reusable token
+   reused (the trace's oracle), priced by the cost model in ``max_num_batched_tokens`` chunks: no
+   fleet does better, so a TTFT target below this bound's statistic is infeasible at once.
+2. **Instances by bisection.** With the baseline configuration, the fewest instances that meet
+   every target on a short prefix of the trace: doubling until the targets are met, then
+   bisection (more instances are assumed never to make a target worse: monotone).
+3. **Successive halving on the rest** (device cache share, store size and bandwidth, checkpoint
+   policy, router) at one instance fewer than that: every candidate on the shortest prefix, the
+   best :data:`KEEP` share on a prefix :data:`GROWTH` times longer, ... , the last rung on the whole
+   trace. Candidates are ranked by whether they meet the targets, then cost if they do, or by how
+   far the worst target is missed if they do not.
+4. **Instances again**, on the whole trace, for the finalists and the baseline: the fewest that
+   meet every target (bisection below the baseline's count, doubling above it).
+
+Every simulation is cached by its configuration, prefix, seed and targets (in memory and, with a
+cache file, across runs). The device memory of an instance is split between checkpoint slots and
+KV pages (:class:`DeviceBudget`); the page pool holds both running requests' KV and cached pages,
+so the cache share (the slots' part) is what the cache takes from decode KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.fleet.operating import parse_slo
+
+HOURS_PER_MONTH = 730.0
+"""Hours in a billing month (365 x 24 / 12)."""
+
+DEFAULT_GPU_HOUR_USD = 3.50
+"""Price of one H200-hour (USD), an assumption: 2026 on-demand list prices for one H200 run from
+about 2.25 USD at smaller GPU clouds to about 10 USD and more at the large public clouds; give your own
+with ``--gpu-hour-usd``."""
+DEFAULT_HOST_GB_MONTH_USD = 2.60
+"""Price of one GiB-month of host DRAM (USD), derived from AWS us-east-1 on-demand list prices: an
+r7i.large (16 GiB) at 0.1323 USD/h against a c7i.large (4 GiB) at 0.08925 USD/h, the same 2 vCPUs,
+is 0.0036 USD per GiB-hour, times :data:`HOURS_PER_MONTH`."""
+DEFAULT_STORE_GB_MONTH_USD = 2.60
+"""Price of one GiB-month of the shared store (USD): the store keeps entries in DRAM (Mooncake), so
+the host DRAM price (:data:`DEFAULT_HOST_GB_MONTH_USD`)."""
+DEFAULT_STORE_GBPS_MONTH_USD = 100.0
+"""Price of one GB/s of store load bandwidth for a month (USD), an assumption: the network ports and
+store servers that serve it; give your own with ``--store-gbps-month-usd``."""
+
+H200_HBM_BYTES = 141e9
+"""HBM of one NVIDIA H200 in bytes (141 GB, NVIDIA H200 datasheet)."""
+GPU_MEMORY_UTILIZATION = 0.9
+"""Share of device memory for weights and pools (vLLM's ``gpu_memory_utilization`` default; the
+rest is activations and workspace)."""
+KIMI_LINEAR_48B_WEIGHT_BYTES = 48e9 * 2
+"""Weights of Kimi-Linear-48B-A3B in bf16 (48B parameters, model card)."""
+
+SHARES = (0.05, 0.2, 0.5)
+"""Device cache shares searched (checkpoint slots' part of the pools)."""
+STORES = ((0.0, 0.0), (1024.0, 1.1), (1024.0, 10.0))
+"""Shared stores searched, ``(GiB, GB/s)``; ``(0, 0)``: none. 1.1 GB/s is the Mooncake store's
+measured load bandwidth (docs/results/store.md)."""
+ROUTERS = ("hybrid", "prefix-smg", "least-load")
+"""Routers searched."""
+KEEP = 0.25
+"""Share of candidates a rung of successive halving keeps (at least 2)."""
+GROWTH = 4
+"""Each rung's trace prefix is this many times the previous one's."""
+FIRST_FRACTION = 1 / 16
+"""The first rung's share of the trace."""
+MAX_INSTANCES = 64
+"""Most instances the planner tries unless told otherwise."""
+FINALISTS = 2
+"""Candidates whose instance count is searched on the whole trace (besides the baseline)."""
+
+
+class PlanError(ValueError):
+    """A planner input that cannot be used (the offending option and value are named)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """Prices in USD: ``gpu_hour`` per GPU-hour, ``host_gb_month`` / ``store_gb_month`` per GiB-month,
+    ``store_gbps_month`` per GB/s of store bandwidth and month.
+
+    Raises:
+        PlanError: a price negative or not finite (named by its option).
+    """
+
+    gpu_hour: float = DEFAULT_GPU_HOUR_USD
+    host_gb_month: float = DEFAULT_HOST_GB_MONTH_USD
+    store_gb_month: float = DEFAULT_STORE_GB_MONTH_USD
+    store_gbps_month: float = DEFAULT_STORE_GBPS_MONTH_USD
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_hour", "host_gb_month", "store_gb_month", "store_gbps_month"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise PlanError(f"--{name.replace('_', '-')}-usd {v!r}: a price must be a finite number >= 0")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class FleetConfig:
+    """One fleet: ``instances`` (one GPU each), ``cache_share`` (checkpoint slots' share of each
+    instance's device pools, 0..1), ``host_gib`` (host tier per instance, GiB), ``store_gib`` and
+    ``store_gbps`` (the shared store's capacity in GiB and load bandwidth in GB/s; 0 GB/s: no store),
+    ``policy`` (checkpoint policy text), ``router`` (router name)."""
+
+    instances: int
+    cache_share: float
+    store_gib: float
+    store_gbps: float
+    policy: str
+    router: str
+    host_gib: float = 0.0
+
+    def cost_per_hour(self, prices: Prices) -> float:
+        """USD per hour: GPUs, host memory per instance, store capacity and bandwidth."""
+        month = (self.instances * self.host_gib * prices.host_gb_month
+                 + (self.store_gib * prices.store_gb_month + self.store_gbps * prices.store_gbps_month
+                    if self.store_gbps > 0 else 0.0))
+        return self.instances * prices.gpu_hour + month / HOURS_PER_MONTH
+
+    def label(self) -> str:
+        store = "no store" if self.store_gbps <= 0 else f"store {self.store_gib:g} GiB @ {self.store_gbps:g} GB/s"
+        return (f"{self.instances} x H200, cache share {self.cache_share:g}, {store}, policy {self.policy}, "
+                f"router {self.router}")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBudget:
+    """Device memory of one instance for its cache pools (bytes): ``hbm_bytes`` times
+    ``utilization`` less ``weight_bytes`` and the running sequences' KDA states
+    (``max_num_seqs * checkpoint_bytes``). Pages hold ``block_size`` tokens of MLA latents at
+    ``kv_bytes_per_token`` (bf16 on the GPU, as the H200 cost model assumes); a checkpoint slot
+    holds ``checkpoint_bytes`` (the fp32 KDA state)."""
+
+    hbm_bytes: float
+    utilization: float
+    weight_bytes: float
+    kv_bytes_per_token: int
+    checkpoint_bytes: int
+    block_size: int
+    max_num_seqs: int
+
+    @property
+    def pool_bytes(self) -> float:
+        return (self.hbm_bytes * self.utilization - self.weight_bytes
+                - self.max_num_seqs * self.checkpoint_bytes)
+
+    def pools(self, cache_share: float) -> tuple[int, int]:
+        """``(kv_pages, checkpoint_slots)`` for ``cache_share`` of :attr:`pool_bytes` in slots.
+
+        Raises:
+            PlanError: no room for pools (the weights fill the device).
+        """
+        if self.pool_bytes <= 0:
+            raise PlanError(f"the weights ({self.weight_bytes / 1e9:g} GB) leave no device memory for the "
+                            f"cache pools ({self.hbm_bytes / 1e9:g} GB at {self.utilization:g})")
+        slots = max(1, int(cache_share * self.pool_bytes // self.checkpoint_bytes))
+        pages = int((self.pool_bytes - slots * self.checkpoint_bytes) // (self.kv_bytes_per_token * self.block_size))
+        return max(pages, 1), slots
+
+
+def h200_budget(model: str, max_num_seqs: int, block_size: int = 512) -> DeviceBudget:
+    """:class:`DeviceBudget` of ``model`` on one H200.
+
+    Raises:
+        PlanError: a model whose weights the planner does not know (only Kimi-Linear-48B-A3B).
+    """
+    from hybridkv.engine.build import model_config
+    from hybridkv.model.config import HybridConfig
+    if model != "kimi-linear-48b-a3b":
+        raise PlanError(f"--model {model!r}: the planner prices the H200 cost model of kimi-linear-48b-a3b; "
+                        "plan that model")
+    mcfg = model_config(model)
+    assert isinstance(mcfg, HybridConfig)
+    return DeviceBudget(hbm_bytes=H200_HBM_BYTES, utilization=GPU_MEMORY_UTILIZATION,
+                        weight_bytes=KIMI_LINEAR_48B_WEIGHT_BYTES,
+                        kv_bytes_per_token=mcfg.kv_bytes_per_token // 2, checkpoint_bytes=mcfg.checkpoint_bytes,
+                        block_size=block_size, max_num_seqs=max_num_seqs)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One simulation's figures (seconds; ``ratio`` is the worst target's value over the target,
+    infinite when a request was refused or none served)."""
+
+    config: FleetConfig
+    requests: int
+    seed: int
+    stats: dict
+    goodput: float | None
+    goodput_fraction: float | None
+    rejected: int
+    ratio: float
+    meets: bool
+    misses: list[str]
+    cost_per_hour: float
+    wall_seconds: float
+    token_hit_rate: float | None
+    cached: bool = False
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__slots__ if k != "config"}
+        d["config"] = asdict(self.config)
+        d["ratio"] = None if math.isinf(self.ratio) else round(self.ratio, 6)
+        return d
+
+
+def _stat(values: np.ndarray, stat: str) -> float:
+    return float(values.mean()) if stat == "mean" else float(np.percentile(values, float(stat[1:])))
+
+
+class Evaluator:
+    """Runs and caches simulations of one trace against one SLO.
+
+    Args:
+        trace: trace path (``None``: the bundled one).
+        model: model preset.
+        slo: targets (:func:`~hybridkv.fleet.operating.parse_slo`).
+        prices: :class:`Prices`.
+        budget: :class:`DeviceBudget`.
+        max_num_seqs, time_scale: as ``replay``'s.
+        cache_file: JSON file of earlier results to read and extend (``None``: memory only).
+        log: called with one line per simulation (progress).
+        limit: plan on the first ``limit`` requests (``None``: all).
+    """
+
+    def __init__(self, trace: str | None, model: str, slo: dict[str, float], prices: Prices, budget: DeviceBudget,
+                 max_num_seqs: int = 4, time_scale: float = 1.0, cache_file: str | None = None,
+                 log: Callable[[str], None] | None = None, limit: int | None = None) -> None:
+        from hybridkv.replay.trace import load_trace
+        self.trace, self.model, self.slo, self.prices, self.budget = trace, model, slo, prices, budget
+        self.max_num_seqs, self.time_scale = max_num_seqs, time_scale
+        self.load = load_trace(trace, limit=limit)
+        self.total = len(self.load.requests)
+        if self.total == 0:
+            raise PlanError(f"--trace {trace}: no requests")
+        raw = Path(trace).read_bytes() if trace else None
+        self._trace_id = hashlib.sha256(raw).hexdigest()[:16] if raw is not None else "bundled"
+        self.cache: dict[str, dict] = {}
+        self.cache_file = cache_file
+        if cache_file and Path(cache_file).is_file():
+            try:
+                self.cache = json.loads(Path(cache_file).read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise PlanError(f"--cache {cache_file}: not a planner cache ({exc})") from None
+        self.log = log or (lambda line: None)
+        self.runs = self.hits = 0
+        self.outcomes: list[Outcome] = []
+        self._jittered: dict[int, str] = {}
+
+    def key(self, cfg: FleetConfig, requests: int, seed: int) -> str:
+        return json.dumps([self._trace_id, self.total, self.model, self.slo, self.max_num_seqs, self.time_scale,
+                           asdict(self.budget), asdict(cfg), requests, seed], sort_keys=True)
+
+    def _trace_for(self, seed: int) -> str | None:
+        """The trace, or (``seed`` > 0) a copy whose arrivals are each moved later by a uniform draw
+        in ``[0, gap)``, ``gap`` the trace's smallest positive gap between arrivals (arrivals stay
+        in order within their timestamp's resolution)."""
+        if seed == 0:
+            return self.trace
+        if seed not in self._jittered:
+            ts = sorted({r.timestamp_ms for r in self.load.requests})
+            gaps = [b - a for a, b in zip(ts, ts[1:]) if b > a]
+            gap = min(gaps) if gaps else 1.0
+            rng = random.Random(seed)
+            fd, path = tempfile.mkstemp(prefix=f"hybridkv-plan-seed{seed}-", suffix=".jsonl")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                for r in self.load.requests:
+                    f.write(json.dumps({"timestamp": r.timestamp_ms + rng.random() * gap,
+                                        "input_length": r.input_length, "output_length": r.output_length,
+                                        "hash_ids": list(r.hash_ids)}) + "\n")
+            self._jittered[seed] = path
+        return self._jittered[seed]
+
+    def close(self) -> None:
+        """Remove the jittered trace copies."""
+        for path in self._jittered.values():
+            Path(path).unlink(missing_ok=True)
+        self._jittered.clear()
+
+    def evaluate(self, cfg: FleetConfig, requests: int | None = None, seed: int = 0) -> Outcome:
+        """Simulate ``cfg`` on the first ``requests`` requests (``None``: all) with arrival seed ``seed``."""
+        n = self.total if requests is None else max(min(requests, self.total), cfg.instances)
+        key = self.key(cfg, n, seed)
+        cached = key in self.cache
+        if cached:
+            self.hits += 1
+            data = self.cache[key]
+        else:
+            data = self._simulate(cfg, n, seed)
+            self.cache[key] = data
+            self.runs += 1
+            self._save()
+        out = self._outcome(cfg, n, seed, data, cached)
+        self.outcomes.append(out)
+        verdict = "meets" if out.meets else "misses " + ", ".join(out.misses)
+        self.log(f"{'cached ' if cached else ''}{n:,} requests, seed {seed}: {cfg.label()}: "
+                 f"TTFT p99 {out.stats['ttft_p99']:.3f} s, {out.cost_per_hour:.2f} USD/h, {verdict}"
+                 + ("" if cached else f" ({data['wall_seconds']:.1f} s)"))
+        return out
+
+    def _save(self) -> None:
+        if not self.cache_file:
+            return
+        tmp = Path(f"{self.cache_file}.tmp")
+        tmp.write_text(json.dumps(self.cache), encoding="utf-8")
+        tmp.replace(self.cache_file)
+
+    def _simulate(self, cfg: FleetConfig, n: int, seed: int) -> dict:
+        import time
+
+        from rich.console import Console
+
+        from hybridkv.replay.runner import ReplayOptions, run_replay
+        pages, slots = self.budget.pools(cfg.cache_share)
+        opts = ReplayOptions(trace=self._trace_for(seed), limit=n, model=self.model, simulate=True, timed=True,
+                             instances=cfg.instances, router=cfg.router, policy=cfg.policy,
+                             num_kv_pages=pages, num_checkpoint_slots=slots, max_num_seqs=self.max_num_seqs,
+                             host_bytes=int(cfg.host_gib * 2**30), store_gib=cfg.store_gib if cfg.store_gbps > 0
+                             else None, store_gbps=cfg.store_gbps, time_scale=self.time_scale, progress=False,
+                             slo=self.slo)
+        t0 = time.perf_counter()
+        report = run_replay(opts, Console(file=io.StringIO()))
+        stats = {f"{m}_{s}": report_stat for m, key in (("ttft", "ttft_seconds"), ("e2e", "e2e_seconds"),
+                                                       ("queue", "queue_seconds"))
+                 for s, report_stat in getattr(report, key).items()}
+        g = report.goodput or {}
+        return {"stats": stats, "goodput": g.get("per_second"), "goodput_fraction": g.get("fraction"),
+                "rejected": (report.rejected or {}).get("requests", 0), "token_hit_rate": report.token_hit_rate,
+                "wall_seconds": round(time.perf_counter() - t0, 3)}
+
+    def _outcome(self, cfg: FleetConfig, n: int, seed: int, data: dict, cached: bool) -> Outcome:
+        misses, ratio = [], 0.0
+        for key, target in self.slo.items():
+            value = data["stats"].get(key)
+            r = math.inf if value is None else value / target
+            ratio = max(ratio, r)
+            if value is None or value > target:
+                misses.append(f"{key} {'-' if value is None else f'{value:.3f}'} s > {target:g} s")
+        if data["rejected"]:
+            ratio = math.inf
+            misses.append(f"{data['rejected']} requests refused")
+        return Outcome(cfg, n, seed, data["stats"], data["goodput"], data["goodput_fraction"], data["rejected"],
+                       ratio, not misses, misses, round(cfg.cost_per_hour(self.prices), 4),
+                       data["wall_seconds"], data["token_hit_rate"], cached)
+
+
+def prefill_bound(evaluator: Evaluator, chunk_tokens: int = 8192) -> dict[str, float]:
+    """TTFT statistics (``ttft_mean``, ``ttft_p50``, ...; seconds) of each request's own prefill on
+    an idle instance with every token the trace's oracle can reuse reused (no queue, no decode
+    batch, no store transfer), priced by the H200 cost model in ``chunk_tokens`` chunks: a lower
+    bound no fleet beats."""
+    from hybridkv.fleet.costmodel import h200_kimi_linear_48b
+    from hybridkv.replay.oracle import oracle_from_trace
+    from hybridkv.replay.trace import scaled_input_length
+    cost = h200_kimi_linear_48b()
+    reqs = evaluator.load.requests
+    oracle = oracle_from_trace(reqs, 512, 64)
+    times = []
+    for r, hit in zip(reqs, oracle.per_request):
+        t, s, end = 0.0, min(hit, scaled_input_length(r, 512) - 1), scaled_input_length(r, 512)
+        while s < end:
+            step = min(chunk_tokens, end - s)
+            t += cost.step_seconds([(s, step)])
+            s += step
+        times.append(t)
+    a = np.asarray(times)
+    return {f"ttft_{s}": round(_stat(a, s), 6) for s in ("mean", "p50", "p90", "p99")}
+
+
+@dataclass(slots=True)
+class PlanResult:
+    """What :func:`plan` found: ``plan`` (the cheapest outcome on the whole trace that meets every
+    target, or ``None``), ``best`` (the nearest miss when none does), ``front`` (the Pareto front of
+    whole-trace outcomes: cost, TTFT p99, goodput), ``next_cheaper`` (the most expensive whole-trace
+    outcome cheaper than the plan, which misses), ``bound`` (:func:`prefill_bound`), ``why``
+    (sentences: why infeasible, or why the next cheaper point fails), ``rungs`` (per rung of the
+    halving: requests and candidates), ``runs`` / ``cache_hits`` (simulations run / answered by the
+    cache)."""
+
+    slo: dict[str, float]
+    plan: Outcome | None
+    best: Outcome | None
+    front: list[Outcome]
+    next_cheaper: Outcome | None
+    bound: dict[str, float]
+    why: list[str]
+    rungs: list[dict] = field(default_factory=list)
+    runs: int = 0
+    cache_hits: int = 0
+
+
+def min_instances(evaluate: Callable[[int], Outcome], lo: int, hi: int, max_instances: int) -> Outcome | None:
+    """The fewest instances in ``(lo, max_instances]`` whose outcome meets every target, assuming
+    meeting is monotone in instances: doubling from ``hi`` until one meets (``None`` if none by
+    ``max_instances``), then bisection between the last miss and it. ``lo``: a count known to
+    miss (0: none known); ``hi`` a first guess."""
+    hi = max(hi, lo + 1)
+    best = None
+    while True:
+        out = evaluate(hi)
+        if out.meets:
+            best = out
+            break
+        lo = hi
+        if hi >= max_instances:
+            return None
+        hi = min(hi * 2, max_instances)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        out = evaluate(mid)
+        if out.meets:
+            hi, best = mid, out
+        else:
+            lo = mid
+    return best
+
+
+def pareto_front(outcomes: list[Outcome]) -> list[Outcome]:
+    """Outcomes no other beats on all of cost (lower), TTFT p99 (lower) and goodput (higher); one
+    per configuration, sorted by cost."""
+    uniq = {o.config: o for o in outcomes}
+    pts = list(uniq.values())
+
+    def key(o):
+        return (o.cost_per_hour, o.stats["ttft_p99"], -(o.goodput or 0.0))
+
+    front = []
+    for o in pts:
+        a = key(o)
+        if not any(all(x <= y for x, y in zip(key(p), a)) and key(p) != a for p in pts):
+            front.append(o)
+    return sorted(front, key=key)
+
+
+def candidates(policies: tuple[str, ...], shares=SHARES, stores=STORES, routers=ROUTERS) -> list[FleetConfig]:
+    """The non-instance part of the search space (instances set to 1)."""
+    return [FleetConfig(1, s, g, b, p, r) for s in shares for g, b in stores for p in policies for r in routers]
+
+
+def default_policies() -> tuple[str, ...]:
+    """The replay's default checkpoint policy at 512 tokens per block, and the same without the
+    interval checkpoints (fewer slots taken)."""
+    from hybridkv.replay.runner import default_policy
+    base = default_policy(512, 64)
+    return base, "branch+tail=512+supersede"
+
+
+def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[FleetConfig] | None = None,
+         first_fraction: float = FIRST_FRACTION, keep: float = KEEP, growth: int = GROWTH,
+         finalists: int = FINALISTS) -> PlanResult:
+    """Search (module docstring) and return the :class:`PlanResult`.
+
+    Raises:
+        PlanError: ``max_instances`` below 1 or an empty search space.
+    """
+    if max_instances < 1:
+        raise PlanError(f"--max-instances {max_instances} must be 1 or more")
+    space = space if space is not None else candidates(default_policies())
+    if not space:
+        raise PlanError("the search space is empty")
+    bound = prefill_bound(ev)
+    why: list[str] = []
+    for key, target in ev.slo.items():
+        if key in bound and bound[key] > target:
+            why.append(f"{key} <= {target:g} s cannot be met: each request's own prefill on an idle instance with "
+                       f"every reusable token reused already has {key} {bound[key]:.3f} s")
+    base = space[0]
+    first = max(int(ev.total * first_fraction), 1)
+    sizes = []
+    n = first
+    while n < ev.total:
+        sizes.append(n)
+        n *= growth
+    sizes.append(ev.total)
+    # 2. instances for the baseline on the first prefix
+    start = min_instances(lambda k: ev.evaluate(replace(base, instances=k), sizes[0]), 0, 1, max_instances)
+    n_ref = start.config.instances if start is not None else max_instances
+    probe = max(n_ref - 1, 1)
+    # 3. successive halving at the probe count
+    alive = [replace(c, instances=probe) for c in space]
+    rungs = []
+    for i, size in enumerate(sizes):
+        outs = [ev.evaluate(c, size) for c in alive]
+        outs.sort(key=lambda o: (not o.meets, o.cost_per_hour if o.meets else o.ratio, o.cost_per_hour))
+        rungs.append({"requests": size, "candidates": len(alive), "instances": probe})
+        if i == len(sizes) - 1:
+            alive = [o.config for o in outs[:finalists]]
+        else:
+            alive = [o.config for o in outs[:max(2, math.ceil(len(outs) * keep))]]
+    # 4. instances on the whole trace for the finalists and the baseline
+    finals = []
+    for c in [replace(base, instances=probe), *alive]:
+        lo = 0
+        got = min_instances(lambda k, c=c: ev.evaluate(replace(c, instances=k)), lo, n_ref, max_instances)
+        if got is not None:
+            finals.append(got)
+    whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
+    meeting = sorted((o for o in whole if o.meets), key=lambda o: (o.cost_per_hour, o.ratio))
+    best_plan = meeting[0] if meeting else None
+    best = best_plan or (min(whole, key=lambda o: (o.ratio, o.cost_per_hour)) if whole else None)
+    nxt = None
+    if best_plan is not None:
+        cheaper = [o for o in whole if o.cost_per_hour < best_plan.cost_per_hour and not o.meets]
+        nxt = max(cheaper, key=lambda o: (o.cost_per_hour, -o.ratio)) if cheaper else None
+        if nxt is not None:
+            why.append(f"the next cheaper point ({nxt.config.label()}, {nxt.cost_per_hour:.2f} USD/h) misses: "
+                       + "; ".join(nxt.misses))
+    elif best is not None:
+        why.append(f"no configuration tried (up to {max_instances} instances) meets every target; the nearest "
+                   f"({best.config.label()}) misses: " + "; ".join(best.misses))
+    return PlanResult(ev.slo, best_plan, best, pareto_front(whole), nxt, bound, why, rungs, ev.runs, ev.hits)
+
+
+def deploy_commands(cfg: FleetConfig, budget: DeviceBudget, model: str, max_num_seqs: int,
+                    max_num_batched_tokens: int = 8192) -> list[list[str]]:
+    """The commands that deploy ``cfg``: ``hybridkv store start`` (with a store), one ``hybridkv
+    serve`` per instance (host ``gpu-K``, port 8000), and ``hybridkv router`` over them. Host names
+    ``gpu-K`` and ``store-0`` stand for the machines'."""
+    pages, slots = budget.pools(cfg.cache_share)
+    cmds = []
+    if cfg.store_gbps > 0:
+        cmds.append(["hybridkv", "store", "start", "--port", "50051", "--segment-mb", str(int(cfg.store_gib * 1024))])
+    for k in range(cfg.instances):
+        cmd = ["hybridkv", "serve", "--model", model, "--host", "0.0.0.0", "--port", "8000",
+               "--block-size", str(budget.block_size), "--prefix-match-unit", "64", "--policy", cfg.policy,
+               "--kv-pages", str(pages), "--checkpoint-slots", str(slots), "--max-num-seqs", str(max_num_seqs),
+               "--max-num-batched-tokens", str(max_num_batched_tokens),
+               "--host-mib", str(int(cfg.host_gib * 1024))]
+        if cfg.store_gbps > 0:
+            cmd += ["--store", "mooncake://store-0:50051"]
+        cmds.append(cmd)
+    router = ["hybridkv", "router", "--policy", cfg.router, "--model", model, "--host", "0.0.0.0", "--port", "8080"]
+    for k in range(cfg.instances):
+        router += ["--worker", f"http://gpu-{k}:8000"]
+    if cfg.router == "hybrid":
+        router += ["--cost-model", "h200-kimi-linear-48b", "--store-gbps", f"{cfg.store_gbps:g}"]
+    cmds.append(router)
+    return cmds
+
+
+def parse_slo_option(text: str) -> dict[str, float]:
+    """:func:`~hybridkv.fleet.operating.parse_slo` with the error naming ``--slo``.
+
+    Raises:
+        PlanError: the SLO cannot be read.
+    """
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise PlanError(f"--slo {text!r}: {exc}") from None

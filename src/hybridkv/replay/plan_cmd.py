@@ -1,0 +1,201 @@
+"""``hybridkv plan``: the cheapest fleet that meets service-level targets on a trace
+(:mod:`hybridkv.fleet.plan`), printed as a table, plotted, and written as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hybridkv.fleet.plan import (
+    DEFAULT_GPU_HOUR_USD,
+    DEFAULT_HOST_GB_MONTH_USD,
+    DEFAULT_STORE_GB_MONTH_USD,
+    DEFAULT_STORE_GBPS_MONTH_USD,
+    MAX_INSTANCES,
+    Evaluator,
+    PlanError,
+    PlanResult,
+    Prices,
+    deploy_commands,
+    h200_budget,
+    parse_slo_option,
+    plan,
+)
+from hybridkv.replay.args import max_num_seqs, positive_int, time_scale, unwritable
+
+
+def _price(text: str) -> float:
+    """A price in USD: a finite number >= 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (x >= 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite price >= 0 (USD)")
+    return x
+
+
+def add_plan_parser(sub) -> None:
+    """The ``plan`` subcommand's options."""
+    p = sub.add_parser("plan", help="the cheapest fleet that meets latency targets on a trace (simulated)",
+                       description="Search instances, device cache share, store size and bandwidth, checkpoint "
+                                   "policy and router on the timed fleet simulator and print the cheapest "
+                                   "configuration that meets every target, the Pareto front (cost, TTFT p99, "
+                                   "goodput), why the next cheaper point fails, and the commands that deploy it.")
+    p.add_argument("--trace", default=None, help="Mooncake-format trace (default: the bundled conversation trace)")
+    p.add_argument("--model", default="kimi-linear-48b-a3b",
+                   help="model preset (default kimi-linear-48b-a3b, priced by the h200-kimi-linear-48b cost model)")
+    p.add_argument("--slo", required=True, metavar="KEY=SECONDS[,...]",
+                   help="targets every plan meets: ttft_, e2e_ or queue_ with mean, p50, p90 or p99, e.g. "
+                        "ttft_p99=2.0,ttft_p50=0.5")
+    p.add_argument("--gpu-hour-usd", type=_price, default=DEFAULT_GPU_HOUR_USD,
+                   help=f"price of one H200-hour (default {DEFAULT_GPU_HOUR_USD:g}, an assumption; see "
+                        "docs/how-to/plan-a-fleet.md)")
+    p.add_argument("--host-gb-month-usd", type=_price, default=DEFAULT_HOST_GB_MONTH_USD,
+                   help=f"price of one GiB-month of host memory (default {DEFAULT_HOST_GB_MONTH_USD:g}, from AWS "
+                        "r7i/c7i list prices)")
+    p.add_argument("--store-gb-month-usd", type=_price, default=DEFAULT_STORE_GB_MONTH_USD,
+                   help=f"price of one GiB-month of shared store (default {DEFAULT_STORE_GB_MONTH_USD:g}, DRAM)")
+    p.add_argument("--store-gbps-month-usd", type=_price, default=DEFAULT_STORE_GBPS_MONTH_USD,
+                   help=f"price of one GB/s of store bandwidth for a month (default {DEFAULT_STORE_GBPS_MONTH_USD:g}, "
+                        "an assumption)")
+    p.add_argument("--max-instances", type=positive_int, default=MAX_INSTANCES,
+                   help=f"most instances tried (default {MAX_INSTANCES})")
+    p.add_argument("--max-num-seqs", type=max_num_seqs, default=4,
+                   help="requests running at once per instance, as replay's (default 4)")
+    p.add_argument("--time-scale", type=time_scale, default=1.0,
+                   help="multiply the trace's arrival times by this (default 1; 0.5: twice the rate)")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="plan on the first N requests only (default: the whole trace)")
+    p.add_argument("--cache", default=None, metavar="FILE",
+                   help="JSON file of simulation results to reuse and extend (default: memory only)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write everything found to this JSON file")
+    p.add_argument("--png", default=None, metavar="FILE", help="plot the Pareto front to this PNG file")
+    p.set_defaults(plan_func=cmd_plan)
+
+
+def _row(o) -> list[str]:
+    c = o.config
+    store = "-" if c.store_gbps <= 0 else f"{c.store_gib:g} GiB @ {c.store_gbps:g}"
+    g = "-" if o.goodput is None else f"{o.goodput:.3f}"
+    return [f"{o.cost_per_hour:.2f}", str(c.instances), f"{c.cache_share:g}", store, c.policy, c.router,
+            f"{o.stats['ttft_p50']:.3f}", f"{o.stats['ttft_p99']:.3f}", g, "yes" if o.meets else "no"]
+
+
+HEADER = ["USD/h", "instances", "cache share", "store (GiB @ GB/s)", "policy", "router", "TTFT p50 (s)",
+          "TTFT p99 (s)", "goodput (req/s)", "meets"]
+"""Columns of the Pareto table."""
+
+
+def render(result: PlanResult, commands: list[list[str]], console: Console, wall: float) -> None:
+    """Print the plan, the Pareto front, why the next cheaper point fails, and the deploy commands."""
+    t = Table(title="Pareto front (whole trace): cost, TTFT p99, goodput", header_style="bold")
+    for h in HEADER:
+        t.add_column(h, overflow="fold")
+    for o in result.front:
+        t.add_row(*_row(o), style="bold green" if o is result.plan else None)
+    console.print(t)
+    if result.plan is not None:
+        console.print(f"[bold]plan:[/bold] {result.plan.config.label()}: {result.plan.cost_per_hour:.2f} USD/h, "
+                      f"TTFT p99 {result.plan.stats['ttft_p99']:.3f} s", highlight=False)
+    else:
+        console.print("[bold red]no plan:[/bold red] no configuration met every target", highlight=False)
+    for line in result.why:
+        console.print(f"why: {line}", highlight=False)
+    console.print(f"{result.runs} simulations run, {result.cache_hits} answered by the cache, {wall:.1f} s",
+                  highlight=False)
+    if commands:
+        console.print("[bold]deploy:[/bold]")
+        for cmd in commands[:2] + (["..."] if len(commands) > 3 else []) + commands[-1:]:
+            console.print("  " + (cmd if isinstance(cmd, str) else shlex.join(cmd)), highlight=False, soft_wrap=True)
+
+
+def plot(result: PlanResult, path: str) -> None:
+    """Every whole-trace outcome (cost against TTFT p99, colour by goodput), the front joined, the
+    plan starred and the p99 target dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pts = {o.config: o for o in result_points(result)}.values()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sc = ax.scatter([o.cost_per_hour for o in pts], [o.stats["ttft_p99"] for o in pts],
+                    c=[o.goodput or 0.0 for o in pts], cmap="viridis", s=28)
+    fig.colorbar(sc, ax=ax, label="goodput (requests/s within every target)")
+    ax.plot([o.cost_per_hour for o in result.front], [o.stats["ttft_p99"] for o in result.front], "k--", lw=1,
+            label="Pareto front")
+    if result.plan is not None:
+        ax.scatter([result.plan.cost_per_hour], [result.plan.stats["ttft_p99"]], marker="*", s=260, c="red",
+                   label="plan")
+    if "ttft_p99" in result.slo:
+        ax.axhline(result.slo["ttft_p99"], color="red", lw=0.8, ls=":", label="TTFT p99 target")
+    ax.set_xlabel("fleet cost (USD per hour)")
+    ax.set_ylabel("TTFT p99 (s)")
+    ax.set_yscale("log")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_POINTS: dict[int, list] = {}
+
+
+def result_points(result: PlanResult) -> list:
+    """The whole-trace outcomes behind ``result`` (set by :func:`cmd_plan`)."""
+    return _POINTS.get(id(result), result.front)
+
+
+def cmd_plan(args, console: Console | None = None) -> int:
+    """Run ``hybridkv plan``; 0 with a plan, 1 when no configuration meets the targets, 2 on bad input."""
+    console = console or Console(stderr=True)
+    out = Console()
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        problem = unwritable(path) if path else None
+        if problem:
+            console.print(f"[red]error:[/red] {flag} {path}: {problem}", markup=True, highlight=False)
+            return 2
+    if args.trace is not None and not Path(args.trace).is_file():
+        console.print(f"[red]error:[/red] --trace {args.trace}: no such file", markup=True, highlight=False)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        slo = parse_slo_option(args.slo)
+        prices = Prices(args.gpu_hour_usd, args.host_gb_month_usd, args.store_gb_month_usd, args.store_gbps_month_usd)
+        budget = h200_budget(args.model, args.max_num_seqs)
+        ev = Evaluator(args.trace, args.model, slo, prices, budget, args.max_num_seqs, args.time_scale, args.cache,
+                       log=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False), limit=args.limit)
+        try:
+            result = plan(ev, max_instances=args.max_instances)
+        finally:
+            ev.close()
+    except (PlanError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        return 2
+    wall = time.perf_counter() - t0
+    whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
+    _POINTS[id(result)] = whole
+    commands = deploy_commands(result.plan.config, budget, args.model, args.max_num_seqs) if result.plan else []
+    render(result, commands, out, wall)
+    if args.png:
+        plot(result, args.png)
+    if args.json:
+        data = {"slo": slo, "prices": asdict(prices),
+                "model": args.model, "trace": args.trace or "bundled", "requests": ev.total,
+                "max_num_seqs": args.max_num_seqs, "time_scale": args.time_scale,
+                "device_pool_bytes": budget.pool_bytes,
+                "plan": result.plan.as_dict() if result.plan else None,
+                "best": result.best.as_dict() if result.best else None,
+                "next_cheaper": result.next_cheaper.as_dict() if result.next_cheaper else None,
+                "front": [o.as_dict() for o in result.front], "bound": result.bound, "why": result.why,
+                "rungs": result.rungs, "runs": result.runs, "cache_hits": result.cache_hits,
+                "wall_seconds": round(wall, 3), "commands": [shlex.join(c) for c in commands],
+                "evaluated": [o.as_dict() for o in ev.outcomes]}
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return 0 if result.plan is not None else 1
