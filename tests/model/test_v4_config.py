@@ -42,7 +42,11 @@ def test_legacy_keys(tmp_path):
 
 @pytest.mark.parametrize("key, value, match", [
     ("index_topk", 0, "index_topk=0: must be >= 1"),
-    ("sliding_window", "16", "sliding_window='16': must be an int"),
+    ("sliding_window", "16", 'sliding_window="16": must be an integer, not a string'),
+    ("hidden_size", True, "hidden_size=true: must be an integer, not true/false"),
+    ("head_dim", 32.0, "head_dim=32.0: must be an integer, not a number with a fraction"),
+    ("num_hidden_layers", 2**31, f"num_hidden_layers={2**31}: must be <= {2**31 - 1}"),
+    ("hc_eps", float("inf"), "hc_eps=Infinity: must be a finite number > 0"),
     ("num_key_value_heads", 2, "num_key_value_heads=2"),
     ("model_type", "kimi_linear", "model_type='kimi_linear'"),
     ("layer_types", ["full_attention"] * 6, "layer_types="),
@@ -55,6 +59,22 @@ def test_bad_values_are_named(key, value, match):
     d[key] = value
     with pytest.raises(ValueError, match=match):
         V4Config.from_hf(d)
+
+
+def test_the_constructor_checks_through_the_shared_schema():
+    """A V4Config built in Python is held to the same Field checks as config.json (attribute named),
+    and so is a legacy integer key."""
+    from dataclasses import replace
+
+    d = V4Config.preset("v4-tiny").to_hf_dict()
+    del d["mlp_layer_types"]
+    with pytest.raises(ValueError, match='num_hash_layers="2": must be an integer, not a string'):
+        V4Config.from_hf({**d, "num_hash_layers": "2"})     # a legacy key, read only without mlp_layer_types
+    cfg = V4Config.preset("v4-tiny")
+    with pytest.raises(ValueError, match="index_topk=8.5: must be an integer"):
+        replace(cfg, index_topk=8.5)
+    with pytest.raises(ValueError, match="swiglu_limit=0: must be a finite number > 0"):
+        replace(cfg, swiglu_limit=0)
 
 
 def test_unknown_preset_and_bad_file(tmp_path):

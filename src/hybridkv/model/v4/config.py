@@ -45,6 +45,18 @@ def _bad(key: str, value: Any, why: str) -> ValueError:
     return ValueError(f"invalid DeepSeek-V4 model config: {key}={value!r}: {why}")
 
 
+V4_SCHEMA = tuple(Field(k, (k,)) for k in (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
+    "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_rate", "hca_rate", "index_n_heads",
+    "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "max_position_embeddings")) + tuple(
+    Field(k, (k,), kind=float) for k in ("rms_norm_eps", "hc_eps", "routed_scaling_factor", "swiglu_limit"))
+"""The typed, range-checked sizes (JSON integers >= 1, at most
+:data:`~hybridkv.model.config_schema.MAX_SIZE`) and positive finite numbers of a
+:class:`V4Config`, checked by the shared :class:`~hybridkv.model.config_schema.Field` as the Kimi
+Linear schema checks its own (a bool, a fraction or a string is refused, never converted)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
     """One rotary table (V4 has two: ``main`` for sliding layers, ``compress`` for CSA/HCA).
@@ -167,16 +179,8 @@ class V4Config:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                    "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
-                    "csa_rate", "hca_rate", "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
-                    "hc_sinkhorn_iters", "n_routed_experts", "num_experts_per_tok",
-                    "moe_intermediate_size", "max_position_embeddings"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _bad(key, value, "must be an int")
-            if value < 1:
-                raise _bad(key, value, "must be >= 1")
+        for f in V4_SCHEMA:
+            f.check(f.attr, getattr(self, f.attr))
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
             raise _bad("qk_rope_head_dim", self.qk_rope_head_dim,
                        f"must be even and <= head_dim={self.head_dim}")
@@ -200,10 +204,6 @@ class V4Config:
                        f"more than n_routed_experts={self.n_routed_experts}")
         if self.scoring_func not in SCORING_FUNCS:
             raise _bad("scoring_func", self.scoring_func, f"must be one of {SCORING_FUNCS}")
-        for key in ("rms_norm_eps", "hc_eps", "routed_scaling_factor", "swiglu_limit"):
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise _bad(key, value, "must be a number > 0")
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, key)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -274,9 +274,7 @@ class V4Config:
             is refused, not converted)."""
             return Field(key, (key,), kind=float, default=default).read(d, {})
 
-        n = get("num_hidden_layers", 43)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise _bad("num_hidden_layers", n, "must be an int >= 1")
+        n = Field("num_hidden_layers", ("num_hidden_layers",), default=43).read(d, {})   # lists are cut to it
         rates = dict(get("compress_rates", {}) or {})
         csa = d.get("compress_rate_csa") or rates.get("compressed_sparse_attention", 4)
         hca = d.get("compress_rate_hca") or rates.get("heavily_compressed_attention", 128)
@@ -295,9 +293,9 @@ class V4Config:
             kinds = [_HF_LAYER_TYPES[t] for t in lt]
         mlp = d.get("mlp_layer_types")
         if mlp is None:
-            nh = get("num_hash_layers", 3)
+            nh = Field("num_hash_layers", ("num_hash_layers",), low=0, default=3).read(d, {})
             mlp = ["hash_moe"] * min(n, nh) + ["moe"] * max(0, n - nh)
-        head_dim = get("head_dim", 512)
+        head_dim = Field("head_dim", ("head_dim",), default=512).read(d, {})     # the RoPE width derives from it
         prf = d.get("partial_rotary_factor")
         rope_dim = d.get("qk_rope_head_dim")
         if rope_dim is None:
