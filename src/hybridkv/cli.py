@@ -471,7 +471,8 @@ def _replay(args, console: Console) -> int:
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),
-        cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s, slo=args.slo)
+        cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s, slo=args.slo,
+        defaulted_limit=args.limit is None and not args.all)
     if args.store_required and args.store != "none":
         problem = _store_unavailable(args.store)
         if problem:

@@ -42,7 +42,8 @@ TIMED_KEYS = ("ttft_seconds", "ttft_cdf_seconds", "queue_seconds", "e2e_seconds"
 
 OPTIONAL_KEYS = ("tiers", "store_misses", "mode", "config", "skipped_lines", "rejected",
                  "warm_start_reused_tokens", "evictions", "reused_histogram") + TIMED_KEYS + (
-                     "interrupted", "cpu_seconds", "requests_per_second", "requests_per_cpu_second") + (
+                     "interrupted", "cpu_seconds", "requests_per_second", "requests_per_cpu_second",
+                     "peak_rss_bytes", "workload_notes") + (
                      "goodput", "queue_skew", "tier_capacity", "device_memory", "phases")
 """Keys written after :data:`REPORT_KEYS`, only when set."""
 
@@ -170,6 +171,14 @@ class ReplayReport:
         are not counted; those run before Ctrl-C in an interrupted run) per ``wall_seconds`` and
         per ``cpu_seconds``, requests/s (0.0 when every request was rejected; the second is the
         simulator's speed figure).
+    peak_rss_bytes: peak resident memory of the replaying process by the end of the run, bytes
+        (``getrusage`` ``ru_maxrss``; the trace load and the report included).
+    workload_notes: ``[{option, this_run, other_mode, why}]``: each value in which this run's work
+        differs from the same command line run in the other mode (a ``--simulate`` run against
+        the model run's defaults: lengths, requests, output tokens, pool sizes, step pricing,
+        store, host tier; a real timed run: the flat estimate its router prices with when no
+        ``--cost-model`` is given), printed before the run (:mod:`hybridkv.replay.workload`);
+        ``[]``: the same work.
     """
 
     requests: int
@@ -215,6 +224,8 @@ class ReplayReport:
     cpu_seconds: float | None = None
     requests_per_second: float | None = None
     requests_per_cpu_second: float | None = None
+    peak_rss_bytes: int | None = None
+    workload_notes: list[dict[str, str]] | None = None
     goodput: dict[str, Any] | None = None
     queue_skew: dict[str, Any] | None = None
     tier_capacity: dict[str, Any] | None = None

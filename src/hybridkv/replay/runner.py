@@ -62,7 +62,14 @@ from hybridkv.replay.report import (
     ratio,
     reuse_histogram,
 )
-from hybridkv.replay.timed import DEFAULT_COLD_START_S, TimedSetup, run_timed
+from hybridkv.replay.timed import (
+    CPU_ESTIMATE,
+    DEFAULT_COLD_START_S,
+    DEFAULT_SIMULATED_COST_MODEL,
+    DEFAULT_SIMULATED_V4_COST_MODEL,
+    TimedSetup,
+    run_timed,
+)
 from hybridkv.replay.trace import (
     TraceUnits,
     load_trace,
@@ -71,6 +78,7 @@ from hybridkv.replay.trace import (
     scaled_input_length,
     scaled_output_length,
 )
+from hybridkv.replay.workload import workload_notes
 from hybridkv.tiers.base import MISS_REASONS
 
 
@@ -86,7 +94,8 @@ class ReplayOptions:
     are ``crashes`` (each instance back after ``cold_start_s``); ``hybrid``: the ``hybrid``
     router's options (:class:`~hybridkv.fleet.routers.HybridOptions`); ``slo``: timed only,
     service-level targets in seconds (:func:`~hybridkv.fleet.operating.parse_slo`) the report's
-    ``goodput`` counts against."""
+    ``goodput`` counts against; ``defaulted_limit``: ``limit`` was chosen by the mode, not given (the
+    report's ``workload_notes`` then name it)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -132,6 +141,7 @@ class ReplayOptions:
     cold_start_s: float = DEFAULT_COLD_START_S
     swa_recovery: str | None = None
     slo: dict[str, float] | None = None
+    defaulted_limit: bool = False
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -222,12 +232,31 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far, bytes (``getrusage`` ``ru_maxrss``: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _priced_by(opts: ReplayOptions, mcfg) -> str | None:
+    """Name of what prices a timed run: a simulation's steps (``opts.cost_model`` or the mode's
+    default), a real run's router (``opts.cost_model`` or :data:`~hybridkv.replay.timed.CPU_ESTIMATE`);
+    ``None`` untimed."""
+    if not opts.timed:
+        return None
+    if opts.cost_model is not None:
+        return opts.cost_model
+    if not opts.simulate:
+        return CPU_ESTIMATE.name
+    return DEFAULT_SIMULATED_V4_COST_MODEL if isinstance(mcfg, V4Config) else DEFAULT_SIMULATED_COST_MODEL
+
+
 def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
     """:func:`run_replay`'s work."""
     console = console or Console(stderr=True)
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     load = load_trace(opts.trace, limit=opts.limit, skip_bad=opts.skip_bad)
     reqs = load.requests
+    given = opts                                  # as given: the notes name the defaults the mode chose
     opts = replace(opts, block_tokens=resolved_block_tokens(opts))
     if opts.max_output_tokens is None and not opts.simulate:
         opts = replace(opts, max_output_tokens=4)
@@ -290,6 +319,9 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                          "(a dict in its process), so the instances would share nothing; use disk:///PATH or "
                          "mooncake://HOST:PORT, or no store (the instances then share a fresh disk store)")
     _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
+    notes = workload_notes(given, len(reqs), cfg.num_checkpoint_slots, _priced_by(opts, mcfg))
+    for note in notes:                        # before the run: what this mode changes in the work
+        console.print(f"[yellow]note:[/yellow] {note.line()}", markup=True, highlight=False)
     store_url, scratch = opts.store, None
     if opts.instances > 1 and store_url == "none":
         scratch = tempfile.mkdtemp(prefix="hybridkv-store-")
@@ -330,6 +362,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         report.config["swa_restore"] = restore_summary(results, mcfg, recovery, opts.simulate,
                                                        results[0].kv_bytes_per_token, report.kv_bytes_peak,
                                                        report.checkpoint_bytes_peak)
+    report.workload_notes = [note.as_dict() for note in notes]
+    report.peak_rss_bytes = _peak_rss_bytes()
     report.cpu_seconds = round(_cpu_seconds() - cpu0, 3)
     for key, seconds in (("requests_per_second", report.wall_seconds), ("requests_per_cpu_second", report.cpu_seconds)):
         rate = ratio(report.requests, seconds)
