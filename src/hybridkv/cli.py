@@ -426,26 +426,12 @@ def _replay(args, console: Console) -> int:
 
     limit = args.limit if args.limit is not None else (None if args.simulate else 40)
     from hybridkv.engine.build import is_v4
-    v4 = is_v4(args.model)
-    if args.swa_recovery is not None and not v4:
-        console.print(f"[red]error:[/red] --swa-recovery {args.swa_recovery}: applies to DeepSeek-V4 models "
-                      f"(v4-tiny, v4-small, or a deepseek_v4 directory); --model {args.model} is Kimi Linear, whose "
-                      "KDA checkpoints are restored at the hit", markup=True, highlight=False)
-        return 2
-    from hybridkv.model.v4.config import V4_SIMULATE_ONLY
-    if args.model in V4_SIMULATE_ONLY and not args.simulate:
-        console.print(f"[red]error:[/red] --model {args.model} is a simulate-only preset (published shapes, no "
-                      "weights): add --simulate, or replay v4-tiny / v4-small with the model",
-                      markup=True, highlight=False)
-        return 2
-    host_mib = args.host_mib if args.host_mib is not None else (0 if v4 else 256)
-    if v4 and args.simulate and host_mib:     # the simulated V4 groups live on the device alone
-        console.print(f"[red]error:[/red] --host-mib {host_mib} with --simulate --model {args.model}: a simulated "
-                      "DeepSeek-V4 model runs on the device cache alone (no host tier)", markup=True, highlight=False)
-        return 2
-    if v4 and args.timed and not args.simulate:
-        console.print(f"[red]error:[/red] --timed with --model {args.model}: a real DeepSeek-V4 fleet is not timed; "
-                      "add --simulate (the V4-Flash cost model) or replay it untimed", markup=True, highlight=False)
+    from hybridkv.replay.runner import check_v4_replay
+    host_mib = args.host_mib if args.host_mib is not None else (0 if is_v4(args.model) else 256)
+    try:                                       # the model-family rules, before anything is loaded
+        check_v4_replay(args.model, args.swa_recovery, args.simulate, host_mib << 20, args.timed)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 2
     if args.all:
         if args.limit is not None:

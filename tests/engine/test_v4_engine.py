@@ -131,10 +131,6 @@ def test_split_steps_and_evictions_stay_exact(tiny):
 
 
 def test_commands_without_v4_support_refuse_it(tmp_path, capsys):
-    from hybridkv.serve.launch import ServeOptions, build_handle
-    with pytest.raises(ValueError, match=r"--store memory:// with --model v4-tiny: a DeepSeek-V4 model runs on the "
-                                         r"device cache alone"):
-        build_handle(ServeOptions(model="v4-tiny", port=0, threads=1, store="memory://"))
     assert main(["calibrate", "--model", "v4-tiny", "--out", str(tmp_path / "c.json")]) == 2
     assert "calibrate does not run DeepSeek-V4 models yet" in capsys.readouterr().err.replace("\n", " ")
 
@@ -216,3 +212,17 @@ def test_cli_replay_verifies_reuse(tmp_path, recovery):
     else:
         assert rep["config"]["policy"] == "interval=64" and rep["config"]["evicted_checkpoints"] == 0
         assert 0 < rep["checkpoints_created"]["interval"] <= rep["config"]["num_checkpoint_slots"]
+
+
+@pytest.mark.parametrize("argv, opts", [
+    (["--model", "v4-tiny", "--simulate", "--host-mib", "1"], dict(model="v4-tiny", simulate=True, host_bytes=1 << 20)),
+    (["--model", "deepseek-v4-flash"], dict(model="deepseek-v4-flash")),
+    (["--model", "tiny", "--swa-recovery", "recompute"], dict(model="tiny", swa_recovery="recompute")),
+])
+def test_replay_refuses_v4_misuse_with_one_rule_for_cli_and_api(capsys, argv, opts):
+    """``hybridkv replay`` and ``run_replay`` refuse through the same check, with the same line."""
+    from hybridkv.replay.runner import ReplayOptions, run_replay
+    with pytest.raises(ValueError) as api:
+        run_replay(ReplayOptions(limit=1, progress=False, **opts))
+    assert main(["replay", *argv, "--limit", "1", "--no-progress"]) == 2
+    assert f"error: {api.value}" in " ".join(capsys.readouterr().err.split())

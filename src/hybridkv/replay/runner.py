@@ -210,10 +210,39 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
         ConfigError: an invalid cache option, naming the value.
         ValueError: an unknown model preset or bad model directory; ``instances`` below 1 or above
             the number of requests; a ``memory://`` store with ``instances`` > 1 (each engine's
-            memory store is its own: they would share nothing).
+            memory store is its own: they would share nothing); a DeepSeek-V4 rule broken
+            (:func:`check_v4_replay`).
     """
+    check_v4_replay(opts.model, opts.swa_recovery, opts.simulate, opts.host_bytes, opts.timed)
     with _fewer_collections(opts.simulate):      # from the trace load to the report
         return _replay(opts, console)
+
+
+def check_v4_replay(model: str, swa_recovery: str | None, simulate: bool, host_bytes: int, timed: bool) -> None:
+    """The model-family rules of a replay, in one place for ``hybridkv replay`` and :func:`run_replay`:
+    ``swa_recovery`` only with a DeepSeek-V4 model; a simulate-only V4 preset only with ``simulate``;
+    a simulated V4 model has no host tier (``host_bytes``, bytes); a real V4 fleet is not ``timed``.
+
+    Raises:
+        ValueError: naming the option (as ``hybridkv replay`` spells it), its value and the model.
+    """
+    from hybridkv.engine.build import is_v4
+    v4 = is_v4(model)
+    if swa_recovery is not None and not v4:
+        raise ValueError(f"--swa-recovery {swa_recovery}: applies to DeepSeek-V4 models (v4-tiny, v4-small, or a "
+                         f"deepseek_v4 directory); --model {model} is Kimi Linear, whose KDA checkpoints are restored "
+                         "at the hit")
+    if not v4:
+        return
+    if model in V4_SIMULATE_ONLY and not simulate:
+        raise ValueError(f"--model {model} is a simulate-only preset (published shapes, no weights): add --simulate, "
+                         "or replay v4-tiny / v4-small with the model")
+    if simulate and host_bytes:
+        raise ValueError(f"--host-mib {host_bytes / (1 << 20):g} with --simulate --model {model}: a simulated "
+                         "DeepSeek-V4 model runs on the device cache alone (no host tier)")
+    if timed and not simulate:
+        raise ValueError(f"--timed with --model {model}: a real DeepSeek-V4 fleet is not timed; add --simulate "
+                         "(the V4-Flash cost model) or replay it untimed")
 
 
 def resolved_block_tokens(opts: ReplayOptions) -> int:
@@ -271,9 +300,6 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         recovery = SwaRecovery.parse(opts.swa_recovery)
         recovery.check(opts.prefix_match_unit)
         policy = recovery.policy(policy)
-    elif opts.swa_recovery is not None:
-        raise ValueError(f"swa_recovery={opts.swa_recovery!r} applies to DeepSeek-V4 models; {opts.model} is "
-                         "a Kimi Linear model")
     units = TraceUnits(opts.block_tokens, opts.prefix_match_unit, mcfg.vocab_size, opts.seed) if opts.simulate else None
     if units is not None:      # no tensors: the cache is keyed by unit payloads, no token is synthesised
         prompts = placeholder_prompts([scaled_input_length(r, opts.block_tokens) for r in reqs])
@@ -294,14 +320,6 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
                        if opts.host_interval is None else opts.host_interval or None))
     if recovery is not None:
         check_block_size(cfg.block_size, {CSA: mcfg.csa_rate, HCA: mcfg.hca_rate})
-        if not opts.simulate and opts.model in V4_SIMULATE_ONLY:
-            raise ValueError(f"model {opts.model!r} is a simulate-only preset (published shapes, no weights): "
-                             "replay it with simulate=True (--simulate)")
-        for what, bad in (("host_bytes", opts.host_bytes if opts.host_bytes and opts.simulate else None),
-                          ("timed", opts.timed if opts.timed and not opts.simulate else None)):
-            if bad is not None:
-                raise ValueError(f"{what}={bad!r} with DeepSeek-V4 model {opts.model}: a simulated V4 model runs on the "
-                                 "device cache alone (no host tier), and a real V4 fleet is not timed")
     if not opts.simulate:
         hint = "" if opts.num_kv_pages else " (sized for every prompt: lower --block-tokens or give --kv-pages)"
         sizes = mcfg
