@@ -358,18 +358,8 @@ class Engine:
                     r.logits[pos] = out.logits[i]
             if r.status == Status.PREFILL:
                 r.computed = c.end
-                made = {b: mechanism.checkpoint(b, c.end, out.end_state, out.checkpoints) for b in c.capture}
-                published = self.cache.publish(r.alloc, r.match.hashes, c.end,
-                                               {b: (ckpt, r.capture[b]) for b, ckpt in made.items()
-                                                if r.capture[b] != HOST})       # host-only captures: tiers
-                for _, label in published.created:
-                    self.stats.checkpoints_created[label] += 1
-                self.stats.checkpoints_skipped += len(published.skipped)
-                self.stats.checkpoints_retired += published.superseded
-                if self.listener is not None:
-                    self._tell_stored(r, c.start, c.end, published)
-                if self.connector is not None:
-                    self.connector.upload(r, r.alloc, c.end, made)
+                if r.publish:                 # else its scope was invalidated: it caches nothing
+                    self._publish(r, c, out)
                 if c.end < r.prompt_len:
                     continue
                 r.status = Status.DECODE
@@ -379,6 +369,22 @@ class Engine:
                 self._finish(r)
                 finished.append(r)
         return finished
+
+    def _publish(self, r: Request, c, out) -> None:
+        """Publish what prefill chunk ``c`` of ``r`` computed (``out``: its step output): units and
+        checkpoints to the device index, the listener, and the write-through tiers."""
+        made = {b: self.config.mechanism.checkpoint(b, c.end, out.end_state, out.checkpoints) for b in c.capture}
+        published = self.cache.publish(r.alloc, r.match.hashes, c.end,
+                                       {b: (ckpt, r.capture[b]) for b, ckpt in made.items()
+                                        if r.capture[b] != HOST})       # host-only captures: tiers
+        for _, label in published.created:
+            self.stats.checkpoints_created[label] += 1
+        self.stats.checkpoints_skipped += len(published.skipped)
+        self.stats.checkpoints_retired += published.superseded
+        if self.listener is not None:
+            self._tell_stored(r, c.start, c.end, published)
+        if self.connector is not None:
+            self.connector.upload(r, r.alloc, c.end, made)
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)

@@ -57,6 +57,10 @@ class Request:
             ``prefix_match_unit``), from the engine cache's ``hash_prompt`` or ``chain_units``
             under the request's namespace; ``None``: the engine hashes the prompt at its first
             lookup and keeps them here (so a request is hashed once however often it is looked up).
+        publish: ``False``: the request publishes nothing it computes (no index entries, no
+            checkpoints, no tier writes, no cache events) and still reads its hit and generates
+            as before; a server sets it for a request whose scope was invalidated while it was
+            queued or running, so nothing of that scope is cached after the invalidation.
     """
 
     request_id: str
@@ -77,6 +81,7 @@ class Request:
     admission_failures: int = 0
     sampler: Callable[[torch.Tensor], int] | None = None
     hashes: list[bytes] | None = field(default=None, repr=False)
+    publish: bool = True
 
     @property
     def prompt_len(self) -> int:

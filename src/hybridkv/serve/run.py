@@ -113,16 +113,17 @@ class Run:
         arrived: ``time.monotonic()`` when the request arrived (seconds).
 
     Raises:
-        APIError: 400 when the batch has more prompts than the waiting queue holds (it could never
-            be admitted); 503 with ``Retry-After`` when the engine's waiting queue is full.
+        APIError: 400 when the batch has more prompts than the running slots plus the waiting
+            queue hold (it could never be admitted); 503 with ``Retry-After`` when they are full.
     """
 
     def __init__(self, worker: EngineWorker, codec: Codec, gen: Generation, prompts: list[list[int]],
                  namespace: bytes, metrics: ServeMetrics, arrived: float) -> None:
         self.worker, self.codec, self.gen, self.metrics, self.arrived = worker, codec, gen, metrics, arrived
-        if len(prompts) > worker.max_waiting:
+        if len(prompts) > worker.max_waiting + worker.max_running:
             raise APIError(400, f"a batch of {len(prompts)} prompts exceeds this server's limit of "
-                                f"{worker.max_waiting} waiting requests (--max-waiting)", "prompt")
+                                f"{worker.max_running + worker.max_waiting} requests at once ({worker.max_running} "
+                                f"running, --max-num-seqs, and {worker.max_waiting} waiting, --max-waiting)", "prompt")
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = [Choice(TextStream(codec), StopScan(gen.stop) if gen.stop else None) for _ in prompts]
@@ -130,8 +131,8 @@ class Run:
         self.first_token_at: float | None = None
         self.jobs = [self._job(i, ids, namespace) for i, ids in enumerate(prompts)]
         if not worker.submit_all(self.jobs):           # all or none: nothing to cancel on a refusal
-            raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests; "
-                                "retry shortly", None, "server_overloaded", "server_error")
+            raise APIError(503, f"the server is at its limit of {worker.max_waiting} waiting requests beyond "
+                                "its free running slots; retry shortly", None, "server_overloaded", "server_error")
         self._open = set(range(len(self.jobs)))
 
     def _job(self, i: int, ids: list[int], namespace: bytes) -> Job:

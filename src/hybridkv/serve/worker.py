@@ -10,8 +10,14 @@ from its own thread with events:
 * ``("done", finish_reason)`` once (``"length"`` or ``"stop"``), after the last token;
 * ``("error", message)`` once, when the engine rejected the request.
 
-An invalidation waits until no request runs: new jobs are held back meanwhile, so the purge
-never touches an entry a request holds.
+An invalidation runs between two engine steps, without waiting for running requests: the purge
+detaches what a running request reads (it finishes from its own pages, untorn), and every job of
+the purged scope already submitted stops publishing (``Request.publish``), so nothing of that
+scope is cached once the invalidation has answered. Other jobs run and enter as before.
+
+Admission: :meth:`EngineWorker.submit_all` accepts jobs while those without a running slot stay
+within ``max_waiting``: up to the free slots (``max_num_seqs`` less the admitted jobs) plus
+``max_waiting`` at once.
 
 With a shadow verifier (:mod:`hybridkv.serve.shadow`) the thread also recomputes sampled hits
 without the cache, one chunk at a time, only when it has no request to run and none in its inbox.
@@ -88,12 +94,13 @@ class EngineWorker:
 
     Args:
         handle: the engine and its tiers (:func:`~hybridkv.engine.build.build_engine`).
-        max_waiting: jobs submitted but not yet admitted that :meth:`submit` accepts;
-            beyond it :meth:`submit` returns ``False`` (the server answers 503).
+        max_waiting: jobs submitted that :meth:`submit` accepts beyond the free running slots
+            (``max_num_seqs`` of the engine's config less the jobs admitted and not ended); beyond
+            it :meth:`submit` returns ``False`` (the server answers 503).
         on_step: called on the engine thread after every step with its duration (seconds).
         on_admit: called on the engine thread with :class:`JobStats` when a job is admitted.
-        on_purge: called on the engine thread after each round of invalidations, before held jobs
-            enter (a server starts its event feed's new epoch there).
+        on_purge: called on the engine thread after each round of invalidations, before the
+            engine steps again (a server starts its event feed's new epoch there).
         shadow: the :class:`~hybridkv.serve.shadow.ShadowVerifier` (``None``: no shadow
             verification): it samples jobs as they enter, takes the sampled hits as they finish and
             runs one chunk of a check whenever the engine has nothing else to do.
@@ -106,6 +113,7 @@ class EngineWorker:
         self.handle = handle
         self.shadow = shadow
         self.max_waiting = max_waiting
+        self.max_running = handle.engine.config.max_num_seqs     # running slots (requests)
         self.ledger = NamespaceLedger()
         self._on_step = on_step
         self._on_admit = on_admit
@@ -115,7 +123,6 @@ class EngineWorker:
         self._waiting = 0                     # jobs submitted, not yet admitted (guarded by _lock)
         self._active: set[Job] = set()        # jobs submitted and not yet ended (guarded by _lock)
         self._jobs: list[Job] = []            # engine thread: jobs in the engine
-        self._held: list[Job] = []            # engine thread: jobs held back during an invalidation
         self._purges: list[tuple[Future, tuple]] = []
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -144,13 +151,15 @@ class EngineWorker:
         return self.submit_all([job])
 
     def submit_all(self, jobs: list[Job]) -> bool:
-        """Queue every job of ``jobs`` (one request's prompts), or none: ``False`` when they would
-        take the jobs waiting past ``max_waiting``. All or none, so a refused batch never leaves
-        jobs to cancel (a refusal is not a cancellation). Once the engine thread has ended, each
-        job gets an ``("error", ...)`` event instead."""
+        """Queue every job of ``jobs`` (one request's prompts), or none: ``False`` when the jobs
+        not yet admitted would then exceed the free running slots plus ``max_waiting`` (a job
+        counts as waiting only while no slot is free for it). All or none, so a refused batch never
+        leaves jobs to cancel (a refusal is not a cancellation). Once the engine thread has ended,
+        each job gets an ``("error", ...)`` event instead."""
         with self._lock:
             if not self._closed:
-                if self._waiting + len(jobs) > self.max_waiting:
+                running = len(self._active) - self._waiting           # admitted, not ended
+                if self._waiting + len(jobs) > self.max_waiting + max(self.max_running - running, 0):
                     return False
                 self._waiting += len(jobs)
                 self._active.update(jobs)
@@ -207,8 +216,8 @@ class EngineWorker:
             while not self._stop.is_set():
                 shadow = self.shadow is not None and self.shadow.pending
                 self._drain_inbox(block=not engine.has_work and not self._purges and not shadow)
-                if self._purges and not engine.has_work:
-                    self._run_purges()
+                if self._purges:
+                    self._run_purges()        # between two steps: running requests are not waited for
                 if engine.has_work:
                     t0 = time.perf_counter()
                     engine.step()
@@ -261,10 +270,9 @@ class EngineWorker:
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "submit":
-            if self._purges:
-                self._held.append(payload)
-            else:
-                self._enter(payload)
+            if self._purges:                  # queued after an invalidation: runs after it
+                self._run_purges()
+            self._enter(payload)
         elif kind == "cancel":
             self._cancel(payload)
         elif kind == "purge":
@@ -295,15 +303,12 @@ class EngineWorker:
             self._active.discard(job)
 
     def _cancel(self, job: Job) -> None:
-        self._retire(job)
-        if job in self._held:
-            self._held.remove(job)
-            self._admitted(job)
-        elif job in self._jobs:
+        if job in self._jobs:
             self._jobs.remove(job)
-            if not job.admitted:
+            if not job.admitted:              # before it is retired: never counted as running
                 self._admitted(job)
             self.handle.engine.cancel(job.request)
+        self._retire(job)
 
     def _admitted(self, job: Job) -> None:
         job.admitted = True
@@ -343,21 +348,23 @@ class EngineWorker:
     def _run_purges(self) -> None:
         purges, self._purges = self._purges, []
         for fut, (tenant, salt, everything, abi_version, known) in purges:
+            if abi_version is None:           # jobs of the scope already submitted cache nothing more
+                for job in self._jobs:
+                    if everything or ((tenant is None or job.owner[0] == tenant)
+                                      and (salt is None or job.owner[1] == salt)):
+                        job.request.publish = False
             try:
                 counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything, abi_version, known)
                 fut.set_result(counts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
         if purges and self._on_purge is not None:
-            self._on_purge()                  # before any held job enters or the engine steps again
-        held, self._held = self._held, []
-        for job in held:
-            self._enter(job)
+            self._on_purge()                  # before a later job enters or the engine steps again
 
     def _abort_all(self, message: str) -> None:
-        for job in self._jobs + self._held:
+        for job in self._jobs:
             self._retire(job)
             job.emit(("error", message))
         for fut, _ in self._purges:
             fut.set_exception(RuntimeError(message))
-        self._jobs, self._held, self._purges = [], [], []
+        self._jobs, self._purges = [], []
