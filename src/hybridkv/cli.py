@@ -2,8 +2,9 @@
 store, docs/how-to/mooncake.md), ``hybridkv soak`` (randomized exactness checks, docs/how-to/soak.md),
 ``hybridkv serve``, ``hybridkv router`` and ``hybridkv bench-serve`` (the OpenAI-compatible server, its
 router and its load generator, docs/how-to/serve.md), ``hybridkv cache purge``
-(docs/how-to/purge-and-quotas.md) and ``hybridkv calibrate`` (the CPU cost model of timed simulation,
-docs/how-to/simulate-and-calibrate.md). Every option: docs/reference/cli.md.
+(docs/how-to/purge-and-quotas.md), ``hybridkv calibrate`` (the CPU cost model of timed simulation,
+docs/how-to/simulate-and-calibrate.md) and ``hybridkv trace synth`` / ``trace scale`` (synthetic and
+scaled traces, docs/how-to/synthesise-traces.md). Every option: docs/reference/cli.md.
 
 Exit status: 0 on success, 1 when every request was rejected (the reason is
 printed), 130 when Ctrl-C stopped a replay (the figures so far are printed and
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate(sub)
     from hybridkv.replay.plan_cmd import add_plan_parser
     add_plan_parser(sub)
+    from hybridkv.replay.synth import register_cli as register_trace_cli
+    register_trace_cli(sub)
     return p
 
 
@@ -300,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.calibrate_func(args)
     if args.command == "plan":
         return args.plan_func(args)
+    if args.command == "trace":
+        return args.trace_func(args)
     return 2
 
 

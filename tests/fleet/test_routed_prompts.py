@@ -72,11 +72,11 @@ def test_the_hit_counted_is_the_first_turns_tail_block():
     counted.route(request(FIRST), first)
     rp = counted._routed(busy_fleet(0, 1, first.views), UNIT)[1]
     v = InstanceView(UNIT)
-    assert rp.extend(next_turn(), v, (0, 0)) == (16 * UNIT, 16 * UNIT)
+    assert rp.extend(next_turn(), v, (0, 0, 0)) == (16 * UNIT, 16 * UNIT, 16 * UNIT)
     branch = FIRST[:12] + [hashlib.sha256(FIRST[11] + b"other").digest()]
-    assert rp.extend(branch, v, (0, 0)) == (12 * UNIT, 0)    # no checkpoint on the first 12 units
+    assert rp.extend(branch, v, (0, 0, 0)) == (12 * UNIT, 0, 0)    # no checkpoint on the first 12 units
     rp.checkpoints[FIRST[7]] = 0                               # an interval checkpoint at unit 8
-    assert rp.extend(branch, v, (0, 0)) == (12 * UNIT, 8 * UNIT)
+    assert rp.extend(branch, v, (0, 0, 0)) == (12 * UNIT, 8 * UNIT, 8 * UNIT)
 
 
 def test_the_record_ends_when_nothing_waits_or_the_generation_changes():
@@ -134,11 +134,11 @@ def test_a_routed_tail_checkpoint_counts_on_kv_the_view_already_holds():
     rp.add(0, FIRST, 16, 16 * UNIT, 0)               # the view held all 16 units: none recorded
     v = view(kv=FIRST)
     assert not rp.kv
-    assert rp.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 16 * UNIT)
+    assert rp.extend(next_turn(), v, (16 * UNIT, 0, 0)) == (16 * UNIT, 16 * UNIT, 16 * UNIT)
     other = RoutedPrompts(UNIT, TAIL)                # a record of another conversation only
     other.trim(1, 0)
     other.add(0, chain("z0", "z1"), 0, 2 * UNIT, 0)
-    assert other.extend(next_turn(), v, (16 * UNIT, 0)) == (16 * UNIT, 0)
+    assert other.extend(next_turn(), v, (16 * UNIT, 0, 0)) == (16 * UNIT, 0, 0)
 
 
 def test_a_record_ends_with_its_prompts_first_token_though_other_prompts_wait_there():

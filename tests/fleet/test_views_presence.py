@@ -49,7 +49,7 @@ def test_a_shared_run_is_reused_but_checked_per_view():
 def test_routed_presence_continues_the_views_run_through_routed_units():
     v = view(kv=PROMPT[:3], checkpoints=[PROMPT[2]])
     routed_kv = {h: 0 for h in PROMPT[3:6]}
-    p = _RoutedPresence(PROMPT[:10], UNIT, routed_kv, v.kv, {PROMPT[5]: 0}, v.checkpoints, (3 * UNIT, 3 * UNIT))
+    p = _RoutedPresence(PROMPT[:10], UNIT, routed_kv, v.held, {PROMPT[5]: 0}, (3 * UNIT, 3 * UNIT, 3 * UNIT))
     assert p.prefix_run(FULL, 10 * UNIT) == 6 * UNIT
     assert p.deepest_state("kda", 6 * UNIT) == 6 * UNIT
     assert p.deepest_state("kda", 5 * UNIT) == 3 * UNIT        # down to the view's own hit

@@ -1,8 +1,16 @@
 """Cache events: what an instance tells routers about its cache, and a router's view built from them.
 
 Modelled on vLLM's KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``)
-plus the two a hybrid model needs: a KDA checkpoint published at a boundary, and one
-removed while its KV stays. Every event carries the instance's *epoch*: a restarted
+plus the two a hybrid model needs: a boundary state (a KDA checkpoint, a DeepSeek-V4 ``swa``
+state) published at a boundary, and one removed while its entries stay. Events name the *cache
+group* they concern (``group``; :mod:`hybridkv.cache.groups`): ``blocks_*`` a prefix-closed group
+(``full``; or a family's page entry, ``csa-hca``, which names all its prefix groups at once),
+``checkpoints_*`` a boundary group (``kda``, ``swa``). An event without a group is read with the
+Kimi Linear names (``full`` for ``blocks_*``, ``kda`` for ``checkpoints_*``), which a view of
+another family reads as its page entry and its boundary group, so producers that name no group
+still work. A view (:class:`InstanceView`) holds one key set per group of its
+:class:`~hybridkv.cache.groups.Family`, and its joint hit is the family's rule
+(:func:`~hybridkv.cache.groups.joint_hit`). Every event carries the instance's *epoch*: a restarted
 instance starts a new epoch, and a view that sees a newer epoch forgets everything it
 knew of that instance, so cache lost in a restart stops attracting traffic even if the
 instance's sequence numbers start again at 0.
@@ -20,16 +28,17 @@ from dataclasses import dataclass, field
 from itertools import islice, takewhile
 
 from hybridkv.cache.coordinator import EvictedEntry
-from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, JointHit, KeySetPresence, joint_hit
+from hybridkv.cache.groups import (KIMI_LINEAR, SAVED_AT_HIT, Family, GroupSpec, JointHit, KeySetPresence, RecomputeCone,
+                                   SavedEvery, joint_hit, page_entry_name)
 
 
 class EventKind(enum.Enum):
     """What happened to the keys of one :class:`CacheEvent`."""
 
-    BLOCKS_STORED = "blocks_stored"              # KV of these units is cached
-    BLOCKS_REMOVED = "blocks_removed"            # KV (and any checkpoint) of these units is gone
-    CHECKPOINTS_STORED = "checkpoints_stored"    # a KDA checkpoint is published at these boundaries
-    CHECKPOINTS_REMOVED = "checkpoints_removed"  # the checkpoint at these boundaries is gone, KV stays
+    BLOCKS_STORED = "blocks_stored"              # a prefix group's entries of these units are cached
+    BLOCKS_REMOVED = "blocks_removed"            # ... are gone (and any boundary state on them)
+    CHECKPOINTS_STORED = "checkpoints_stored"    # a boundary group's state is published at these boundaries
+    CHECKPOINTS_REMOVED = "checkpoints_removed"  # the state at these boundaries is gone, the entries stay
     ALL_CLEARED = "all_cleared"                  # the instance holds nothing (restart, purge)
 
 
@@ -51,6 +60,10 @@ class CacheEvent:
             ``i`` is the chained hash of ``[0, (first_unit + i + 1) * prefix_match_unit)``), so a
             consumer can tell which keys end a store entry; ``None`` when the emitter does not
             say.
+        group: the cache group the keys concern: for ``BLOCKS_*`` a prefix group or a family's
+            page entry (:func:`~hybridkv.cache.groups.page_entry_name`, every prefix group of
+            it), for ``CHECKPOINTS_*`` a boundary group; ``None``: not named (``full`` /
+            ``kda``, read by a view as its family's page entry / boundary group).
     """
 
     instance: int
@@ -60,10 +73,16 @@ class CacheEvent:
     keys: tuple[bytes, ...] = field(repr=False)
     boundaries: tuple[int, ...] = field(default=(), repr=False)
     first_unit: int | None = field(default=None, repr=False)
+    group: str | None = None
 
     def __repr__(self) -> str:
+        group = "" if self.group is None else f", group={self.group}"
         return (f"CacheEvent(instance={self.instance}, epoch={self.epoch}, seq={self.seq}, "
-                f"kind={self.kind.value}, keys={len(self.keys)})")
+                f"kind={self.kind.value}{group}, keys={len(self.keys)})")
+
+
+_PAGE_KINDS = (EventKind.BLOCKS_STORED, EventKind.BLOCKS_REMOVED)
+"""The kinds that concern a prefix group (the others but ``all_cleared`` a boundary group)."""
 
 
 class EventPublisher:
@@ -73,18 +92,37 @@ class EventPublisher:
 
     Args:
         instance: index of the instance.
+        family: the engine's cache groups (:attr:`family`); ``None``: events name no group.
     """
 
-    def __init__(self, instance: int) -> None:
+    def __init__(self, instance: int, family: Family | None = None) -> None:
         self.instance = instance
         self.epoch = 0
         self._seq = 0
         self._buffer: list[CacheEvent] = []
+        self.page_group: str | None = None
+        self.state_group: str | None = None
+        self.family = family
+
+    @property
+    def family(self) -> Family | None:
+        """The cache groups of the engine it hears: its events name the family's page entry
+        (``blocks_*``; the engine's prefix groups share a page) and its boundary group
+        (``checkpoints_*``); ``None``: they name none (read as ``full`` / ``kda``)."""
+        return self._family
+
+    @family.setter
+    def family(self, family: Family | None) -> None:
+        self._family = family
+        self.page_group = page_entry_name(family) if family is not None else None
+        self.state_group = family.boundary[0][0] if family is not None and family.boundary else None
 
     def _emit(self, kind: EventKind, keys, boundaries=(), first_unit: int | None = None) -> None:
         if keys or kind is EventKind.ALL_CLEARED:
+            group = (None if kind is EventKind.ALL_CLEARED else
+                     self.page_group if kind in _PAGE_KINDS else self.state_group)
             self._buffer.append(CacheEvent(self.instance, self.epoch, self._seq, kind, tuple(keys),
-                                           tuple(boundaries), first_unit))
+                                           tuple(boundaries), first_unit, group))
             self._seq += 1
 
     def stored(self, unit_keys: list[bytes], checkpoint_keys: list[bytes], retired_keys: list[bytes],
@@ -128,10 +166,14 @@ _GENERATIONS = itertools.count()
 
 
 class InstanceView:
-    """What a router knows of one instance's cache: the keys with KV and those with a
-    checkpoint, from events only.
+    """What a router knows of one instance's cache: per cache group of its family, the keys at
+    which that group is held, from events only.
 
-    Invariant: every key in ``checkpoints`` is in ``kv`` (a checkpoint hangs on a cached unit).
+    ``held`` maps every group of ``family`` to a set of chained unit keys: a prefix group's keys
+    whose segment is cached, a boundary group's keys whose boundary has a saved state. ``kv`` is
+    the first prefix group's set (``full`` for Kimi Linear), ``checkpoints`` the first boundary
+    group's (``kda``; an empty set of its own for a family without one). Invariant: every key in
+    a boundary group's set is in ``kv`` (a state hangs on cached units).
 
     ``generation`` names the cache the view describes: a token unique in the process, new on
     every view and whenever the instance is known to have lost its cache (an event of a newer
@@ -142,22 +184,61 @@ class InstanceView:
 
     Args:
         unit: ``prefix_match_unit`` in tokens (the spacing of the keys).
+        family: the instance's cache groups and restore strategies (default
+            :data:`~hybridkv.cache.groups.KIMI_LINEAR`); :meth:`match` follows its joint-hit rule.
     """
 
-    family = KIMI_LINEAR
-    """The model family whose joint-hit rule :meth:`match` follows."""
-
-    def __init__(self, unit: int) -> None:
+    def __init__(self, unit: int, family: Family = KIMI_LINEAR) -> None:
         self.unit = unit
+        self.family = family
         self.epoch = -1
-        self.kv: set[bytes] = set()
-        self.checkpoints: set[bytes] = set()
+        self.held: dict[str, set[bytes]] = {g.name: set() for g in family.groups}
+        self.kv: set[bytes] = self.held[family.prefix_names[0]]
+        self.checkpoints: set[bytes] = self.held[family.boundary[0][0]] if family.boundary else set()
+        self._targets: dict[tuple[bool, str | None], tuple[set[bytes], ...]] = {}
         self.stale_dropped = 0          # events of an older epoch, ignored
         self.generation = next(_GENERATIONS)
 
+    def group_sets(self, kind: EventKind, group: str | None) -> tuple[set[bytes], ...]:
+        """The key sets an event of ``kind`` naming ``group`` updates: for ``blocks_*`` the prefix
+        group's (every prefix group's for the family's page entry, or for ``None``), for
+        ``checkpoints_*`` the boundary group's (the first boundary group's for ``None``).
+
+        Raises:
+            ValueError: ``group`` is not a group of that direction in the view's family (naming
+                the group, the event kind and the family's groups).
+        """
+        blocks = kind in _PAGE_KINDS
+        sets = self._targets.get((blocks, group))
+        if sets is not None:
+            return sets
+        fam, held = self.family, self.held
+        bnames = tuple(b for b, _ in fam.boundary)
+        if blocks:
+            names = (fam.prefix_names if group is None or group == page_entry_name(fam)
+                     else (group,) if group in fam.prefix_names else None)
+        else:
+            names = bnames[:1] if group is None else (group,) if group in bnames else None
+        if names is None or not names:
+            raise ValueError(f"cache event {kind.value} names group {group!r}, which is not a "
+                             f"{'prefix' if blocks else 'boundary'} group of the {fam.name} family "
+                             f"(groups {', '.join(fam.names)})")
+        sets = self._targets[(blocks, group)] = tuple(held[n] for n in names)
+        return sets
+
+    def _clear(self) -> None:
+        for keys in self.held.values():
+            keys.clear()
+        self.checkpoints.clear()
+
     def apply(self, event: CacheEvent) -> None:
         """Update the view; an event of an older epoch is dropped, one of a newer epoch first
-        forgets everything known of the old one."""
+        forgets everything known of the old one.
+
+        Raises:
+            ValueError: the event names a group its kind cannot concern in this family
+                (:meth:`group_sets`).
+        """
         if event.epoch < self.epoch:
             self.stale_dropped += 1
             return
@@ -165,41 +246,100 @@ class InstanceView:
             if self.epoch >= 0:                  # a restart: the cache known of the old epoch is gone
                 self.generation = next(_GENERATIONS)
             self.epoch = event.epoch
-            self.kv.clear()
-            self.checkpoints.clear()
+            self._clear()
         kind, keys = event.kind, event.keys
-        if kind is EventKind.BLOCKS_STORED:
-            self.kv.update(keys)
-        elif kind is EventKind.CHECKPOINTS_STORED:
-            self.checkpoints.update(filter(self.kv.__contains__, keys))
-        elif kind is EventKind.BLOCKS_REMOVED:
-            self.kv.difference_update(keys)
-            self.checkpoints.difference_update(keys)
-        elif kind is EventKind.CHECKPOINTS_REMOVED:
-            self.checkpoints.difference_update(keys)
-        else:
+        if kind is EventKind.ALL_CLEARED:
             self.generation = next(_GENERATIONS)
-            self.kv.clear()
-            self.checkpoints.clear()
+            self._clear()
+            return
+        sets = self.group_sets(kind, event.group)
+        if kind is EventKind.BLOCKS_STORED:
+            for held in sets:
+                held.update(keys)
+        elif kind is EventKind.CHECKPOINTS_STORED:
+            kept = list(filter(self.kv.__contains__, keys))
+            for held in sets:
+                held.update(kept)
+        elif kind is EventKind.BLOCKS_REMOVED:
+            for held in sets:
+                held.difference_update(keys)
+            for name, _ in self.family.boundary:          # a state on removed entries goes with them
+                self.held[name].difference_update(keys)
+        else:
+            for held in sets:
+                held.difference_update(keys)
 
     def kv_run(self, hashes: list[bytes], limit: int) -> int:
-        """Contiguous KV from token 0 over ``hashes`` (whole units), at most ``limit`` tokens."""
-        # the units up to the first one without KV, counted in C (no copy of the prompt's hashes)
-        return len(list(takewhile(self.kv.__contains__, islice(hashes, limit // self.unit)))) * self.unit
+        """Contiguous entries of every prefix group from token 0 over ``hashes`` (whole units), at
+        most ``limit`` tokens (the shortest run of the family's prefix groups)."""
+        # the units up to the first one without an entry, counted in C (no copy of the prompt's hashes)
+        n = limit // self.unit
+        return min(len(list(takewhile(self.held[g].__contains__, islice(hashes, n))))
+                   for g in self.family.prefix_names) * self.unit
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit this instance would give a prompt with unit hashes ``hashes``, under
         ``limit`` tokens (:func:`~hybridkv.cache.groups.reuse_cap`): the rule of
-        :func:`~hybridkv.cache.groups.joint_hit` over the keys the events reported
-        (:meth:`presence`)."""
+        :func:`~hybridkv.cache.groups.joint_hit` for the view's family over the keys the events
+        reported (:meth:`presence`)."""
         return joint_hit(self.family, self.presence(hashes), limit)
 
     def presence(self, hashes: list[bytes]) -> KeySetPresence:
         """The :class:`~hybridkv.cache.groups.Presence` of this view for a prompt's unit hashes:
-        ``full`` where a key has KV, ``kda`` where it has a checkpoint."""
-        return KeySetPresence(hashes, self.unit, {FULL: self.kv, KDA: self.checkpoints})
+        each group held where its set has the key (``full`` where a key has KV, ``kda`` where it
+        has a checkpoint, for Kimi Linear)."""
+        return KeySetPresence(hashes, self.unit, self.held)
 
     def hits(self, hashes: list[bytes], limit: int) -> tuple[int, int]:
         """``(kv_hit, hit)`` of :meth:`match` (tokens)."""
         m = self.match(hashes, limit)
         return m.kv_hit, m.hit
+
+
+# -- a family on the wire ------------------------------------------------------------------------
+
+
+def family_to_json(family: Family) -> dict:
+    """What a router needs of a worker's cache groups, JSON-ready (for a worker's info route):
+    ``{"name", "groups": [{"name", "direction", "granularity"}, ...], "restore": {group:
+    {"kind": "saved_at_hit" | "saved_every" | "recompute_cone", "period" | "tokens": int}}}``
+    (tokens). Entry layouts are left out: a router needs names, directions and strategies only."""
+    restore = {}
+    for name, how in family.boundary:
+        if isinstance(how, SavedEvery):
+            restore[name] = {"kind": "saved_every", "period": how.period}
+        elif isinstance(how, RecomputeCone):
+            restore[name] = {"kind": "recompute_cone", "tokens": how.tokens}
+        else:
+            restore[name] = {"kind": "saved_at_hit"}
+    return {"name": family.name,
+            "groups": [{"name": g.name, "direction": g.direction, "granularity": g.granularity}
+                       for g in family.groups],
+            "restore": restore}
+
+
+def family_from_json(data) -> Family:
+    """The :class:`~hybridkv.cache.groups.Family` (without entry layouts) of
+    :func:`family_to_json`'s answer.
+
+    Raises:
+        ValueError: a malformed answer (naming the field and the value).
+    """
+    try:
+        groups = tuple(GroupSpec(str(g["name"]), str(g["direction"]), int(g["granularity"]))
+                       for g in data["groups"])
+        restore = {}
+        for name, how in dict(data.get("restore", {})).items():
+            kind = how["kind"]
+            if kind == "saved_every":
+                restore[str(name)] = SavedEvery(int(how["period"]))
+            elif kind == "recompute_cone":
+                restore[str(name)] = RecomputeCone(int(how["tokens"]))
+            elif kind == "saved_at_hit":
+                restore[str(name)] = SAVED_AT_HIT
+            else:
+                raise ValueError(f"family restore of group {name!r}: kind={kind!r} is not saved_at_hit, "
+                                 "saved_every or recompute_cone")
+        return Family(str(data["name"]), groups, restore)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"family {data!r} is malformed: {type(exc).__name__}: {exc}") from None

@@ -168,6 +168,7 @@ class FleetInstance:
         self._build = build
         self.publisher = EventPublisher(index)
         self.handle = build(self.publisher, self._price if cost is not None else None)
+        self.publisher.family = self.handle.backend.family      # its events name the engine's cache groups
         self.retired: list[EngineHandle] = []         # engines replaced by restarts (their counters stay)
         self.clock = 0.0
         self.queue: deque[FleetRequest] = deque()
@@ -305,36 +306,47 @@ class FleetInstance:
             self.in_engine.append(fr)
 
     def _fetch(self, fr: FleetRequest) -> float:
-        """Install the store's deeper joint hit for ``fr`` (KV pages and checkpoint); its seconds."""
+        """Install the store's deeper joint hit for ``fr`` (page entries, and the state entry the
+        hit restores from: at the hit for a state saved there, the deepest saved one at or below
+        it for ``periodic``, none for ``recompute``); its seconds."""
         cache, r = self.handle.engine.cache, fr.request
-        got = self.store.view.match(fr.hashes, reuse_cap(r.prompt_len, cache.config.prefix_match_unit)).hit
+        sm = self.store.view.match(fr.hashes, reuse_cap(r.prompt_len, cache.config.prefix_match_unit))
+        got = sm.hit
         if not got:
             return 0.0
         local = cache.lookup(r.prompt, r.namespace, touch=False, hashes=fr.hashes)
         if got <= local.hit:
             return 0.0
         # the store is read in whole entries, from the entry boundary at or below the local KV run,
-        # and only when that pays: the router's rule (store.paying_load); pages installed from the
-        # page boundary, at or above where the read starts
-        load = paying_load(self.cost, self.store.cost, local.kv_hit, local.hit, got)
+        # and only when that pays (each side with its restore recompute, priced by the backend):
+        # the router's rule (store.paying_load); pages installed from the page boundary, at or
+        # above where the read starts
+        price = getattr(self.handle.backend, "recovery_seconds", None)
+        restore = price(local.restart, local.hit) if price is not None and local.restart < local.hit else 0.0
+        store_restore = price(sm.restart, got) if price is not None and sm.restart < got else 0.0
+        load = paying_load(self.cost, self.store.cost, local.kv_hit, local.hit, got, restore, store_restore)
         if load is None:
             self.stats.store_declined += 1                # recomputing is faster than loading
             return 0.0
         transfer, latency, read = load
         seconds = transfer + latency
         start = load_start(local.kv_hit, got, cache.config.block_size)     # the pages installed
+        # the state entry: where the store's hit restarts, unless the device holds one as deep
+        state = sm.restart if self.store.cost.loads_state and sm.restart > local.restart else 0
         # owned by the request's namespace (the engine's when it gave none), as the store tier's
         # installs are (TierConnector passes MatchResult.namespace): quotas and purges by owner reach them
         if start < got and not cache.install_kv(fr.hashes, start, got, _no_tensors, local.namespace):
             return 0.0
-        if not cache.install_checkpoint(fr.hashes, None, got):
+        if state and not cache.install_checkpoint(fr.hashes, None, state):
             return 0.0
         g = cache.config.prefix_match_unit
-        self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[got // g - 1]], [], [got], start // g)
-        self.store.view.touch(fr.hashes, got)
+        self.publisher.stored(fr.hashes[start // g: got // g], [fr.hashes[state // g - 1]] if state else [], [],
+                              [state] if state else [], start // g)
+        self.store.view.touch(fr.hashes, got, state)
         st = self.stats
         st.store_hit_tokens += got - local.hit
-        st.store_bytes_loaded += self.store.cost.load_bytes(read, got)
+        c = self.store.cost
+        st.store_bytes_loaded += (got - read) * c.kv_bytes_per_token + (c.checkpoint_bytes if state else 0)
         st.store_seconds += seconds
         st.store_loads += 1
         return seconds

@@ -39,15 +39,16 @@ import math
 import numbers
 import random
 from bisect import bisect_left
+from collections.abc import Callable
 from itertools import compress, islice, takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridkv.cache.groups import FULL, KDA, KIMI_LINEAR, joint_hit, joint_hits
+from hybridkv.cache.groups import joint_hit, joint_hits
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import InstanceView
 from hybridkv.fleet.store import StoreCost, paying_load
@@ -185,7 +186,7 @@ _PLAIN_LOAD = {InstanceLoad}
 
 
 def priced_prefill(cost: StepCostModel, store: StoreCost | None, prompt_tokens: int, kv_hit: int, hit: int,
-                   store_hit: int) -> tuple[float, int]:
+                   store_hit: int, restore_s: float = 0.0, store_restore_s: float = 0.0) -> tuple[float, int]:
     """``(seconds, tokens reused)`` before a prompt of ``prompt_tokens`` on an instance whose own
     KV run is ``kv_hit`` and joint hit ``hit`` (tokens) has its prefill done: the prefill of
     ``[hit, T)`` (``cost.prefill_seconds``), or, when the shared store's joint hit ``store_hit``
@@ -194,12 +195,27 @@ def priced_prefill(cost: StepCostModel, store: StoreCost | None, prompt_tokens: 
     bandwidth and the per-object latency (:meth:`~hybridkv.fleet.store.StoreCost.load_seconds`),
     the seed's ``T_transfer + T_lookup``. Loading pays when it takes less than computing
     ``[hit, store_hit)``, the rule a simulated instance applies before it loads (issue 9 item 3;
-    :meth:`~hybridkv.fleet.instance.FleetInstance._fetch`). The hybrid router's work term, and
-    the queued seconds the fleet books for a routed request."""
-    load = paying_load(cost, store, kv_hit, hit, store_hit) if store is not None else None
+    :meth:`~hybridkv.fleet.instance.FleetInstance._fetch`). ``restore_s`` / ``store_restore_s``:
+    seconds of rebuilding the boundary state at the local / the store's hit from its restart
+    point (:data:`RestorePricer`; 0 when states are saved at the hit, as for Kimi Linear), added
+    to each side. The hybrid router's work term, and the queued seconds the fleet books for a
+    routed request."""
+    load = paying_load(cost, store, kv_hit, hit, store_hit, restore_s, store_restore_s) if store is not None else None
     if load is None:
-        return cost.prefill_seconds(hit, prompt_tokens), hit
-    return cost.prefill_seconds(store_hit, prompt_tokens) + load[0] + load[1], store_hit
+        return cost.prefill_seconds(hit, prompt_tokens) + restore_s, hit
+    return cost.prefill_seconds(store_hit, prompt_tokens) + load[0] + load[1] + store_restore_s, store_hit
+
+
+RestorePricer = Callable[[int, int], float]
+"""``price(restart, hit) -> seconds`` of rebuilding a boundary state at ``hit`` (tokens) by
+recomputing from ``restart`` (a saved state there, or the raw tokens of a recompute cone):
+:func:`~hybridkv.fleet.costmodel.v4_restore_pricer` for DeepSeek-V4. A hit's value to a router is
+the prefill it saves less this."""
+
+
+def restore_seconds(restore: RestorePricer | None, restart: int, hit: int) -> float:
+    """``restore(restart, hit)`` when ``restart < hit`` and a pricer is given, else 0 (seconds)."""
+    return restore(restart, hit) if restore is not None and restart < hit else 0.0
 
 
 def least_loaded(loads: list[InstanceLoad], among=None) -> int:
@@ -230,10 +246,17 @@ _PLAIN_VIEW = {InstanceView}
 _UNIT = attrgetter("unit")
 
 
+def _one_family(views: list[InstanceView]) -> bool:
+    """Every view follows one family's rule (a fleet's views share the family object)."""
+    fam = views[0].family
+    return all(v.family is fam or v.family == fam for v in views)
+
+
 class _ViewsPresence:
-    """:class:`~hybridkv.cache.groups.Presences` of several views (one per instance) for the units
-    of one prompt (:meth:`HybridRouter.route`, every instance on every arrival): ``full`` where a
-    unit has KV in a view (``kv``), ``kda`` where it has a checkpoint (``checkpoints``). Most views
+    """:class:`~hybridkv.cache.groups.Presences` of several views (one per instance, of one family)
+    for the units of one prompt (:meth:`HybridRouter.route`, every instance on every arrival): a
+    group is held at a unit where the view's set of that group (``held``) has its key (``full``
+    where a unit has KV, ``kda`` where it has a checkpoint, for Kimi Linear). Most views
     hold the same few units of a prompt (a shared first block), so the last run found is checked
     whole (in C, ``issuperset``) before a unit-by-unit walk; a view without the first unit has
     a run of 0 at once.
@@ -250,8 +273,6 @@ class _ViewsPresence:
         self.units, self.unit, self.views = units, unit, views
 
     def prefix_runs(self, group: str, limit: int) -> list[int]:
-        if group != FULL:
-            raise KeyError(f"a view holds no prefix group {group!r}")
         units, g = self.units, self.unit
         n = min(len(units), limit // g)
         if n < len(units):                          # a shorter limit than the prompt's slice
@@ -262,7 +283,7 @@ class _ViewsPresence:
         append = out.append
         guess, head = 0, ()                         # the last run found (units) and its units
         for view in self.views:
-            kv = view.kv
+            kv = view.held[group]
             if first not in kv:
                 append(0)
             elif guess and kv.issuperset(head):
@@ -277,8 +298,6 @@ class _ViewsPresence:
         return out
 
     def deepest_states(self, group: str, at_most: list[int]) -> list[int]:
-        if group != KDA:
-            raise KeyError(f"a view holds no boundary group {group!r}")
         units, g, out = self.units, self.unit, []
         append, n = out.append, len(self.units)
         for view, top in zip(self.views, at_most):
@@ -288,7 +307,7 @@ class _ViewsPresence:
             k = top // g
             if k > n:
                 k = n
-            ck = view.checkpoints
+            ck = view.held[group]
             while k and units[k - 1] not in ck:
                 k -= 1
             append(k * g)
@@ -297,19 +316,19 @@ class _ViewsPresence:
 
 class _RoutedPresence:
     """:class:`~hybridkv.cache.groups.Presence` of a view together with the prompts a router sent
-    its instance that have no first token yet (:meth:`RoutedPrompts.extend`): ``full`` where either
-    holds a unit's KV, ``kda`` where either holds its checkpoint. The view's own joint hit
-    ``pair`` is known already: the run continues from its ``kv_hit``, the scan stops at its hit."""
+    its instance that have no first token yet (:meth:`RoutedPrompts.extend`): a prefix group held
+    where the view's set of it (``view.held``) or the routed prompts' units (``kv``) have a unit,
+    a boundary group where the view's set of it or the routed prompts' tail states (``ck``) have
+    it (``full`` / ``kda`` for Kimi Linear). The view's own joint hit ``pair`` (``(kv_hit, hit,
+    ...)``) is known already: the run continues from its ``kv_hit``, the scan stops at its hit."""
 
-    __slots__ = ("units", "unit", "kv", "vkv", "ck", "vck", "pair")
+    __slots__ = ("units", "unit", "kv", "held", "ck", "pair")
 
-    def __init__(self, units, unit, kv, vkv, ck, vck, pair: tuple[int, int]) -> None:
-        self.units, self.unit, self.kv, self.vkv, self.ck, self.vck, self.pair = units, unit, kv, vkv, ck, vck, pair
+    def __init__(self, units, unit, kv, held, ck, pair: tuple[int, ...]) -> None:
+        self.units, self.unit, self.kv, self.held, self.ck, self.pair = units, unit, kv, held, ck, pair
 
     def prefix_run(self, group: str, limit: int) -> int:
-        if group != FULL:
-            raise KeyError(f"routed prompts hold no prefix group {group!r}")
-        g, units, kv, vkv = self.unit, self.units, self.kv, self.vkv
+        g, units, kv, vkv = self.unit, self.units, self.kv, self.held[group]
         n = min(len(units), limit // g)
         run = min(self.pair[0] // g, n)
         while run < n and units[run] in kv:
@@ -321,9 +340,7 @@ class _RoutedPresence:
         return run * g
 
     def deepest_state(self, group: str, at_most: int) -> int:
-        if group != KDA:
-            raise KeyError(f"routed prompts hold no boundary group {group!r}")
-        g, units, ck, vck = self.unit, self.units, self.ck, self.vck
+        g, units, ck, vck = self.unit, self.units, self.ck, self.held[group]
         deepest, floor = min(at_most // g, len(units)), self.pair[1] // g
         if deepest < floor:                         # below the view's own hit: nothing known there
             floor = 0
@@ -400,12 +417,23 @@ class PrefixOptions:
             imbalanced when ``max - min > abs`` and ``max > rel * min`` (both strict).
         seed: (0 or more) seeds the pseudorandom orders that stand for the Rust hash maps' iteration
             order (tie-breaks), so runs are reproducible.
+        max_tree_tokens: tokens each instance's tree keeps (``None``: no bound, the replay's
+            default). Past it the least recently used leaves go first, a ``prefix_match_unit``
+            (one node) at a time, as SGLang's router evicts its trees past ``max_tree_size``.
     """
 
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     seed: int = 0
+    max_tree_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tree_tokens is not None and (isinstance(self.max_tree_tokens, bool)
+                                                 or not isinstance(self.max_tree_tokens, int)
+                                                 or self.max_tree_tokens < 1):
+            raise ValueError(f"max_tree_tokens={self.max_tree_tokens!r} must be a positive number of tokens "
+                             "(or None: no bound)")
 
 
 def _mix(seed: int, key: bytes, j: int) -> bytes:
@@ -432,10 +460,14 @@ class PrefixRouter(Router):
     3. Else the instance with the smallest tree (units held) wins; ties in one pseudorandom
        order fixed for the router (SGLang iterates one tenant-size map, first strict minimum).
 
-    The chosen instance's tree then takes the whole prompt. The trees are never evicted:
-    SGLang evicts a tenant's least recently used leaves only past ``max_tree_size`` (2**26
-    characters per tenant at its launch default), which the bundled trace does not reach
-    (docs/concepts/routing.md, "Emulations checked against their sources").
+    The chosen instance's tree then takes the whole prompt. With ``options.max_tree_tokens``
+    a tree keeps at most that many tokens (``max_tree_tokens // unit`` nodes): a prompt's units
+    are touched leaf first, so every node is more recent than its descendants, and past the
+    bound the least recently used nodes (leaves) are evicted, as SGLang evicts a tenant's
+    least recently used leaves past ``max_tree_size`` (2**26 characters per tenant at its
+    launch default). Unbounded by default: the bundled trace does not reach SGLang's bound
+    (docs/concepts/routing.md, "Emulations checked against their sources"); ``hybridkv
+    router`` bounds them (``--max-tree-tokens``).
 
     Args:
         unit: ``prefix_match_unit`` in tokens.
@@ -449,6 +481,26 @@ class PrefixRouter(Router):
         self.unit = unit
         self.trees: list[InstanceView] = []
         self._rank: list[bytes] = []        # the tenant-size map's fixed order (smallest-tree ties)
+        cap = options.max_tree_tokens
+        self._cap = None if cap is None else max(cap // unit, 1)      # nodes per tree
+        self._recency: list[OrderedDict] = []                        # per tree: key -> None, oldest first
+
+    def _take(self, j: int, hashes: list[bytes]) -> None:
+        """Instance ``j``'s tree takes a prompt's unit ``hashes``; past the bound its least
+        recently used nodes go (the prompt's own leaf first touched, so a node outlives its
+        descendants)."""
+        tree = self.trees[j]
+        tree.kv.update(hashes)
+        if self._cap is None:
+            return
+        while len(self._recency) <= j:
+            self._recency.append(OrderedDict())
+        recency = self._recency[j]
+        for k in reversed(hashes):
+            recency[k] = None
+            recency.move_to_end(k)
+        while len(recency) > self._cap:
+            tree.kv.discard(recency.popitem(last=False)[0])
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         n, o, live = len(fleet.loads), self.options, live_instances(fleet)
@@ -474,7 +526,7 @@ class PrefixRouter(Router):
                     j = min(holders, key=lambda i: _mix(o.seed, node, i))
             else:
                 j = min(live, key=lambda i: (len(self.trees[i].kv), self._rank[i]))
-        self.trees[j].kv.update(req.hashes)
+        self._take(j, req.hashes)
         return j
 
 
@@ -520,7 +572,7 @@ class SMGPrefixRouter(PrefixRouter):
                 j = least
         else:
             j = least
-        self.trees[j].kv.update(req.hashes)
+        self._take(j, req.hashes)
         return j
 
 
@@ -778,18 +830,19 @@ class RoutedPrompts:
         self.seqs.append((seq, len(new), ahead))
         self._held += len(new)
 
-    def extend(self, units: list[bytes], view, pair: tuple[int, int]) -> tuple[int, int]:
-        """``(kv_hit, hit)`` (tokens) over the view's entries and these prompts together, from
-        the view's ``pair``: the KV run continued through units either holds, and the deepest
-        boundary on it with a checkpoint in either."""
+    def extend(self, units: list[bytes], view, pair: tuple[int, int, int]) -> tuple[int, int, int]:
+        """``(kv_hit, hit, restart)`` (tokens) over the view's entries and these prompts together,
+        from the view's own ``(kv_hit, hit, restart)``: the view family's joint-hit rule
+        (:func:`~hybridkv.cache.groups.joint_hit`) with the prefix groups' run continued through
+        units either holds and boundary states in either (for Kimi Linear: the KV run, and the
+        deepest boundary on it with a checkpoint)."""
         self._fold()
         g, kv = self.unit, self._kv
         run = pair[0] // g
         if (run >= len(units) or units[run] not in kv) and pair[0] == pair[1]:
             return pair             # most records: another conversation, and no KV past the checkpoint
-        m = joint_hit(KIMI_LINEAR, _RoutedPresence(units, g, kv, view.kv, self._checkpoints, view.checkpoints, pair),
-                      len(units) * g)
-        return m.kv_hit, m.hit
+        m = joint_hit(view.family, _RoutedPresence(units, g, kv, view.held, self._checkpoints, pair), len(units) * g)
+        return m.kv_hit, m.hit, m.restart
 
 
 class HybridRouter(Router):
@@ -797,8 +850,11 @@ class HybridRouter(Router):
     ``W_j = T_prefill,j + T_transfer,j + T_cold,j`` the work the request adds to instance ``j``.
 
     * ``T_prefill,j``: prefill seconds of ``[h_j, T)``, ``h_j`` the joint hit on instance ``j``
-      (its view) or in the store, whichever is deeper (a KV run without a checkpoint at or
-      below it saves nothing). ``T_saved,j = T_prefill(0) - T_prefill,j``.
+      (its view, by the view's family's rule) or in the store, whichever is deeper (a KV run
+      without a checkpoint at or below it saves nothing), plus, when the joint hit's restart
+      point ``c_j`` lies below it, the seconds of rebuilding the boundary state from there
+      (``restore``: DeepSeek-V4's ``periodic=P`` tail and ``recompute`` cone).
+      ``T_saved,j = T_prefill(0) - T_prefill,j``.
     * ``T_queue``: the instance's queued prefill seconds (:attr:`InstanceLoad.queued_seconds`)
       plus, when all ``max_num_seqs`` sequence slots are taken, the wait for one
       (:meth:`queue_seconds`): with several hundred output tokens per request a slot is held
@@ -833,6 +889,11 @@ class HybridRouter(Router):
         tail_tokens: the block at whose last whole boundary within the reuse cap an instance
             places a prompt's tail checkpoint, tokens (:func:`make_router` passes the KV page
             size, the replay's ``tail=B`` block); ``None``: one ``prefix_match_unit``.
+        restore: prices rebuilding a boundary state at a hit from its restart point
+            (:data:`RestorePricer`), added to ``T_prefill,j`` for a joint hit whose restart lies
+            below it (DeepSeek-V4's ``periodic=P`` and ``recompute``: the hit's value is the
+            prefill it saves less that recompute); ``None``: restores cost nothing (Kimi Linear,
+            whose checkpoints are saved at the hit).
 
     Raises:
         ValueError: ``max_num_seqs`` or ``tail_tokens`` below 1.
@@ -842,7 +903,7 @@ class HybridRouter(Router):
 
     def __init__(self, cost: StepCostModel, store: StoreCost | None = None,
                  options: HybridOptions = HybridOptions(), max_num_seqs: int = 1,
-                 tail_tokens: int | None = None) -> None:
+                 tail_tokens: int | None = None, restore: RestorePricer | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} must be at least 1")
         if tail_tokens is not None and tail_tokens < 1:
@@ -852,6 +913,7 @@ class HybridRouter(Router):
         self.options = options
         self.max_num_seqs = max_num_seqs
         self.tail_tokens = tail_tokens
+        self.restore = restore
         self.routed: list[RoutedPrompts] = []      # per instance, when options.count_routed
         self._seq = itertools.count()
         self._active: set[int] = set()              # instances whose RoutedPrompts hold any
@@ -904,25 +966,32 @@ class HybridRouter(Router):
         """Seconds to prefill ``[hit, T)`` of ``req``."""
         return self.cost.prefill_seconds(hit, req.prompt_tokens)
 
-    def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int) -> tuple[float, int]:
-        """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j``; the score is
-        ``T_prefill(0) - cost_j`` (higher is better; the seed's score when nothing waits)."""
+    def score(self, req: RouteRequest, fleet: FleetState, j: int, store_hit: int,
+              store_restart: int | None = None) -> tuple[float, int]:
+        """``(score in seconds, tokens reused)`` of sending ``req`` to instance ``j`` when the
+        store's joint hit is ``store_hit`` (restart point ``store_restart``, default the hit); the
+        score is ``T_prefill(0) - cost_j`` (higher is better; the seed's score when nothing waits)."""
         view = fleet.views[j]
         m = view.match(req.hashes, req.limit)
-        pair = (m.kv_hit, m.hit)
+        pair = (m.kv_hit, m.hit, m.restart)
         if self.options.count_routed and isinstance(view, InstanceView) and req.limit >= 0:
             rp = self._routed(fleet, view.unit)[j]
             if rp.seqs:
                 pair = rp.extend(req.hashes[:req.limit // view.unit], view, pair)
-        work, hit = self._work(req, pair[0], pair[1], store_hit)
+        work, hit = self._work(req, pair, (store_hit, store_hit if store_restart is None else store_restart))
         ld = fleet.loads[j]
         weight = 1 + self.options.waiting_counts(fleet.loads, fleet.live)[j] if self.options.weigh_waiting else 1
         return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
 
-    def _work(self, req: RouteRequest, kv_hit: int, hit: int, store_hit: int) -> tuple[float, int]:
-        """``(seconds of prefill, transfer and store latency, tokens reused)`` for an instance
-        whose own KV run is ``kv_hit`` and joint hit ``hit`` (tokens)."""
-        return priced_prefill(self.cost, self.store, req.prompt_tokens, kv_hit, hit, store_hit)
+    def _work(self, req: RouteRequest, local: tuple[int, int, int], store: tuple[int, int]) -> tuple[float, int]:
+        """``(seconds of prefill, restore recompute, transfer and store latency, tokens reused)``
+        for an instance whose own prefix run, joint hit and restart point are ``local`` (tokens),
+        the store's joint hit and restart point ``store``."""
+        kv_hit, hit, restart = local
+        store_hit, store_restart = store
+        return priced_prefill(self.cost, self.store, req.prompt_tokens, kv_hit, hit, store_hit,
+                              restore_seconds(self.restore, restart, hit),
+                              restore_seconds(self.restore, store_restart, store_hit))
 
     def candidates(self, fleet: FleetState) -> list[int]:
         """Live instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
@@ -943,7 +1012,11 @@ class HybridRouter(Router):
         once per distinct ``(kv_hit, hit)`` (instances mostly share a few: the same system
         prompt, or nothing)."""
         live_instances(fleet)
-        store_hit = fleet.store.match(req.hashes, req.limit).hit if fleet.store is not None else 0
+        if fleet.store is not None:
+            sm = fleet.store.match(req.hashes, req.limit)
+            store = (sm.hit, sm.restart)
+        else:
+            store = (0, 0)
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
         if type(self).queue_seconds is HybridRouter.queue_seconds and self.options.count_decode:
             # queue_seconds' first case inline (an instance with a free slot or nothing to decode
@@ -957,7 +1030,8 @@ class HybridRouter(Router):
         cool = self._cool(live, q if len(live) == len(q) else [q[j] for j in live])   # live: ascending
         # views of one kind and unit (a fleet's): the joint-hit rule over one slice of the prompt's
         # hashes shared by the views, through one _RunGuessPresence (the last run found reused)
-        plain = limit >= 0 and {*map(type, views)} == _PLAIN_VIEW and len({*map(_UNIT, views)}) == 1
+        plain = (limit >= 0 and {*map(type, views)} == _PLAIN_VIEW and len({*map(_UNIT, views)}) == 1
+                 and _one_family(views))
         g = views[live[0]].unit if plain else 0
         units = hashes[:limit // g] if plain else hashes
         active = ()
@@ -966,8 +1040,8 @@ class HybridRouter(Router):
             routed, active = self._routed(fleet, unit), self._active
             cunits = units if unit == g else hashes[:limit // unit]       # the views' slice when they share it
         if plain:       # the rule for every cool view at once (lists, in the order of ``cool``)
-            kv_hits, hits, _ = joint_hits(KIMI_LINEAR, _ViewsPresence(units, g, [views[j] for j in cool]), limit)
-            view_pairs = list(zip(kv_hits, hits))
+            view_pairs = list(zip(*joint_hits(views[live[0]].family, _ViewsPresence(units, g, [views[j] for j in cool]),
+                                              limit)))
         waiting = self.options.waiting_counts(loads, live) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
@@ -977,14 +1051,14 @@ class HybridRouter(Router):
                 pair = view_pairs[k]
             else:
                 m = view.match(hashes, limit)
-                pair = (m.kv_hit, m.hit)
+                pair = (m.kv_hit, m.hit, m.restart)
             if j in active:
                 own[j] = pair                            # the view's own pair, before the records
                 pair = routed[j].extend(cunits, view, pair)
             pairs.append(pair)
             priced = works.get(pair)
             if priced is None:
-                priced = works[pair] = self._work(req, pair[0], pair[1], store_hit)
+                priced = works[pair] = self._work(req, pair, store)
             scores.append(p0 - q[j] - (1 + waiting[j] if waiting is not None else 1) * priced[0])
         floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
         j = least_loaded(loads, compress(cool, [sc >= floor for sc in scores]))
@@ -1013,6 +1087,7 @@ class RouterConfig:
         prefix: ``prefix`` and ``prefix-smg`` thresholds.  hybrid: ``hybrid`` guard.
         max_num_seqs: sequence slots of each instance (``hybrid``'s wait for a slot).
         seed: seeds ``kv-overlap``'s random tie-break.
+        restore: prices a restore's recompute for ``hybrid`` (:data:`RestorePricer`); ``None``: free.
     """
 
     name: str
@@ -1024,6 +1099,7 @@ class RouterConfig:
     hybrid: HybridOptions = HybridOptions()
     max_num_seqs: int = 1
     seed: int = 0
+    restore: RestorePricer | None = None
 
 
 def make_router(cfg: RouterConfig) -> Router:
@@ -1043,5 +1119,5 @@ def make_router(cfg: RouterConfig) -> Router:
     if cfg.name == "kv-overlap":
         return KVOverlapRouter(cfg.block_size, seed=cfg.seed)
     if cfg.name == "hybrid":
-        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs, cfg.block_size)
+        return HybridRouter(cfg.cost, cfg.store, cfg.hybrid, cfg.max_num_seqs, cfg.block_size, cfg.restore)
     raise ValueError(f"unknown router {cfg.name!r}; choose one of {', '.join(ROUTER_NAMES)}")

@@ -24,7 +24,8 @@ from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import CacheEvent, InstanceView
 from hybridkv.fleet.instance import FleetInstance, FleetRequest
-from hybridkv.fleet.routers import FleetState, Router, RouteRequest, kv_admission, priced_prefill
+from hybridkv.fleet.routers import (FleetState, RestorePricer, Router, RouteRequest, kv_admission, priced_prefill,
+                                    restore_seconds)
 from hybridkv.fleet.store import StoreCost, StoreView
 
 
@@ -62,10 +63,15 @@ class Fleet:
         store_cost: prices a load from the store in that queued-seconds load when the router
             makes no estimate of its own (:func:`~hybridkv.fleet.routers.priced_prefill`);
             ``None``: a store hit's queued prefill is priced without the load.
+        restore: prices rebuilding a boundary state below a hit in that estimate likewise
+            (:data:`~hybridkv.fleet.routers.RestorePricer`); ``None``: restores cost nothing.
+
+    The router's views follow the instances' cache groups (their engines' backend ``family``).
     """
 
     def __init__(self, instances: list[FleetInstance], router: Router, unit: int, estimate: StepCostModel,
-                 store: StoreView | None = None, store_cost: StoreCost | None = None) -> None:
+                 store: StoreView | None = None, store_cost: StoreCost | None = None,
+                 restore: RestorePricer | None = None) -> None:
         if not instances:
             raise ValueError("a fleet needs at least one instance")
         self.instances = instances
@@ -73,8 +79,10 @@ class Fleet:
         self.unit = unit
         self.estimate = estimate
         self.store_cost = store_cost
-        self.state = FleetState(views=[InstanceView(unit) for _ in instances], loads=[i.load for i in instances],
-                                store=store)
+        self.restore = restore
+        self.family = instances[0].handle.backend.family
+        self.state = FleetState(views=[InstanceView(unit, self.family) for _ in instances],
+                                loads=[i.load for i in instances], store=store)
         self._events = _EventQueue()
         self._hash = instances[0].handle.engine.cache.hash_prompt
         self._block_size = instances[0].handle.engine.cache.config.block_size
@@ -126,7 +134,7 @@ class Fleet:
         else:
             # every instance is down: ``j`` comes back with an empty cache, while its view still
             # shows the lost one until the return (``all_cleared`` is heard then); priced from zero
-            view = InstanceView(self.unit)
+            view = InstanceView(self.unit, self.family)
             seconds = self.estimate.prefill_seconds(0, r.prompt_len)
         inst = self.instances[j]
         if self.router.uses_pages:
@@ -139,11 +147,15 @@ class Fleet:
 
     def _priced(self, view: InstanceView, hashes: list[bytes], limit: int, prompt_len: int) -> float:
         """Queued seconds of a prompt routed to the instance of ``view`` by a router that prices
-        none: :func:`~hybridkv.fleet.routers.priced_prefill` over the view's hits and the store's."""
-        kv_hit, hit = view.hits(hashes, limit)
+        none: :func:`~hybridkv.fleet.routers.priced_prefill` over the view's hits and the store's,
+        with each one's restore recompute (:attr:`restore`)."""
+        m = view.match(hashes, limit)
         store = self.state.store
-        store_hit = store.match(hashes, limit).hit if store is not None and self.store_cost is not None else 0
-        return priced_prefill(self.estimate, self.store_cost, prompt_len, kv_hit, hit, store_hit)[0]
+        sm = store.match(hashes, limit) if store is not None and self.store_cost is not None else None
+        store_hit, store_restart = (sm.hit, sm.restart) if sm is not None else (0, 0)
+        return priced_prefill(self.estimate, self.store_cost, prompt_len, m.kv_hit, m.hit, store_hit,
+                              restore_seconds(self.restore, m.restart, m.hit),
+                              restore_seconds(self.restore, store_restart, store_hit))[0]
 
     def _step_next(self, horizon: float) -> int:
         _, j = heapq.heappop(self._busy)

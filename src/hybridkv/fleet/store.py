@@ -1,13 +1,16 @@
 """The shared store as the fleet sees it: which entries it holds (a view fed by every
 instance's events) and what loading from it costs.
 
-The store holds what instances write through to it: KV in segments of ``alignment``
-tokens and checkpoints at those boundaries (the store tier's entry layout,
-``CacheConfig.store_boundary``). It outlives instance restarts, so removals and epochs
-do not touch it. With a capacity it evicts least recently used entries (stored or
-loaded) until what it holds fits; without one it keeps everything. Loading ``[start, end)``
-costs one object round trip per KV segment plus one for the checkpoint, each with its
-manifest (two objects an entry), and the bytes over the store's bandwidth. The
+The store holds what instances write through to it, by the store tier's entry layout
+(``CacheConfig.store_boundary``; :func:`~hybridkv.cache.groups.tier_entry_shapes`): a *page
+entry* per segment of ``alignment`` tokens (every prefix group of the family: ``full`` KV for
+Kimi Linear, ``csa`` + ``hca`` compressed entries for DeepSeek-V4) and a *state entry* (the
+boundary group: a ``kda`` checkpoint, a V4 ``swa`` state) at those boundaries. It outlives
+instance restarts, so removals and epochs do not touch it. With a capacity it evicts least
+recently used entries (stored or loaded) until what it holds fits; without one it keeps
+everything. Loading ``[start, end)`` costs one object round trip per page entry plus one for
+the state entry (none when the family's strategy saves no state: V4's ``recompute``), each
+with its manifest (two objects an entry), and the bytes over the store's bandwidth. The
 defaults are this project's Mooncake measurements (docs/results/store.md):
 1.1 GB/s loads at the Kimi-48B entry sizes through the storage process, 194 µs a
 ``get_into``.
@@ -19,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from hybridkv.cache.groups import FULL, KDA, KeySetPresence
+from hybridkv.cache.groups import KIMI_LINEAR, Family, KeySetPresence
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 
 MOONCAKE_LOAD_BYTES_PER_S = 1.1e9
@@ -38,9 +41,12 @@ class StoreCost:
     Attributes:
         bytes_per_s: load bandwidth, bytes/s.
         latency_s: seconds per object fetched.
-        alignment: tokens per KV entry (store entries exist at multiples of it).
-        kv_bytes_per_token: KV bytes of one token over all MLA layers.
-        checkpoint_bytes: bytes of one KDA checkpoint.
+        alignment: tokens per page entry (store entries exist at multiples of it).
+        kv_bytes_per_token: page-entry bytes of one token (every prefix group: Kimi Linear's
+            MLA KV over all MLA layers; DeepSeek-V4's compressed entries per token).
+        checkpoint_bytes: bytes of one state entry (a KDA checkpoint; a V4 ``swa`` state).
+        loads_state: a load reads a state entry besides the page entries (``False``: the
+            family's strategy saves none, DeepSeek-V4's ``recompute``).
     """
 
     bytes_per_s: float
@@ -48,21 +54,23 @@ class StoreCost:
     alignment: int
     kv_bytes_per_token: int
     checkpoint_bytes: int
+    loads_state: bool = True
 
     def load_bytes(self, start: int, end: int) -> int:
-        """Bytes of the KV of ``[start, end)`` and the checkpoint at ``end``."""
-        return (end - start) * self.kv_bytes_per_token + self.checkpoint_bytes
+        """Bytes of the page entries of ``[start, end)`` and the state entry (when loaded)."""
+        return (end - start) * self.kv_bytes_per_token + (self.checkpoint_bytes if self.loads_state else 0)
 
     def transfer_seconds(self, start: int, end: int) -> float:
         """Seconds the bytes of :meth:`load_bytes` take at the bandwidth."""
         return self.load_bytes(start, end) / self.bytes_per_s
 
     def latency_seconds(self, start: int, end: int) -> float:
-        """Per-object seconds: one entry per KV segment plus the checkpoint, each with a manifest."""
-        return 2 * ((end - start) // self.alignment + 1) * self.latency_s
+        """Per-object seconds: one entry per page segment plus the state entry (when loaded),
+        each with a manifest."""
+        return 2 * ((end - start) // self.alignment + self.loads_state) * self.latency_s
 
     def load_seconds(self, start: int, end: int) -> float:
-        """Seconds to load ``[start, end)`` and the checkpoint at ``end``."""
+        """Seconds to load ``[start, end)`` and the state entry (when loaded)."""
         return self.transfer_seconds(start, end) + self.latency_seconds(start, end)
 
 
@@ -72,25 +80,33 @@ def load_start(kv_hit: int, store_hit: int, granularity: int) -> int:
     return min(kv_hit // granularity * granularity, store_hit)
 
 
-def paying_load(cost, store: StoreCost, kv_hit: int, hit: int, store_hit: int) -> tuple[float, float, int] | None:
+def paying_load(cost, store: StoreCost, kv_hit: int, hit: int, store_hit: int, restore_s: float = 0.0,
+                store_restore_s: float = 0.0) -> tuple[float, float, int] | None:
     """``(transfer seconds, latency seconds, read start in tokens)`` of loading ``[start,
     store_hit)`` from the store (``start``: the local KV run ``kv_hit`` rounded down to whole
-    entries, :func:`load_start`) when that takes less than computing ``[hit, store_hit)`` with
-    ``cost`` (a :class:`~hybridkv.fleet.costmodel.StepCostModel`); ``None`` when it does not pay
-    or the store's hit is not deeper than ``hit``. The one rule of issue 9 item 3 that the router
+    entries, :func:`load_start`) when that, plus ``store_restore_s`` (seconds of rebuilding the
+    boundary state at the store's hit from its restart point), takes less than computing
+    ``[hit, store_hit)`` with ``cost`` (a :class:`~hybridkv.fleet.costmodel.StepCostModel`) plus
+    ``restore_s`` (rebuilding the state at the local hit); ``None`` when it does not pay or the
+    store's hit is not deeper than ``hit``. The restore seconds are 0 for a family whose states
+    are saved at the hit (Kimi Linear). The one rule that the router
     (``routers.priced_prefill``) and a simulated instance (``FleetInstance._fetch``) both apply."""
     if store_hit <= hit:
         return None
     start = load_start(kv_hit, store_hit, store.alignment)
     transfer, latency = store.transfer_seconds(start, store_hit), store.latency_seconds(start, store_hit)
-    if transfer + latency < cost.prefill_seconds(hit, store_hit):
+    if transfer + latency + store_restore_s < cost.prefill_seconds(hit, store_hit) + restore_s:
         return transfer, latency, start
     return None
 
 
 class StoreView(InstanceView):
     """Entries of the shared store, from every instance's stored events; a hit only at
-    ``alignment`` boundaries.
+    ``alignment`` boundaries, by the joint-hit rule of the instances' family.
+
+    ``kv`` holds the keys of page entries (every prefix group of the family reads it: the store
+    tier writes a segment's prefix groups as one entry), ``checkpoints`` those of state entries
+    (the family's boundary group). "KV" and "checkpoint" below stand for them.
 
     The store holds what the store tier writes through: whole KV entries (the ``alignment``
     tokens ending at each aligned boundary, keyed by the unit hash ending there) and
@@ -116,14 +132,16 @@ class StoreView(InstanceView):
         kv_bytes_per_token: KV bytes of one token over all MLA layers (needed with a capacity).
         checkpoint_bytes: bytes of one KDA checkpoint (likewise). With both sizes the view
             counts ``bytes_held``, ``bytes_peak`` and ``evicted_bytes`` even without a capacity.
+        family: the instances' cache groups (default Kimi Linear); at most one boundary group
+            (the store tier's entry kinds: one page entry, one state entry).
 
     Raises:
         ValueError: ``alignment`` not a positive multiple of ``unit``; a capacity not positive,
-            or given without positive entry sizes.
+            or given without positive entry sizes; a family of several boundary groups.
     """
 
     def __init__(self, unit: int, alignment: int, capacity_bytes: int | None = None,
-                 kv_bytes_per_token: int = 0, checkpoint_bytes: int = 0) -> None:
+                 kv_bytes_per_token: int = 0, checkpoint_bytes: int = 0, family: Family = KIMI_LINEAR) -> None:
         if alignment <= 0 or alignment % unit:
             raise ValueError(f"store alignment {alignment} is not a positive multiple of the unit {unit}")
         if capacity_bytes is not None:
@@ -132,7 +150,10 @@ class StoreView(InstanceView):
             if kv_bytes_per_token <= 0 or checkpoint_bytes <= 0:
                 raise ValueError(f"a store capacity needs positive entry sizes: kv_bytes_per_token="
                                  f"{kv_bytes_per_token!r}, checkpoint_bytes={checkpoint_bytes!r}")
-        super().__init__(unit)
+        if len(family.boundary) > 1:
+            raise ValueError(f"family {family.name!r}: a store holds one state entry per boundary, this family "
+                             f"has boundary groups {[b for b, _ in family.boundary]}")
+        super().__init__(unit, family)
         self.alignment = alignment
         self.capacity_bytes = capacity_bytes
         self._step = alignment // unit                # units an entry
@@ -150,6 +171,9 @@ class StoreView(InstanceView):
         # table is written once a stored entry, not twice). ``_head`` is how far the oldest use has been
         # consumed.
         self.kv: dict[bytes, int] = {}
+        # every prefix group reads the page entries, the boundary group the state entries
+        self.held = {**dict.fromkeys(family.prefix_names, self.kv),
+                     **{b: self.checkpoints for b, _ in family.boundary}}
         self._ck_last: dict[bytes, int] = {}
         self._uses: deque[tuple[int, tuple]] = deque()
         self._head = 0
@@ -196,7 +220,13 @@ class StoreView(InstanceView):
 
     def apply(self, event: CacheEvent) -> None:
         """Add what was stored (evicting the least recently used beyond the capacity);
-        removals, clears and epochs do not reach the store."""
+        removals, clears and epochs do not reach the store.
+
+        Raises:
+            ValueError: a stored event naming a group its kind cannot concern in the family.
+        """
+        if event.kind is EventKind.BLOCKS_STORED or event.kind is EventKind.CHECKPOINTS_STORED:
+            self.group_sets(event.kind, event.group)       # a group of the family, checked (cached)
         if event.kind is EventKind.BLOCKS_STORED:
             keys, kv, step = event.keys, self.kv, self._step
             if event.first_unit is not None and step > 1:     # the keys ending an entry
@@ -232,13 +262,15 @@ class StoreView(InstanceView):
             self._evict_to_fit()
         self.bytes_peak = max(self.bytes_peak, self.bytes_held)
 
-    def touch(self, hashes: list[bytes], end: int) -> None:
-        """A load read the KV of ``[0, end)`` and the checkpoint at ``end``: most recently used."""
+    def touch(self, hashes: list[bytes], end: int, state_at: int | None = None) -> None:
+        """A load read the page entries of ``[0, end)`` and the state entry at ``state_at``
+        (tokens; default ``end``; 0: none): most recently used."""
         if not self._track:
             return
         kv, ck_last = self.kv, self._ck_last
         used = [k for k in hashes[: end // self.unit] if k in kv]      # entry keys (any key of an event taken whole)
-        top = hashes[end // self.unit - 1] if end else None
+        state_at = end if state_at is None else state_at
+        top = hashes[state_at // self.unit - 1] if state_at else None
         if top is not None and top in ck_last:
             used.append((True, top))
         if not used:
@@ -255,7 +287,7 @@ class StoreView(InstanceView):
 
     def presence(self, hashes: list[bytes]) -> KeySetPresence:
         """The :class:`~hybridkv.cache.groups.Presence` of the store for a prompt's unit hashes:
-        boundaries at whole entries (multiples of ``alignment``), ``full`` where the entry's KV
-        is held, ``kda`` where its checkpoint is; :meth:`match` (inherited) applies the joint-hit
-        rule over it."""
-        return KeySetPresence(hashes, self.unit, {FULL: self.kv, KDA: self.checkpoints}, self._step)
+        boundaries at whole entries (multiples of ``alignment``), each prefix group held where
+        the page entry is (``full`` for Kimi Linear), the boundary group where the state entry is
+        (``kda``); :meth:`match` (inherited) applies the family's joint-hit rule over it."""
+        return KeySetPresence(hashes, self.unit, self.held, self._step)
