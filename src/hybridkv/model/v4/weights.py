@@ -14,43 +14,43 @@ import torch
 
 from hybridkv.model.weights import read_tensors, write_tensors
 
-# published -> ours, applied in order to layer tensor names (mirrors the published layout).
-_TO_OURS = [
-    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
-    (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
-    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
-    (r"\.attn_sink$", ".sinks"),
-    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
-    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
-    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-]
-# ours -> published, applied in order.
-_TO_PUBLISHED = [
-    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
-    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
-    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
-    (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."),
-    (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.attn_hc\.fn$", ".hc_attn_fn"), (r"\.attn_hc\.base$", ".hc_attn_base"), (r"\.attn_hc\.scale$", ".hc_attn_scale"),
-    (r"\.ffn_hc\.fn$", ".hc_ffn_fn"), (r"\.ffn_hc\.base$", ".hc_ffn_base"), (r"\.ffn_hc\.scale$", ".hc_ffn_scale"),
-    (r"\.sinks$", ".attn_sink"),
-    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
-    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
-    (r"\.q_a_norm\.", ".q_norm."), (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"),
-    (r"\.q_a_proj\.", ".wq_a."), (r"\.q_b_proj\.", ".wq_b."), (r"\.kv_proj\.", ".wkv."),
-    (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
-    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
-]
+_ATTENTION = (("wq_a", "q_a_proj"), ("wq_b", "q_b_proj"), ("wkv", "kv_proj"), ("wo_a", "o_a_proj"),
+              ("wo_b", "o_b_proj"), ("q_norm", "q_a_norm"), ("norm", "kv_norm"), ("attn_sink", "sinks"))
+_COMPRESSOR = (("ape", "position_bias"), ("norm", "kv_norm"), ("wgate", "gate_proj"), ("wkv", "kv_proj"))
+_LAYER_NAMES = (
+    ("attn", "self_attn"), ("ffn", "mlp"),
+    ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+    *((f"hc_{site}_{part}", f"{site}_hc.{part}") for site in ("attn", "ffn") for part in ("fn", "base", "scale")),
+    *((f"attn.{pub}", f"self_attn.{ours}") for pub, ours in _ATTENTION),
+    ("attn.indexer.compressor", "self_attn.compressor.indexer"),
+    *((f"{pub_at}.{pub}", f"{ours_at}.{ours}") for pub_at, ours_at in (
+        ("attn.compressor", "self_attn.compressor"), ("attn.indexer.compressor", "self_attn.compressor.indexer"))
+      for pub, ours in _COMPRESSOR),
+    ("attn.indexer.weights_proj", "self_attn.compressor.indexer.scorer.weights_proj"),
+    ("attn.indexer.wq_b", "self_attn.compressor.indexer.q_b_proj"),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    *((f"ffn.shared_experts.{pub}", f"mlp.shared_experts.{ours}")
+      for pub, ours in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))),
+)
+"""The one rename table of a layer's tensors: ``(published path, our path)`` after ``layers.N.``
+(module paths, or a whole tensor name where only the leaf differs). A name is renamed by its
+longest path in the table (whole dotted segments), the rest kept: read left to right it maps a
+checkpoint to this package (:data:`_TO_OURS`), right to left back (:data:`_TO_PUBLISHED`)."""
+_TO_OURS = dict(_LAYER_NAMES)
+_TO_PUBLISHED = {ours: pub for pub, ours in _LAYER_NAMES}
+
+
+def _rename(path: str, table: dict[str, str]) -> str:
+    """``path`` (dotted, after ``layers.N.``) with its longest prefix in ``table`` replaced."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        head = ".".join(parts[:i])
+        if head in table:
+            return ".".join([table[head], *parts[i:]])
+    return path
+
+
+_LAYER = re.compile(r"^(layers\.\d+)\.(.+)$")
 _TOP = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
         "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
         "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
@@ -69,12 +69,10 @@ def _ours(name: str) -> str | None:
                          "dequantise to bf16/fp32 first")
     if bare in _TOP:
         return _TOP[bare]
-    if not bare.startswith("layers."):
+    m = _LAYER.match(bare)
+    if m is None:
         raise ValueError(f"unexpected tensor {name!r} in a DeepSeek-V4 checkpoint")
-    out = "." + bare
-    for pat, rep in _TO_OURS:
-        out = re.sub(pat, rep, out)
-    return "model" + out
+    return f"model.{m.group(1)}.{_rename(m.group(2), _TO_OURS)}"
 
 
 def read_v4_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -131,10 +129,8 @@ def published_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 else:
                     out[f"{base}.{e}.w2.weight"] = t[e]
             continue
-        pub = name[len("model"):]
-        for pat, rep in _TO_PUBLISHED:
-            pub = re.sub(pat, rep, pub)
-        out["model" + pub] = t
+        m = _LAYER.match(name[len("model."):])
+        out[f"model.{m.group(1)}.{_rename(m.group(2), _TO_PUBLISHED)}"] = t
     return out
 
 
