@@ -264,39 +264,58 @@ class _Records(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
+    def errors(self) -> list[str]:
+        """Messages of the records at ERROR or above."""
+        return [r.getMessage() for r in self.records if r.levelno >= logging.ERROR]
 
-def test_a_stopping_router_ends_the_stream_it_relays_cleanly(server):
-    """The router's stream is ended with an error chunk and ``[DONE]`` after the grace; uvicorn
-    cancels nothing (it logged an ASGI ``CancelledError`` before) and the worker's job is cancelled."""
-    from serve_helpers import wait_idle
 
+@pytest.fixture
+def uvicorn_log():
+    """uvicorn's error log records while the test runs (a :class:`_Records`)."""
     records = _Records()
     logging.getLogger("uvicorn.error").addHandler(records)
+    try:
+        yield records
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+
+
+@pytest.fixture
+def stopping_router(server, uvicorn_log):
+    """A router in front of ``server``, its worker in rotation; the test stops it (closed again at
+    the end, which does nothing then)."""
     router = _router([server.url])
     try:
         for _ in range(200):
             if httpx.get(f"{router.url}/health", timeout=10).status_code == 200:
                 break
             time.sleep(0.05)
-        body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "stream": True, "ignore_eos": True,
-                "temperature": 0}
-        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))          # generation under way
-            closing = threading.Thread(target=router.close)
-            closing.start()
-            rest = [line for line in lines if line]
-            closing.join(30)
+        yield router
     finally:
-        logging.getLogger("uvicorn.error").removeHandler(records)
         router.close()
+
+
+def test_a_stopping_router_ends_the_stream_it_relays_cleanly(server, stopping_router, uvicorn_log):
+    """The router's stream is ended with an error chunk and ``[DONE]`` after the grace; uvicorn
+    cancels nothing (it logged an ASGI ``CancelledError`` before) and the worker's job is cancelled."""
+    from serve_helpers import wait_idle
+
+    body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.stream("POST", f"{stopping_router.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))          # generation under way
+        closing = threading.Thread(target=stopping_router.close)
+        closing.start()
+        rest = [line for line in lines if line]
+        closing.join(30)
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown"
-    assert not [r for r in records.records if r.levelno >= logging.ERROR], [r.getMessage() for r in records.records]
+    assert not uvicorn_log.errors()
     assert wait_idle(server)["running"] == 0
 
 
-def test_a_stopping_server_answers_a_running_non_streaming_request_503():
+def test_a_stopping_server_answers_a_running_non_streaming_request_503(uvicorn_log):
     """After the grace, a non-streaming request still generating is answered 503
     (``server_shutdown``) instead of being cancelled with its connection; nothing is logged as an
     error."""
@@ -304,57 +323,41 @@ def test_a_stopping_server_answers_a_running_non_streaming_request_503():
 
     from hybridkv.serve.launch import RunningServer, ServeOptions
 
-    records = _Records()
-    logging.getLogger("uvicorn.error").addHandler(records)
     answers: list[httpx.Response] = []
+    s = RunningServer(ServeOptions(port=0, threads=1))
     try:
-        s = RunningServer(ServeOptions(port=0, threads=1))
-        try:
-            body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
-            client = threading.Thread(target=lambda: answers.append(_post(s.url, "/v1/completions", body)))
-            client.start()
-            for _ in range(400):
-                if engine_idle(s)["running"]:
-                    break
-                time.sleep(0.025)
-        finally:
-            s.close()
-        client.join(30)
+        body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
+        client = threading.Thread(target=lambda: answers.append(_post(s.url, "/v1/completions", body)))
+        client.start()
+        for _ in range(400):
+            if engine_idle(s)["running"]:
+                break
+            time.sleep(0.025)
     finally:
-        logging.getLogger("uvicorn.error").removeHandler(records)
+        s.close()
+    client.join(30)
     (r,) = answers
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
     assert "the server is shutting down" in r.json()["error"]["message"]
-    assert not [x for x in records.records if x.levelno >= logging.ERROR], [x.getMessage() for x in records.records]
+    assert not uvicorn_log.errors()
 
 
-def test_a_stopping_router_answers_a_request_still_waiting_for_its_worker_503(server):
+def test_a_stopping_router_answers_a_request_still_waiting_for_its_worker_503(server, stopping_router, uvicorn_log):
     """A non-streaming request whose worker has not answered yet when the router stops gets a
     503 (``server_shutdown``), and the worker's job is cancelled."""
     from serve_helpers import engine_idle, wait_idle
 
-    records = _Records()
-    logging.getLogger("uvicorn.error").addHandler(records)
     answers: list[httpx.Response] = []
-    router = _router([server.url])
-    try:
-        for _ in range(200):
-            if httpx.get(f"{router.url}/health", timeout=10).status_code == 200:
-                break
-            time.sleep(0.05)
-        body = {"model": "tiny", "prompt": [7] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
-        client = threading.Thread(target=lambda: answers.append(_post(router.url, "/v1/completions", body)))
-        client.start()
-        for _ in range(400):
-            if engine_idle(server)["running"]:
-                break
-            time.sleep(0.025)
-        router.close()
-        client.join(30)
-    finally:
-        logging.getLogger("uvicorn.error").removeHandler(records)
-        router.close()
+    body = {"model": "tiny", "prompt": [7] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
+    client = threading.Thread(target=lambda: answers.append(_post(stopping_router.url, "/v1/completions", body)))
+    client.start()
+    for _ in range(400):
+        if engine_idle(server)["running"]:
+            break
+        time.sleep(0.025)
+    stopping_router.close()
+    client.join(30)
     (r,) = answers
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
-    assert not [x for x in records.records if x.levelno >= logging.ERROR], [x.getMessage() for x in records.records]
+    assert not uvicorn_log.errors()
     assert wait_idle(server)["running"] == 0
