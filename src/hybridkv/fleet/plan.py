@@ -84,6 +84,9 @@ MAX_INSTANCES = 64
 """Most instances the planner tries unless told otherwise."""
 FINALISTS = 2
 """Candidates whose instance count is searched on the whole trace (besides the baseline)."""
+RELAX = 0.1
+"""A TTFT target below the prefill bound is planned for at the bound plus this share instead
+(rounded up to 10 ms), and said so: the nearest target a fleet can reach."""
 
 
 class PlanError(ValueError):
@@ -262,6 +265,7 @@ class Evaluator:
         self.runs = self.hits = 0
         self.outcomes: list[Outcome] = []
         self._jittered: dict[int, str] = {}
+        self._bound: np.ndarray | None = None
 
     def key(self, cfg: FleetConfig, requests: int, seed: int) -> str:
         return json.dumps([self._trace_id, self.total, self.model, self.slo, self.max_num_seqs, self.time_scale,
@@ -344,14 +348,35 @@ class Evaluator:
                 "rejected": (report.rejected or {}).get("requests", 0), "token_hit_rate": report.token_hit_rate,
                 "wall_seconds": round(time.perf_counter() - t0, 3)}
 
+    def bound_times(self) -> np.ndarray:
+        """Each request's own prefill seconds with the oracle's reuse on an idle instance
+        (:func:`prefill_bound`), in trace order (computed once)."""
+        if self._bound is None:
+            self._bound = _prefill_times(self.load.requests)
+        return self._bound
+
+    def targets(self, n: int) -> dict[str, float]:
+        """The targets a run on the first ``n`` requests is held to: on the whole trace the SLO; on a
+        shorter prefix each TTFT target scaled by the prefix's prefill bound over the whole trace's
+        (a prefix starts colder: its own requests' reachable tail differs from the trace's)."""
+        if n >= self.total:
+            return dict(self.slo)
+        times = self.bound_times()
+        out = {}
+        for key, target in self.slo.items():
+            metric, stat = key.split("_")
+            whole, part = _stat(times[:self.total], stat), _stat(times[:n], stat)
+            out[key] = target * part / whole if metric == "ttft" and whole > 0 and part > 0 else target
+        return out
+
     def _outcome(self, cfg: FleetConfig, n: int, seed: int, data: dict, cached: bool) -> Outcome:
         misses, ratio = [], 0.0
-        for key, target in self.slo.items():
+        for key, target in self.targets(n).items():
             value = data["stats"].get(key)
             r = math.inf if value is None else value / target
             ratio = max(ratio, r)
             if value is None or value > target:
-                misses.append(f"{key} {'-' if value is None else f'{value:.3f}'} s > {target:g} s")
+                misses.append(f"{key} {'-' if value is None else f'{value:.3f}'} s > {target:.3g} s")
         if data["rejected"]:
             ratio = math.inf
             misses.append(f"{data['rejected']} requests refused")
@@ -360,27 +385,32 @@ class Evaluator:
                        data["wall_seconds"], data["token_hit_rate"], cached)
 
 
-def prefill_bound(evaluator: Evaluator, chunk_tokens: int = 8192) -> dict[str, float]:
+def prefill_bound(evaluator: Evaluator) -> dict[str, float]:
     """TTFT statistics (``ttft_mean``, ``ttft_p50``, ...; seconds) of each request's own prefill on
     an idle instance with every token the trace's oracle can reuse reused (no queue, no decode
-    batch, no store transfer), priced by the H200 cost model in ``chunk_tokens`` chunks: a lower
-    bound no fleet beats."""
+    batch, no store transfer), priced by the H200 cost model in 8,192-token chunks (the replay's
+    ``max_num_batched_tokens``): a lower bound no fleet beats."""
+    a = evaluator.bound_times()[:evaluator.total]
+    return {f"ttft_{s}": round(_stat(a, s), 6) for s in ("mean", "p50", "p90", "p99")}
+
+
+def _prefill_times(reqs, chunk_tokens: int = 8192) -> np.ndarray:
+    """:func:`prefill_bound`'s per-request seconds (512 tokens per trace block, 64-token units)."""
     from hybridkv.fleet.costmodel import h200_kimi_linear_48b
     from hybridkv.replay.oracle import oracle_from_trace
     from hybridkv.replay.trace import scaled_input_length
     cost = h200_kimi_linear_48b()
-    reqs = evaluator.load.requests
     oracle = oracle_from_trace(reqs, 512, 64)
     times = []
     for r, hit in zip(reqs, oracle.per_request):
-        t, s, end = 0.0, min(hit, scaled_input_length(r, 512) - 1), scaled_input_length(r, 512)
+        end = scaled_input_length(r, 512)
+        t, s = 0.0, min(hit, end - 1)
         while s < end:
             step = min(chunk_tokens, end - s)
             t += cost.step_seconds([(s, step)])
             s += step
         times.append(t)
-    a = np.asarray(times)
-    return {f"ttft_{s}": round(_stat(a, s), 6) for s in ("mean", "p50", "p90", "p99")}
+    return np.asarray(times, dtype=np.float64)
 
 
 @dataclass(slots=True)
@@ -391,7 +421,8 @@ class PlanResult:
     outcome cheaper than the plan, which misses), ``bound`` (:func:`prefill_bound`), ``why``
     (sentences: why infeasible, or why the next cheaper point fails), ``rungs`` (per rung of the
     halving: requests and candidates), ``runs`` / ``cache_hits`` (simulations run / answered by the
-    cache)."""
+    cache), ``planned_slo`` (the targets searched: those asked, or the nearest reachable ones when a
+    TTFT target is below the bound, :data:`RELAX`)."""
 
     slo: dict[str, float]
     plan: Outcome | None
@@ -403,6 +434,12 @@ class PlanResult:
     rungs: list[dict] = field(default_factory=list)
     runs: int = 0
     cache_hits: int = 0
+    planned_slo: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def relaxed(self) -> bool:
+        """The targets asked for are out of reach and the plan is for :attr:`planned_slo`."""
+        return self.planned_slo != self.slo
 
 
 def min_instances(evaluate: Callable[[int], Outcome], lo: int, hi: int, max_instances: int) -> Outcome | None:
@@ -476,10 +513,15 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
         raise PlanError("the search space is empty")
     bound = prefill_bound(ev)
     why: list[str] = []
-    for key, target in ev.slo.items():
+    asked = dict(ev.slo)
+    planned = dict(asked)
+    for key, target in asked.items():
         if key in bound and bound[key] > target:
+            planned[key] = math.ceil(bound[key] * (1 + RELAX) * 100) / 100
             why.append(f"{key} <= {target:g} s cannot be met: each request's own prefill on an idle instance with "
-                       f"every reusable token reused already has {key} {bound[key]:.3f} s")
+                       f"every reusable token reused already has {key} {bound[key]:.3f} s; planned instead for the "
+                       f"nearest reachable target, {key} <= {planned[key]:g} s (the bound + {RELAX:.0%})")
+    ev.slo = planned
     base = space[0]
     first = max(int(ev.total * first_fraction), 1)
     sizes = []
@@ -524,7 +566,9 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     elif best is not None:
         why.append(f"no configuration tried (up to {max_instances} instances) meets every target; the nearest "
                    f"({best.config.label()}) misses: " + "; ".join(best.misses))
-    return PlanResult(ev.slo, best_plan, best, pareto_front(whole), nxt, bound, why, rungs, ev.runs, ev.hits)
+    ev.slo = asked
+    return PlanResult(asked, best_plan, best, pareto_front(whole), nxt, bound, why, rungs, ev.runs, ev.hits,
+                      planned)
 
 
 def deploy_commands(cfg: FleetConfig, budget: DeviceBudget, model: str, max_num_seqs: int,

@@ -102,6 +102,9 @@ def render(result: PlanResult, commands: list[list[str]], console: Console, wall
     for o in result.front:
         t.add_row(*_row(o), style="bold green" if o is result.plan else None)
     console.print(t)
+    if result.relaxed:
+        console.print("[bold red]the targets asked for cannot be met[/bold red]; the plan below meets "
+                      f"{', '.join(f'{k} <= {v:g} s' for k, v in result.planned_slo.items())}", highlight=False)
     if result.plan is not None:
         console.print(f"[bold]plan:[/bold] {result.plan.config.label()}: {result.plan.cost_per_hour:.2f} USD/h, "
                       f"TTFT p99 {result.plan.stats['ttft_p99']:.3f} s", highlight=False)
@@ -153,9 +156,10 @@ def result_points(result: PlanResult) -> list:
 
 
 def cmd_plan(args, console: Console | None = None) -> int:
-    """Run ``hybridkv plan``; 0 with a plan, 1 when no configuration meets the targets, 2 on bad input."""
+    """Run ``hybridkv plan``; 0 with a plan, 1 when no configuration meets the targets (a plan for the
+    nearest reachable targets may still be printed), 2 on bad input."""
     console = console or Console(stderr=True)
-    out = Console()
+    out = Console(width=max(Console().width, 150))
     for flag, path in (("--json", args.json), ("--png", args.png)):
         problem = unwritable(path) if path else None
         if problem:
@@ -186,7 +190,7 @@ def cmd_plan(args, console: Console | None = None) -> int:
     if args.png:
         plot(result, args.png)
     if args.json:
-        data = {"slo": slo, "prices": asdict(prices),
+        data = {"slo": slo, "planned_slo": result.planned_slo, "prices": asdict(prices),
                 "model": args.model, "trace": args.trace or "bundled", "requests": ev.total,
                 "max_num_seqs": args.max_num_seqs, "time_scale": args.time_scale,
                 "device_pool_bytes": budget.pool_bytes,
@@ -198,4 +202,4 @@ def cmd_plan(args, console: Console | None = None) -> int:
                 "wall_seconds": round(wall, 3), "commands": [shlex.join(c) for c in commands],
                 "evaluated": [o.as_dict() for o in ev.outcomes]}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    return 0 if result.plan is not None else 1
+    return 0 if result.plan is not None and not result.relaxed else 1

@@ -1,0 +1,205 @@
+"""``hybridkv plan``: the search (bisection, halving, cache), its validation rules, the emitted
+deploy commands and bad inputs. Every simulation here runs on a short prefix of the bundled trace."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hybridkv.cli import build_parser, main
+from hybridkv.fleet.operating import parse_slo
+from hybridkv.fleet.plan import (
+    DeviceBudget,
+    Evaluator,
+    FleetConfig,
+    Outcome,
+    PlanError,
+    Prices,
+    deploy_commands,
+    h200_budget,
+    min_instances,
+    pareto_front,
+    plan,
+)
+
+MODEL = "kimi-linear-48b-a3b"
+POLICY = "branch+tail=512+interval=7168+supersede"
+LIMIT = 48
+"""Requests of the trace prefix the searches plan on (a few tenths of a second per simulation)."""
+TOL = 1e-9
+"""Tolerance of cost comparisons (USD/h)."""
+
+
+def _outcome(n: int, meets: bool, cost: float = 1.0, p99: float = 1.0, goodput: float = 1.0) -> Outcome:
+    cfg = FleetConfig(n, 0.2, 0.0, 0.0, POLICY, "hybrid")
+    return Outcome(cfg, 10, 0, {"ttft_p99": p99, "ttft_p50": p99 / 2}, goodput, 1.0, 0, 0.5 if meets else 2.0,
+                   meets, [] if meets else ["ttft_p99"], cost, 0.0, None)
+
+
+def _evaluator(slo: str, tmp_path=None, limit: int = LIMIT) -> Evaluator:
+    return Evaluator(None, MODEL, parse_slo(slo), Prices(), h200_budget(MODEL, 4),
+                     cache_file=None if tmp_path is None else str(tmp_path / "cache.json"), limit=limit)
+
+
+def _small_space() -> list[FleetConfig]:
+    return [FleetConfig(1, 0.2, 0.0, 0.0, POLICY, "least-load"),
+            FleetConfig(1, 0.05, 1024.0, 1.1, POLICY, "hybrid")]
+
+
+@pytest.mark.parametrize("threshold", [1, 3, 5, 17, 40])
+def test_min_instances_is_a_bisection_on_a_monotone_predicate(threshold):
+    calls = []
+
+    def evaluate(k):
+        calls.append(k)
+        return _outcome(k, k >= threshold)
+
+    got = min_instances(evaluate, 0, 1, 64)
+    assert got is not None and got.config.instances == threshold
+    # doubling to the first count that meets, then bisection below it: about 2 log2(threshold) calls
+    assert len(calls) <= 2 * math.ceil(math.log2(threshold)) + 2
+    assert len(set(calls)) == len(calls)            # never the same count twice
+
+
+def test_min_instances_gives_up_past_the_limit():
+    assert min_instances(lambda k: _outcome(k, False), 0, 1, 8) is None
+
+
+def test_pareto_front_drops_dominated_points():
+    a = _outcome(2, True, cost=2.0, p99=1.0, goodput=3.0)
+    b = _outcome(3, True, cost=3.0, p99=1.5, goodput=2.0)     # dearer, slower, less goodput than a
+    c = _outcome(1, False, cost=1.0, p99=4.0, goodput=1.0)
+    front = pareto_front([a, b, c])
+    assert [o.config.instances for o in front] == [1, 2]
+
+
+def test_simulations_are_cached_in_memory_and_in_the_cache_file(tmp_path):
+    ev = _evaluator("ttft_p99=30", tmp_path)
+    cfg = FleetConfig(2, 0.2, 0.0, 0.0, POLICY, "least-load")
+    first = ev.evaluate(cfg)
+    again = ev.evaluate(cfg)
+    assert (ev.runs, ev.hits) == (1, 1)
+    assert again.cached and again.stats == first.stats
+    other = _evaluator("ttft_p99=30", tmp_path)      # a new process reading the same cache file
+    third = other.evaluate(cfg)
+    assert (other.runs, other.hits) == (0, 1) and third.stats == first.stats
+    other.evaluate(FleetConfig(3, 0.2, 0.0, 0.0, POLICY, "least-load"))
+    assert other.runs == 1
+    assert len(json.loads((tmp_path / "cache.json").read_text())) == 2
+
+
+def test_plan_meets_the_targets_and_a_tighter_slo_costs_no_less():
+    loose_ev = _evaluator("ttft_p99=60")
+    loose = plan(loose_ev, max_instances=8, space=_small_space())
+    assert loose.plan is not None and loose.plan.meets and not loose.relaxed
+    assert loose.plan.stats["ttft_p99"] <= 60
+    # a target just under what the loose plan reaches: tighter, still reachable with more instances
+    tight_target = loose.plan.stats["ttft_p99"] * 0.8
+    tight_ev = _evaluator(f"ttft_p99={tight_target:.6f}")
+    tight = plan(tight_ev, max_instances=8, space=_small_space())
+    assert tight.plan is not None and tight.plan.stats["ttft_p99"] <= tight_target
+    assert tight.plan.cost_per_hour >= loose.plan.cost_per_hour - TOL
+    if tight.next_cheaper is not None:              # the next cheaper point is said to miss, and does
+        assert not tight.next_cheaper.meets
+        assert tight.next_cheaper.cost_per_hour < tight.plan.cost_per_hour
+    assert any(r["requests"] == LIMIT for r in tight.rungs)       # the last rung runs the whole (prefix) trace
+
+
+def test_a_target_below_the_prefill_bound_is_said_unreachable_and_planned_at_the_nearest():
+    ev = _evaluator("ttft_p99=0.001")
+    result = plan(ev, max_instances=4, space=_small_space()[:1])
+    assert result.relaxed
+    assert result.planned_slo["ttft_p99"] > result.bound["ttft_p99"] > 0.001
+    assert "cannot be met" in result.why[0] and "0.001" in result.why[0]
+
+
+def test_emitted_deploy_commands_parse_with_the_cli_parser():
+    budget = h200_budget(MODEL, 4)
+    cfg = FleetConfig(3, 0.2, 1024.0, 1.1, POLICY, "hybrid")
+    cmds = deploy_commands(cfg, budget, MODEL, 4)
+    parser = build_parser()
+    pages, slots = budget.pools(0.2)
+    kinds = [c[1] for c in cmds]
+    assert kinds == ["store", "serve", "serve", "serve", "router"]
+    store = parser.parse_args(cmds[0][1:])
+    assert store.segment_mb == 1024 * 1024
+    for cmd in cmds[1:4]:
+        args = parser.parse_args(cmd[1:])
+        assert (args.kv_pages, args.checkpoint_slots, args.policy) == (pages, slots, POLICY)
+        assert args.store == "mooncake://store-0:50051"
+    router = parser.parse_args(cmds[-1][1:])
+    assert router.policy == "hybrid" and len(router.worker) == 3
+    no_store = deploy_commands(FleetConfig(1, 0.5, 0.0, 0.0, POLICY, "least-load"), budget, MODEL, 4)
+    assert [c[1] for c in no_store] == ["serve", "router"]
+    for cmd in no_store:
+        parser.parse_args(cmd[1:])
+
+
+def test_device_budget_splits_the_pools_by_cache_share():
+    b = h200_budget(MODEL, 4)
+    pages_lo, slots_lo = b.pools(0.05)
+    pages_hi, slots_hi = b.pools(0.5)
+    assert slots_hi > slots_lo and pages_hi < pages_lo
+    for pages, slots in ((pages_lo, slots_lo), (pages_hi, slots_hi)):
+        used = pages * b.kv_bytes_per_token * b.block_size + slots * b.checkpoint_bytes
+        assert used <= b.pool_bytes
+    full = DeviceBudget(10e9, 0.9, 9.5e9, 100, 1000, 16, 1)
+    with pytest.raises(PlanError, match="no device memory"):
+        full.pools(0.2)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("ttft_p98=2", "unknown SLO key 'ttft_p98'"),
+    ("ttft_p99", "not KEY=SECONDS"),
+    ("ttft_p99=-1", "ttft_p99='-1'"),
+    ("ttft_p99=abc", "not a number"),
+    ("ttft_p99=1,ttft_p99=2", "given twice"),
+    ("", "empty"),
+    ("ttft_p99=inf", "ttft_p99='inf'"),
+])
+def test_bad_slo_is_named(text, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        parse_slo(text)
+
+
+def test_bad_prices_and_models_are_named():
+    with pytest.raises(PlanError, match="--gpu-hour-usd -1"):
+        Prices(gpu_hour=-1.0)
+    with pytest.raises(PlanError, match="--store-gb-month-usd nan"):
+        Prices(store_gb_month=float("nan"))
+    with pytest.raises(PlanError, match="--model 'small'"):
+        h200_budget("small", 4)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", "--slo", "ttft_p97=1"], "unknown SLO key 'ttft_p97'"),
+    (["plan", "--slo", "ttft_p99=1", "--gpu-hour-usd", "-3"], "--gpu-hour-usd"),
+    (["plan", "--slo", "ttft_p99=1", "--model", "small"], "--model 'small'"),
+    (["plan", "--slo", "ttft_p99=1", "--trace", "/nonexistent/t.jsonl"], "--trace /nonexistent/t.jsonl"),
+    (["plan", "--slo", "ttft_p99=1", "--json", "/nonexistent/dir/p.json"], "--json /nonexistent/dir/p.json"),
+])
+def test_cli_bad_inputs_exit_2_with_one_line(argv, needle, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:                  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_cli_plans_a_prefix_and_writes_json_and_png(tmp_path, capsys):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = main(["plan", "--slo", "ttft_p99=60", "--limit", "16", "--max-instances", "4",
+                 "--json", str(out_json), "--png", str(out_png)])
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert data["plan"]["meets"] and data["commands"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    parser = build_parser()
+    import shlex
+    for line in data["commands"]:
+        parser.parse_args(shlex.split(line)[1:])
+    assert "plan:" in capsys.readouterr().out
