@@ -215,7 +215,7 @@ def test_cli_replay_verifies_reuse(tmp_path, recovery):
 
 
 @pytest.mark.parametrize("argv, opts", [
-    (["--model", "v4-tiny", "--simulate", "--host-mib", "1"], dict(model="v4-tiny", simulate=True, host_bytes=1 << 20)),
+    (["--model", "v4-tiny", "--timed"], dict(model="v4-tiny", timed=True)),
     (["--model", "deepseek-v4-flash"], dict(model="deepseek-v4-flash")),
     (["--model", "tiny", "--swa-recovery", "recompute"], dict(model="tiny", swa_recovery="recompute")),
 ])

@@ -275,9 +275,10 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         ValueError: ``host_bytes`` negative, ``host_write_through`` without a host tier, a
             store asked for in simulation, ``step_cost`` with a real model, bad ``host_groups``,
             ``config.host_interval`` without a host tier holding checkpoints, or a malformed store
-            URL (named); ``swa_recovery`` with a Kimi Linear model, or a host tier / store with a
-            simulated DeepSeek-V4 model (a :class:`~hybridkv.model.v4.config.V4Config` is simulated by
-            :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`, on the device cache alone).
+            URL (named); ``swa_recovery`` with a Kimi Linear model (a
+            :class:`~hybridkv.model.v4.config.V4Config` is simulated by
+            :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`, with a payload-free host tier
+            when ``host_bytes`` is given, as a simulated Kimi Linear model is).
         ConfigError: a bad ``swa_recovery``, or a ``block_size`` that is not a multiple of a V4
             model's compression rates (named).
         StoreUnavailable: ``store_required`` and the store does not answer at startup.
@@ -291,9 +292,9 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         raise ValueError(f"swa_recovery={swa_recovery!r} applies to DeepSeek-V4 models (sliding-window state); "
                          f"{model_name} is a Kimi Linear model, whose KDA checkpoints are restored at the hit")
     if v4 and not hasattr(model, "prefill_capture"):       # a V4Config: simulate its groups, no tensors
-        if host_bytes or store_url not in ("none", ""):
-            raise ValueError(f"{model_name}: a simulated DeepSeek-V4 model runs on the device cache alone: "
-                             f"host_bytes={host_bytes}, store_url={store_url!r}; use host_bytes=0 and store 'none'")
+        if store_url not in ("none", ""):
+            raise ValueError(f"simulation has no tensors for a store: store_url={store_url!r}; use 'none' "
+                             f"({model_name}: a simulated fleet models its shared store itself)")
         from hybridkv.cache.swa import SwaRecovery
         from hybridkv.engine.v4backend import SimulatedV4Backend
         recovery = SwaRecovery.parse(swa_recovery)

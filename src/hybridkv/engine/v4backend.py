@@ -398,6 +398,8 @@ class SimulatedV4Backend:
     tensors = False
     """Step items carry numpy ids (no torch on the simulated path)."""
     copy_page = None
+    state_codec = None
+    """No tensors: lower tiers (a payload-free host tier) hold byte accounting only."""
 
     def __init__(self, config, block_size: int, prefix_match_unit: int, swa_recovery: SwaRecovery | str | None = None,
                  step_cost=None, restore_cost=None, dtype: str = "bfloat16") -> None:
@@ -411,6 +413,8 @@ class SimulatedV4Backend:
         self.cone_tokens = max_cone_tokens(config, prefix_match_unit)
         self.family: Family = v4_family(self.csa_spec, self.hca_spec, self.swa_spec,
                                         self.recovery.restore(self.cone_tokens))
+        #: The groups with their entry layouts (a payload-free host tier counts their bytes by spec).
+        self.tier_family = self.family
         self.step_cost = step_cost
         self.restore_cost = restore_cost
         self.modelled_seconds = 0.0
@@ -436,6 +440,17 @@ class SimulatedV4Backend:
         return
 
     def write_pages(self, pages, latents) -> None:
+        """No tensors in simulation."""
+
+    def read_page_entry(self, block_table, start, end):
+        """No tensors in simulation."""
+        return
+
+    def page_entry(self, page):
+        """No tensors in simulation."""
+        return
+
+    def write_page_entry(self, pages, components) -> None:
         """No tensors in simulation."""
 
     def run(self, items: list[StepItem]) -> list[StepOutput]:

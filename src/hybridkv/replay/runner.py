@@ -221,7 +221,8 @@ def run_replay(opts: ReplayOptions, console: Console | None = None) -> ReplayRep
 def check_v4_replay(model: str, swa_recovery: str | None, simulate: bool, host_bytes: int, timed: bool) -> None:
     """The model-family rules of a replay, in one place for ``hybridkv replay`` and :func:`run_replay`:
     ``swa_recovery`` only with a DeepSeek-V4 model; a simulate-only V4 preset only with ``simulate``;
-    a simulated V4 model has no host tier (``host_bytes``, bytes); a real V4 fleet is not ``timed``.
+    a real V4 fleet is not ``timed``. ``host_bytes`` (bytes) is accepted for every V4 replay (a
+    simulated one's host tier is payload-free, as a simulated Kimi Linear model's is).
 
     Raises:
         ValueError: naming the option (as ``hybridkv replay`` spells it), its value and the model.
@@ -237,9 +238,6 @@ def check_v4_replay(model: str, swa_recovery: str | None, simulate: bool, host_b
     if model in V4_SIMULATE_ONLY and not simulate:
         raise ValueError(f"--model {model} is a simulate-only preset (published shapes, no weights): add --simulate, "
                          "or replay v4-tiny / v4-small with the model")
-    if simulate and host_bytes:
-        raise ValueError(f"--host-mib {host_bytes / (1 << 20):g} with --simulate --model {model}: a simulated "
-                         "DeepSeek-V4 model runs on the device cache alone (no host tier)")
     if timed and not simulate:
         raise ValueError(f"--timed with --model {model}: a real DeepSeek-V4 fleet is not timed; add --simulate "
                          "(the V4-Flash cost model) or replay it untimed")

@@ -123,14 +123,33 @@ class TimedRun:
     steps: list[StepRecord] = field(default_factory=list)
 
 
+def _simulated_v4(setup: TimedSetup, cfg: CacheConfig):
+    """A simulated DeepSeek-V4 backend of the run's shapes (its group specs, family and entry
+    sizes), or ``None`` for a Kimi Linear model or a real run."""
+    mcfg = model_config(setup.model)
+    if not setup.simulate or not isinstance(mcfg, V4Config):
+        return None
+    from hybridkv.engine.v4backend import SimulatedV4Backend
+    return SimulatedV4Backend(mcfg, cfg.block_size, cfg.prefix_match_unit, setup.swa_recovery)
+
+
 def _store_cost(setup: TimedSetup, cfg: CacheConfig) -> StoreCost | None:
-    """The shared store's cost, or ``None`` when the instances share no store."""
+    """The shared store's cost, or ``None`` when the instances share no store. Its entry sizes
+    follow the model's groups: Kimi Linear's MLA KV per token and KDA checkpoint; a simulated
+    DeepSeek-V4 model's compressed entries per token (``csa`` + ``hca``, bf16) and ``swa`` state,
+    read only when the strategy saves states (not under ``recompute``)."""
     shared = setup.instances > 1 if setup.simulate else setup.store_url not in ("none", "")
     if not shared or setup.store_gbps <= 0:
         return None
     mcfg = model_config(setup.model)
-    if isinstance(mcfg, V4Config):     # the modelled store does not carry V4's csa/hca/swa groups yet
-        return None
+    if isinstance(mcfg, V4Config):
+        v4 = _simulated_v4(setup, cfg)
+        if v4 is None:                 # a real V4 fleet is not timed (check_v4_replay)
+            return None
+        from hybridkv.cache.swa import saves_state
+        return StoreCost(bytes_per_s=setup.store_gbps * 1e9, latency_s=setup.store_latency_s,
+                         alignment=cfg.store_boundary, kv_bytes_per_token=v4.kv_bytes_per_token,
+                         checkpoint_bytes=v4.checkpoint_bytes, loads_state=saves_state(v4.family))
     return StoreCost(bytes_per_s=setup.store_gbps * 1e9, latency_s=setup.store_latency_s,
                      alignment=cfg.store_boundary,
                      kv_bytes_per_token=FullAttentionSpec.for_model(mcfg, cfg.block_size).bytes_per_token,
@@ -187,8 +206,9 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     view = None
     if store_cost is not None:
         capacity = int(setup.store_gib * 2**30) if setup.simulate and setup.store_gib > 0 else None
+        v4 = _simulated_v4(setup, cfg)
         view = StoreView(cfg.prefix_match_unit, cfg.store_boundary, capacity, store_cost.kv_bytes_per_token,
-                         store_cost.checkpoint_bytes)
+                         store_cost.checkpoint_bytes, **({"family": v4.family} if v4 is not None else {}))
     sim_store = SimulatedStore(view, store_cost) if view is not None and setup.simulate else None
     build = _builder(setup, cfg)
     instances = [FleetInstance(k, build, estimate if setup.simulate else None, cfg.max_num_seqs, sim_store,
