@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hybridkv.serve.launch import RunningServer
 
@@ -36,3 +43,33 @@ def wait_idle(s: RunningServer, polls: int = 200) -> dict:
             return state
         time.sleep(0.05)
     return state
+
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+CLI_ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+"""Environment of a ``hybridkv`` subprocess: this checkout's sources, one thread."""
+EXIT_BOUND_S = 60
+"""A hang guard: seconds a started command may take to print its URL or to exit (seconds)."""
+
+
+@contextlib.contextmanager
+def running_cli(cmd: list[str]) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``hybridkv CMD --port 0`` as a subprocess (stderr piped): yields it and the URL its startup
+    line prints (``... on http://127.0.0.1:PORT ... (Ctrl-C stops it)``); killed at the end if it
+    still runs. Fails the test if it exits before printing the URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *cmd, "--port", "0"], env=CLI_ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:                       # the startup line names the port picked
+            if " on http://127.0.0.1:" in line and "Ctrl-C stops it" in line:
+                url = line.split(" on ")[1].split()[0]
+                break
+        if url is None:
+            proc.wait(timeout=EXIT_BOUND_S)
+            pytest.fail(f"{cmd[0]} exited {proc.returncode} before printing its URL")
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

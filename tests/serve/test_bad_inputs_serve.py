@@ -7,22 +7,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from hybridkv.cli import main
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
 
 
 @contextlib.contextmanager
@@ -212,20 +205,6 @@ def test_the_router_refuses_a_bad_field_with_no_worker_in_rotation():
 
 # -- a taken port; --port 0 ---------------------------------------------------------------------------
 
-EXIT_BOUND_S = 60          # a hang guard
-
-
-def _start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
-    """``hybridkv CMD --port 0`` as a subprocess; returns it and the URL its startup line prints."""
-    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", *cmd, "--port", "0"], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:                       # the startup line names the port picked
-        if " on http://127.0.0.1:" in line and "Ctrl-C stops it" in line:
-            return proc, line.split(" on ")[1].split()[0]
-    proc.wait(timeout=EXIT_BOUND_S)
-    pytest.fail(f"{cmd[0]} exited {proc.returncode} before printing its URL")
-
-
 @pytest.mark.parametrize("cmd", [["serve", "--model", "tiny", "--threads", "1"],
                                  ["router", "--worker", "http://127.0.0.1:9"]], ids=["serve", "router"])
 def test_a_taken_port_is_named_at_start(cmd, capsys):
@@ -241,17 +220,14 @@ def test_a_taken_port_is_named_at_start(cmd, capsys):
 
 
 def test_port_0_picks_a_free_port_and_prints_it():
-    proc, url = _start(["router", "--worker", "http://127.0.0.1:9"])
-    try:
+    from serve_helpers import EXIT_BOUND_S, running_cli
+
+    with running_cli(["router", "--worker", "http://127.0.0.1:9"]) as (proc, url):
         assert not url.endswith(":0")
         assert httpx.get(f"{url}/health", timeout=10).status_code == 503       # listening; no worker in rotation
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=EXIT_BOUND_S) == 0
         assert "Traceback" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 class _Records(logging.Handler):
