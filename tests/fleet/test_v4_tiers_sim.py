@@ -64,3 +64,45 @@ def test_the_simulated_store_carries_v4_groups_and_instances_load_from_it(tmp_pa
         assert max(states) >= 1
     assert rep.tiers["store"]["hit_tokens"] == store["hit_tokens"]
 
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("pages", [4096, 24])
+def test_a_v4_view_built_from_events_gives_the_caches_own_joint_hit(strategy, pages):
+    """A simulated V4 engine's events (naming csa-hca and swa) build a view whose joint hit,
+    prefix run and restart point are the engine's own lookup's, with and without evictions."""
+    import numpy as np
+
+    from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+    from hybridkv.cache.groups import reuse_cap
+    from hybridkv.engine.build import build_engine
+    from hybridkv.engine.request import Request
+    from hybridkv.fleet.events import EventPublisher, InstanceView
+    from hybridkv.model.v4.config import V4Config
+
+    unit = 64
+    cfg = CacheConfig(block_size=64, prefix_match_unit=unit, num_kv_pages=pages, num_checkpoint_slots=64,
+                      policy=CheckpointPolicy.parse("branch+tail+interval=256"), max_num_seqs=4,
+                      max_num_batched_tokens=512)
+    pub = EventPublisher(0)
+    built = build_engine(V4Config.preset("v4-tiny"), cfg, model_name="v4-tiny", listener=pub, swa_recovery=strategy)
+    pub.family = built.backend.family
+    engine, view = built.engine, InstanceView(unit, built.backend.family)
+    rng = np.random.default_rng(0)
+    roots = [rng.integers(0, 1000, unit * int(rng.integers(2, 7))) for _ in range(3)]
+    prompts = [np.concatenate([roots[int(rng.integers(0, 3))], rng.integers(0, 1000, int(rng.integers(1, 300)))])
+               for _ in range(40)]
+    hits = 0
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", p, 1))
+        engine.run_until_done()
+        for ev in pub.drain():
+            assert ev.group in ("csa-hca", "swa")
+            view.apply(ev)
+        for q in prompts[i % 3:: 7]:
+            want = engine.cache.lookup(q, touch=False)
+            got = view.match(engine.cache.hash_prompt(q), reuse_cap(len(q), unit))
+            assert (got.hit, got.kv_hit, got.restart) == (want.hit, want.kv_hit, want.restart)
+            hits += got.hit > 0
+    assert hits > 0
+    assert engine.cache.evicted_pages > 0 or pages > 24

@@ -198,9 +198,13 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     name = setup.cost_model or (default if setup.simulate else None)
     estimate = cost_model(name) if name else CPU_ESTIMATE
     store_cost = _store_cost(setup, cfg)
+    # a hit's value to the router is the prefill it saves less the recompute that restores its state
+    # (DeepSeek-V4's periodic tail and recompute cone), priced as the simulated engine prices it
+    v4cfg = model_config(setup.model)
+    restore = v4_restore_pricer(v4cfg, setup.swa_recovery) if setup.simulate and isinstance(v4cfg, V4Config) else None
     router = make_router(RouterConfig(name=setup.router, unit=cfg.prefix_match_unit, block_size=cfg.block_size,
                                       cost=estimate, store=store_cost, hybrid=setup.hybrid,
-                                      max_num_seqs=cfg.max_num_seqs))
+                                      max_num_seqs=cfg.max_num_seqs, restore=restore))
     if setup.store_gib < 0:
         raise ValueError(f"store_gib={setup.store_gib!r} must be 0 (unlimited) or more")
     view = None
@@ -225,7 +229,7 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
         for fr, hs in zip(frs, units.hashes_all(reqs, cache)):
             fr.request.hashes = hs
     frs.sort(key=lambda fr: fr.arrival)
-    fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view, store_cost)
+    fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view, store_cost, restore)
     threads = None if setup.simulate else torch.get_num_threads()    # a simulation runs no torch
     if threads is not None:
         torch.set_num_threads(setup.threads)
