@@ -61,7 +61,8 @@ def test_server_info_and_cache_info_give_the_weight_digest_purge_needs(worker):
 def test_get_load_counts_queued_and_running_work(worker):
     wait_idle(worker)
     with httpx.Client(base_url=worker.url, timeout=60) as c:
-        assert c.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+        assert c.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0,
+                                                    "num_waiting_tokens": 0, "num_decode_tokens": 0}]
         with c.stream("POST", "/v1/completions", json={**LONG, "prompt": prompt_ids(70, 150)}) as r:
             lines = r.iter_lines()
             while not next(lines).startswith("data: {"):                 # generating

@@ -303,6 +303,45 @@ class Server:
 
 
 async def _disconnected(request: Request) -> None:
+    async def cache_snapshot(self, request: Request) -> dict:
+        """``GET /v1/cache/snapshot``: every entry the device cache holds now, named as the event
+        feed names them, read on the engine thread between two steps: ``{"epoch": E, "kv": [hex,
+        ...], "checkpoints": [hex, ...]}`` (the chained hash of each cached ``prefix_match_unit``,
+        and of each unit with a published checkpoint; never token ids). The events of epoch ``E``
+        applied over it, from its first, give the cache as it is when they were published:
+        ``hybridkv router`` resyncs from it when a purge or restart starts a new epoch, so the
+        entries that survived keep their affinity.
+
+        Raises:
+            APIError: 403 for a request with an ``X-Tenant`` header (every tenant's entry keys, as
+                the event feed); 404 when the device cache has no prefix index to read.
+        """
+        if tenant_header(request.headers) is not None:
+            raise APIError(403, "a request with the X-Tenant header may not read the cache snapshot (every "
+                                "tenant's entry keys)", None, "tenant_scope", "permission_error")
+        self._check_alive()
+        events = self.events
+
+        def read(handle: EngineHandle) -> dict | None:
+            index = getattr(handle.engine.cache, "index", None)
+            root = getattr(index, "root", None)
+            if root is None:
+                return None
+            kv, checkpoints, stack = [], [], list(root.children.values())
+            while stack:
+                node = stack.pop()
+                kv.append(node.key.hex())
+                if node.checkpoint is not None:
+                    checkpoints.append(node.key.hex())
+                stack.extend(node.children.values())
+            return {"epoch": events.epoch, "kv": kv, "checkpoints": checkpoints}
+
+        snapshot = await asyncio.wrap_future(self.worker.call(read))
+        if snapshot is None:
+            raise APIError(404, "this worker's device cache has no prefix index to snapshot", None, "not_found",
+                           "invalid_request_error")
+        return snapshot
+
     """Return once the client has gone (the server reports ``http.disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -382,6 +421,7 @@ def create_app(server: Server) -> FastAPI:
         return _error_response(exc, server.metrics)
 
     @app.exception_handler(RequestValidationError)
+        app.get("/v1/cache/snapshot")(server.cache_snapshot)
     async def _validation_error(_request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]

@@ -142,6 +142,9 @@ def _register_router(sub) -> None:
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
                    help="seconds of each long poll of a worker's events (they arrive as published); 0: periodic "
                         "polls only")
+    r.add_argument("--max-tree-tokens", type=positive_int, default=None, metavar="N",
+                   help="prefix, prefix-smg: tokens each worker's prefix tree keeps; past it the least recently used "
+                        "leaves are evicted (default 4194304: 65,536 nodes at a 64-token prefix_match_unit)")
     add_store_cost_arguments(r, "hybrid: load bandwidth in GB/s of the store the workers share; 0: ignore the store",
                              "hybrid: microseconds per store object")
     r.set_defaults(func=_router)
@@ -170,19 +173,24 @@ def router_service(args):
     from hybridkv.fleet.costmodel import cost_model
     from hybridkv.fleet.routers import HybridOptions
     from hybridkv.replay.timed import CPU_ESTIMATE
-    from hybridkv.serve.router import RouterService, RouterSettings
+    from hybridkv.serve.router import DEFAULT_MAX_TREE_TOKENS, RouterService, RouterSettings
     from hybridkv.serve.tokenizer import load_codec
 
     own = getattr(args, "own_waiting", None)
     if own is not None and args.policy != "hybrid":
         raise ValueError(f"--own-waiting {own:g} is an option of the hybrid policy, not of {args.policy}")
+    tree = getattr(args, "max_tree_tokens", None)
+    if tree is not None and args.policy not in ("prefix", "prefix-smg"):
+        raise ValueError(f"--max-tree-tokens {tree} is an option of the prefix and prefix-smg policies, not of "
+                         f"{args.policy}")
     cost = cost_model(args.cost_model) if args.cost_model else CPU_ESTIMATE
     codec = load_codec(args.model, model_config(args.model).vocab_size)
     settings = RouterSettings(args.policy, cost, poll_interval_s=args.poll_interval, health_every=args.health_every,
                               follow_wait_s=getattr(args, "follow_wait", 2.0),
                               store_bytes_per_s=getattr(args, "store_gbps", MOONCAKE_LOAD_BYTES_PER_S / 1e9) * 1e9,
                               store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6,
-                              hybrid=HybridOptions() if own is None else HybridOptions(own_waiting=own))
+                              hybrid=HybridOptions() if own is None else HybridOptions(own_waiting=own),
+                              max_tree_tokens=getattr(args, "max_tree_tokens", None) or DEFAULT_MAX_TREE_TOKENS)
     return RouterService(args.worker, codec, settings)
 
 

@@ -149,6 +149,14 @@ class WorkerState:
         store_hit_tokens_routed: tokens of the store's hit beyond that local hit, likewise.
         last_error: why it is out of rotation, or why it last left it (no prompt content);
             cleared when it first enters rotation (the start-up checks' connection errors).
+        slots, page_size, pool_tokens: its ``max_running_requests`` (sequence slots), KV
+            ``page_size`` and KV pool (``max_total_tokens``, tokens) from ``/server_info`` when it
+            entered rotation (``None``: a worker without that route).
+        snapshots: times its view was rebuilt from its ``/v1/cache/snapshot``; ``synced``: the
+            view of this epoch started from one (its events from the first are applied over it).
+        reported: its last ``/get_load`` entry (requests and tokens it has to do, whoever sent
+            them; ``None``: not read yet, or a worker without that route); ``own_at_report``:
+            this router's ``(in_flight, waiting)`` there when that answer arrived.
     """
 
     url: str
@@ -165,7 +173,40 @@ class WorkerState:
     store_events_applied: int = 0
     store_hit_tokens_routed: int = 0
     last_error: str = ""
+    slots: int | None = None
+    page_size: int | None = None
+    pool_tokens: int | None = None
+    reported: dict | None = None
+    own_at_report: tuple[int, int] = (0, 0)
+    snapshots: int = 0
+    synced: bool = False
     pull_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def others(self) -> dict[str, int]:
+        """The load others (clients sending to it directly, other routers) put on this worker:
+        its last ``/get_load`` less what this router had in flight there when it was read.
+
+        Returns:
+            ``reqs`` (requests), ``waiting`` (requests without a first token), ``waiting_tokens``
+            (their prompt tokens), ``decode_tokens`` (tokens they may still generate) and
+            ``tokens`` (prompt plus generated tokens they hold); the token figures are the
+            others' share of the worker's (by request counts). All 0 when nothing is reported.
+        """
+        rep = self.reported
+        zero = {"reqs": 0, "waiting": 0, "waiting_tokens": 0, "decode_tokens": 0, "tokens": 0}
+        if not rep or rep.get("num_reqs", 0) <= 0:
+            return zero
+        own_reqs, own_waiting = self.own_at_report
+        total, queued = int(rep["num_reqs"]), int(rep.get("num_waiting_reqs", 0))
+        reqs = max(0, total - own_reqs)
+        if reqs == 0:
+            return zero
+        waiting = min(reqs, max(0, queued - own_waiting))
+        share = reqs / total
+        return {"reqs": reqs, "waiting": waiting,
+                "waiting_tokens": round(int(rep.get("num_waiting_tokens", 0)) * waiting / queued) if queued else 0,
+                "decode_tokens": round(int(rep.get("num_decode_tokens", 0)) * share),
+                "tokens": round(int(rep.get("num_tokens", 0)) * share)}
 
     def stats(self) -> dict:
         """JSON-ready counters (key counts, never keys)."""
@@ -176,7 +217,10 @@ class WorkerState:
                 "events_applied": self.events_applied, "views_dropped": self.views_dropped,
                 "failures": self.failures, "predicted_hit_tokens_routed": self.hit_tokens_routed,
                 "store_id": self.store_id, "store_events_applied": self.store_events_applied,
-                "predicted_store_hit_tokens_routed": self.store_hit_tokens_routed, "last_error": self.last_error}
+                "predicted_store_hit_tokens_routed": self.store_hit_tokens_routed, "last_error": self.last_error,
+                "slots": self.slots, "page_size": self.page_size, "pool_tokens": self.pool_tokens,
+                "worker_reqs": self.reported.get("num_reqs") if self.reported else None,
+                "others_reqs": self.others()["reqs"], "snapshots": self.snapshots}
 
 
 def _check_worker_url(url: str) -> None:
@@ -238,7 +282,7 @@ class Workers:
             log.warning("worker %s out of rotation: %s", w.url, why)
         if w.healthy:                      # a departure; the failed checks of a worker out of rotation
             w.failures += 1                # (start-up included) are no failures of a worker in rotation
-        w.healthy, w.epoch, w.after, w.last_error = False, None, -1, why
+        w.healthy, w.epoch, w.after, w.last_error, w.reported, w.synced = False, None, -1, why, None, False
         w.view = InstanceView(self.fleet.unit if self.fleet else 1)
 
     async def poll_once(self) -> None:
@@ -283,10 +327,49 @@ class Workers:
                 await self._check(w)
             if w.healthy and not w.pull_lock.locked():     # locked: a long poll is reading it
                 await self._pull(w)
+            if w.healthy:
+                await self._read_load(w)
         except FleetMismatch as exc:
             self.take_out(w, str(exc))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self.take_out(w, f"{type(exc).__name__}: {exc}"[:200])
+
+    async def _read_load(self, w: WorkerState) -> None:
+        """``w``'s ``/get_load`` (rank 0) into :attr:`WorkerState.reported`; a worker without the
+        route (404) reports nothing."""
+        outs = w.failures
+        r = await self.client.get(f"{w.url}/get_load")
+        if not w.healthy or w.failures != outs:
+            return
+        if r.status_code != 200:
+            w.reported = None
+            return
+        ranks = r.json()
+        if not isinstance(ranks, list) or not ranks or not isinstance(ranks[0], dict):
+            raise ValueError("/get_load answered no rank")
+        w.reported = {k: sum(int(x.get(k, 0)) for x in ranks)
+                      for k in ("num_reqs", "num_waiting_reqs", "num_tokens", "num_waiting_tokens", "num_decode_tokens")}
+        w.own_at_report = (w.load.in_flight, w.load.waiting)
+
+    async def _server_info(self, w: WorkerState, fleet: FleetIdentity) -> None:
+        """Slot count, page size and pool size from ``w``'s ``/server_info`` (left ``None`` for a
+        worker without the route).
+
+        Raises:
+            FleetMismatch: its page size is not the ``block_size`` of its ``/v1/cache/info``.
+        """
+        r = await self.client.get(f"{w.url}/server_info")
+        if r.status_code != 200:
+            w.slots = w.page_size = w.pool_tokens = None
+            return
+        info = r.json()
+        slots, page, pool = info.get("max_running_requests"), info.get("page_size"), info.get("max_total_tokens")
+        w.slots = int(slots) if isinstance(slots, int) and slots >= 1 else None
+        w.page_size = int(page) if isinstance(page, int) and page >= 1 else None
+        w.pool_tokens = int(pool) if isinstance(pool, int) and pool >= 1 else None
+        if w.page_size is not None and w.page_size != fleet.block_size:
+            raise FleetMismatch(f"worker {w.url}: /server_info page_size {w.page_size} differs from its "
+                                f"/v1/cache/info block_size {fleet.block_size}")
 
     async def _check(self, w: WorkerState) -> None:
         r = await self.client.get(f"{w.url}/health")
@@ -316,10 +399,31 @@ class Workers:
             w.store_id = sid
         else:
             w.store_id = None
+        await self._server_info(w, fleet)
         if w.failures == 0:                # never left rotation: the errors are those of its start-up
             w.last_error = ""
+        w.reported = None
         w.view, w.epoch, w.after, w.healthy = InstanceView(fleet.unit), int(info["epoch"]), -1, True
+        await self._snapshot(w)            # what it cached before this router saw its events
         log.info("worker %s in rotation (epoch %d)", w.url, w.epoch)
+
+    async def _snapshot(self, w: WorkerState) -> bool:
+        """Replace ``w``'s view with its ``/v1/cache/snapshot`` (every entry its device cache holds
+        now) and follow that snapshot's epoch from its first event; ``False`` (the view left as
+        it is) for a worker without the route. The epoch's events applied over the snapshot give
+        the cache as it is (:meth:`_pull`): an event before the snapshot was taken repeats what
+        the snapshot holds, or is undone by a later one, as the cache did."""
+        outs = w.failures
+        r = await self.client.get(f"{w.url}/v1/cache/snapshot")
+        if r.status_code != 200 or not w.healthy or w.failures != outs:
+            return False
+        snap = r.json()
+        view = InstanceView(self.fleet.unit)
+        view.kv.update(bytes.fromhex(k) for k in snap["kv"])
+        view.checkpoints.update(k for k in map(bytes.fromhex, snap["checkpoints"]) if k in view.kv)
+        w.view, w.epoch, w.after, w.synced = view, int(snap["epoch"]), -1, True
+        w.snapshots += 1
+        return True
 
     async def _pull(self, w: WorkerState, wait_s: float = 0.0) -> int:
         """Read ``w``'s new events into its view and the store's (the first page may wait up to
@@ -339,9 +443,14 @@ class Workers:
                 page = r.json()
                 if not w.healthy or w.failures != outs:   # taken out while the answer was on its way
                     return applied
-                if page["epoch"] != w.epoch or page["gap"]:
-                    w.view, w.epoch, w.after = InstanceView(self.fleet.unit), int(page["epoch"]), -1
+                if page["epoch"] != w.epoch or (page["gap"] and not (w.synced and w.after < 0)):
+                    # a purge or restart started a new epoch, or events were missed: what survives
+                    # comes from a snapshot (a purge of one tenant keeps the others' entries), then
+                    # this epoch's events from its first are read again over it
                     w.views_dropped += 1
+                    if await self._snapshot(w):
+                        continue
+                    w.view, w.epoch, w.after, w.synced = InstanceView(self.fleet.unit), int(page["epoch"]), -1, False
                 store = self.stores.get(w.store_id) if w.store_id is not None else None
                 for e in page["events"]:
                     event = CacheEvent(0, 0, int(e["seq"]), EventKind(e["kind"]),
@@ -350,6 +459,8 @@ class Workers:
                         if store is not None:
                             store.apply(event)
                             w.store_events_applied += 1
+                    elif event.kind is EventKind.ALL_CLEARED and w.synced:
+                        pass                  # the epoch's start, which the snapshot already shows
                     else:
                         w.view.apply(event)
                         w.events_applied += 1

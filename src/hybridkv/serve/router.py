@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.routers import (
     FleetState,
     HybridOptions,
+    InstanceLoad,
+    PrefixOptions,
     Router,
     RouterConfig,
     RouteRequest,
@@ -58,6 +61,11 @@ from hybridkv.serve.protocol import (
 from hybridkv.serve.tokenizer import Codec
 
 log = logging.getLogger("hybridkv.serve.router")
+
+DEFAULT_MAX_TREE_TOKENS = 1 << 22
+"""``--max-tree-tokens`` default: 4,194,304 tokens per worker's ``prefix`` tree (65,536 nodes at a
+64-token ``prefix_match_unit``; SGLang's router bounds each tree at 2**26 characters, about
+2**24 tokens)."""
 
 PROXY_KEEPALIVE_S = 2.0
 """Seconds an idle connection to a worker stays pooled: below uvicorn's default keep-alive
@@ -84,6 +92,8 @@ class RouterSettings:
             seconds per object for ``hybrid``'s transfer cost (default: the Mooncake figures
             measured in docs/results/store.md); ``store_bytes_per_s`` 0: ignore the store.
         hybrid: ``hybrid``'s options (:class:`~hybridkv.fleet.routers.HybridOptions`).
+        max_tree_tokens: ``prefix`` / ``prefix-smg``: tokens each worker's tree keeps, least
+            recently used leaves evicted past it (:class:`~hybridkv.fleet.routers.PrefixOptions`).
     """
 
     policy: str
@@ -96,6 +106,7 @@ class RouterSettings:
     store_bytes_per_s: float = MOONCAKE_LOAD_BYTES_PER_S
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
     hybrid: HybridOptions = HybridOptions()
+    max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS
 
 
 class _Ticket:
@@ -170,14 +181,17 @@ class RouterService:
         self._tasks: list[asyncio.Task] = []
         self.stopping = _Stopping()
 
-    def _config(self, unit: int, block_size: int, store: dict | None = None) -> RouterConfig:
+    def _config(self, unit: int, block_size: int, store: dict | None = None, slots: int = 1) -> RouterConfig:
+        """The fleet router's config: units from ``/v1/cache/info``, ``max_num_seqs`` the workers'
+        slot count (``/server_info`` ``max_running_requests``), the store's transfer cost."""
         cost = None
         if store is not None and self.settings.store_bytes_per_s > 0:
             cost = StoreCost(bytes_per_s=self.settings.store_bytes_per_s, latency_s=self.settings.store_latency_s,
                              alignment=store["alignment"], kv_bytes_per_token=store["kv_bytes_per_token"],
                              checkpoint_bytes=store["checkpoint_bytes"])
         cfg = RouterConfig(name=self.settings.policy, unit=unit, block_size=block_size, cost=self.settings.cost,
-                           store=cost, hybrid=self.settings.hybrid)
+                           store=cost, hybrid=self.settings.hybrid, max_num_seqs=slots,
+                           prefix=PrefixOptions(max_tree_tokens=self.settings.max_tree_tokens))
         make_router(cfg)
         return cfg
 
@@ -250,15 +264,18 @@ class RouterService:
             return None
         shared = self.workers.shared_store(live) if self.settings.store_bytes_per_s > 0 else None
         store_view, store_info = shared if shared is not None else (None, None)
-        key = (tuple(live), self.workers.states[live[0]].store_id if shared is not None else None)
+        states = [self.workers.states[i] for i in live]
+        # the fewest slots any of them has (a worker that does not say: one, as before it is known)
+        slots = min(w.slots or 1 for w in states)
+        key = (tuple(live), self.workers.states[live[0]].store_id if shared is not None else None, slots)
         router = self._routers.get(key)
         if router is None:
             fleet = self.workers.fleet
-            cfg = self._config(fleet.unit if fleet else 1, fleet.block_size if fleet else 1, store_info)
+            cfg = self._config(fleet.unit if fleet else 1, fleet.block_size if fleet else 1, store_info, slots)
             router = self._routers[key] = make_router(cfg)
             self._store_costs[key] = cfg.store
-        states = [self.workers.states[i] for i in live]
-        j = router.route(req, FleetState([w.view for w in states], [w.load for w in states], store_view))
+        j = router.route(req, FleetState([w.view for w in states], [self._fleet_load(w) for w in states],
+                                         store_view))
         w = states[j]
         seconds = router.expected_seconds()
         if req.hashes:
@@ -272,6 +289,28 @@ class RouterService:
         elif seconds is None:
             seconds = self.settings.cost.prefill_seconds(0, req.prompt_tokens) if req.prompt_tokens else 0.0
         return live[j], seconds
+
+    def _fleet_load(self, w: WorkerState) -> InstanceLoad:
+        """What the routers see of ``w``'s load: what this router has in flight there
+        (:class:`_Ticket`), plus what others put on it (:meth:`WorkerState.others`, from its
+        ``/get_load``): their requests in flight and waiting, the prompt tokens of those waiting
+        (outstanding and prefill tokens, and their prefill seconds at the cost model), the
+        tokens they may still generate, and the KV pages their tokens hold."""
+        ext = w.others()
+        if not ext["reqs"]:
+            return w.load
+        ld = copy.copy(w.load)             # the page counts are shared, read only
+        ld.in_flight += ext["reqs"]
+        ld.waiting += ext["waiting"]
+        ld.outstanding_tokens += ext["waiting_tokens"]
+        ld.prefill_tokens += ext["waiting_tokens"]
+        if ext["waiting_tokens"]:
+            ld.queued_seconds += self.settings.cost.prefill_seconds(0, ext["waiting_tokens"])
+        ld.decode_tokens += ext["decode_tokens"]
+        ld.in_flight_tokens += ext["tokens"] + ext["decode_tokens"]
+        page = w.page_size or (self.workers.fleet.block_size if self.workers.fleet else 1)
+        ld.partial_pages += -(-ext["tokens"] // page)
+        return ld
 
     # -- handlers --------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -302,13 +341,17 @@ class RouterService:
         if len(reqs) > 1:
             return await self._split(body, reqs, path, headers)
         sent = await self._send(reqs[0], path, raw, headers)
-        return sent if isinstance(sent, JSONResponse) else _ProxiedResponse(*sent, self.stopping)
+        return sent if isinstance(sent, JSONResponse) else _ProxiedResponse(sent, self.stopping)
 
-    async def _send(self, req: RouteRequest, path: str, raw: bytes,
-                    headers: dict) -> tuple[httpx.Response, _Ticket] | JSONResponse:
-        """Route ``req`` and send ``raw`` to its worker (one retry elsewhere on a refused
-        connection): the worker's streamed answer and the request's load ticket, or the error
-        answer (502, 503) for the client."""
+    async def _send(self, req: RouteRequest, path: str, raw: bytes, headers: dict) -> _Upstream | JSONResponse:
+        """Route ``req`` and send ``raw`` to its worker: the worker's answer up to its first chunk
+        (:class:`_Upstream`, with the request's load ticket), or the error answer (502, 503) for
+        the client.
+
+        Nothing has reached the client yet, so a worker that refuses the connection (it then
+        leaves rotation) or fails before its first chunk (it died or dropped the connection
+        mid-prefill; a non-streamed answer's first chunk is the whole answer) is retried once on
+        another worker. Once bytes went to the client nothing is retried (:func:`_relay`)."""
         tried: set[int] = set()
         for _attempt in range(2):
             picked = self._pick(req, tried)
@@ -322,7 +365,7 @@ class RouterService:
             ticket = _Ticket(w, req.prompt_tokens, req.output_tokens, seconds, pages)
             try:
                 upstream = await self._send_unless_stopping(self.proxy.build_request(
-                    "POST", w.url + path, content=raw, headers=headers))
+                    "POST", w.url + path, content=raw, headers=headers), ticket)
                 if upstream is None:                       # the router stopped before the worker answered
                     ticket.done()
                     return _error(503, self.stopping.reason, "server_shutdown")
@@ -334,21 +377,35 @@ class RouterService:
                 continue
             except httpx.HTTPError as exc:
                 ticket.done()
-                log.warning("worker %s failed before answering: %s", w.url, type(exc).__name__)
+                log.warning("worker %s failed before its first byte: %s", w.url, type(exc).__name__)
+                tried.add(i)
+                if _attempt == 0:
+                    self.retries += 1
+                    continue
                 return _error(502, f"worker {w.url} failed: {type(exc).__name__}", "bad_gateway")
-            return upstream, ticket
+            return upstream
         self.unroutable += 1
         return _error(503, "no worker is in rotation; retry shortly", "no_healthy_worker")
 
-    async def _send_unless_stopping(self, request: httpx.Request) -> httpx.Response | None:
-        """``request`` sent to its worker, streamed: the response once its headers arrive, or
-        ``None`` when the router stops first (the request is then cancelled and its connection
-        closed, which cancels the generation on the worker).
+    async def _send_unless_stopping(self, request: httpx.Request, ticket: _Ticket) -> _Upstream | None:
+        """``request`` sent to its worker, streamed: the response once its first chunk arrived
+        (:class:`_Upstream`), or ``None`` when the router stops first (the request is then
+        cancelled and its connection closed, which cancels the generation on the worker).
 
         Raises:
-            httpx.HTTPError: the worker could not be reached or failed before answering.
+            httpx.HTTPError: the worker could not be reached or failed before its first chunk.
         """
-        send = asyncio.ensure_future(self.proxy.send(request, stream=True))
+        async def first_chunk():
+            response = await self.proxy.send(request, stream=True)
+            try:
+                chunks = response.aiter_raw().__aiter__()
+                first = await _next_or_none(chunks)
+            except BaseException:
+                await response.aclose()
+                raise
+            return _Upstream(response, chunks, first, ticket)
+
+        send = asyncio.ensure_future(first_chunk())
         stop = asyncio.ensure_future(self.stopping.event.wait())
         self.stopping.active += 1
         try:
@@ -374,18 +431,26 @@ class RouterService:
         ok = [x for x in sent if not isinstance(x, JSONResponse)]
         failed = next((x for x in sent if isinstance(x, JSONResponse)), None)
         if failed is None:
-            bad = next(((i, x[0]) for i, x in enumerate(sent) if x[0].status_code != 200), None)
+            bad = next(((i, x) for i, x in enumerate(sent) if x.response.status_code != 200), None)
             if bad is not None:
-                i, upstream = bad
-                failed = Response(_renumbered(await upstream.aread(), i), status_code=upstream.status_code,
-                                  media_type=upstream.headers.get("content-type"))
+                i, up = bad
+                try:
+                    content = await up.body()
+                except httpx.HTTPError as exc:
+                    failed = _worker_failed(up, exc, 502)
+                else:
+                    failed = Response(_renumbered(content, i), status_code=up.response.status_code,
+                                      media_type=up.response.headers.get("content-type"))
         if failed is not None:
             await _release(ok)
             return failed
         if body.get("stream") is True:
             return _MergedResponse(ok, self.stopping)
         try:
-            answers = [json.loads(await u.aread()) for u, _ in ok]
+            answers = [json.loads(await up.body()) for up in ok]
+        except httpx.HTTPError as exc:               # a part's worker broke off: the whole request failed
+            bad = next(up for up in ok if not up.complete)
+            return _worker_failed(bad, exc, 502)
         finally:
             await _release(ok)
         choices = [{**c, "index": i} for i, a in enumerate(answers) for c in a["choices"]]
@@ -410,10 +475,18 @@ class RouterService:
                             status_code=200 if n else 503)
 
     async def stats(self) -> dict:
-        """``GET /router/stats``: the policy (and ``own_waiting`` under ``hybrid``), per-worker
+        """``GET /router/stats``: the policy (and ``own_waiting`` under ``hybrid``; ``max_tree_tokens``
+        and each worker's ``tree_nodes`` under ``prefix`` and ``prefix-smg``), per-worker
         counters, retries, batches split, and per shared store the entries its view holds (counts,
         never keys)."""
         policy = {"own_waiting": self.settings.hybrid.own_waiting} if self.settings.policy == "hybrid" else {}
+        if self.settings.policy in ("prefix", "prefix-smg"):
+            nodes = [0] * len(self.workers.states)
+            for key, router in self._routers.items():
+                for pos, i in enumerate(key[0]):
+                    if pos < len(router.trees):
+                        nodes[i] = max(nodes[i], len(router.trees[pos].kv))
+            policy = {"max_tree_tokens": self.settings.max_tree_tokens, "tree_nodes": nodes}
         return {"policy": self.settings.policy, **policy, "retries": self.retries, "unroutable": self.unroutable,
                 "split_batches": self.split_batches, "workers": [w.stats() for w in self.workers.states],
                 "stores": {sid: {"kv_entries": len(v.kv), "checkpoint_entries": len(v.checkpoints),
@@ -421,22 +494,71 @@ class RouterService:
                            for sid, v in self.workers.stores.items()}}
 
 
+class _Upstream:
+    """A worker's answer as the router holds it once its first chunk arrived: the response, the
+    rest of its raw chunks, that first chunk (``None``: an empty body) and the request's load
+    ticket (first byte counted)."""
+
+    def __init__(self, response: httpx.Response, chunks, first: bytes | None, ticket: _Ticket) -> None:
+        self.response, self.chunks, self.first, self.ticket = response, chunks, first, ticket
+        self.complete = first is None
+        if first is not None:
+            ticket.first_byte()
+
+    async def iter(self):
+        """The body's chunks, the first one included (once)."""
+        first, self.first = self.first, None
+        if first is not None:
+            yield first
+        while (chunk := await _next_or_none(self.chunks)) is not None:
+            yield chunk
+        self.complete = True
+
+    async def body(self) -> bytes:
+        """The whole body.
+
+        Raises:
+            httpx.HTTPError: the worker broke off before its end.
+        """
+        return b"".join([c async for c in self.iter()])
+
+    async def close(self) -> None:
+        """Return the load and close the connection (idempotent)."""
+        self.ticket.done()
+        await self.response.aclose()
+
+
+WORKER_FAILED = "worker_failed"
+"""The ``error.code`` of an answer a worker broke off (it died, or dropped the connection)."""
+
+
+def _failure_body(up: _Upstream, exc: BaseException | None) -> dict:
+    why = type(exc).__name__ if exc is not None else "the stream ended without [DONE]"
+    return APIError(502, f"worker {up.ticket.w.url} failed mid-answer ({why}); the answer is incomplete",
+                    None, WORKER_FAILED, "server_error").body()
+
+
+def _worker_failed(up: _Upstream, exc: BaseException | None, status: int) -> JSONResponse:
+    """The client's error answer for a worker that broke off before the router sent a byte."""
+    log.warning("worker %s broke off an answer: %s", up.ticket.w.url, type(exc).__name__ if exc else "no [DONE]")
+    return JSONResponse(_failure_body(up, exc), status_code=status)
+
+
 class _ProxiedResponse(StreamingResponse):
     """The worker's answer streamed through; its load and connection are returned however the
     response ends (a client gone before the first chunk included, when the body iterator never
     starts and so never runs its own cleanup)."""
 
-    def __init__(self, upstream: httpx.Response, ticket: _Ticket, stopping: _Stopping) -> None:
-        super().__init__(_relay(upstream, ticket, stopping), status_code=upstream.status_code,
-                         media_type=upstream.headers.get("content-type"))
-        self._upstream, self._ticket = upstream, ticket
+    def __init__(self, up: _Upstream, stopping: _Stopping) -> None:
+        super().__init__(_relay(up, stopping), status_code=up.response.status_code,
+                         media_type=up.response.headers.get("content-type"))
+        self._up = up
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._ticket.done()
-            await self._upstream.aclose()
+            await self._up.close()
 
 
 class _Stopping:
@@ -466,14 +588,20 @@ async def _next_or_none(chunks):
         return None
 
 
-async def _relay(upstream: httpx.Response, ticket: _Ticket, stopping: _Stopping):
-    """The worker's answer, bytes unchanged; the ticket's load returned as it goes. When the router
-    stops, a stream ends at the next frame boundary with :meth:`_Stopping.frames` (another answer
-    just ends)."""
-    sse = (upstream.headers.get("content-type") or "").startswith("text/event-stream")
-    chunks = upstream.aiter_raw().__aiter__()
+async def _relay(up: _Upstream, stopping: _Stopping):
+    """The worker's answer, bytes unchanged; the ticket's load returned as it goes.
+
+    A stream (SSE) is passed on whole frames at a time, so that when the worker breaks off (it
+    died, or its connection dropped) or ends without ``data: [DONE]`` the client's stream ends
+    with one OpenAI-style error frame (``{"error": {..., "code": "worker_failed"}}``) and no
+    ``[DONE]``: a client (the ``openai`` one raises) can tell it from a complete answer. Nothing
+    is retried once bytes went to the client. When the router stops, a stream ends with
+    :meth:`_Stopping.frames` (another answer just ends)."""
+    sse = (up.response.headers.get("content-type") or "").startswith("text/event-stream")
+    chunks = up.iter().__aiter__()
     stop = asyncio.ensure_future(stopping.event.wait())
-    tail = b"\n\n"                         # the last bytes sent: at a frame boundary?
+    pending = b""                          # an SSE frame not yet whole
+    done = False                           # data: [DONE] seen
     stopping.active += 1
     try:
         while True:
@@ -482,22 +610,31 @@ async def _relay(upstream: httpx.Response, ticket: _Ticket, stopping: _Stopping)
             if not nxt.done():               # the router is stopping
                 nxt.cancel()
                 await asyncio.gather(nxt, return_exceptions=True)
-                if sse and tail.endswith(b"\n\n"):
+                if sse:
                     yield stopping.frames()
                 return
             chunk = nxt.result()
             if chunk is None:
-                return
-            ticket.first_byte()
-            tail = (tail + chunk)[-2:]
-            yield chunk
+                break
+            if not sse:
+                yield chunk
+                continue
+            pending += chunk
+            cut = pending.rfind(b"\n\n")
+            if cut >= 0:
+                frames, pending = pending[:cut + 2], pending[cut + 2:]
+                done = done or b"data: [DONE]" in frames
+                yield frames
+        if sse and (pending.strip() or not done) and up.response.status_code == 200:
+            yield b"data: " + json.dumps(_failure_body(up, None)).encode() + b"\n\n"
     except httpx.HTTPError as exc:
-        log.warning("worker %s broke off an answer: %s", ticket.w.url, type(exc).__name__)
+        log.warning("worker %s broke off an answer: %s", up.ticket.w.url, type(exc).__name__)
+        if sse:
+            yield b"data: " + json.dumps(_failure_body(up, exc)).encode() + b"\n\n"
     finally:
         stopping.active -= 1
         stop.cancel()
-        ticket.done()
-        await upstream.aclose()
+        await up.close()
 
 
 def _renumbered(content: bytes, index: int) -> bytes:
@@ -517,10 +654,12 @@ def _renumbered(content: bytes, index: int) -> bytes:
 class _MergedResponse(StreamingResponse):
     """The streamed answers of a split batch merged into one SSE stream as chunks arrive:
     ``choices[].index`` set to the part's prompt index, one ``id``, the parts' final ``usage``
-    chunks summed into one, one ``[DONE]``. Every part's load and connection are returned
-    however the response ends."""
+    chunks summed into one, one ``[DONE]``. A part that fails (its worker breaks off, ends
+    without ``[DONE]``, or sends an error frame) fails the whole request: the merged stream
+    ends with that error frame and no ``[DONE]``, and the other parts are cancelled. Every
+    part's load and connection are returned however the response ends."""
 
-    def __init__(self, parts: list[tuple[httpx.Response, _Ticket]], stopping: _Stopping) -> None:
+    def __init__(self, parts: list[_Upstream], stopping: _Stopping) -> None:
         super().__init__(_merge(parts, stopping), status_code=200, media_type="text/event-stream")
         self._parts = parts
 
@@ -531,32 +670,33 @@ class _MergedResponse(StreamingResponse):
             await _release(self._parts)
 
 
-async def _merge(parts: list[tuple[httpx.Response, _Ticket]], stopping: _Stopping):
+async def _merge(parts: list[_Upstream], stopping: _Stopping):
     queue: asyncio.Queue = asyncio.Queue()
+    failed = object()                        # a part's end without its [DONE]
 
     async def stop_waiter() -> None:
         await stopping.event.wait()
         await queue.put((-1, None))          # the router is stopping: end the merged stream
 
-    async def pump(i: int, upstream: httpx.Response, ticket: _Ticket) -> None:
-        buf = b""
+    async def pump(i: int, up: _Upstream) -> None:
+        buf, end = b"", None
         try:
-            async for chunk in upstream.aiter_raw():
-                ticket.first_byte()
+            async for chunk in up.iter():
                 buf += chunk
                 while b"\n\n" in buf:
                     frame, buf = buf.split(b"\n\n", 1)
                     await queue.put((i, frame))
         except (httpx.HTTPError, httpx.StreamError) as exc:        # StreamError: closed as the client left
-            log.warning("worker %s broke off an answer: %s", ticket.w.url, type(exc).__name__)
+            log.warning("worker %s broke off an answer: %s", up.ticket.w.url, type(exc).__name__)
+            end = (failed, _failure_body(up, exc))
         finally:
-            ticket.done()
-            await queue.put((i, None))
+            up.ticket.done()
+            await queue.put((i, end or (failed, _failure_body(up, None))))
 
-    tasks = [asyncio.create_task(pump(i, u, t)) for i, (u, t) in enumerate(parts)]
+    tasks = [asyncio.create_task(pump(i, up)) for i, up in enumerate(parts)]
     tasks.append(asyncio.create_task(stop_waiter()))
     usage_chunks: list[dict] = []
-    first_id, left = None, len(parts)
+    first_id, left, done = None, len(parts), set()
     stopping.active += 1
     try:
         while left:
@@ -564,16 +704,22 @@ async def _merge(parts: list[tuple[httpx.Response, _Ticket]], stopping: _Stoppin
             if i < 0:
                 yield stopping.frames()
                 return
-            if frame is None:
+            if isinstance(frame, tuple):          # part i ended
                 left -= 1
+                if i not in done:                 # without its [DONE]: the request failed
+                    yield f"data: {json.dumps(frame[1])}\n\n".encode()
+                    return
                 continue
             line = frame.decode().strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            if not line.startswith("data:"):
+                continue
+            if line[5:].strip() == "[DONE]":
+                done.add(i)
                 continue
             chunk = json.loads(line[5:])
-            if "error" in chunk:
+            if "error" in chunk:                  # a part's error is the whole request's
                 yield frame + b"\n\n"
-                continue
+                return
             first_id = first_id or chunk.get("id")
             chunk["id"] = first_id
             if chunk.get("choices"):
@@ -593,11 +739,10 @@ async def _merge(parts: list[tuple[httpx.Response, _Ticket]], stopping: _Stoppin
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _release(parts: list[tuple[httpx.Response, _Ticket]]) -> None:
+async def _release(parts: list[_Upstream]) -> None:
     """Return every part's load and close its connection (idempotent)."""
-    for upstream, ticket in parts:
-        ticket.done()
-        await upstream.aclose()
+    for up in parts:
+        await up.close()
 
 
 def _sum_usage(usages: list[dict | None]) -> dict | None:

@@ -173,14 +173,18 @@ class EngineWorker:
         Returns:
             ``num_reqs``: jobs submitted and not ended (requests); ``num_waiting_reqs``: those not
             yet admitted by the engine; ``num_tokens``: prompt tokens of every such job plus the
-            tokens generated so far by the admitted ones (tokens). A job's figures may lag the
-            engine thread by one step.
+            tokens generated so far by the admitted ones (tokens); ``num_waiting_tokens``: prompt
+            tokens of the jobs not yet admitted; ``num_decode_tokens``: tokens the jobs may still
+            generate (``max_tokens`` less those sent; a stop may end them sooner). A job's figures
+            may lag the engine thread by one step.
         """
         with self._lock:
             jobs = list(self._active)
-        waiting = sum(not j.admitted for j in jobs)
+        waiting = [j for j in jobs if not j.admitted]
         tokens = sum(len(j.prompt) + j.sent for j in jobs)
-        return {"num_reqs": len(jobs), "num_waiting_reqs": waiting, "num_tokens": tokens}
+        return {"num_reqs": len(jobs), "num_waiting_reqs": len(waiting), "num_tokens": tokens,
+                "num_waiting_tokens": sum(len(j.prompt) for j in waiting),
+                "num_decode_tokens": sum(max(j.max_tokens - j.sent, 0) for j in jobs)}
 
     def cancel(self, job: Job) -> None:
         """Cancel ``job`` wherever it is; its cache references are released."""
