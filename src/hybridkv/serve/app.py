@@ -414,6 +414,7 @@ def create_app(server: Server) -> FastAPI:
     if server.events is not None:
         app.get("/v1/cache/info")(server.cache_info)
         app.get("/v1/cache/events")(server.cache_events)
+        app.get("/v1/cache/snapshot")(server.cache_snapshot)
     add_compat_routes(app, server)
 
     @app.exception_handler(APIError)
@@ -421,7 +422,6 @@ def create_app(server: Server) -> FastAPI:
         return _error_response(exc, server.metrics)
 
     @app.exception_handler(RequestValidationError)
-        app.get("/v1/cache/snapshot")(server.cache_snapshot)
     async def _validation_error(_request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
