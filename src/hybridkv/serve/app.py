@@ -301,8 +301,6 @@ class Server:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-
-async def _disconnected(request: Request) -> None:
     async def cache_snapshot(self, request: Request) -> dict:
         """``GET /v1/cache/snapshot``: every entry the device cache holds now, named as the event
         feed names them, read on the engine thread between two steps: ``{"epoch": E, "kv": [hex,
@@ -342,6 +340,8 @@ async def _disconnected(request: Request) -> None:
                            "invalid_request_error")
         return snapshot
 
+
+async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the server reports ``http.disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
