@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
+from hybridkv.serve.auth import AuthMiddleware, KeyRing, principal_of, request_tenant, serve_route_kind
 from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed, group_info
 from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
@@ -121,7 +122,8 @@ class Server:
 
     def _start(self, body: dict, request: Request, prompts: list[list[int]], arrived: float):
         self._check_alive()
-        gen = parse_generation(body, tenant_header(request.headers), self.settings.default_max_tokens, self.unit)
+        tenant = request_tenant(principal_of(request), request.headers, body)     # a key's own tenant, if bound
+        gen = parse_generation(body, tenant, self.settings.default_max_tokens, self.unit)
         for i, ids in enumerate(prompts):
             check_ids(ids, i, self.vocab_size, self.settings.max_model_len, gen.max_tokens)
         run = Run(self.worker, self.codec, gen, prompts,
@@ -402,9 +404,14 @@ def _error_response(exc: APIError, metrics: ServeMetrics) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def create_app(server: Server) -> FastAPI:
-    """The FastAPI application of ``server`` (routes and OpenAI-style error handlers)."""
+def create_app(server: Server, auth: KeyRing | None = None) -> FastAPI:
+    """The FastAPI application of ``server`` (routes and OpenAI-style error handlers); with
+    ``auth``, every request's key is checked first (:class:`~hybridkv.serve.auth.AuthMiddleware`:
+    401 / 403 answers, a key's bound tenant)."""
     app = FastAPI(title="hybridkv", docs_url=None, redoc_url=None, openapi_url=None)
+    if auth is not None:
+        app.add_middleware(AuthMiddleware, ring=auth, route_kind=serve_route_kind,
+                           on_refusal=lambda status: server.metrics.http_errors.labels(str(status)).inc())
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
     app.get("/v1/models")(server.models)

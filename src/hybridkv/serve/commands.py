@@ -31,6 +31,7 @@ from hybridkv.replay.args import (
     thread_count,
     time_scale,
 )
+from hybridkv.serve.auth import add_auth_arguments
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
 
 
@@ -74,6 +75,7 @@ def register_cli(sub) -> None:
                         "engine's idle time and compared (logits within 1e-4, same greedy tokens, ties apart); a "
                         "mismatch quarantines the entries the request reused in every tier (default 0.01; 0: off; "
                         "1: every hit; Kimi Linear models)")
+    add_auth_arguments(s, router=False)
     s.set_defaults(func=_serve)
 
     _register_router(sub)
@@ -105,6 +107,12 @@ def _serve(args) -> int:
     from hybridkv.serve.launch import ServeOptions, serve_forever
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from hybridkv.serve.auth import keyring_from_options
+    try:
+        auth = keyring_from_options(args.api_key, args.api_keys_file, args.admin_key)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     opts = ServeOptions(model=args.model, host=args.host, port=args.port, store=args.store,
                         store_alignment=args.store_alignment, seed=args.seed, block_size=args.block_size,
                         prefix_match_unit=args.prefix_match_unit, policy=args.policy, mechanism=args.mechanism,
@@ -113,6 +121,7 @@ def _serve(args) -> int:
                         host_mib=args.host_mib, threads=args.threads, max_model_len=args.max_model_len,
                         max_waiting=args.max_waiting, swa_recovery=args.swa_recovery,
                         shadow_verify=args.shadow_verify)
+    opts.auth = auth
     try:
         serve_forever(opts)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
@@ -147,6 +156,7 @@ def _register_router(sub) -> None:
                         "leaves are evicted (default 4194304: 65,536 nodes at a 64-token prefix_match_unit)")
     add_store_cost_arguments(r, "hybrid: load bandwidth in GB/s of the store the workers share; 0: ignore the store",
                              "hybrid: microseconds per store object")
+    add_auth_arguments(r, router=True)
     r.set_defaults(func=_router)
 
 
@@ -191,7 +201,24 @@ def router_service(args):
                               store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6,
                               hybrid=HybridOptions() if own is None else HybridOptions(own_waiting=own),
                               max_tree_tokens=getattr(args, "max_tree_tokens", None) or DEFAULT_MAX_TREE_TOKENS)
+    settings = router_auth(settings, args)
     return RouterService(args.worker, codec, settings)
+
+
+def router_auth(settings, args):
+    """``settings`` with the keys of ``args`` (``--api-key``, ``--api-keys-file``, ``--admin-key``,
+    ``--worker-key``; absent attributes: none).
+
+    Raises:
+        ValueError: a bad key or keys file (named; a key is never shown).
+    """
+    import dataclasses
+
+    from hybridkv.serve.auth import keyring_from_options, worker_key_from_option
+
+    keys = keyring_from_options(getattr(args, "api_key", None), getattr(args, "api_keys_file", None),
+                                getattr(args, "admin_key", None))
+    return dataclasses.replace(settings, keys=keys, worker_key=worker_key_from_option(getattr(args, "worker_key", None)))
 
 
 def _router(args) -> int:

@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Self
 
 import torch
@@ -26,6 +26,7 @@ from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory, is_v4, load_model,
                                    model_config)
 from hybridkv.serve.app import Server, ServeSettings, create_app
+from hybridkv.serve.auth import KeyRing
 from hybridkv.serve.cache_events import EventFeed
 from hybridkv.serve.metrics import ServeMetrics
 from hybridkv.serve.shadow import make_verifier
@@ -177,6 +178,8 @@ class ServeOptions:
         shadow_verify: share of requests whose cache hits are recomputed without the cache and
             compared, in [0, 1] (:mod:`hybridkv.serve.shadow`); ``None``: the default
             (:data:`~hybridkv.serve.shadow.DEFAULT_SHADOW_RATE`, off on a DeepSeek-V4 model); 0: off.
+        auth: the API and admin keys (:class:`~hybridkv.serve.auth.KeyRing`); ``None``: every
+            route open, as with an empty ring (never shown by ``repr``).
         Others: as ``hybridkv replay`` names them.
     """
 
@@ -201,6 +204,7 @@ class ServeOptions:
     default_max_tokens: int = 16
     swa_recovery: str | None = None
     shadow_verify: float | None = None
+    auth: KeyRing | None = field(default=None, repr=False)
 
 
 def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> EngineHandle:
@@ -328,7 +332,7 @@ class RunningServer:
     def __init__(self, opts: ServeOptions) -> None:
         self.server = build_server(opts)
         try:
-            self.http = BackgroundUvicorn(create_app(self.server), opts.host, opts.port,
+            self.http = BackgroundUvicorn(create_app(self.server, opts.auth), opts.host, opts.port,
                                           end_running=self.server.end_running)
         except BaseException:
             self.server.worker.stop()
@@ -381,7 +385,10 @@ def serve_forever(opts: ServeOptions) -> None:
         sock.close()
         raise
     try:
-        http = run_foreground(create_app(server), sock, f"serving {opts.model}", end_running=server.end_running)
+        if opts.auth is not None:
+            (log.warning if opts.auth.api_open or opts.auth.admin_open else log.info)("%s", opts.auth.describe())
+        http = run_foreground(create_app(server, opts.auth), sock, f"serving {opts.model}",
+                              end_running=server.end_running)
     finally:
         server.worker.stop()
         server.handle.close()

@@ -24,7 +24,7 @@ import contextlib
 import copy
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -49,6 +49,7 @@ from hybridkv.fleet.store import (
     MOONCAKE_LOAD_BYTES_PER_S,
     StoreCost,
 )
+from hybridkv.serve.auth import AuthMiddleware, KeyRing, forwarded_headers, router_route_kind
 from hybridkv.serve.fleet_view import Workers, WorkerState
 from hybridkv.serve.protocol import (
     APIError,
@@ -94,6 +95,10 @@ class RouterSettings:
         hybrid: ``hybrid``'s options (:class:`~hybridkv.fleet.routers.HybridOptions`).
         max_tree_tokens: ``prefix`` / ``prefix-smg``: tokens each worker's tree keeps, least
             recently used leaves evicted past it (:class:`~hybridkv.fleet.routers.PrefixOptions`).
+        keys: the keys clients must send (:class:`~hybridkv.serve.auth.KeyRing`; a key bound to a
+            tenant makes its requests that tenant's, passed on in ``X-Tenant``); ``None``: open.
+        worker_key: the key sent to every worker (their admin key; never shown by ``repr``);
+            ``None``: a client's ``Authorization`` header is forwarded as it came.
     """
 
     policy: str
@@ -107,6 +112,8 @@ class RouterSettings:
     store_latency_s: float = MOONCAKE_GET_LATENCY_S
     hybrid: HybridOptions = HybridOptions()
     max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS
+    keys: KeyRing | None = None
+    worker_key: str | None = field(default=None, repr=False)
 
 
 class _Ticket:
@@ -164,12 +171,13 @@ class RouterService:
 
     def __init__(self, urls: list[str], codec: Codec, settings: RouterSettings) -> None:
         self.codec, self.settings = codec, settings
-        self.control = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=settings.connect_timeout_s))
+        auth = {"Authorization": f"Bearer {settings.worker_key}"} if settings.worker_key else None
+        self.control = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=settings.connect_timeout_s), headers=auth)
         # idle pooled connections are dropped after 2 s, before a uvicorn worker's 5 s keep-alive
         # closes them: httpx's default (5 s) races the worker's close, and a request sent on a
         # connection the worker is closing fails after connecting (a 502, not a retried refusal)
         self.proxy = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
-                                       limits=httpx.Limits(keepalive_expiry=PROXY_KEEPALIVE_S))
+                                       limits=httpx.Limits(keepalive_expiry=PROXY_KEEPALIVE_S), headers=auth)
         self.workers = Workers(urls, self.control, settings.health_every)
         self._routers: dict[tuple[int, ...], Router] = {}
         self._store_costs: dict[tuple[int, ...], StoreCost | None] = {}     # the same keys: each router's store
@@ -336,8 +344,11 @@ class RouterService:
                 check_fields(body, "chat" if chat else "completions")    # without a worker in rotation
             except APIError as exc:
                 return JSONResponse(exc.body(), status_code=exc.status)
-        reqs = self.route_requests(body, request.headers, chat)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        try:                                               # the tenant a client's key is bound to goes on
+            headers = forwarded_headers(request, body, FORWARDED_HEADERS, self.settings.worker_key)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        reqs = self.route_requests(body, headers, chat)
         if len(reqs) > 1:
             return await self._split(body, reqs, path, headers)
         sent = await self._send(reqs[0], path, raw, headers)
@@ -779,6 +790,8 @@ def create_router_app(service: RouterService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="hybridkv router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    if service.settings.keys is not None:
+        app.add_middleware(AuthMiddleware, ring=service.settings.keys, route_kind=router_route_kind)
     app.post("/v1/completions")(service.completions)
     app.post("/v1/chat/completions")(service.chat)
     app.get("/v1/models")(service.models)

@@ -113,7 +113,6 @@ class EngineWorker:
         self.handle = handle
         self.shadow = shadow
         self.max_waiting = max_waiting
-        self.max_running = handle.engine.config.max_num_seqs     # running slots (requests)
         self.ledger = NamespaceLedger()
         self._on_step = on_step
         self._on_admit = on_admit
@@ -134,6 +133,11 @@ class EngineWorker:
     def start(self) -> None:
         """Start the engine thread."""
         self._thread.start()
+
+    @property
+    def max_running(self) -> int:
+        """Running slots: the engine's ``max_num_seqs`` (requests)."""
+        return self.handle.engine.config.max_num_seqs
 
     @property
     def queue_depth(self) -> int:
