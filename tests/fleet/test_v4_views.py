@@ -15,7 +15,7 @@ from hybridkv.cache.swa import CSA, HCA, SWA, v4_family
 from hybridkv.fleet.costmodel import h200_deepseek_v4_flash
 from hybridkv.fleet.events import (CacheEvent, EventKind, EventPublisher, InstanceView, family_from_json,
                                    family_to_json)
-from hybridkv.fleet.routers import FleetState, HybridRouter, InstanceLoad, _ViewsPresence
+from hybridkv.fleet.routers import FleetState, HybridOptions, HybridRouter, InstanceLoad, _ViewsPresence
 from hybridkv.fleet.store import StoreCost, StoreView, paying_load
 
 from test_routers import UNIT, chain, request
@@ -173,6 +173,10 @@ def test_the_hybrid_router_prices_the_recompute_cone_of_a_v4_hit():
     assert HybridRouter(cost).route(request(hashes), state) == 0
     priced = HybridRouter(cost, restore=restore)
     assert priced.route(request(hashes), state) == 1 and priced.expected_hit() == 0
+    off = HybridRouter(cost, options=HybridOptions(price_restore=False), restore=restore)
+    assert off.route(request(hashes), state) == 0                   # the comparison switch: unpriced
+    with pytest.raises(ValueError, match="price_restore='yes'"):
+        HybridOptions(price_restore="yes")
     small = RecomputeCone(2 * UNIT)
     state = _fleet([v4_view(hashes[:32], (), small), v4_view((), (), small)], outstanding=[50, 0])
     router = HybridRouter(cost, restore=restore)

@@ -670,6 +670,10 @@ class HybridOptions:
             conversation's turns) from drawing the shared-prefix traffic that would balance its
             queue, trading median TTFT for tail TTFT under overload (docs/results/routing.md,
             "The waiting count: own or the fleet's").
+        price_restore: a hit whose restart point lies below it (DeepSeek-V4's ``periodic=P`` and
+            ``recompute``) is worth the prefill it saves less the recompute that restores its
+            state (:class:`HybridRouter`'s ``restore``); ``False``: the prefill it saves alone
+            (kept for comparison, docs/results/v4.md).
 
     Raises:
         ValueError: a guard or tie band that is not a finite number >= 0, ``own_waiting`` not a
@@ -683,6 +687,7 @@ class HybridOptions:
     count_decode: bool = True
     count_routed: bool = True
     own_waiting: float = 1.0
+    price_restore: bool = True
 
     def __post_init__(self) -> None:
         def number(v) -> bool:                   # a real number (numpy's too), not a bool
@@ -695,7 +700,7 @@ class HybridOptions:
         v = self.own_waiting
         if not (number(v) and 0 <= v <= 1):
             raise ValueError(f"HybridOptions.own_waiting={v!r} must be a number in 0..1")
-        for name in ("weigh_waiting", "count_decode", "count_routed"):
+        for name in ("weigh_waiting", "count_decode", "count_routed", "price_restore"):
             v = getattr(self, name)
             if not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"HybridOptions.{name}={v!r} must be True or False")
@@ -989,9 +994,9 @@ class HybridRouter(Router):
         the store's joint hit and restart point ``store``."""
         kv_hit, hit, restart = local
         store_hit, store_restart = store
+        restore = self.restore if self.options.price_restore else None
         return priced_prefill(self.cost, self.store, req.prompt_tokens, kv_hit, hit, store_hit,
-                              restore_seconds(self.restore, restart, hit),
-                              restore_seconds(self.restore, store_restart, store_hit))
+                              restore_seconds(restore, restart, hit), restore_seconds(restore, store_restart, store_hit))
 
     def candidates(self, fleet: FleetState) -> list[int]:
         """Live instances not hot: predicted wait (:meth:`queue_seconds`) within the guard."""
