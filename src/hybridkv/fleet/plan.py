@@ -7,16 +7,15 @@ each (:class:`Prices`). It is a search, not a grid:
 1. **Lower bound.** Each request's own prefill on an idle instance with every reusable token
    reused (the trace's oracle), priced by the cost model in ``max_num_batched_tokens`` chunks: no
    fleet does better, so a TTFT target below this bound's statistic is infeasible at once.
-2. **Instances by bisection.** With the baseline configuration, the fewest instances that meet
-   every target on a short prefix of the trace: doubling until the targets are met, then
-   bisection (more instances are assumed never to make a target worse: monotone).
+2. **Instances by bisection.** With the baseline configuration (the first candidate), the fewest
+   instances that meet every target on a short prefix of the trace: doubling until the targets
+   are met, then bisection (more instances are assumed never to make a target worse: monotone).
 3. **Successive halving on the rest** (device cache share, store size and bandwidth, checkpoint
-   policy, router) at one instance fewer than that: every candidate on the shortest prefix, the
-   best :data:`KEEP` share on a prefix :data:`GROWTH` times longer, ... , the last rung on the whole
-   trace. Candidates are ranked by whether they meet the targets, then cost if they do, or by how
-   far the worst target is missed if they do not.
-4. **Instances again**, on the whole trace, for the finalists and the baseline: the fewest that
-   meet every target (bisection below the baseline's count, doubling above it).
+   policy, router) at :data:`HEADROOM` times that count: every candidate on the shortest prefix,
+   the best :data:`KEEP` share on a prefix :data:`GROWTH` times longer, ... , the last rung on the
+   whole trace. Candidates are ranked by the worst target's value over the target, then cost.
+4. **Instances again**, on the whole trace, for the :data:`FINALISTS` best: the fewest that meet
+   every target (bisection below the halving's count, doubling above it).
 
 Every simulation is cached by its configuration, prefix, seed and targets (in memory and, with a
 cache file, across runs). The device memory of an instance is split between checkpoint slots and
@@ -67,8 +66,8 @@ rest is activations and workspace)."""
 KIMI_LINEAR_48B_WEIGHT_BYTES = 48e9 * 2
 """Weights of Kimi-Linear-48B-A3B in bf16 (48B parameters, model card)."""
 
-SHARES = (0.05, 0.2, 0.5)
-"""Device cache shares searched (checkpoint slots' part of the pools)."""
+SHARES = (0.2, 0.05, 0.5)
+"""Device cache shares searched (checkpoint slots' part of the pools; the first is the baseline's)."""
 STORES = ((0.0, 0.0), (1024.0, 1.1), (1024.0, 10.0))
 """Shared stores searched, ``(GiB, GB/s)``; ``(0, 0)``: none. 1.1 GB/s is the Mooncake store's
 measured load bandwidth (docs/results/store.md)."""
@@ -83,8 +82,11 @@ FIRST_FRACTION = 1 / 16
 MAX_INSTANCES = 64
 """Most instances the planner tries unless told otherwise."""
 FINALISTS = 2
-"""Candidates whose instance count is searched on the whole trace (besides the baseline)."""
-RELAX = 0.1
+"""Candidates whose instance count is searched on the whole trace."""
+HEADROOM = 2
+"""The halving runs at this many times the instances the baseline needs on the first prefix: enough
+that queueing is small and the ranking shows what the cache, store, policy and router do."""
+RELAX = 0.25
 """A TTFT target below the prefill bound is planned for at the bound plus this share instead
 (rounded up to 10 ms), and said so: the nearest target a fleet can reach."""
 
@@ -533,25 +535,21 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     # 2. instances for the baseline on the first prefix
     start = min_instances(lambda k: ev.evaluate(replace(base, instances=k), sizes[0]), 0, 1, max_instances)
     n_ref = start.config.instances if start is not None else max_instances
-    probe = max(n_ref - 1, 1)
+    probe = min(HEADROOM * n_ref, max_instances)
     # 3. successive halving at the probe count
     alive = [replace(c, instances=probe) for c in space]
     rungs = []
     for i, size in enumerate(sizes):
         outs = [ev.evaluate(c, size) for c in alive]
-        outs.sort(key=lambda o: (not o.meets, o.cost_per_hour if o.meets else o.ratio, o.cost_per_hour))
+        outs.sort(key=lambda o: (o.ratio, o.cost_per_hour))
         rungs.append({"requests": size, "candidates": len(alive), "instances": probe})
         if i == len(sizes) - 1:
             alive = [o.config for o in outs[:finalists]]
         else:
             alive = [o.config for o in outs[:max(2, math.ceil(len(outs) * keep))]]
-    # 4. instances on the whole trace for the finalists and the baseline
-    finals = []
-    for c in [replace(base, instances=probe), *alive]:
-        lo = 0
-        got = min_instances(lambda k, c=c: ev.evaluate(replace(c, instances=k)), lo, n_ref, max_instances)
-        if got is not None:
-            finals.append(got)
+    # 4. instances on the whole trace for the finalists
+    for c in alive:
+        min_instances(lambda k, c=c: ev.evaluate(replace(c, instances=k)), 0, probe, max_instances)
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
     meeting = sorted((o for o in whole if o.meets), key=lambda o: (o.cost_per_hour, o.ratio))
     best_plan = meeting[0] if meeting else None

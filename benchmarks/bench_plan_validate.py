@@ -1,0 +1,103 @@
+"""Validate a ``hybridkv plan`` result (issue 30, item 6) on the whole trace.
+
+1. **Seeds**: the plan's configuration re-simulated with arrival seeds 1, 2, 3 (each arrival moved
+   later by a uniform draw within the trace's smallest gap between arrivals,
+   :meth:`hybridkv.fleet.plan.Evaluator._trace_for`) must meet the planned targets.
+2. **Grid**: every configuration of a reduced space cheaper than the plan is simulated: cache
+   share x store (none, and the plan's when it has one) x router (``hybrid``, ``prefix-smg``,
+   ``least-load``) at the plan's policy, each at the largest instance count that keeps it
+   cheaper than the plan (fewer instances only lose, by the monotone assumption the bisection
+   makes too); none may meet the targets.
+3. **Tighter SLO**: with ``--tighter PLAN_JSON`` (a plan for tighter targets on the same trace
+   and prices), its cost must not be below this plan's.
+
+Prints a Markdown table and writes every figure to ``--out``.
+
+Run by hand:
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_plan_validate.py --plan /tmp/plan.json \
+        --out /tmp/plan_validate.json [--tighter /tmp/plan_tight.json] [--cache /tmp/cache.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from hybridkv.fleet.plan import SHARES, ROUTERS, Evaluator, FleetConfig, Prices, h200_budget
+
+TOL = 1e-9
+"""Tolerance of cost comparisons (USD/h)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plan", required=True, help="JSON written by hybridkv plan --json")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tighter", default=None, help="JSON of a plan for tighter targets")
+    p.add_argument("--cache", default=None, help="the planner's cache file (simulations reused)")
+    p.add_argument("--seeds", default="1,2,3")
+    args = p.parse_args(argv)
+    data = json.loads(Path(args.plan).read_text())
+    if data["plan"] is None:
+        print(f"{args.plan}: no plan to validate", file=sys.stderr)
+        return 2
+    slo = data["planned_slo"]
+    prices = Prices(**data["prices"])
+    ev = Evaluator(None if data["trace"] == "bundled" else data["trace"], data["model"], slo, prices,
+                   h200_budget(data["model"], data["max_num_seqs"]), data["max_num_seqs"], data["time_scale"],
+                   args.cache, log=lambda line: print(line, file=sys.stderr), limit=data["requests"])
+    plan_cfg = FleetConfig(**data["plan"]["config"])
+    plan_cost = plan_cfg.cost_per_hour(prices)
+    rows, t0 = [], time.perf_counter()
+    try:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            o = ev.evaluate(plan_cfg, seed=seed)
+            rows.append({"check": f"plan, arrival seed {seed}", "config": plan_cfg.label(),
+                         "cost_per_hour": o.cost_per_hour, "ttft_p99": o.stats["ttft_p99"],
+                         "meets": o.meets, "ok": o.meets})
+        stores = [(0.0, 0.0)] + ([(plan_cfg.store_gib, plan_cfg.store_gbps)] if plan_cfg.store_gbps > 0 else [])
+        for share in SHARES:
+            for gib, gbps in stores:
+                for router in ROUTERS:
+                    base = FleetConfig(1, share, gib, gbps, plan_cfg.policy, router)
+                    n = plan_cfg.instances
+                    while n >= 1 and FleetConfig(n, share, gib, gbps, plan_cfg.policy, router).cost_per_hour(
+                            prices) >= plan_cost - TOL:
+                        n -= 1
+                    if n < 1:
+                        continue
+                    cfg = FleetConfig(n, base.cache_share, gib, gbps, base.policy, router)
+                    o = ev.evaluate(cfg)
+                    rows.append({"check": "grid: cheaper than the plan", "config": cfg.label(),
+                                 "cost_per_hour": o.cost_per_hour, "ttft_p99": o.stats["ttft_p99"],
+                                 "meets": o.meets, "ok": not o.meets})
+    finally:
+        ev.close()
+    if args.tighter:
+        tight = json.loads(Path(args.tighter).read_text())
+        t = tight["plan"]
+        rows.append({"check": f"tighter targets {tight['planned_slo']}",
+                     "config": FleetConfig(**t["config"]).label() if t else "no plan",
+                     "cost_per_hour": t["cost_per_hour"] if t else math.inf,
+                     "ttft_p99": t["stats"]["ttft_p99"] if t else None, "meets": bool(t and t["meets"]),
+                     "ok": (t["cost_per_hour"] if t else math.inf) >= plan_cost - TOL})
+    out = {"plan": args.plan, "planned_slo": slo, "plan_cost_per_hour": plan_cost, "rows": rows,
+           "all_ok": all(r["ok"] for r in rows), "wall_seconds": round(time.perf_counter() - t0, 1),
+           "simulations": ev.runs, "cache_hits": ev.hits}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    print("| check | configuration | USD/h | TTFT p99 (s) | meets | as required |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        p99 = "-" if r["ttft_p99"] is None else f"{r['ttft_p99']:.3f}"
+        print(f"| {r['check']} | {r['config']} | {r['cost_per_hour']:.2f} | {p99} | "
+              f"{'yes' if r['meets'] else 'no'} | {'yes' if r['ok'] else '**no**'} |")
+    print(f"\nall as required: {out['all_ok']}; {ev.runs} simulations, {ev.hits} cached, {out['wall_seconds']} s")
+    return 0 if out["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
