@@ -407,3 +407,12 @@ def test_the_router_bounds_its_prefix_trees_with_its_option(workers):
         assert all(n <= 5 for n in s["tree_nodes"]) and sum(s["tree_nodes"]) >= 5
     finally:
         router.close()
+
+
+def test_max_tree_tokens_is_refused_for_a_policy_without_trees():
+    args = argparse.Namespace(worker=["http://127.0.0.1:9"], policy="hybrid", model="tiny", cost_model=None,
+                              poll_interval=0.05, health_every=2, max_tree_tokens=1024)
+    with pytest.raises(ValueError, match="--max-tree-tokens 1024 is an option of the prefix and prefix-smg"):
+        router_service(args)
+    with pytest.raises(ValueError, match="max_tree_tokens=0 must be a positive number of tokens"):
+        PrefixOptions(max_tree_tokens=0)
