@@ -3,21 +3,23 @@ cache, a wrong entry found and quarantined in every tier, ties and full queues c
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import threading
 import time
 
 import httpx
 import numpy as np
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import prompt_ids
 
 from hybridkv.cache.groups import KDA
+from hybridkv.cli import main
 from hybridkv.engine.request import Request
 from hybridkv.serve.launch import RunningServer, ServeOptions, build_handle
 from hybridkv.serve.metrics import ServeMetrics
 from hybridkv.serve.shadow import ShadowVerifier
+from hybridkv.serve.worker import EngineWorker, Job
 
 WAIT_S = 60.0
 """Longest wait for a shadow check to finish (seconds; it runs in the idle engine's slots)."""
@@ -149,11 +151,11 @@ def test_the_rate_is_checked_and_zero_samples_nothing():
         handle.close()
 
 
-def test_the_cli_refuses_a_rate_outside_zero_to_one():
-    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", "--shadow-verify", "1.5"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--shadow-verify" in r.stderr and "'1.5'" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_the_cli_refuses_a_rate_outside_zero_to_one(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--shadow-verify", "1.5"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--shadow-verify" in err and "'1.5'" in err and "Traceback" not in err
 
 
 def test_an_argmax_tie_is_counted_and_nothing_is_quarantined():
@@ -185,4 +187,45 @@ def test_an_argmax_tie_is_counted_and_nothing_is_quarantined():
         engine.run_until_done()
         assert again.reused == hit.reused                                   # nothing was quarantined
     finally:
+        handle.close()
+
+
+def test_a_check_yields_to_a_request_that_arrives_during_it():
+    """A check runs one chunk per idle slot: a request submitted while a long check runs is
+    admitted after at most the chunk under way (plus the one that may start before the submission
+    reaches the engine thread), long before the check ends."""
+    handle = build_handle(ServeOptions(port=0, threads=1))
+    v = ShadowVerifier(handle, 1.0, chunk_tokens=8)
+    worker = EngineWorker(handle, shadow=v)
+    worker.start()
+    try:
+        prompt = np.asarray(prompt_ids(33, 600), dtype=np.int64)
+        seen: dict[str, threading.Event] = {}
+        at_first_token: dict[str, tuple[int, bool]] = {}
+
+        def job(name: str, ids: np.ndarray) -> Job:
+            seen[name] = threading.Event()
+
+            def emit(event: tuple) -> None:
+                if event[0] == "token" and name not in at_first_token:
+                    at_first_token[name] = (v.chunks, v.pending)
+                if event[0] in ("done", "error"):
+                    seen[name].set()
+            return Job(ids, 2, handle.namespace, ("", ""), emit)
+
+        for name in ("cold", "hit"):                           # the second reuses the first's prefix
+            assert worker.submit(job(name, prompt.copy()))
+            assert seen[name].wait(WAIT_S)
+        before = v.chunks
+        assert worker.submit(job("during", np.asarray(prompt_ids(34, 100), dtype=np.int64)))
+        assert seen["during"].wait(WAIT_S)
+        chunks, pending = at_first_token["during"]
+        assert pending, "the check ended before the request that arrived during it was served"
+        assert chunks - before <= 2
+        deadline = time.monotonic() + WAIT_S
+        while v.checks < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert v.checks == 1 and v.mismatches == 0 and v.chunks == -(-(600 + 1) // 8)
+    finally:
+        worker.stop()
         handle.close()

@@ -941,7 +941,8 @@ class HybridRouter(Router):
         routed, loads, views, active = self.routed, fleet.loads, fleet.views, self._active
         while len(routed) < len(loads):
             routed.append(RoutedPrompts(unit, self.tail_tokens or unit))
-        for j in [*active]:
+        live = fleet.live
+        for j in ([*active] if len(live) == len(loads) else active.intersection(live)):   # narrowed: those
             rp = routed[j]
             ld = loads[j]
             rp.trim(ld.waiting, views[j].generation, ld.routed - ld.waiting)
@@ -1023,13 +1024,19 @@ class HybridRouter(Router):
         else:
             store = (0, 0)
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
+        live = fleet.live
+        some = loads if 4 * len(live) > len(loads) else [loads[j] for j in live]   # narrowed to candidates
         if type(self).queue_seconds is HybridRouter.queue_seconds and self.options.count_decode:
             # queue_seconds' first case inline (an instance with a free slot or nothing to decode
             # waits its queued prefill only); the others computed by it, the same values
             s, qs = self.max_num_seqs, self.queue_seconds
-            q = [ld.queued_seconds if ld.in_flight < s or ld.decode_tokens <= 0 else qs(ld) for ld in loads]
+            q = [ld.queued_seconds if ld.in_flight < s or ld.decode_tokens <= 0 else qs(ld) for ld in some]
         else:
-            q = [self.queue_seconds(ld) for ld in loads]
+            q = [self.queue_seconds(ld) for ld in some]
+        if some is not loads:                       # indexed by instance, as over every load
+            q, sub = [0.0] * len(loads), q
+            for j, x in zip(live, sub):
+                q[j] = x
         p0 = self.predicted_prefill(req, 0)
         live = fleet.live
         cool = self._cool(live, q if len(live) == len(q) else [q[j] for j in live])   # live: ascending

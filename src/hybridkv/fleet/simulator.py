@@ -23,6 +23,7 @@ import numpy as np
 from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import CacheEvent, InstanceView
+from hybridkv.fleet.candidates import CandidateIndex
 from hybridkv.fleet.instance import FleetInstance, FleetRequest
 from hybridkv.fleet.routers import (FleetState, RestorePricer, Router, RouteRequest, kv_admission, priced_prefill,
                                     restore_seconds)
@@ -89,6 +90,9 @@ class Fleet:
         self._busy: list[tuple[float, int]] = []
         self._restarts: list[tuple[float, int]] = []      # (not before, instance), not yet done
         self.restarts_done: list[dict] = []
+        self.candidates: CandidateIndex | None = None     # set: routers weigh candidates (large fleets)
+        self.hash_request: Callable[[FleetRequest], list[bytes]] | None = None   # set: hashed when routed,
+        self.keep_hash_at = 1      # and when finished only the prefix key at this unit kept (the report's phases)
         self._faults: list[tuple[float, int, int, float, float]] = []   # heap: (at, 0 back / 1 crash, instance,
         #                                                                  cold-start s, time asked for)
         self.crashes_done: list[dict] = []
@@ -115,12 +119,12 @@ class Fleet:
         self.deliver(now)
         r = fr.request
         if r.hashes is None:                     # hashed once: the router, the store and the engine share them
-            r.hashes = self._hash(r.prompt, r.namespace)
+            r.hashes = self._hash(r.prompt, r.namespace) if self.hash_request is None else self.hash_request(fr)
         hashes = fr.hashes = r.hashes
         rr = RouteRequest(hashes=hashes, prompt_tokens=r.prompt_len, limit=reuse_cap(r.prompt_len, self.unit),
                           output_tokens=fr.output_tokens)
         if self.state.live:
-            j = self.router.route(rr, self.state)
+            j = self.router.route(rr, self._narrowed(rr))
         else:
             j = min(range(len(self.instances)), key=lambda k: (self.instances[k].clock, k))
         if not 0 <= j < len(self.instances):
@@ -141,9 +145,22 @@ class Fleet:
             fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)
         idle = not inst.has_work
         inst.enqueue(fr, now, seconds)
+        if self.candidates is not None:
+            self.candidates.placed(hashes, rr.limit // self.unit, j)
+            self.candidates.changed(j)
         if idle:
             heapq.heappush(self._busy, (inst.clock, j))
         return j
+
+    def _narrowed(self, rr: RouteRequest) -> FleetState:
+        """The state the router decides on: :attr:`state`, or with :attr:`candidates` set and more
+        live instances than its limit, the same views and loads with ``live`` narrowed to the
+        request's candidates (:meth:`~hybridkv.fleet.candidates.CandidateIndex.candidates`)."""
+        c, state = self.candidates, self.state
+        if c is None or len(state.live) <= 2 * c.k:
+            return state
+        live = c.candidates(rr.hashes, rr.limit // self.unit, state.live)
+        return FleetState(views=state.views, loads=state.loads, store=state.store, live=live)
 
     def _priced(self, view: InstanceView, hashes: list[bytes], limit: int, prompt_len: int) -> float:
         """Queued seconds of a prompt routed to the instance of ``view`` by a router that prices
@@ -162,6 +179,14 @@ class Fleet:
         inst = self.instances[j]
         self.deliver(inst.clock)                 # the store holds what was written before this step
         done = inst.step(horizon)
+        if self.candidates is not None:
+            self.candidates.changed(j)
+        if self.hash_request is not None:        # hashed lazily: a finished request keeps one prefix key
+            k = self.keep_hash_at
+            for fr in done:
+                hs = fr.hashes
+                fr.hashes = [hs[min(k, len(hs)) - 1]] if hs else []
+                fr.request.hashes = None
         self._events.push(inst.clock, inst.publisher.drain())
         if inst.has_work:
             heapq.heappush(self._busy, (inst.clock, j))
@@ -200,6 +225,8 @@ class Fleet:
         ``all_cleared`` at the instance's clock."""
         inst = self.instances[j]
         inst.restart()
+        if self.candidates is not None:
+            self.candidates.changed(j)
         self._events.push(inst.clock, inst.publisher.drain())
 
 
@@ -260,6 +287,8 @@ class Fleet:
             heapq.heapify(self._busy)
         now = max(at, inst.clock)
         lost = inst.crash(now, cold_s)
+        if self.candidates is not None:
+            self.candidates.changed(j)
         self._events.push(inst.clock, inst.publisher.drain())    # the new epoch, heard when it is back
         self.state.live.remove(j)
         heapq.heappush(self._faults, (inst.clock, 0, j, 0.0, requested))

@@ -1,7 +1,8 @@
 """Online shadow verification: a sampled share of served cache hits recomputed without the cache.
 
 ``hybridkv serve --shadow-verify RATE`` samples each request with probability ``RATE`` when it
-enters the engine (its logits are then recorded at every computed position). When a sampled
+enters the engine (its logits are then recorded at every computed position: the sampled request
+itself pays for the output projection over all its rows, not only the last). When a sampled
 request ends having reused cached tokens (``cached_tokens > 0``), a :class:`ShadowCheck` goes on a
 bounded queue (:data:`SHADOW_QUEUE` checks; a check that finds it full is dropped and counted).
 The engine thread works the queue only in its idle slot: when no request runs or waits and no
@@ -46,7 +47,7 @@ DEFAULT_SHADOW_RATE = 0.01
 SHADOW_QUEUE = 16
 """Sampled hits waiting for a check at most; one more is dropped (``hybridkv_shadow_dropped_total``)."""
 
-SHADOW_CHUNK_TOKENS = 256
+SHADOW_CHUNK_TOKENS = 64
 """Tokens of the no-cache recomputation run in one idle slot: the most a foreground request that
 arrives during a check waits for is one forward of this many tokens."""
 
@@ -66,7 +67,9 @@ class ShadowCheck:
         hashes: chained unit hashes of the prompt under ``namespace`` (one per whole
             ``prefix_match_unit``).
         enqueued: ``time.monotonic()`` when the request ended (seconds).
-        done: tokens recomputed so far; parts: their logits, ``float32[k, vocab]`` per chunk.
+        done: tokens recomputed so far; parts: their logits, ``float32[k, vocab]`` per chunk;
+            pool, state: the recomputation's private KV pool and KDA state at ``done`` (``None``
+            before the first chunk and after the last).
     """
 
     ids: np.ndarray
@@ -157,6 +160,7 @@ class ShadowVerifier:
 
     Attributes:
         checks, mismatches, ties, dropped: counts since start (``ties``: routing and argmax).
+        chunks: recomputation chunks run since start (one per idle slot used).
 
     Raises:
         ValueError: ``rate`` outside [0, 1], ``queue_size`` or ``chunk_tokens`` < 1, or a handle
@@ -169,14 +173,14 @@ class ShadowVerifier:
             raise ValueError(f"--shadow-verify {rate!r} must be a fraction in [0, 1]")
         if queue_size < 1 or chunk_tokens < 1:
             raise ValueError(f"shadow queue_size={queue_size} and chunk_tokens={chunk_tokens} must be >= 1")
-        if handle.model is None or not hasattr(handle.model, "forward_paged"):
+        if not _recomputes(handle):
             raise ValueError(f"--shadow-verify {rate:g}: shadow verification recomputes Kimi Linear models only "
                              "(this engine's model is a DeepSeek-V4 model or a simulation); pass --shadow-verify 0")
         self.handle, self.rate, self.metrics = handle, rate, metrics
         self.queue_size, self.chunk_tokens, self.tol = queue_size, chunk_tokens, tol
         self._random = random.Random(seed)
         self._queue: collections.deque[ShadowCheck] = collections.deque()
-        self.checks = self.mismatches = self.ties = self.dropped = 0
+        self.checks = self.mismatches = self.ties = self.dropped = self.chunks = 0
 
     # -- sampling (any thread) ---------------------------------------------------------
     def sample(self) -> bool:
@@ -213,10 +217,12 @@ class ShadowVerifier:
         mismatch) quarantine. Returns the finished check's outcome, or ``None`` (not finished)."""
         if not self._queue:
             return None
+        head = self._queue[0]
         try:
             return self._step()
         except Exception as exc:  # noqa: BLE001 - a failed check must not stop serving
-            self._queue.popleft()
+            if self._queue and self._queue[0] is head:
+                self._queue.popleft()
             self.dropped += 1
             if self.metrics is not None:
                 self.metrics.shadow_dropped.inc()
@@ -234,6 +240,7 @@ class ShadowVerifier:
         req = ForwardRequest(torch.from_numpy(c.ids[c.done:end].copy()), c.done, torch.tensor([0]),
                              initial_state=c.state, all_logits=True)
         res = model.forward_paged([req], c.pool)[0]
+        self.chunks += 1
         c.parts.append(res.logits)
         c.state, c.done = res.end_state, end
         if c.done < n:
@@ -272,6 +279,12 @@ class ShadowVerifier:
                     check.diff, self.tol, counts.device_nodes, counts.tier_entries)
 
 
+def _recomputes(handle: EngineHandle) -> bool:
+    """Whether the engine's model is one a check can recompute with (Kimi Linear, real weights)."""
+    from hybridkv.model.model import HybridModel           # here: it imports torch
+    return isinstance(handle.model, HybridModel)
+
+
 def make_verifier(handle: EngineHandle, rate: float | None, metrics=None) -> ShadowVerifier | None:
     """The verifier ``hybridkv serve`` runs: ``rate`` ``None`` means :data:`DEFAULT_SHADOW_RATE` on a
     model it can recompute with (off on a DeepSeek-V4 model); 0 means off (``None`` returned).
@@ -280,7 +293,7 @@ def make_verifier(handle: EngineHandle, rate: float | None, metrics=None) -> Sha
         ValueError: ``rate`` outside [0, 1], or > 0 given for a model it cannot recompute with (named).
     """
     if rate is None:
-        if handle.model is None or not hasattr(handle.model, "forward_paged"):
+        if not _recomputes(handle):
             return None
         rate = DEFAULT_SHADOW_RATE
     if rate == 0.0:
