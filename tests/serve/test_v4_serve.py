@@ -91,10 +91,12 @@ def test_store_and_host_tier_carry_v4_groups(tmp_path, recovery):
         wait_idle(s)
         info = httpx.get(s.url + "/v1/cache/info", timeout=30).json()
         groups = httpx.get(s.url + "/server_info", timeout=30).json()["cache_groups"]
+        model_info = httpx.get(s.url + "/model_info", timeout=30).json()
         events = httpx.get(s.url + "/v1/cache/events", timeout=30).json()["events"]
     assert [(g["name"], g["kind"], g["unit"]) for g in groups] == [("csa", "paged", 4), ("hca", "paged", 16),
                                                                   ("swa", "state", 64)]
     assert info["groups"] == groups and all(g["entry_bytes"] > 0 for g in groups)
+    assert (model_info["model_type"], model_info["architectures"]) == ("deepseek_v4", ["DeepseekV4ForCausalLM"])
     assert [g["name"] for g in info["store"]["groups"]] == ["csa", "hca", "swa"]
     seen = {(e["kind"], e["medium"], e["group"]) for e in events}
     for medium in ("device", "store"):        # a page event per paged group; a saved state under swa
@@ -122,3 +124,29 @@ def test_serve_refuses_what_v4_does_not_run(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--model", "v4-tiny", "--port", "0", "--swa-recovery", "periodic=0"])
     assert "--swa-recovery" in capsys.readouterr().err
+
+
+def test_the_event_feed_names_each_group_of_the_family():
+    """Kimi Linear (the default): ``full`` / ``kda``; DeepSeek-V4: a page event once per paged group
+    (``csa``, ``hca``, same keys), the state under ``swa``; ``all_cleared`` names none."""
+    from hybridkv.cache.groups import BOUNDARY, PREFIX, SAVED_AT_HIT, GroupSpec
+    from hybridkv.cache.swa import v4_family
+    from hybridkv.serve.cache_events import EventFeed
+
+    unit, state = bytes(32), bytes([1]) * 32
+    kimi = EventFeed()
+    kimi.stored([unit], [state], [])
+    assert [(e["kind"], e["group"]) for e in kimi.page(None, -1)["events"]] == [
+        ("blocks_stored", "full"), ("checkpoints_stored", "kda")]
+    fam = v4_family(GroupSpec("csa", PREFIX, 4), GroupSpec("hca", PREFIX, 16), GroupSpec("swa", BOUNDARY, 64),
+                    SAVED_AT_HIT)
+    v4 = EventFeed(family=fam)
+    v4.stored([unit], [state], [])
+    v4.reset()
+    events = v4.page(None, -1)["events"]
+    assert [(e["kind"], e.get("group")) for e in events] == [("all_cleared", None)]
+    v4.stored([unit], [state], [])
+    events = v4.page(None, -1)["events"]
+    assert [(e["kind"], e.get("group"), e["keys"]) for e in events] == [
+        ("all_cleared", None, []), ("blocks_stored", "csa", [unit.hex()]), ("blocks_stored", "hca", [unit.hex()]),
+        ("checkpoints_stored", "swa", [state.hex()])]

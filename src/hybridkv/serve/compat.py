@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "KimiLinearForCausalLM"
 """The ``architectures`` entry of a Kimi Linear ``config.json`` (what the model code implements)."""
+V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
+"""The ``architectures`` entry of a DeepSeek-V4 ``config.json``."""
 
 
 def tokenizer_path(model: str) -> str | None:
@@ -95,12 +97,17 @@ class CompatRoutes:
                 "version": f"hybridkv-{__version__}"}
 
     async def model_info(self) -> dict:
-        """``GET /model_info``: model and tokenizer paths, always a generation model."""
+        """``GET /model_info``: model and tokenizer paths, always a generation model; ``model_type`` and
+        ``architectures`` as the model's ``config.json`` names them (``kimi_linear`` /
+        ``KimiLinearForCausalLM``, ``deepseek_v4`` / ``DeepseekV4ForCausalLM``; ``null`` without a model)."""
+        from hybridkv.model.v4.config import MODEL_TYPE as V4_MODEL_TYPE
+        from hybridkv.model.v4.config import V4Config
         s = self.server
-        real = s.handle.model is not None
+        model = s.handle.model
+        kind = None if model is None else (
+            (V4_MODEL_TYPE, V4_ARCHITECTURE) if isinstance(model.config, V4Config) else (MODEL_TYPE, ARCHITECTURE))
         return {"model_path": self._model_path(), "tokenizer_path": tokenizer_path(s.settings.model_name),
-                "is_generation": True, "model_type": MODEL_TYPE if real else None,
-                "architectures": [ARCHITECTURE] if real else None}
+                "is_generation": True, "model_type": kind and kind[0], "architectures": kind and [kind[1]]}
 
     async def get_load(self) -> list[dict]:
         """``GET /get_load``: one entry (rank 0) of requests and tokens this worker has to do."""
