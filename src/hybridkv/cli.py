@@ -46,6 +46,7 @@ from hybridkv.replay.args import (
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from hybridkv.fleet.candidates import DEFAULT_ROUTE_CANDIDATES
     p = argparse.ArgumentParser(prog="hybridkv", description="Exact prefix cache for hybrid (MLA + KDA) LLMs.")
     p.add_argument("--version", action="version", version=f"hybridkv {__version__}",
                    help="print the installed version (hybridkv X.Y.Z) and exit")
@@ -171,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--timed: crash instance INSTANCE at SECONDS on the fleet's clock: its cache and the "
                         "requests it holds are lost, those requests are routed again (TTFT from their arrival), "
                         "and it is back with an empty cache after --cold-start; repeatable")
+    r.add_argument("--route-candidates", type=non_negative_int, default=DEFAULT_ROUTE_CANDIDATES, metavar="K",
+                   help="--timed: on a fleet of more than K instances the hybrid, least-load and kv-overlap routers "
+                        "weigh the K lightest instances (half by their own load key, half by least-load's) plus "
+                        "those the prompt's prefix was last sent to, not every instance (bounded cost a decision; "
+                        f"least-load decides exactly as a full scan); 0: every instance (default {DEFAULT_ROUTE_CANDIDATES}, "
+                        "so 32 instances or fewer are always scanned whole)")
     r.add_argument("--cold-start", dest="cold_start_s", type=clock_seconds, default=None, metavar="SECONDS",
                    help="--crash: seconds a crashed instance takes to be back (default 30, an assumption)")
     r.add_argument("--json", dest="json_path", help="write the JSON report here")
@@ -463,7 +470,7 @@ def _replay(args, console: Console) -> int:
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),
         cold_start_s=DEFAULT_COLD_START_S if args.cold_start_s is None else args.cold_start_s, slo=args.slo,
-        defaulted_limit=args.limit is None and not args.all)
+        defaulted_limit=args.limit is None and not args.all, route_candidates=args.route_candidates)
     if args.store_required and args.store != "none":
         problem = _store_unavailable(args.store)
         if problem:

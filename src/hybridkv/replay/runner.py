@@ -40,6 +40,7 @@ from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
 from hybridkv.cache.swa import CSA, HCA, SwaRecovery, check_block_size
 from hybridkv.model.v4.config import V4_SIMULATE_ONLY, V4Config
 from hybridkv.engine.build import check_pool_memory, model_config
+from hybridkv.fleet.candidates import DEFAULT_ROUTE_CANDIDATES
 from hybridkv.fleet.routers import HybridOptions
 from hybridkv.fleet.steplog import write_step_log
 from hybridkv.fleet.store import (
@@ -95,7 +96,8 @@ class ReplayOptions:
     router's options (:class:`~hybridkv.fleet.routers.HybridOptions`); ``slo``: timed only,
     service-level targets in seconds (:func:`~hybridkv.fleet.operating.parse_slo`) the report's
     ``goodput`` counts against; ``defaulted_limit``: ``limit`` was chosen by the mode, not given (the
-    report's ``workload_notes`` then name it)."""
+    report's ``workload_notes`` then name it); ``route_candidates``: a larger timed fleet narrows the
+    routers that scan every instance to this many candidates (:mod:`hybridkv.fleet.candidates`)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -142,6 +144,7 @@ class ReplayOptions:
     swa_recovery: str | None = None
     slo: dict[str, float] | None = None
     defaulted_limit: bool = False
+    route_candidates: int = DEFAULT_ROUTE_CANDIDATES
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -460,7 +463,7 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
                       step_clock=opts.step_clock,
                       store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
                       restarts=opts.restarts, crashes=opts.crashes, cold_start_s=opts.cold_start_s,
-                      swa_recovery=opts.swa_recovery, slo=opts.slo)
+                      swa_recovery=opts.swa_recovery, slo=opts.slo, route_candidates=opts.route_candidates)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

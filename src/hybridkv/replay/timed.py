@@ -26,8 +26,10 @@ from hybridkv.cache.groups import FullAttentionSpec, KDASpec
 from hybridkv.engine.build import build_engine, load_model, model_config
 from hybridkv.engine.request import Request
 from hybridkv.fleet.costmodel import StepCostModel, cost_model, v4_restore_pricer
+from hybridkv.fleet.candidates import DEFAULT_ROUTE_CANDIDATES, NARROWED_ROUTERS, CandidateIndex
 from hybridkv.fleet.instance import FleetInstance, FleetRequest, SimulatedStore
-from hybridkv.fleet.routers import HybridOptions, RouterConfig, make_router
+from hybridkv.fleet.operating import HOT_PREFIX_PAGES
+from hybridkv.fleet.routers import HybridOptions, HybridRouter, RouterConfig, make_router
 from hybridkv.fleet.simulator import Fleet, timing_summary
 from hybridkv.fleet.steplog import StepRecord
 from hybridkv.model.v4.config import V4Config
@@ -40,6 +42,7 @@ from hybridkv.fleet.store import (
 )
 from hybridkv.replay.instance import InstanceResult, collect_result
 from hybridkv.replay.trace import TraceRequest, TraceUnits
+from hybridkv.replay.unit_hashes import UnitHasher
 
 DEFAULT_SIMULATED_COST_MODEL = "h200-kimi-linear-48b"
 """Cost model of ``--simulate --timed`` unless ``--cost-model`` names another (Kimi Linear)."""
@@ -84,6 +87,9 @@ class TimedSetup:
             routed again; :meth:`~hybridkv.fleet.simulator.Fleet.schedule_crash`).
         cold_start_s: seconds a crashed instance takes to be back.
         swa_recovery: DeepSeek-V4 models: ``window``, ``periodic=P`` or ``recompute``.
+        route_candidates: on a fleet of more instances than this, the ``hybrid``, ``least-load`` and
+            ``kv-overlap`` routers weigh this many candidates plus the prompt's holders
+            (:mod:`hybridkv.fleet.candidates`); 0: every instance always.
         slo: service-level targets (:func:`~hybridkv.fleet.operating.parse_slo`, seconds) the
             report's ``goodput`` is counted against; ``None``: no goodput.
     """
@@ -110,6 +116,7 @@ class TimedSetup:
     hybrid: HybridOptions = HybridOptions()
     swa_recovery: str | None = None
     slo: dict[str, float] | None = None
+    route_candidates: int = DEFAULT_ROUTE_CANDIDATES
 
 
 @dataclass(slots=True)
@@ -224,12 +231,18 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
     frs = [FleetRequest(r.index, Request(f"r{r.index}", p, o, record_logits=r.index in verify),
                         arrival=r.timestamp_ms / 1000.0 * setup.time_scale, output_tokens=o)
            for r, p, o in zip(reqs, prompts, output_lengths)]
-    if units is not None:                              # every instance binds the same namespace
-        cache = instances[0].handle.engine.cache
-        for fr, hs in zip(frs, units.hashes_all(reqs, cache)):
-            fr.request.hashes = hs
     frs.sort(key=lambda fr: fr.arrival)
     fleet = Fleet(instances, router, cfg.prefix_match_unit, estimate, view, store_cost, restore)
+    if units is not None:      # hashed when routed, dropped when finished; every instance binds the same namespace
+        hasher, by_index = UnitHasher(units, instances[0].handle.engine.cache), {r.index: r for r in reqs}
+        fleet.hash_request = lambda fr: hasher(by_index[fr.index])
+        fleet.keep_hash_at = max(1, HOT_PREFIX_PAGES * cfg.block_size // cfg.prefix_match_unit)
+    if setup.route_candidates == 1:
+        raise ValueError("route_candidates=1 (--route-candidates) must be 0 (every instance) or at least 2")
+    if setup.route_candidates and setup.instances > setup.route_candidates and router.name in NARROWED_ROUTERS:
+        fleet.candidates = CandidateIndex(fleet.state.loads, setup.route_candidates,
+                                          router.queue_seconds if isinstance(router, HybridRouter) else None,
+                                          stride=max(1, cfg.block_size // cfg.prefix_match_unit))
     threads = None if setup.simulate else torch.get_num_threads()    # a simulation runs no torch
     if threads is not None:
         torch.set_num_threads(setup.threads)

@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 
-from hybridkv.cache.groups import KIMI_LINEAR, Family, nbytes
+from hybridkv.cache.groups import KIMI_LINEAR, Family, RecomputeCone, SavedEvery, nbytes
 from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher
 
 EVENT_BUFFER = 65536
@@ -64,20 +64,37 @@ def group_info(family: Family, tokens: int | None = None) -> list[dict]:
     summarises, the spacing of a state's boundaries; :attr:`~hybridkv.cache.groups.GroupSpec.granularity`)
     and ``"entry_bytes"``: one entry's payload (:attr:`~hybridkv.cache.groups.GroupSpec.bytes_per_entry`),
     or with ``tokens`` (a store's alignment) a paged group's entries of ``tokens`` tokens; ``null``
-    for a family without a layout.
+    for a family without a layout. A state group also has ``"restore"``, how a hit restores it
+    (:func:`restore_info`), so a reader can apply the family's joint-hit rule.
 
     Raises:
         ValueError: ``tokens`` not a multiple of a paged group's unit (naming both).
     """
+    restore = dict(family.boundary)
     out = []
     for g in family.groups:
         size = None
         if g.components:
             size = (g.bytes_per_entry if tokens is None or not g.prefix_closed
                     else sum(nbytes(d, s) for d, s in g.entry_shape(tokens).values()))
-        out.append({"name": g.name, "kind": PAGED if g.prefix_closed else STATE, "unit": g.granularity,
-                    "entry_bytes": size})
+        info = {"name": g.name, "kind": PAGED if g.prefix_closed else STATE, "unit": g.granularity,
+                "entry_bytes": size}
+        if not g.prefix_closed:
+            info["restore"] = restore_info(restore[g.name])
+        out.append(info)
     return out
+
+
+def restore_info(how) -> dict:
+    """A boundary group's restore strategy as JSON: ``{"kind": "saved_at_hit"}`` (the state saved at
+    the hit), ``{"kind": "saved_every", "period": P}`` (the nearest state saved at or below it, ``P``
+    tokens apart) or ``{"kind": "recompute_cone", "tokens": N}`` (nothing saved; the last ``N``
+    tokens before the hit recomputed); see :mod:`hybridkv.cache.groups`."""
+    if isinstance(how, SavedEvery):
+        return {"kind": "saved_every", "period": how.period}
+    if isinstance(how, RecomputeCone):
+        return {"kind": "recompute_cone", "tokens": how.tokens}
+    return {"kind": "saved_at_hit"}
 
 
 class EventFeed:

@@ -15,6 +15,12 @@ Events with ``medium: store`` describe a shared store tier (``/v1/cache/info`` n
 and gives its entry alignment): every worker's store events feed one :class:`SharedStoreView`
 per store id, which outlives worker restarts and epochs (the store does), and is forgotten only
 on a store ``all_cleared`` (a purge). Logs name workers by URL only, never prompts, ids or hashes.
+
+Views follow the workers' model family: ``/v1/cache/info`` lists its cache groups
+(:func:`family_from_groups`; a worker that lists none is Kimi Linear), every event names the
+group it concerns (``group``), and a view's hit is the family's joint-hit rule
+(:func:`~hybridkv.cache.groups.joint_hit`), so a DeepSeek-V4 fleet is routed by its ``csa``,
+``hca`` and ``swa`` groups under the workers' SWA recovery strategy.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from hybridkv.cache.groups import KIMI_LINEAR, BoundaryList, EntryPresence, JointHit, joint_hit
+from hybridkv.cache.groups import (BOUNDARY, KIMI_LINEAR, PREFIX, SAVED_AT_HIT, BoundaryList, EntryPresence, Family,
+                                   GroupSpec, JointHit, RecomputeCone, SavedEvery, joint_hit)
 from hybridkv.cache.namespace import CacheIdentity, bind_namespace, chained_block_hashes
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 from hybridkv.fleet.routers import InstanceLoad
@@ -36,65 +43,95 @@ MAX_PAGES_PER_POLL = 16
 """Event pages read from one worker per poll (the rest waits for the next poll)."""
 
 
+def family_from_groups(groups: list[dict] | None) -> Family:
+    """The model family a worker's ``/v1/cache/info`` ``groups`` describe
+    (:func:`~hybridkv.serve.cache_events.group_info`: name, kind ``paged`` / ``state``, unit in
+    tokens, and a state group's ``restore``), without entry layouts; ``None`` or ``[]`` (a worker
+    that lists none): Kimi Linear.
+
+    Raises:
+        ValueError / KeyError / TypeError: a malformed list (a worker with it is kept out of rotation).
+    """
+    if not groups:
+        return KIMI_LINEAR
+    specs, restore = [], {}
+    for g in groups:
+        kind = g["kind"]
+        if kind not in ("paged", "state"):
+            raise ValueError(f"cache group {g['name']!r} has kind {kind!r}, not paged or state")
+        specs.append(GroupSpec(str(g["name"]), PREFIX if kind == "paged" else BOUNDARY, int(g["unit"])))
+        if kind == "state":
+            how = g.get("restore") or {"kind": "saved_at_hit"}
+            restore[specs[-1].name] = (SavedEvery(int(how["period"])) if how["kind"] == "saved_every" else
+                                       RecomputeCone(int(how["tokens"])) if how["kind"] == "recompute_cone" else
+                                       SAVED_AT_HIT if how["kind"] == "saved_at_hit" else None)
+            if restore[specs[-1].name] is None:
+                raise ValueError(f"cache group {g['name']!r}: unknown restore {how['kind']!r}")
+    family = Family("+".join(s.name for s in specs), tuple(specs), restore)
+    same_as_kimi = (family.prefix_names, family.boundary) == (KIMI_LINEAR.prefix_names, KIMI_LINEAR.boundary)
+    return KIMI_LINEAR if same_as_kimi else family
+
+
 class SharedStoreView(InstanceView):
     """Entries of one shared store, from every worker's ``medium: store`` events.
 
-    ``kv`` holds the chained hashes of KV entries (each the segment ``[b - alignment, b)`` of
-    the prefix ending at an aligned boundary ``b``), ``checkpoints`` those of checkpoint entries;
-    a prefix is held up to the deepest aligned boundary whose KV entries from token 0 are all
-    present, usable up to the deepest checkpoint at or below it (the store tier's own lookup
-    rule, :meth:`~hybridkv.tiers.base.Tier.lookup`).
+    Per cache group of ``family`` the chained hashes of its entries: a paged group's (each the
+    segment ``[b - alignment, b)`` of the prefix ending at an aligned boundary ``b``; ``kv`` is
+    the first paged group's), a state group's (``checkpoints``: the first one's). A prefix is
+    held up to the deepest aligned boundary whose page entries from token 0 are all present, and
+    the hit follows the family's rule over that run (the store tier's own lookup rule,
+    :meth:`~hybridkv.tiers.base.Tier.lookup`).
 
     Args:
         unit: ``prefix_match_unit`` in tokens.
         alignment: tokens per store entry (a positive multiple of ``unit``).
+        family: the workers' cache groups (default Kimi Linear: ``full`` + ``kda``).
 
     Raises:
         ValueError: ``alignment`` not a positive multiple of ``unit`` (named).
     """
 
-    def __init__(self, unit: int, alignment: int) -> None:
+    def __init__(self, unit: int, alignment: int, family: Family = KIMI_LINEAR) -> None:
         if alignment <= 0 or alignment % unit:
             raise ValueError(f"store alignment {alignment} is not a positive multiple of the unit {unit}")
-        super().__init__(unit)
+        super().__init__(unit, family)
         self.alignment = alignment
         self.events_applied = 0
+        self._pages = tuple(self.held[n] for n in family.prefix_names)
+        self._flags = {**{n: "has_kv" for n in family.prefix_names}, **{b: "has_checkpoint" for b, _ in family.boundary}}
 
     def apply(self, event: CacheEvent) -> None:
-        """Add or remove entries; ``all_cleared`` forgets them all. Epochs do not apply: the
-        store outlives the workers that wrote to it."""
+        """Add or remove entries of the group the event names; ``all_cleared`` forgets them all.
+        Epochs do not apply: the store outlives the workers that wrote to it."""
         kind, keys = event.kind, event.keys
-        if kind is EventKind.BLOCKS_STORED:
-            self.kv.update(keys)
-        elif kind is EventKind.CHECKPOINTS_STORED:
-            self.checkpoints.update(keys)
-        elif kind is EventKind.BLOCKS_REMOVED:
-            self.kv.difference_update(keys)
-        elif kind is EventKind.CHECKPOINTS_REMOVED:
-            self.checkpoints.difference_update(keys)
+        if kind is EventKind.ALL_CLEARED:
+            self._clear()
         else:
-            self.kv.clear()
-            self.checkpoints.clear()
+            for held in self.group_sets(kind, event.group):
+                if kind in (EventKind.BLOCKS_STORED, EventKind.CHECKPOINTS_STORED):
+                    held.update(keys)
+                else:
+                    held.difference_update(keys)
         self.events_applied += 1
 
     def _presence(self, hashes: list[bytes], limit: int) -> list[EntryPresence]:
-        g, a, kv, ck = self.unit, self.alignment, self.kv, self.checkpoints
+        g, a, pages, ck = self.unit, self.alignment, self._pages, self.checkpoints
         out = []
         for end in range(a, min(limit, len(hashes) * g) + 1, a):
             key = hashes[end // g - 1]
-            if key not in kv:
+            if not all(key in held for held in pages):
                 break
             out.append(EntryPresence(end, True, key in ck))
         return out
 
     def kv_run(self, hashes: list[bytes], limit: int) -> int:
-        """Contiguous KV entries from token 0 over ``hashes``, at most ``limit`` tokens (aligned)."""
+        """Contiguous page entries from token 0 over ``hashes``, at most ``limit`` tokens (aligned)."""
         bounds = self._presence(hashes, limit)
         return bounds[-1].end if bounds else 0
 
     def match(self, hashes: list[bytes], limit: int) -> JointHit:
         """The joint hit the store would give a prompt with unit hashes ``hashes`` under ``limit``."""
-        return joint_hit(KIMI_LINEAR, BoundaryList(self._presence(hashes, limit)), limit)
+        return joint_hit(self.family, BoundaryList(self._presence(hashes, limit), self._flags), limit)
 
 
 class FleetMismatch(ValueError):
@@ -110,13 +147,19 @@ class FleetIdentity:
     unit: int
     block_size: int
     vocab_size: int
+    family: Family = KIMI_LINEAR
 
     @classmethod
     def from_info(cls, info: dict) -> FleetIdentity:
-        """From a ``/v1/cache/info`` body. Raises ``KeyError`` / ``ValueError`` on a malformed one."""
+        """From a ``/v1/cache/info`` body (``family`` from its ``groups``: :func:`family_from_groups`).
+        Raises ``KeyError`` / ``ValueError`` / ``TypeError`` on a malformed one."""
         return cls(tuple(sorted((str(k), str(v)) for k, v in info["identity"].items())),
                    bytes.fromhex(info["binding"]), int(info["prefix_match_unit"]), int(info["block_size"]),
-                   int(info["vocab_size"]))
+                   int(info["vocab_size"]), family_from_groups(info.get("groups")))
+
+    def view(self) -> InstanceView:
+        """An empty view of one worker of this fleet (its unit and family)."""
+        return InstanceView(self.unit, self.family)
 
     def hashes(self, ids: list[int], tenant: str, salt: str, adapter: str = "",
                adapter_version: str = "") -> list[bytes]:
@@ -283,7 +326,7 @@ class Workers:
         if w.healthy:                      # a departure; the failed checks of a worker out of rotation
             w.failures += 1                # (start-up included) are no failures of a worker in rotation
         w.healthy, w.epoch, w.after, w.last_error, w.reported, w.synced = False, None, -1, why, None, False
-        w.view = InstanceView(self.fleet.unit if self.fleet else 1)
+        w.view = self.fleet.view() if self.fleet else InstanceView(1)
 
     async def poll_once(self) -> None:
         """One round over every worker (concurrently): health when due, then events."""
@@ -385,12 +428,12 @@ class Workers:
             self.fleet = fleet
         elif fleet != self.fleet:
             raise FleetMismatch(f"worker {w.url} hashes prompts differently from the fleet "
-                                "(another model, weights, tokenizer or prefix_match_unit)")
+                                "(another model, weights, tokenizer, prefix_match_unit or cache groups)")
         store = info.get("store")
         if store is not None:
             sid = str(store["id"])
             if sid not in self.stores:
-                self.stores[sid] = SharedStoreView(fleet.unit, int(store["alignment"]))
+                self.stores[sid] = SharedStoreView(fleet.unit, int(store["alignment"]), fleet.family)
                 self.store_info[sid] = {k: int(store[k]) for k in ("alignment", "kv_bytes_per_token",
                                                                    "checkpoint_bytes")}
             elif int(store["alignment"]) != self.stores[sid].alignment:
@@ -403,7 +446,7 @@ class Workers:
         if w.failures == 0:                # never left rotation: the errors are those of its start-up
             w.last_error = ""
         w.reported = None
-        w.view, w.epoch, w.after, w.healthy = InstanceView(fleet.unit), int(info["epoch"]), -1, True
+        w.view, w.epoch, w.after, w.healthy = fleet.view(), int(info["epoch"]), -1, True
         await self._snapshot(w)            # what it cached before this router saw its events
         log.info("worker %s in rotation (epoch %d)", w.url, w.epoch)
 
@@ -418,8 +461,10 @@ class Workers:
         if r.status_code != 200 or not w.healthy or w.failures != outs:
             return False
         snap = r.json()
-        view = InstanceView(self.fleet.unit)
-        view.kv.update(bytes.fromhex(k) for k in snap["kv"])
+        view = self.fleet.view()
+        pages = [bytes.fromhex(k) for k in snap["kv"]]
+        for name in view.family.prefix_names:                   # a page holds every paged group
+            view.held[name].update(pages)
         view.checkpoints.update(k for k in map(bytes.fromhex, snap["checkpoints"]) if k in view.kv)
         w.view, w.epoch, w.after, w.synced = view, int(snap["epoch"]), -1, True
         w.snapshots += 1
@@ -450,11 +495,11 @@ class Workers:
                     w.views_dropped += 1
                     if await self._snapshot(w):
                         continue
-                    w.view, w.epoch, w.after, w.synced = InstanceView(self.fleet.unit), int(page["epoch"]), -1, False
+                    w.view, w.epoch, w.after, w.synced = self.fleet.view(), int(page["epoch"]), -1, False
                 store = self.stores.get(w.store_id) if w.store_id is not None else None
                 for e in page["events"]:
                     event = CacheEvent(0, 0, int(e["seq"]), EventKind(e["kind"]),
-                                       tuple(bytes.fromhex(k) for k in e["keys"]))
+                                       tuple(bytes.fromhex(k) for k in e["keys"]), group=e.get("group"))
                     if e.get("medium", "device") == "store":
                         if store is not None:
                             store.apply(event)
