@@ -146,15 +146,15 @@ class KeyRing:
     def __repr__(self) -> str:
         return f"KeyRing({len(self._api)} API keys, {self.bound} bound to a tenant, {len(self._admin)} admin keys)"
 
-    def describe(self) -> str:
+    def describe(self, admin_does: str = "purge or flush the cache") -> str:
         """One line for the start-up log: what is open and how many keys guard the rest (counts
-        only, never a key)."""
+        only, never a key); ``admin_does`` says what an open admin route lets anyone do."""
         if self.api_open:
             api = "the API is OPEN: no --api-key, so any client may use it and name any tenant"
         else:
             api = f"the API takes {len(self._api)} API key(s), {self.bound} bound to a tenant"
         if self.admin_open:
-            admin = "the admin routes are OPEN: no --admin-key, so any client may purge or flush the cache"
+            admin = f"the admin routes are OPEN: no --admin-key, so any client may {admin_does}"
         elif self._admin:
             admin = "the admin routes take the admin key"
         else:

@@ -238,6 +238,9 @@ def _router(args) -> int:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    keys, rlog = service.settings.keys, logging.getLogger("hybridkv.serve.router")
+    if keys is not None:                                   # what is open, in counts (never a key)
+        (rlog.warning if keys.api_open or keys.admin_open else rlog.info)("%s", keys.describe("read /router/stats"))
     server = run_foreground(create_router_app(service), sock, f"routing to {len(args.worker)} worker(s)",
                             lifespan="on", end_running=service.end_running)
     logging.getLogger("hybridkv.serve.router").info(
