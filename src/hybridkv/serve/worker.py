@@ -150,8 +150,9 @@ class EngineWorker:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait. Once the
-        engine thread has ended, ``job`` gets an ``("error", ...)`` event instead."""
+        """Queue ``job``; ``False`` (nothing queued) when ``max_waiting`` jobs already wait beyond the
+        free running slots. Once the engine thread has ended, ``job`` gets an ``("error", ...)``
+        event instead."""
         return self.submit_all([job])
 
     def submit_all(self, jobs: list[Job]) -> bool:
