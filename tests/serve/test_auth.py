@@ -112,6 +112,18 @@ def test_admin_routes_need_the_admin_key(keyed):
     assert httpx.get(url + "/get_load", headers=_bearer("sk-plain-0001"), timeout=30).status_code == 200
 
 
+def test_bench_serve_sends_its_api_key(keyed, capsys, tmp_path):
+    summary = tmp_path / "bench.json"
+    assert main(["bench-serve", "--url", keyed.url, "--limit", "3", "--time-scale", "0.001", "--max-tokens", "1",
+                 "--api-key", "sk-tenant-x-0002", "--json", str(summary)]) == 0
+    got = json.loads(summary.read_text())
+    assert got["sent"] == got["completed"] == 3 and got["errors"] == {}
+    capsys.readouterr()
+    assert main(["bench-serve", "--url", keyed.url, "--limit", "3", "--api-key", "sk-wrong"]) == 2
+    err = capsys.readouterr().err
+    assert "answered HTTP 401" in err and "sk-wrong" not in err
+
+
 def test_a_server_with_api_keys_but_no_admin_key_refuses_its_admin_routes():
     with RunningServer(ServeOptions(port=0, threads=1, auth=KeyRing({"sk-only-0005": None}))) as s:
         r = httpx.post(f"{s.url}/admin/cache/invalidate", json={"all": True}, headers=_bearer("sk-only-0005"),

@@ -48,6 +48,8 @@ class BenchOptions:
         prompt_format: ``ids`` (token-id prompts) or ``text`` (printable ASCII, see above).
         probe_timeout: seconds to connect to the server and to read its ``/v1/models`` answer
             (the probe before the replay; see :func:`probe_model`).
+        api_key: sent as ``Authorization: Bearer`` with every request (a server or router
+            started with keys); ``None``: none. Never shown by ``repr``.
     """
 
     url: str
@@ -60,6 +62,7 @@ class BenchOptions:
     seed: int = 0
     prompt_format: str = "ids"
     probe_timeout: float = PROBE_TIMEOUT_S
+    api_key: str | None = field(default=None, repr=False)
 
 
 class ProbeError(Exception):
@@ -208,7 +211,8 @@ async def run_bench(opts: BenchOptions) -> BenchReport:
     text = opts.prompt_format == "text"
     trace = load_trace(opts.trace, limit=opts.limit).requests
     report = BenchReport()
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(opts.max_seconds)) as client:
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(opts.max_seconds), headers=headers) as client:
         card = await probe_model(client, url, opts.probe_timeout)
         model, vocab = card["id"], TEXT_VOCAB if text else card.get("vocab_size")
         if not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0):

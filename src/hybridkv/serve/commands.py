@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
@@ -99,6 +100,9 @@ def register_cli(sub) -> None:
                    help="seconds to connect to the server and to wait for its /v1/models answer before the replay "
                         f"(default {PROBE_TIMEOUT_S:g})")
     b.add_argument("--json", dest="json_path", help="write the summary as JSON here")
+    b.add_argument("--api-key", default=None, metavar="KEY",
+                   help="sent as 'Authorization: Bearer KEY' with every request, for a server or router started "
+                        "with keys (default: $HYBRIDKV_API_KEY if set)")
     b.set_defaults(func=_bench)
 
 
@@ -255,7 +259,8 @@ def _bench(args) -> int:
 
     opts = BenchOptions(url=args.url, trace=args.trace, limit=args.limit, time_scale=args.time_scale,
                         max_seconds=args.max_seconds, block_tokens=args.block_tokens, max_tokens=args.max_tokens,
-                        seed=args.seed, prompt_format=args.prompt_format, probe_timeout=args.probe_timeout)
+                        seed=args.seed, prompt_format=args.prompt_format, probe_timeout=args.probe_timeout,
+                        api_key=args.api_key or os.environ.get("HYBRIDKV_API_KEY") or None)
     try:
         report = asyncio.run(run_bench(opts))
     except (ValueError, TraceError) as exc:
