@@ -440,8 +440,8 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
             with seed 0 for the reproduce command to hold.
         log: called with a line of progress now and then (``None``: silent).
         eviction: ``lru``, ``value`` or ``mixed`` (:func:`~hybridkv.replay.soak_rounds.round_eviction`).
-        model_name: preset the rounds run on: ``tiny``, or ``v4-tiny`` / ``v4-small`` (DeepSeek-V4:
-            every round on the device cache alone, see :func:`for_model`).
+        model_name: preset the rounds run on: ``tiny``, or ``v4-tiny`` / ``v4-small`` (DeepSeek-V4,
+            with the drawn tiers, engines and faults, see :func:`for_model`).
         swa_recovery: DeepSeek-V4 only: ``window`` (default), ``periodic=P`` or ``recompute``.
 
     Raises:
