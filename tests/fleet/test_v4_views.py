@@ -13,8 +13,7 @@ from hybridkv.cache.groups import (BOUNDARY, FULL, KDA, KIMI_LINEAR, PREFIX, SAV
                                    SavedEvery, joint_hits)
 from hybridkv.cache.swa import CSA, HCA, SWA, v4_family
 from hybridkv.fleet.costmodel import h200_deepseek_v4_flash
-from hybridkv.fleet.events import (CacheEvent, EventKind, EventPublisher, InstanceView, family_from_json,
-                                   family_to_json)
+from hybridkv.fleet.events import CacheEvent, EventKind, EventPublisher, InstanceView
 from hybridkv.fleet.routers import FleetState, HybridOptions, HybridRouter, InstanceLoad, _ViewsPresence
 from hybridkv.fleet.store import StoreCost, StoreView, paying_load
 
@@ -102,19 +101,6 @@ def test_the_publisher_names_the_engines_groups():
     old = EventPublisher(0)                              # a producer that names no group
     old.stored(PROMPT[:1], [PROMPT[0]], [])
     assert [e.group for e in old.drain()] == [None, None]
-
-
-def test_a_family_round_trips_through_json_and_a_bad_one_is_named():
-    for fam in (KIMI_LINEAR, family(), family(SavedEvery(128)), family(RecomputeCone(90))):
-        back = family_from_json(family_to_json(fam))
-        assert back.names == fam.names and dict(back.boundary) == dict(fam.boundary)
-        assert [g.granularity for g in back.groups] == [g.granularity for g in fam.groups]
-    bad = family_to_json(family())
-    bad["restore"][SWA] = {"kind": "sometimes"}
-    with pytest.raises(ValueError, match="'sometimes'"):
-        family_from_json(bad)
-    with pytest.raises(ValueError, match="malformed"):
-        family_from_json({"name": "x"})
 
 
 def test_the_store_view_holds_v4_page_and_state_entries_at_its_alignment():

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from itertools import islice, takewhile
 
 from hybridkv.cache.coordinator import EvictedEntry
-from hybridkv.cache.groups import (KIMI_LINEAR, SAVED_AT_HIT, Family, GroupSpec, JointHit, KeySetPresence, RecomputeCone,
-                                   SavedEvery, joint_hit, page_entry_name)
+from hybridkv.cache.groups import KIMI_LINEAR, Family, JointHit, KeySetPresence, joint_hit, page_entry_name
 
 
 class EventKind(enum.Enum):
@@ -295,51 +294,3 @@ class InstanceView:
         m = self.match(hashes, limit)
         return m.kv_hit, m.hit
 
-
-# -- a family on the wire ------------------------------------------------------------------------
-
-
-def family_to_json(family: Family) -> dict:
-    """What a router needs of a worker's cache groups, JSON-ready (for a worker's info route):
-    ``{"name", "groups": [{"name", "direction", "granularity"}, ...], "restore": {group:
-    {"kind": "saved_at_hit" | "saved_every" | "recompute_cone", "period" | "tokens": int}}}``
-    (tokens). Entry layouts are left out: a router needs names, directions and strategies only."""
-    restore = {}
-    for name, how in family.boundary:
-        if isinstance(how, SavedEvery):
-            restore[name] = {"kind": "saved_every", "period": how.period}
-        elif isinstance(how, RecomputeCone):
-            restore[name] = {"kind": "recompute_cone", "tokens": how.tokens}
-        else:
-            restore[name] = {"kind": "saved_at_hit"}
-    return {"name": family.name,
-            "groups": [{"name": g.name, "direction": g.direction, "granularity": g.granularity}
-                       for g in family.groups],
-            "restore": restore}
-
-
-def family_from_json(data) -> Family:
-    """The :class:`~hybridkv.cache.groups.Family` (without entry layouts) of
-    :func:`family_to_json`'s answer.
-
-    Raises:
-        ValueError: a malformed answer (naming the field and the value).
-    """
-    try:
-        groups = tuple(GroupSpec(str(g["name"]), str(g["direction"]), int(g["granularity"]))
-                       for g in data["groups"])
-        restore = {}
-        for name, how in dict(data.get("restore", {})).items():
-            kind = how["kind"]
-            if kind == "saved_every":
-                restore[str(name)] = SavedEvery(int(how["period"]))
-            elif kind == "recompute_cone":
-                restore[str(name)] = RecomputeCone(int(how["tokens"]))
-            elif kind == "saved_at_hit":
-                restore[str(name)] = SAVED_AT_HIT
-            else:
-                raise ValueError(f"family restore of group {name!r}: kind={kind!r} is not saved_at_hit, "
-                                 "saved_every or recompute_cone")
-        return Family(str(data["name"]), groups, restore)
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"family {data!r} is malformed: {type(exc).__name__}: {exc}") from None
