@@ -29,6 +29,14 @@ Variants (``VARIANTS``; the device policy is the replay default unless named):
 * ``dense2``: ``default`` with ``host_interval=2B``.
 * ``value``: ``default`` with ``value`` eviction in the device pools (the host tier keeps
   ``--host-eviction``'s order).
+* ``probation``: ``default`` with ``checkpoint_probation=0``: the device policy's ``interval``
+  checkpoints wait on probation until a request uses one and are evicted before the others
+  (``--checkpoint-probation``, :class:`hybridkv.store.eviction.ProbationOrder`).
+
+Each row also gives ``share``: its reused tokens as a fraction of the every-block run's (the
+frontier's headline figure; ``oracle_fraction`` divides by the every-unit oracle instead).
+``--png`` draws the frontier (share against device budget, one curve per host budget and
+variant). The clairvoyant bound beside it: ``benchmarks/clairvoyant.py``.
 
 ``--eviction`` and ``--host-eviction`` (``lru`` / ``value``) set the device pools' and the host
 tier's eviction orders for every variant (a variant's own ``eviction`` wins for the device);
@@ -55,6 +63,7 @@ VARIANTS = {
     "dense": {"host_interval": 1},
     "dense2": {"host_interval": 2},
     "value": {"eviction": "value"},
+    "probation": {"checkpoint_probation": 0.0},
 }
 """Variant name -> replay options (``host_interval`` in blocks)."""
 
@@ -64,7 +73,8 @@ def baseline(trace: str | None, limit: int | None, block: int, console: Console)
     r = run_replay(ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, host_bytes=0,
                                  policy=f"interval={block}", block_tokens=block), console)
     return {"oracle_fraction": r.oracle_fraction, "checkpoint_bytes_peak": r.checkpoint_bytes_peak,
-            "oracle_reused_tokens": r.oracle_reused_tokens, "requests": r.requests}
+            "oracle_reused_tokens": r.oracle_reused_tokens, "requests": r.requests,
+            "reused_tokens": r.reused_tokens}
 
 
 def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes: int, variant: str,
@@ -82,14 +92,15 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
         v["host_interval"] *= block
     host_bytes = int(host * peak)
     if not host_bytes:            # no host tier: the write-through options have nowhere to go
-        v = {k: x for k, x in v.items() if k in ("eviction", "host_eviction")}
+        v = {k: x for k, x in v.items() if k in ("eviction", "host_eviction", "checkpoint_probation")}
     slots = max(8, math.ceil(device * peak / slot_bytes))
     t0 = time.perf_counter()
     r = run_replay(ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, block_tokens=block,
                                  policy=policy, num_checkpoint_slots=slots, host_bytes=host_bytes,
                                  host_groups=("kda",), **v), console)
     h = r.tiers["host"]
-    return {"variant": variant if host_bytes else "device only", "eviction": r.config["eviction"],
+    return {"variant": variant, "eviction": r.config["eviction"],
+            "checkpoint_probation": v.get("checkpoint_probation"),
             "host_eviction": r.config["host_eviction"],
             "policy": r.config["policy"], "device": device, "host": host, "slots": slots, "host_bytes": host_bytes,
             "oracle_fraction": r.oracle_fraction, "reused_tokens": r.reused_tokens,
@@ -99,14 +110,16 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown table of the frontier."""
-    out = [("| variant | device budget | host budget | oracle fraction | device peak | host peak | "
-            "demotions | promotions | host evictions |"),
-           "|---|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], base_reused: int | None = None) -> str:
+    """Markdown table of the frontier (``share`` of the every-block reuse when ``base_reused``,
+    the every-block run's reused tokens, is given)."""
+    out = [("| variant | device budget | host budget | share of every-block | oracle fraction | device peak | "
+            "host peak | demotions | promotions | host evictions |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        share = f"{100 * r['reused_tokens'] / base_reused:.2f}%" if base_reused else "-"
         out.append(f"| {r['variant']} ({r['eviction']}/{r.get('host_eviction', 'lru')}) | {100 * r['device']:g}% | {100 * r['host']:g}% | "
-                   f"{100 * r['oracle_fraction']:.2f}% | {100 * r['device_peak']:.2f}% | "
+                   f"{share} | {100 * r['oracle_fraction']:.2f}% | {100 * r['device_peak']:.2f}% | "
                    f"{100 * r['host_peak']:.2f}% | {r['demotions']:,} | {r['promotions']:,} | "
                    f"{r['host_evictions']:,} |")
     return "\n".join(out)
@@ -119,6 +132,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=512, help="tokens per trace hash id (default 512)")
     p.add_argument("--device", type=float, nargs="+", default=list(DEVICE), help="device budgets, fractions of P")
     p.add_argument("--host", type=float, nargs="+", default=list(HOST), help="host budgets, fractions of P")
+    p.add_argument("--cells", nargs="+", default=None, metavar="DEVICE:HOST",
+                   help="budget pairs to run instead of every --device x --host pair, e.g. 0.05:0 0.02:0.1")
     p.add_argument("--variants", nargs="+", default=["default", "wb", "dense"], choices=list(VARIANTS))
     p.add_argument("--policy", default=None, help="device checkpoint policy (default: the replay default)")
     p.add_argument("--peak", type=int, default=None,
@@ -127,22 +142,29 @@ def main() -> None:
                    help="device pools' eviction order for every variant (default: the replay default)")
     p.add_argument("--host-eviction", choices=("lru", "value"), default=None,
                    help="host tier's eviction order (default: the replay default)")
+    p.add_argument("--reused", type=int, default=None,
+                   help="with --peak: the every-block run's reused tokens (for the share column)")
     p.add_argument("--json", help="write baseline and rows here")
+    p.add_argument("--png", help="draw the frontier here (matplotlib)")
+    p.add_argument("--title", default=None, help="title of the --png plot (default: the trace)")
     args = p.parse_args()
     console = Console(stderr=True)
     from hybridkv.cache.groups import KDASpec
     from hybridkv.engine.build import model_config
     slot_bytes = KDASpec.for_model(model_config("small")).page_size_bytes
-    base = ({"checkpoint_bytes_peak": args.peak} if args.peak
+    base = ({"checkpoint_bytes_peak": args.peak, "reused_tokens": args.reused} if args.peak
             else baseline(args.trace, args.limit, args.block, console))
     console.print(base)
     peak = base["checkpoint_bytes_peak"]
     rows, seen = [], set()
+    pairs = ([tuple(float(x) for x in c.split(":")) for c in args.cells] if args.cells
+             else [(d, h) for d in args.device for h in args.host])
     for variant in args.variants:
-        for d in args.device:
-            for h in args.host:
+        for d, h in pairs:
+            if True:
                 dev_order = VARIANTS[variant].get("eviction", args.eviction)
-                key = ("device only", d, dev_order) if h == 0 else None
+                key = (("device only", d, dev_order, VARIANTS[variant].get("checkpoint_probation"))
+                       if h == 0 else None)
                 if key is not None and key in seen:
                     continue                  # no host: every lru variant is the same run
                 seen.add(key)
@@ -152,7 +174,40 @@ def main() -> None:
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump({"baseline": base, "slot_bytes": slot_bytes, "rows": rows}, f, indent=2)
-    print(table(rows))
+    print(table(rows, base.get("reused_tokens")))
+    if args.png:
+        plot(rows, base["reused_tokens"], args.png, args.title or (args.trace or "bundled trace"))
+
+
+def plot(rows: list[dict], base_reused: int, path: str, title: str) -> None:
+    """Share of the every-block reuse against the device budget, one line per variant and host
+    budget (a device-only row belongs to every variant of its probation setting)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    hosts = sorted({r["host"] for r in rows})
+    styles = ["-", "--", ":", "-."]
+    for vi, variant in enumerate(variants):
+        probation = VARIANTS[variant].get("checkpoint_probation")
+        for hi, h in enumerate(hosts):
+            pts = sorted((r["device"], 100 * r["reused_tokens"] / base_reused) for r in rows
+                         if r["host"] == h and (r["variant"] == variant
+                                                or (h == 0 and r.get("checkpoint_probation") == probation)))
+            if pts:
+                ax.plot([100 * x for x, _ in pts], [y for _, y in pts], styles[vi % len(styles)], marker="o",
+                        color=f"C{hi}", label=f"{variant}, host {100 * h:g}%")
+    ax.set_xscale("log")
+    ax.set_xlabel("device checkpoint budget, % of the every-block peak")
+    ax.set_ylabel("reused tokens, % of every-block")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
     common = {"block_size": block_size, "prefix_match_unit": g, "max_num_batched_tokens": args.max_num_batched_tokens,
                   "num_kv_pages": pages, "num_checkpoint_slots": max(16, 4 * len(prompts)), "max_num_seqs": args.max_num_seqs}
     policy = args.policy or default_policy(block, g)
-    cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(policy), **common)
+    cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(policy), checkpoint_probation=args.checkpoint_probation,
+                             **common)
     base_cfg = CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
     run_lockstep(model, [prompts[0][:512]], [1], cached_cfg, base_cfg, namespace)   # warm-up
     runs = []
@@ -291,6 +292,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--policy", help="checkpoint policy of the cached run (default: the replay default)")
     p.add_argument("--simulate-trace", action="store_true", help="also time the whole-trace simulate replay")
+    p.add_argument("--checkpoint-probation", type=float, default=None,
+                   help="CacheConfig.checkpoint_probation of the cached run (default: off)")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

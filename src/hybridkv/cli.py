@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the host tier that speculative host-only checkpoints (--host-interval) may "
                         "hold while entries the device evicted need the room (2Q's A1in; default "
                         f"{HOST_PROBATION}; docs/how-to/tiers.md)")
+    r.add_argument("--checkpoint-probation", type=fraction, default=None, metavar="SHARE",
+                   help="share 0..1 of the device checkpoint slots that the policy's interval checkpoints may "
+                        "hold, until a request uses one, while branch and tail checkpoints need the room (2Q's "
+                        "A1in; with --eviction lru; default off: one lru order; 0 is the setting measured in "
+                        "docs/results/memory.md)")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -270,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--own-waiting {args.own_waiting:g} is an option of the hybrid router, not of {router}{how}")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
         parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
+    if args.command == "replay" and args.checkpoint_probation is not None and args.eviction != "lru":
+        parser.error(f"--checkpoint-probation {args.checkpoint_probation:g} works with --eviction lru, "
+                     f"not {args.eviction}")
     if args.command == "replay" and args.verify and args.simulate:
         parser.error(f"--verify {args.verify} needs the real model: --simulate has no logits to compare")
     console = Console(stderr=True)
@@ -464,6 +472,7 @@ def _replay(args, console: Console) -> int:
         host_groups=("full", "kda") if args.host_groups == "all" else ("kda",),
         host_interval=args.host_interval,
         eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,
+        checkpoint_probation=args.checkpoint_probation,
         timed=args.timed, time_scale=args.time_scale, router=args.router,
         hybrid=HybridOptions() if args.own_waiting is None else HybridOptions(own_waiting=args.own_waiting),
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,

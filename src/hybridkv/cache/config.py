@@ -207,6 +207,11 @@ class CacheConfig:
         tenant_quota: fraction in ``(0, 1]`` of each device pool's bytes that one
             namespace (tenant) may keep cached; a namespace over it evicts its own
             entries first. ``None``: no quota.
+        checkpoint_probation: fraction in ``[0, 1]`` of the device checkpoint pool's slots that
+            checkpoints placed on speculation (the policy's ``interval`` term) may hold, until a
+            request uses them, while the others (``branch``, ``tail``, ``hint``, and any that was
+            used) need the room (:class:`~hybridkv.store.eviction.ProbationOrder`; with ``lru``
+            eviction only). ``None``: one recency order for all (docs/concepts/eviction.md).
         host_interval: tokens; every ``host_interval`` tokens of a prefill a checkpoint is
             captured for the lower tiers only (label ``host``: written through to the host tier,
             never published on the device), so the host holds denser checkpoints than the device.
@@ -230,6 +235,7 @@ class CacheConfig:
     host_probation: float = HOST_PROBATION
     tenant_quota: float | None = None
     host_interval: int | None = None
+    checkpoint_probation: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mechanism", Mechanism.parse(self.mechanism))
@@ -261,6 +267,11 @@ class CacheConfig:
         hp = self.host_probation
         if isinstance(hp, bool) or not isinstance(hp, (int, float)) or not 0 <= hp <= 1:
             raise ConfigError(f"host_probation={hp!r} must be a fraction in [0, 1]")
+        cp = self.checkpoint_probation
+        if cp is not None and (isinstance(cp, bool) or not isinstance(cp, (int, float)) or not 0 <= cp <= 1):
+            raise ConfigError(f"checkpoint_probation={cp!r} must be a fraction in [0, 1] or None")
+        if cp is not None and self.eviction != "lru":
+            raise ConfigError(f"checkpoint_probation={cp!r} works with eviction='lru', not {self.eviction!r}")
         q = self.tenant_quota
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")

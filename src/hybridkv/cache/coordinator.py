@@ -31,6 +31,7 @@ from hybridkv.cache.namespace import (
     chained_block_hashes,
 )
 from hybridkv.cache.pools import CheckpointPool, PagePool
+from hybridkv.store.eviction import ProbationOrder
 
 if TYPE_CHECKING:                      # the model's state type, named in annotations only
     from hybridkv.model.state import KDACheckpoint
@@ -41,6 +42,11 @@ CopyPage = Callable[[int, int, int], None]
 """``copy_page(src_page, dst_page, num_tokens)`` copies KV latents of the first tokens."""
 
 TAIL = "tail"
+PROBATION_LABELS = frozenset({"interval"})
+"""Policy terms whose checkpoints start on probation under ``CacheConfig.checkpoint_probation``:
+placed on speculation (a boundary no request has reached twice), unlike ``branch`` (where traffic
+already branched), ``tail`` (where a conversation's next turn resumes) and ``hint`` (named by the
+caller)."""
 """Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
 
 
@@ -213,6 +219,11 @@ class HybridCacheCoordinator:
         self.pages = PagePool(config.num_kv_pages, config.eviction, page_bytes, config.block_size,
                               described=config.tenant_quota is not None)
         self.checkpoints = checkpoints
+        self._probation = None
+        if config.checkpoint_probation is not None:       # speculative (interval) checkpoints on probation
+            if len(checkpoints.order):
+                raise ValueError("checkpoint_probation needs an empty checkpoint pool")
+            self._probation = checkpoints.order = ProbationOrder(checkpoints.num_slots, config.checkpoint_probation)
         self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
         self.page_bytes = page_bytes
         self.copy_page = copy_page
@@ -565,6 +576,8 @@ class HybridCacheCoordinator:
             self._evict_checkpoint(victim)
             slot = self.checkpoints.take_free()
         self.checkpoints.write(slot, ckpt)
+        if self._probation is not None and label in PROBATION_LABELS:
+            self._probation.mark(slot)
         self.index.attach_checkpoint(node, slot)
         self.labels[slot] = label
         self._note_peaks()

@@ -89,7 +89,9 @@ class ReplayOptions:
     ``max_output_tokens=None`` means 4 with the model and no cap in timed simulation. ``host_bytes``:
     host tier capacity (bytes; 0: none; payload-free when simulating), ``host_groups`` the groups it
     holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
-    ``None``: :func:`default_host_interval`, 0: off); ``store_gib=None`` means
+    ``None``: :func:`default_host_interval`, 0: off); ``checkpoint_probation``: the device checkpoint
+    pool's probation share for interval checkpoints (``CacheConfig.checkpoint_probation``; ``None``:
+    off); ``store_gib=None`` means
     :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
     ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`), and so
     are ``crashes`` (each instance back after ``cold_start_s``); ``hybrid``: the ``hybrid``
@@ -128,6 +130,7 @@ class ReplayOptions:
     eviction: str = "lru"
     host_eviction: str = "lru"
     host_probation: float = HOST_PROBATION
+    checkpoint_probation: float | None = None
     timed: bool = False
     time_scale: float = 1.0
     router: str | None = None
@@ -315,7 +318,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         num_checkpoint_slots=opts.num_checkpoint_slots or _default_slots(opts, prompts, policy, recovery is not None),
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
-        host_probation=opts.host_probation,
+        host_probation=opts.host_probation, checkpoint_probation=opts.checkpoint_probation,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate))
                        if opts.host_interval is None else opts.host_interval or None))

@@ -69,6 +69,7 @@ from hybridkv.replay.soak_rounds import (
     RoundConfig,
     build_prompt,
     make_round,
+    apply_eviction,
     round_eviction,
 )
 from hybridkv.store.base import ObjectStore
@@ -481,7 +482,7 @@ def run_soak(seed: int, checks: int | None = None, seconds: float | None = None,
             if seconds is not None and time.monotonic() - t0 >= seconds:
                 break
             rc, specs = make_round(seed, i, vocab)
-            rc = for_model(replace(rc, eviction=round_eviction(eviction, i)), model_name, swa_recovery)
+            rc = for_model(apply_eviction(rc, round_eviction(eviction, i)), model_name, swa_recovery)
             res = run_sequence(model, rc, specs, ref, janitor)
             report.add(rc, res)
             if res.failures:
@@ -560,7 +561,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
     p.add_argument("--eviction", choices=EVICTION_CHOICES, default="lru",
                    help="eviction order of the device pools and host tier: lru (default; every earlier "
-                        "round reproduces), value, or mixed (value in odd rounds)")
+                        "round reproduces), value, mixed (value in odd rounds), or probation (lru with the "
+                        "device checkpoint pool's interval checkpoints on probation, --checkpoint-probation 0)")
     p.add_argument("--model", choices=(PRESET, *V4_SOAK_PRESETS), default=PRESET,
                    help="preset the rounds run on (default tiny; DeepSeek-V4: v4-tiny, v4-small, with the same "
                         "drawn host tier, store, second engine and store faults)")

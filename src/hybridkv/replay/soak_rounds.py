@@ -36,6 +36,8 @@ class RoundConfig:
             ``unavailable`` at a third of it); 0: none.
         eviction: eviction order of the device pools and the host tier (``lru`` or ``value``;
             not drawn by :func:`make_round`: the soak's ``--eviction`` option sets it).
+        checkpoint_probation: :class:`CacheConfig` field (not drawn: the soak's ``--eviction probation``
+            sets it to 0 with ``lru``).
         model: the preset the round runs on (``tiny``, or DeepSeek-V4's ``v4-tiny`` / ``v4-small``;
             not drawn: the soak's ``--model`` sets it).
         swa_recovery: DeepSeek-V4 only: ``window``, ``periodic=P`` or ``recompute``
@@ -59,6 +61,7 @@ class RoundConfig:
     prefetch: bool = True
     faults: float = 0.0
     eviction: str = "lru"
+    checkpoint_probation: float | None = None
     model: str = "tiny"
     swa_recovery: str | None = None
 
@@ -69,7 +72,7 @@ class RoundConfig:
                            num_checkpoint_slots=self.num_checkpoint_slots,
                            policy=CheckpointPolicy.parse(self.policy), mechanism=self.mechanism,
                            max_num_seqs=self.max_num_seqs, store_alignment=self.store_alignment,
-                           eviction=self.eviction)
+                           eviction=self.eviction, checkpoint_probation=self.checkpoint_probation)
 
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -231,8 +234,17 @@ def _workload(rng: np.random.Generator, *, unit: int, block: int, instances: int
     return specs
 
 
-EVICTION_CHOICES = ("lru", "value", "mixed")
-"""The soak's ``--eviction`` values: one order for every round, or ``mixed`` (by round parity)."""
+EVICTION_CHOICES = ("lru", "value", "mixed", "probation")
+"""The soak's ``--eviction`` values: one order for every round, ``mixed`` (by round parity), or
+``probation`` (``lru`` with ``checkpoint_probation=0``: :func:`apply_eviction`)."""
+
+
+def apply_eviction(rc: RoundConfig, order: str) -> RoundConfig:
+    """``rc`` with the order :func:`round_eviction` gave: ``probation`` is ``lru`` with the device
+    checkpoint pool's probation at 0 (``CacheConfig.checkpoint_probation``)."""
+    if order == "probation":
+        return replace(rc, eviction="lru", checkpoint_probation=0.0)
+    return replace(rc, eviction=order)
 
 
 def round_eviction(choice: str, round_index: int) -> str:

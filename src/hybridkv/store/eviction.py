@@ -643,6 +643,93 @@ class ValueOrder(EvictionOrder):
         return iter([rec[3] for rec in sorted(self._live.values())])
 
 
+class ProbationOrder(LRUOrder):
+    """:class:`LRUOrder` with a probation segment for speculative members (2Q's A1in / Am split,
+    applied to one pool): a member :meth:`mark`-ed before it is added (a checkpoint placed on
+    speculation, e.g. by ``interval``, that no request has used yet) waits on probation until its
+    first counted hit promotes it. The victim is the least recent probation member while probation
+    holds at least ``share`` of ``capacity`` members (or nothing else is evictable), otherwise the
+    least recent of the others; so speculative members take at most about ``share`` of the pool
+    from members a request used or that the policy placed where traffic is known to return, and
+    any room those leave. Victims by owner (quotas) follow :class:`LRUOrder`, both segments
+    together.
+
+    Args:
+        capacity: members the pool can hold at most (its slots), >= 1.
+        share: fraction in [0, 1] of ``capacity`` that probation may hold while others need room.
+
+    Raises:
+        ValueError: ``capacity`` below 1 or ``share`` outside [0, 1].
+    """
+
+    name = "lru"
+
+    def __init__(self, capacity: int, share: float) -> None:
+        if capacity < 1:
+            raise ValueError(f"probation capacity={capacity} must be >= 1")
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"probation share={share} must be a fraction in [0, 1]")
+        super().__init__()
+        self.limit = share * capacity
+        self._marked: set[Hashable] = set()          # speculative, not yet used (member or held)
+        self._spec: OrderedDict[Hashable, None] = OrderedDict()   # members on probation, lru first
+        self._rest: OrderedDict[Hashable, None] = OrderedDict()   # the other members, lru first
+
+    def mark(self, item: Hashable) -> None:
+        """``item`` (not yet added) holds a speculative entry: it starts on probation."""
+        self._marked.add(item)
+
+    def on_probation(self, item: Hashable) -> bool:
+        """Whether member ``item`` is on probation."""
+        return item in self._spec
+
+    def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
+                 owner: Hashable | None = None, key: bytes | None = None) -> None:
+        """As :meth:`EvictionOrder.describe`, keeping a :meth:`mark` made for this content."""
+        marked = item in self._marked
+        EvictionOrder.describe(self, item, nbytes, cost, depth, owner, key)
+        if marked:
+            self._marked.add(item)
+
+    def forget(self, item: Hashable) -> None:
+        """The item's content is gone (its mark too)."""
+        self._marked.discard(item)
+        EvictionOrder.forget(self, item)
+
+    def add(self, item: Hashable) -> None:
+        """Make ``item`` the most recent member of its segment."""
+        LRUOrder.add(self, item)
+        q, other = (self._spec, self._rest) if item in self._marked else (self._rest, self._spec)
+        other.pop(item, None)
+        if item in q:
+            q.move_to_end(item)
+        else:
+            q[item] = None
+
+    def discard(self, item: Hashable) -> None:
+        """Drop ``item`` from the order (absent: no-op)."""
+        LRUOrder.discard(self, item)
+        self._spec.pop(item, None)
+        self._rest.pop(item, None)
+
+    def hit(self, item: Hashable, count: bool = True) -> None:
+        """A use: a counted one promotes a probation item (member or held) to the others."""
+        if count and item in self._marked:
+            self._marked.discard(item)
+            if self._spec.pop(item, 0) is None:
+                self._rest[item] = None
+        LRUOrder.hit(self, item, count)
+
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """Least recent probation member while probation is at its share (or alone), else the
+        least recent other member; by ``owner``: as :class:`LRUOrder`."""
+        if owner is not None:
+            return LRUOrder.victim(self, owner)
+        if self._spec and (len(self._spec) >= self.limit or not self._rest):
+            return next(iter(self._spec))
+        return next(iter(self._rest), None)
+
+
 def make_order(policy: str, described: bool = True) -> EvictionOrder:
     """A fresh order for ``policy`` (``"lru"`` or ``"value"``). ``described=False``: the holder
     reads no descriptions (no quotas), so ``lru`` is a :class:`RecencyOrder` (the same ranking,
