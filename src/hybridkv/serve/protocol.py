@@ -10,8 +10,6 @@ import json
 import math
 from dataclasses import dataclass
 
-import torch
-
 MAX_STOP = 4
 MAX_ID_LEN = 256
 #: Largest request body read (bytes): a prompt of 65,536 ids written as JSON is under 1 MiB, a
@@ -348,6 +346,8 @@ def make_sampler(gen: Generation, seed: int):
     """
     if gen.temperature == 0:
         return None
+    import torch                                   # here: the CLI parser imports this module's checks
+
     rng = torch.Generator().manual_seed(seed)
     temperature, top_p = gen.temperature, gen.top_p
 
