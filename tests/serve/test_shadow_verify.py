@@ -39,7 +39,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _complete(url: str, prompt: list[int]) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
                                                   "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
@@ -63,12 +63,12 @@ def _checkpoint_manifests(s: RunningServer) -> int:
 
 def _perturb_checkpoints(tier):
     """Make ``tier`` a writer whose KDA checkpoints are wrong before they are published: each
-    floating-point component is raised by 0.5, then checksummed and written as usual (the
+    floating-point component is multiplied by -3, then checksummed and written as usual (the
     manifest's checksums match the wrong bytes). Returns the honest ``save_entries``."""
     honest = tier.save_entries
 
     def save(entries, owner=None, speculative=()):
-        wrong = [(h, parent, group, b, {k: t + 0.5 if group == KDA and t.is_floating_point() else t
+        wrong = [(h, parent, group, b, {k: t * -3.0 if group == KDA and t.is_floating_point() else t
                                         for k, t in tensors.items()})
                  for h, parent, group, b, tensors in entries]
         return honest(wrong, owner=owner, speculative=speculative)
@@ -92,6 +92,8 @@ def test_a_perturbed_checkpoint_with_a_valid_checksum_is_found_and_quarantined(t
 
         served = _complete(s.url, prompt)                                  # restored from the wrong checkpoint
         assert served["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        exact = _complete(server_off.url, prompt)["choices"][0]["text"]
+        assert served["choices"][0]["text"] != exact                       # the client got a wrong answer
         m = _wait_checks(s.url, 1)
         assert m["hybridkv_shadow_checks_total"] == 1 and m["hybridkv_shadow_mismatches_total"] == 1, m
         assert m["hybridkv_shadow_dropped_total"] == 0 and m["hybridkv_shadow_check_seconds_count"] == 1
@@ -105,7 +107,7 @@ def test_a_perturbed_checkpoint_with_a_valid_checksum_is_found_and_quarantined(t
 
         again = _complete(s.url, prompt)                                   # exact: as a cache-off server answers
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert again["choices"][0]["text"] == _complete(server_off.url, prompt)["choices"][0]["text"]
+        assert again["choices"][0]["text"] == exact
         m = _wait_checks(s.url, 1)
         assert m["hybridkv_shadow_mismatches_total"] == 1
 
