@@ -127,6 +127,9 @@ def test_exact_hits_pass_and_a_full_queue_drops_the_check():
         assert not v.offer(miss, greedy=True)                               # a miss is never queued
         assert v.offer(hit, greedy=True) and not v.offer(hit, greedy=True)
         assert v.dropped == 1
+        row = handle.backend.vocab_size * 4                               # bytes of one float32 logit row
+        small = ShadowVerifier(handle, 1.0, queue_bytes=len(hit.logits) * row - 1)       # just short of the hit's
+        assert not small.offer(hit, greedy=True) and small.dropped == 1 and not small.pending
         steps = 0
         while v.pending:
             outcome = v.step()

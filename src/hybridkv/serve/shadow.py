@@ -4,7 +4,8 @@
 enters the engine (its logits are then recorded at every computed position: the sampled request
 itself pays for the output projection over all its rows, not only the last). When a sampled
 request ends having reused cached tokens (``cached_tokens > 0``), a :class:`ShadowCheck` goes on a
-bounded queue (:data:`SHADOW_QUEUE` checks; a check that finds it full is dropped and counted).
+bounded queue (:data:`SHADOW_QUEUE` checks and :data:`SHADOW_QUEUE_BYTES` of recorded logits; a
+check that finds it full is dropped and counted).
 The engine thread works the queue only in its idle slot: when no request runs or waits and no
 invalidation is pending, it runs one chunk of :data:`SHADOW_CHUNK_TOKENS` tokens of a no-cache
 prefill of ``prompt + output[:-1]`` (a private KV page and state, nothing read from or written to
@@ -47,6 +48,10 @@ DEFAULT_SHADOW_RATE = 0.01
 SHADOW_QUEUE = 16
 """Sampled hits waiting for a check at most; one more is dropped (``hybridkv_shadow_dropped_total``)."""
 
+SHADOW_QUEUE_BYTES = 256 << 20
+"""Bytes of recorded logits the waiting checks hold at most (positions x vocabulary x 4 bytes
+each); a sampled hit that would pass it is dropped and counted, as when the queue is full."""
+
 SHADOW_CHUNK_TOKENS = 64
 """Tokens of the no-cache recomputation run in one idle slot: the most a foreground request that
 arrives during a check waits for is one forward of this many tokens."""
@@ -66,6 +71,7 @@ class ShadowCheck:
         namespace: the request's namespace digest (the owner of what it cached).
         hashes: chained unit hashes of the prompt under ``namespace`` (one per whole
             ``prefix_match_unit``).
+        nbytes: bytes of ``logits``.
         enqueued: ``time.monotonic()`` when the request ended (seconds).
         done: tokens recomputed so far; parts: their logits, ``float32[k, vocab]`` per chunk;
             pool, state: the recomputation's private KV pool and KDA state at ``done`` (``None``
@@ -79,6 +85,7 @@ class ShadowCheck:
     served: list[int]
     namespace: bytes | None
     hashes: list[bytes]
+    nbytes: int = 0
     enqueued: float = field(default_factory=time.monotonic)
     done: int = 0
     parts: list = field(default_factory=list)
@@ -154,6 +161,8 @@ class ShadowVerifier:
         metrics: counters and the latency histogram (:class:`~hybridkv.serve.metrics.ServeMetrics`),
             or ``None``.
         queue_size: checks waiting at most (default :data:`SHADOW_QUEUE`).
+        queue_bytes: bytes of recorded logits the waiting checks hold at most (default
+            :data:`SHADOW_QUEUE_BYTES`).
         chunk_tokens: tokens recomputed per idle slot (default :data:`SHADOW_CHUNK_TOKENS`).
         tol: logit tolerance (default the soak's :data:`~hybridkv.replay.soak_check.TOLERANCE`).
         seed: seed of the sampling (``None``: from the system).
@@ -168,7 +177,8 @@ class ShadowVerifier:
     """
 
     def __init__(self, handle: EngineHandle, rate: float, metrics=None, queue_size: int = SHADOW_QUEUE,
-                 chunk_tokens: int = SHADOW_CHUNK_TOKENS, tol: float = TOLERANCE, seed: int | None = None) -> None:
+                 chunk_tokens: int = SHADOW_CHUNK_TOKENS, tol: float = TOLERANCE, seed: int | None = None,
+                 queue_bytes: int = SHADOW_QUEUE_BYTES) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"--shadow-verify {rate!r} must be a fraction in [0, 1]")
         if queue_size < 1 or chunk_tokens < 1:
@@ -178,6 +188,8 @@ class ShadowVerifier:
                              "(this engine's model is a DeepSeek-V4 model or a simulation); pass --shadow-verify 0")
         self.handle, self.rate, self.metrics = handle, rate, metrics
         self.queue_size, self.chunk_tokens, self.tol = queue_size, chunk_tokens, tol
+        self.queue_bytes = queue_bytes
+        self._held_bytes = 0                   # recorded logits of the waiting checks
         self._random = random.Random(seed)
         self._queue: collections.deque[ShadowCheck] = collections.deque()
         self.checks = self.mismatches = self.ties = self.dropped = self.chunks = 0
@@ -199,7 +211,8 @@ class ShadowVerifier:
         Returns whether it was queued (``False``: not a hit, or dropped: the queue was full)."""
         if req.reused <= 0 or not req.logits or not req.output:
             return False
-        if len(self._queue) >= self.queue_size:
+        nbytes = sum(row.numel() * row.element_size() for row in req.logits.values())
+        if len(self._queue) >= self.queue_size or self._held_bytes + nbytes > self.queue_bytes:
             self.dropped += 1
             if self.metrics is not None:
                 self.metrics.shadow_dropped.inc()
@@ -209,7 +222,8 @@ class ShadowVerifier:
         served = (list(req.output) if greedy
                   else [int(req.logits[pos].argmax()) if pos in req.logits else -1 for pos in range(p - 1, len(ids))])
         self._queue.append(ShadowCheck(ids, p, req.reused, dict(req.logits), served, req.namespace,
-                                       list(req.hashes or [])))
+                                       list(req.hashes or []), nbytes=nbytes))
+        self._held_bytes += nbytes
         return True
 
     def step(self) -> Check | None:
@@ -222,7 +236,7 @@ class ShadowVerifier:
             return self._step()
         except Exception as exc:  # noqa: BLE001 - a failed check must not stop serving
             if self._queue and self._queue[0] is head:
-                self._queue.popleft()
+                self._pop()
             self.dropped += 1
             if self.metrics is not None:
                 self.metrics.shadow_dropped.inc()
@@ -245,7 +259,7 @@ class ShadowVerifier:
         c.state, c.done = res.end_state, end
         if c.done < n:
             return None
-        self._queue.popleft()
+        self._pop()
         full = torch.cat(c.parts)
         c.parts, c.pool, c.state = [], None, None
 
@@ -255,6 +269,11 @@ class ShadowVerifier:
         check = compare_logits(full, c.logits, c.reused, c.prompt_len, c.served, margin, self.tol)
         self._count(c, check)
         return check
+
+    def _pop(self) -> ShadowCheck:
+        c = self._queue.popleft()
+        self._held_bytes -= c.nbytes
+        return c
 
     def _count(self, c: ShadowCheck, check: Check) -> None:
         self.checks += 1
