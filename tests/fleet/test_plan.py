@@ -203,3 +203,20 @@ def test_cli_plans_a_prefix_and_writes_json_and_png(tmp_path, capsys):
     for line in data["commands"]:
         parser.parse_args(shlex.split(line)[1:])
     assert "plan:" in capsys.readouterr().out
+
+
+def test_seeds_move_arrivals_within_the_trace_resolution():
+    from hybridkv.replay.trace import load_trace
+    ev = _evaluator("ttft_p99=30")
+    try:
+        path = ev._trace_for(1)
+        moved = load_trace(path).requests
+        base = ev.load.requests
+        gaps = [b.timestamp_ms - a.timestamp_ms for a, b in zip(base, base[1:]) if b.timestamp_ms > a.timestamp_ms]
+        assert any(m.timestamp_ms != b.timestamp_ms for m, b in zip(moved, base))
+        for m, b in zip(moved, base):
+            assert 0 <= m.timestamp_ms - b.timestamp_ms < min(gaps)
+        assert ev._trace_for(0) is None                      # seed 0: the trace itself
+    finally:
+        ev.close()
+    assert not __import__("pathlib").Path(path).exists()

@@ -25,6 +25,7 @@ so the cache share (the slots' part) is what the cache takes from decode KV.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import json
@@ -274,9 +275,10 @@ class Evaluator:
                            asdict(self.budget), asdict(cfg), requests, seed], sort_keys=True)
 
     def _trace_for(self, seed: int) -> str | None:
-        """The trace, or (``seed`` > 0) a copy whose arrivals are each moved later by a uniform draw
-        in ``[0, gap)``, ``gap`` the trace's smallest positive gap between arrivals (arrivals stay
-        in order within their timestamp's resolution)."""
+        """The trace, or (``seed`` > 0) a copy whose arrivals are each moved later by a uniform whole
+        number of milliseconds in ``[0, gap)``, ``gap`` the trace's smallest positive gap between
+        arrival times (the bundled trace's arrivals are bucketed about 3 s apart: the copy spreads
+        each bucket over its 3 s and keeps the buckets in order)."""
         if seed == 0:
             return self.trace
         if seed not in self._jittered:
@@ -287,7 +289,7 @@ class Evaluator:
             fd, path = tempfile.mkstemp(prefix=f"hybridkv-plan-seed{seed}-", suffix=".jsonl")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 for r in self.load.requests:
-                    f.write(json.dumps({"timestamp": r.timestamp_ms + rng.random() * gap,
+                    f.write(json.dumps({"timestamp": int(r.timestamp_ms) + rng.randrange(max(int(gap), 1)),
                                         "input_length": r.input_length, "output_length": r.output_length,
                                         "hash_ids": list(r.hash_ids)}) + "\n")
             self._jittered[seed] = path
@@ -323,7 +325,7 @@ class Evaluator:
     def _save(self) -> None:
         if not self.cache_file:
             return
-        tmp = Path(f"{self.cache_file}.tmp")
+        tmp = Path(f"{self.cache_file}.{os.getpid()}.tmp")       # one writer's file: replaced whole
         tmp.write_text(json.dumps(self.cache), encoding="utf-8")
         tmp.replace(self.cache_file)
 
@@ -346,6 +348,7 @@ class Evaluator:
                                                        ("queue", "queue_seconds"))
                  for s, report_stat in getattr(report, key).items()}
         g = report.goodput or {}
+        gc.collect()              # the run's fleet is cyclic garbage (the replay leaves it to a full collection)
         return {"stats": stats, "goodput": g.get("per_second"), "goodput_fraction": g.get("fraction"),
                 "rejected": (report.rejected or {}).get("requests", 0), "token_hit_rate": report.token_hit_rate,
                 "wall_seconds": round(time.perf_counter() - t0, 3)}
@@ -528,7 +531,7 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     first = max(int(ev.total * first_fraction), 1)
     sizes = []
     n = first
-    while n < ev.total:
+    while n < ev.total / 2:            # a prefix of most of the trace would cost a whole run for little
         sizes.append(n)
         n *= growth
     sizes.append(ev.total)

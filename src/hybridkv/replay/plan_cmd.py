@@ -94,7 +94,7 @@ HEADER = ["USD/h", "instances", "cache share", "store (GiB @ GB/s)", "policy", "
 """Columns of the Pareto table."""
 
 
-def render(result: PlanResult, commands: list[list[str]], console: Console, wall: float) -> None:
+def render(result: PlanResult, commands: list[list[str]], console: Console, wall: float, cpu: float) -> None:
     """Print the plan, the Pareto front, why the next cheaper point fails, and the deploy commands."""
     t = Table(title="Pareto front (whole trace): cost, TTFT p99, goodput", header_style="bold")
     for h in HEADER:
@@ -112,8 +112,8 @@ def render(result: PlanResult, commands: list[list[str]], console: Console, wall
         console.print("[bold red]no plan:[/bold red] no configuration met every target", highlight=False)
     for line in result.why:
         console.print(f"why: {line}", highlight=False)
-    console.print(f"{result.runs} simulations run, {result.cache_hits} answered by the cache, {wall:.1f} s",
-                  highlight=False)
+    console.print(f"{result.runs} simulations run, {result.cache_hits} answered by the cache, {wall:.1f} s wall, "
+                  f"{cpu:.1f} s CPU", highlight=False)
     if commands:
         console.print("[bold]deploy:[/bold]")
         for cmd in commands[:2] + (["..."] if len(commands) > 3 else []) + commands[-1:]:
@@ -168,7 +168,7 @@ def cmd_plan(args, console: Console | None = None) -> int:
     if args.trace is not None and not Path(args.trace).is_file():
         console.print(f"[red]error:[/red] --trace {args.trace}: no such file", markup=True, highlight=False)
         return 2
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         slo = parse_slo_option(args.slo)
         prices = Prices(args.gpu_hour_usd, args.host_gb_month_usd, args.store_gb_month_usd, args.store_gbps_month_usd)
@@ -182,11 +182,11 @@ def cmd_plan(args, console: Console | None = None) -> int:
     except (PlanError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 2
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
     _POINTS[id(result)] = whole
     commands = deploy_commands(result.plan.config, budget, args.model, args.max_num_seqs) if result.plan else []
-    render(result, commands, out, wall)
+    render(result, commands, out, wall, cpu)
     if args.png:
         plot(result, args.png)
     if args.json:
@@ -199,7 +199,7 @@ def cmd_plan(args, console: Console | None = None) -> int:
                 "next_cheaper": result.next_cheaper.as_dict() if result.next_cheaper else None,
                 "front": [o.as_dict() for o in result.front], "bound": result.bound, "why": result.why,
                 "rungs": result.rungs, "runs": result.runs, "cache_hits": result.cache_hits,
-                "wall_seconds": round(wall, 3), "commands": [shlex.join(c) for c in commands],
+                "wall_seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "commands": [shlex.join(c) for c in commands],
                 "evaluated": [o.as_dict() for o in ev.outcomes]}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return 0 if result.plan is not None and not result.relaxed else 1
