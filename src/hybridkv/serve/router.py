@@ -364,6 +364,7 @@ class RouterService:
         mid-prefill; a non-streamed answer's first chunk is the whole answer) is retried once on
         another worker. Once bytes went to the client nothing is retried (:func:`_relay`)."""
         tried: set[int] = set()
+        failed = None                                      # (url, error) of a worker that failed before its first byte
         for _attempt in range(2):
             picked = self._pick(req, tried)
             if picked is None:
@@ -390,11 +391,14 @@ class RouterService:
                 ticket.done()
                 log.warning("worker %s failed before its first byte: %s", w.url, type(exc).__name__)
                 tried.add(i)
+                failed = (w.url, type(exc).__name__)
                 if _attempt == 0:
                     self.retries += 1
                     continue
                 return _error(502, f"worker {w.url} failed: {type(exc).__name__}", "bad_gateway")
             return upstream
+        if failed is not None:                             # no other worker to retry on
+            return _error(502, f"worker {failed[0]} failed: {failed[1]}", "bad_gateway")
         self.unroutable += 1
         return _error(503, "no worker is in rotation; retry shortly", "no_healthy_worker")
 
