@@ -272,30 +272,49 @@ def read_keys_file(path: str) -> dict[str, str | None]:
     """The keys of ``--api-keys-file``: a JSON or YAML mapping key -> tenant (a string, or
     ``null`` for a key bound to no tenant), or a list of keys (bound to none).
 
+    A key given twice is refused (a JSON or YAML parser would keep the last silently, so a key
+    bound to a tenant and then to ``null`` would be widened to any tenant).
+
     Raises:
-        ValueError: the file cannot be read or parsed, or holds something else (naming the file
-            and the entry's position, never a key).
+        ValueError: the file cannot be read or parsed, holds something else, or gives a key twice
+            (naming the file and the entries' positions, never a key).
     """
     where = f"--api-keys-file {path}"
+
+    def pairs(items: list) -> dict:
+        """A JSON object's or YAML mapping's ``(key, value)`` pairs as a dict, a repeated key refused."""
+        out: dict = {}
+        for i, (key, value) in enumerate(items):
+            if isinstance(key, (list, dict)):     # a YAML key that is a list or mapping cannot be hashed
+                raise ValueError(f"{where}: entry {i + 1}: a key must be a non-empty string")
+            if key in out:
+                first = next(j for j, (k, _) in enumerate(items) if k == key)
+                raise ValueError(f"{where}: entry {i + 1} gives the same key as entry {first + 1}; give each key "
+                                 "once")
+            out[key] = value
+        return out
+
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{where}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError:
         try:
             import yaml
         except ImportError:
             raise ValueError(f"{where}: not valid JSON (YAML needs PyYAML: pip install pyyaml)") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader(yaml, pairs))
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark is not None else ""
             raise ValueError(f"{where}: neither valid JSON nor valid YAML{at}") from None
     if isinstance(data, list):
-        data = dict.fromkeys(data)
+        for i, key in enumerate(data):
+            check_key(key, f"{where}: entry {i + 1}")      # before hashing: a nested list is named, not a TypeError
+        data = pairs([(key, None) for key in data])
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: must hold a non-empty mapping of API key to tenant (or a list of keys)")
     for i, (key, tenant) in enumerate(data.items()):
@@ -304,6 +323,22 @@ def read_keys_file(path: str) -> dict[str, str | None]:
             raise ValueError(f"{where}: entry {i + 1}: the tenant must be a string of 1 to {MAX_ID_LEN} characters "
                              "or null")
     return data
+
+
+def _unique_key_loader(yaml, pairs):
+    """A PyYAML ``SafeLoader`` subclass whose mappings are built by ``pairs`` (which refuses a
+    repeated key) instead of keeping the last value silently."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        return pairs([(loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
+                      for k, v in node.value])
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return UniqueKeyLoader
 
 
 def keyring_from_options(api_keys: list[str] | None, keys_file: str | None, admin_key: str | None,

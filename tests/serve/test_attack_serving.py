@@ -1,0 +1,56 @@
+"""Attacks on the serving features that found a defect, each kept as a regression test.
+
+Fast: no server is started; the keys file is parsed as ``hybridkv serve --api-keys-file`` and
+``hybridkv router --api-keys-file`` parse it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.serve.auth import keyring_from_options, read_keys_file
+
+ADMIN = "sk-admin-0004"
+
+
+@pytest.mark.parametrize("name,text", [
+    ("bound-then-null.json", '{"sk-key-0001": "y", "sk-key-0001": null}'),
+    ("two-tenants.json", '{"sk-key-0001": "x", "sk-key-0001": "y"}'),
+    ("two-tenants.yaml", "sk-key-0001: x\nsk-key-0001: y\n"),
+    ("list.yaml", "- sk-key-0001\n- sk-key-0001\n"),
+])
+def test_a_key_given_twice_in_the_keys_file_is_refused(tmp_path, name, text):
+    """A parser keeps a repeated key's last value silently: a key bound to tenant y and then to
+    null would become a key that may name any tenant. The file is refused, naming both entries."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        read_keys_file(str(path))
+    msg = str(err.value)
+    assert msg == f"--api-keys-file {path}: entry 2 gives the same key as entry 1; give each key once"
+    assert "sk-key" not in msg                                   # never the key itself
+    with pytest.raises(ValueError):
+        keyring_from_options(None, str(path), ADMIN, environ={})
+
+
+@pytest.mark.parametrize("name,text", [("nested.json", '[["sk-key-0001"]]'), ("listkey.yaml", "? [a]\n: x\n")])
+def test_an_unhashable_key_is_named_not_a_type_error(tmp_path, name, text):
+    """A list of lists (or a YAML key that is a list) raised ``TypeError: unhashable type``, a
+    traceback at start; it is a one-line error naming the entry."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"entry 1: a key must be a non-empty string$"):
+        read_keys_file(str(path))
+
+
+def test_distinct_keys_still_load(tmp_path):
+    """The refusals above leave a well-formed file's keys and tenants as they were."""
+    (tmp_path / "k.json").write_text('{"sk-x-0001": "x", "sk-y-0002": "y", "sk-any-0003": null}')
+    (tmp_path / "k.yaml").write_text("sk-x-0001: x\nsk-y-0002: y\nsk-any-0003:\n")
+    (tmp_path / "l.yaml").write_text("- sk-x-0001\n- sk-y-0002\n")
+    want = {"sk-x-0001": "x", "sk-y-0002": "y", "sk-any-0003": None}
+    assert read_keys_file(str(tmp_path / "k.json")) == want
+    assert read_keys_file(str(tmp_path / "k.yaml")) == want
+    assert read_keys_file(str(tmp_path / "l.yaml")) == {"sk-x-0001": None, "sk-y-0002": None}
+    ring = keyring_from_options(None, str(tmp_path / "k.json"), ADMIN, environ={})
+    assert ring.bound == 2 and not ring.api_open
