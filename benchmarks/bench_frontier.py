@@ -200,6 +200,9 @@ def plot(rows: list[dict], base_reused: int, path: str, title: str) -> None:
                 ax.plot([100 * x for x, _ in pts], [y for _, y in pts], styles[vi % len(styles)], marker="o",
                         color=f"C{hi}", label=f"{variant}, host {100 * h:g}%")
     ax.set_xscale("log")
+    xs = sorted({100 * r["device"] for r in rows})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel("device checkpoint budget, % of the every-block peak")
     ax.set_ylabel("reused tokens, % of every-block")
     ax.set_title(title)
