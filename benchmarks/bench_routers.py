@@ -26,7 +26,7 @@ from rich.console import Console
 import numpy as np
 
 from hybridkv.fleet.costmodel import StepCostModel, cost_model, h200_kimi_linear_48b
-from hybridkv.fleet.routers import ROUTER_NAMES
+from hybridkv.fleet.routers import ROUTER_NAMES, HybridOptions
 from hybridkv.replay.oracle import oracle_from_trace
 from hybridkv.replay.runner import ReplayOptions, run_replay
 from hybridkv.replay.trace import load_trace
@@ -80,16 +80,22 @@ def bound_row(limit: int | None, cost_name: str | None) -> dict:
             "requests": len(t)}
 
 
-def run_one(job: tuple[int, int, str, int | None, str | None, float | None]) -> dict:
-    """One timed simulation: ``(instances, rate multiplier, router, limit, cost model, store GiB)``
-    -> figures (store GiB ``None``: the replay's default capacity)."""
-    n, rate, router, limit, cost, store_gib = job
+def run_one(job: tuple) -> dict:
+    """One timed simulation: ``(instances, rate multiplier, router, limit, cost model, store GiB
+    [, trace path, hybrid options dict])`` -> figures (store GiB ``None``: the replay's default
+    capacity; trace ``None``: the bundled trace; options: :class:`HybridOptions` fields, for
+    ``hybrid`` only)."""
+    n, rate, router, limit, cost, store_gib = job[:6]
+    trace = job[6] if len(job) > 6 else None
+    hopts = job[7] if len(job) > 7 else {}
     t0 = time.perf_counter()
-    rep = run_replay(ReplayOptions(limit=limit, model="kimi-linear-48b-a3b", simulate=True, timed=True,
+    rep = run_replay(ReplayOptions(trace=trace, limit=limit, model="kimi-linear-48b-a3b", simulate=True, timed=True,
                                    instances=n, router=router, time_scale=1.0 / rate, cost_model=cost,
-                                   store_gib=store_gib, progress=False), Console(quiet=True))
+                                   store_gib=store_gib, hybrid=HybridOptions(**(hopts or {})), progress=False),
+                     Console(quiet=True))
     wall = time.perf_counter() - t0
     return {"instances": n, "rate": rate, "router": router, "requests": rep.requests,
+            "trace": trace, "limit": limit, "hybrid_options": hopts or {},
             "ttft": rep.ttft_seconds, "ttft_cdf": rep.ttft_cdf_seconds, "queue": rep.queue_seconds,
             "load_skew": rep.load_skew, "load_min_share": _min_share(rep.instances),
             "oracle_fraction": rep.oracle_fraction,
@@ -157,8 +163,127 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+SYNTH_KINDS = ("tenants", "agentic", "documents", "hotset")
+DEV_SEEDS = (1, 2)
+"""Seeds of the synthesised traces the hybrid router's defaults were chosen on (the development set)."""
+HELD_OUT_SEEDS = (3,)
+"""Seeds of the synthesised traces held out (reported on, never tuned on)."""
+SYNTH_REQUESTS = 1000
+"""Requests per synthesised trace (at the generator's default 4 requests per second)."""
+TRACE_LIMIT = 2000
+"""First requests of the two recorded traces in the generalisation grid (one run well under a minute)."""
+ALL_ROUTERS = DEFAULT_ROUTERS + ("prefix-smg",)
+
+
+def trace_set(name: str, trace_dir: Path) -> dict[str, tuple[str | None, int | None]]:
+    """``{trace name: (path, limit)}`` of a named set: ``dev`` (the four synthesised workloads at
+    :data:`DEV_SEEDS`), ``held-out`` (the bundled trace, ``benchmarks/traces/synthetic_trace.jsonl``,
+    each cut to :data:`TRACE_LIMIT` requests, and the four workloads at :data:`HELD_OUT_SEEDS`).
+    Synthesised traces (:data:`SYNTH_REQUESTS` requests, ``hybridkv trace synth``'s defaults) are
+    written under ``trace_dir`` once. Raises ``ValueError`` for another name."""
+    from hybridkv.replay.synth import synth_requests, write_lines
+
+    if name not in ("dev", "held-out"):
+        raise ValueError(f"trace set {name!r} is not one of dev, held-out")
+    out: dict[str, tuple[str | None, int | None]] = {}
+    if name == "held-out":
+        out["bundled"] = (None, TRACE_LIMIT)
+        out["synthetic_trace"] = (str(Path(__file__).parent / "traces" / "synthetic_trace.jsonl"), TRACE_LIMIT)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for seed in (DEV_SEEDS if name == "dev" else HELD_OUT_SEEDS):
+        for kind in SYNTH_KINDS:
+            path = trace_dir / f"{kind}_s{seed}_{SYNTH_REQUESTS}.jsonl"
+            if not path.exists():
+                write_lines(synth_requests(kind, SYNTH_REQUESTS, seed=seed), path)
+            out[f"{kind}-s{seed}"] = (str(path), None)
+    return out
+
+
+def _key(trace: str, n: int, rate: int, router: str, hopts: dict) -> str:
+    return json.dumps([trace, n, rate, router, hopts if router == "hybrid" else {}], sort_keys=True)
+
+
+def verdict(rows: list[dict], hopts: dict, tolerance: float = 0.02) -> tuple[str, int, int]:
+    """Markdown table of every (trace, instances, rate): TTFT p50 / mean / p99 of each router
+    (``hybrid`` with options ``hopts``), the best other router's value, and whether ``hybrid`` is
+    best or within ``tolerance`` of it (``ok``) or trails (its ratio to the best other).
+    Returns ``(table, cells where hybrid holds, cells in all)``, a cell being one figure of one column."""
+    lines = ["| trace | instances | rate | router | TTFT p50 (s) | TTFT mean (s) | TTFT p99 (s) |",
+             "|---|---|---|---|---|---|---|"]
+    held = total = 0
+    cols = sorted({(r["trace_name"], r["instances"], r["rate"]) for r in rows})
+    for trace, n, rate in cols:
+        group = {r["router"]: r for r in rows if (r["trace_name"], r["instances"], r["rate"]) == (trace, n, rate)
+                 and (r["router"] != "hybrid" or r.get("hybrid_options", {}) == hopts)}
+        if "hybrid" not in group or len(group) < 2:
+            continue
+        others = {k: v for k, v in group.items() if k != "hybrid"}
+        marks = {}
+        for q in ("p50", "mean", "p99"):
+            best = min(v["ttft"][q] for v in others.values())
+            h = group["hybrid"]["ttft"][q]
+            ok = h <= best * (1 + tolerance) + 1e-4        # 0.1 ms: the table's resolution
+            held += ok
+            total += 1
+            marks[q] = "ok" if ok else f"TRAILS x{h / best:.3f}"
+        for name in ALL_ROUTERS:
+            if name not in group:
+                continue
+            t = group[name]["ttft"]
+            cell = [f"{t[q]:.3f}" + (f" ({marks[q]})" if name == "hybrid" else "") for q in ("p50", "mean", "p99")]
+            lines.append(f"| {trace} | {n} | {rate}x | {name} | " + " | ".join(cell) + " |")
+    return "\n".join(lines) + "\n", held, total
+
+
+def main_general(args) -> None:
+    """The generalisation grid: every trace of ``--traces`` x ``--sizes`` x ``--rates`` x every
+    router, results cached in ``--cache`` (a run already there is not repeated), then the
+    :func:`verdict` table of ``hybrid`` with ``--hybrid-options``."""
+    hopts = json.loads(args.hybrid_options)
+    HybridOptions(**hopts)                              # a bad option fails before any run
+    traces: dict[str, tuple[str | None, int | None]] = {}
+    for name in args.traces.split(","):
+        traces.update(trace_set(name, Path(args.trace_dir)))
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    rates = tuple(int(r) for r in args.rates.split(","))
+    cache = Path(args.cache)
+    rows = json.loads(cache.read_text()) if cache.exists() else []
+    have = {_key(r["trace_name"], r["instances"], r["rate"], r["router"], r.get("hybrid_options", {})) for r in rows}
+    routers = args.routers.split(",")
+    jobs, names = [], []
+    for tname, (path, limit) in traces.items():
+        for n in sizes:
+            for rate in rates:
+                for router in routers:
+                    o = hopts if router == "hybrid" else {}
+                    if _key(tname, n, rate, router, o) not in have:
+                        jobs.append((n, rate, router, limit, args.cost_model, args.store_gib, path, o))
+                        names.append(tname)
+    print(json.dumps({"runs": len(jobs), "cached": len(rows)}), flush=True)
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for tname, row in zip(names, pool.map(run_one, jobs)):
+            row["trace_name"] = tname
+            row.pop("ttft_cdf", None)
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("trace_name", "instances", "rate", "router", "ttft", "wall_seconds")}),
+                  flush=True)
+            cache.write_text(json.dumps(rows, indent=1) + "\n")
+    mine = [r for r in rows if r["trace_name"] in traces and r["instances"] in sizes and r["rate"] in rates]
+    text, held, total = verdict(mine, hopts)
+    print(text)
+    print(f"hybrid {json.dumps(hopts)}: best or within 2% in {held} of {total} cells")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", default=None,
+                    help="generalisation grid over trace sets, comma-separated: dev (synthesised, seeds 1-2), "
+                         "held-out (bundled, synthetic_trace.jsonl, synthesised seed 3); every router, "
+                         "results cached in --cache, the hybrid verdict table printed")
+    ap.add_argument("--cache", default="benchmarks/results/routing_general.json",
+                    help="--traces: JSON of every run, read first and extended")
+    ap.add_argument("--trace-dir", default="/tmp/hybridkv-synth-traces", help="--traces: where synthesised traces go")
+    ap.add_argument("--hybrid-options", default="{}", help="--traces: HybridOptions fields as JSON for hybrid")
     ap.add_argument("--out", default="docs/results/routing", help="prefix of the .json, _bound.json and .png written")
     ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each takes one core)")
@@ -170,6 +295,11 @@ def main() -> None:
                     help="simulated store capacity in GiB (default: the replay's, 0: unlimited)")
     ap.add_argument("--replot", action="store_true", help="only print the table and rewrite OUT.png from OUT.json")
     args = ap.parse_args()
+    if args.traces:
+        if args.routers == ",".join(DEFAULT_ROUTERS):
+            args.routers = ",".join(ALL_ROUTERS)
+        main_general(args)
+        return
     sizes = tuple(int(s) for s in args.sizes.split(","))
     rates = tuple(int(r) for r in args.rates.split(","))
     unknown = set(args.routers.split(",")) - set(ROUTER_NAMES)
