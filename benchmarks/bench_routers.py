@@ -235,6 +235,29 @@ def verdict(rows: list[dict], hopts: dict, tolerance: float = 0.02) -> tuple[str
     return "\n".join(lines) + "\n", held, total
 
 
+def compact_table(rows: list[dict], options: list[dict]) -> str:
+    """One markdown row per (trace, instances, rate): TTFT p50 / mean / p99 (s) of each other
+    router, then of ``hybrid`` with each of ``options``, ``*`` after a figure where that hybrid
+    trails the best other router by more than 2% (:func:`verdict`'s rule); columns without every
+    router are left out."""
+    others = [r for r in ALL_ROUTERS if r != "hybrid"]
+    head = others + [f"hybrid {json.dumps(o) if o else '(default)'}" for o in options]
+    lines = ["| trace | n | rate | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(head)]
+    for trace, n, rate in sorted({(r["trace_name"], r["instances"], r["rate"]) for r in rows}):
+        col = [r for r in rows if (r["trace_name"], r["instances"], r["rate"]) == (trace, n, rate)]
+        by = {r["router"]: r for r in col if r["router"] != "hybrid"}
+        hy = [next((r for r in col if r["router"] == "hybrid" and r.get("hybrid_options", {}) == o), None)
+              for o in options]
+        if len(by) < len(others) or None in hy:
+            continue
+        best = {q: min(by[k]["ttft"][q] for k in others) for q in ("p50", "mean", "p99")}
+        cells = [" / ".join(f"{by[k]['ttft'][q]:.3f}" for q in best) for k in others]
+        cells += [" / ".join(f"{h['ttft'][q]:.3f}" + ("*" if h["ttft"][q] > best[q] * 1.02 + 1e-4 else "")
+                             for q in best) for h in hy]
+        lines.append(f"| {trace} | {n} | {rate}x | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main_general(args) -> None:
     """The generalisation grid: every trace of ``--traces`` x ``--sizes`` x ``--rates`` x every
     router, results cached in ``--cache`` (a run already there is not repeated), then the
@@ -270,7 +293,7 @@ def main_general(args) -> None:
             cache.write_text(json.dumps(rows, indent=1) + "\n")
     mine = [r for r in rows if r["trace_name"] in traces and r["instances"] in sizes and r["rate"] in rates]
     text, held, total = verdict(mine, hopts)
-    print(text)
+    print(text if not args.compact else compact_table(mine, [json.loads(o) for o in args.compact.split(";")]))
     print(f"hybrid {json.dumps(hopts)}: best or within 2% in {held} of {total} cells")
 
 
@@ -284,6 +307,9 @@ def main() -> None:
                     help="--traces: JSON of every run, read first and extended")
     ap.add_argument("--trace-dir", default="/tmp/hybridkv-synth-traces", help="--traces: where synthesised traces go")
     ap.add_argument("--hybrid-options", default="{}", help="--traces: HybridOptions fields as JSON for hybrid")
+    ap.add_argument("--compact", default=None,
+                    help="--traces: print one row per column instead, hybrid with each of these option sets "
+                         "(JSON, ';'-separated; {} the default)")
     ap.add_argument("--out", default="docs/results/routing", help="prefix of the .json, _bound.json and .png written")
     ap.add_argument("--limit", type=int, default=None, help="first N requests (default: the whole trace)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each takes one core)")
