@@ -122,7 +122,7 @@ def render(result: PlanResult, commands: list[list[str]], console: Console, wall
 
 def plot(result: PlanResult, path: str) -> None:
     """Every whole-trace outcome (cost against TTFT p99, colour by goodput), the front joined, the
-    plan starred and the p99 target dashed."""
+    plan starred, the p99 target planned (and the one asked, when out of reach) and the prefill bound."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,8 +136,12 @@ def plot(result: PlanResult, path: str) -> None:
     if result.plan is not None:
         ax.scatter([result.plan.cost_per_hour], [result.plan.stats["ttft_p99"]], marker="*", s=260, c="red",
                    label="plan")
-    if "ttft_p99" in result.slo:
-        ax.axhline(result.slo["ttft_p99"], color="red", lw=0.8, ls=":", label="TTFT p99 target")
+    if "ttft_p99" in result.planned_slo:
+        ax.axhline(result.planned_slo["ttft_p99"], color="red", lw=0.8, ls=":", label="TTFT p99 target planned")
+    if result.relaxed and "ttft_p99" in result.slo:
+        ax.axhline(result.slo["ttft_p99"], color="grey", lw=0.8, ls=":", label="TTFT p99 target asked (unreachable)")
+    if "ttft_p99" in result.bound:
+        ax.axhline(result.bound["ttft_p99"], color="black", lw=0.6, ls="-.", label="prefill bound (p99)")
     ax.set_xlabel("fleet cost (USD per hour)")
     ax.set_ylabel("TTFT p99 (s)")
     ax.set_yscale("log")

@@ -179,6 +179,27 @@ class ReplayReport:
         store, host tier; a real timed run: the flat estimate its router prices with when no
         ``--cost-model`` is given), printed before the run (:mod:`hybridkv.replay.workload`);
         ``[]``: the same work.
+    goodput: timed with ``--slo`` only: ``{slo, requests, fraction, per_second, targets}``: the
+        targets (seconds), requests served within every target on their own times (a request's TTFT
+        within every ``ttft_*`` target, and so on), their share, their rate over the span from the
+        first arrival to the last finish (requests/s), and per target ``{target, value, met}`` (the
+        run's statistic; a refused request fails every target).
+    queue_skew: timed only: ``{skew, mean_queue}``: per instance the mean number of requests
+        waiting for admission over the span (their waits summed over the span), and max / mean of it.
+    tier_capacity: timed only: per tier (``device``; ``host`` when one held entries; a simulated
+        ``store``) ``{capacity_bytes, bytes_peak, occupancy, evicted_bytes, evicted_bytes_per_second}``:
+        bytes over the fleet (``None``: unlimited), peak (the device's and host's the sum of each
+        engine's), peak over capacity (0..1) and bytes evicted for capacity, in all and per second.
+    device_memory: timed only: ``{pool_bytes, kv_pages, checkpoint_slots, cache_share,
+        delayed_requests, admission_waits, refused_requests}``: each instance's device pools (bytes),
+        the checkpoint slots' share of them (the cache's own; cached pages share the page pool with
+        running requests' KV and are evicted for them), and the decode KV this displaced: requests
+        that waited for pages, the admission attempts that found none, requests refused.
+    phases: timed only: ``{window_seconds, windows, cold_start, steady, drift}``: the arrival span cut
+        into equal windows, grouped into cold start (leading windows below 90% of the median window's
+        token hit rate), hot-spot drift (windows whose share of requests on a prefix also requested in
+        the previous window is under half the median window's) and steady state (the rest); each ``{windows, requests, ttft_seconds
+        {mean, p50, p99}, token_hit_rate, request_hit_rate}`` (:func:`hybridkv.fleet.operating.phases`).
     """
 
     requests: int
