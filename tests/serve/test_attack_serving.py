@@ -54,3 +54,43 @@ def test_distinct_keys_still_load(tmp_path):
     assert read_keys_file(str(tmp_path / "l.yaml")) == {"sk-x-0001": None, "sk-y-0002": None}
     ring = keyring_from_options(None, str(tmp_path / "k.json"), ADMIN, environ={})
     assert ring.bound == 2 and not ring.api_open
+
+
+def test_a_router_with_a_wrong_worker_key_says_why_its_workers_stay_out(caplog):
+    """`hybridkv router --worker-key` with a key the worker refuses: the worker never entered
+    rotation and the router logged nothing (it answered 503 'retry shortly' for ever; the 401
+    showed only in /router/stats). It now logs one warning naming the worker and the fix, never
+    the key."""
+    import argparse
+    import logging
+    import time
+
+    import httpx
+
+    from hybridkv.serve.auth import KeyRing
+    from hybridkv.serve.commands import router_service
+    from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
+    from hybridkv.serve.router import create_router_app
+
+    caplog.set_level(logging.WARNING, logger="hybridkv.serve.router")
+    with RunningServer(ServeOptions(port=0, threads=1, auth=KeyRing({"sk-wapi-0008": None},
+                                                                    ("sk-wadmin-0009",)))) as w:
+        args = argparse.Namespace(worker=[w.url], policy="hybrid", model="tiny", cost_model=None,
+                                  poll_interval=0.05, health_every=2, follow_wait=2.0, store_gbps=1.1,
+                                  store_latency_us=194.0, api_key=None, api_keys_file=None,
+                                  admin_key=None, worker_key="sk-wrong-0001")
+        router = BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
+        try:
+            for _ in range(400):
+                said = [r.getMessage() for r in caplog.records if "not in rotation" in r.getMessage()]
+                if said:
+                    break
+                time.sleep(0.025)
+            assert said == [f"worker {w.url} not in rotation: ValueError: its /v1/cache/info answered 401: the "
+                            "router needs the worker's admin key (--worker-key or $HYBRIDKV_WORKER_KEY)"]
+            time.sleep(0.3)                                      # a few more polls: said once, not every poll
+            assert sum("not in rotation" in r.getMessage() for r in caplog.records) == 1
+            assert not any("sk-" in r.getMessage() for r in caplog.records)
+            assert httpx.get(f"{router.url}/health", timeout=10).json()["workers_in_rotation"] == 0
+        finally:
+            router.close()

@@ -323,6 +323,8 @@ class Workers:
         """Take ``w`` out of rotation and forget its cache (``why``: a short reason, logged)."""
         if w.healthy:
             log.warning("worker %s out of rotation: %s", w.url, why)
+        elif why != w.last_error:          # never in rotation yet: each new reason once (e.g. a wrong --worker-key)
+            log.warning("worker %s not in rotation: %s", w.url, why)
         if w.healthy:                      # a departure; the failed checks of a worker out of rotation
             w.failures += 1                # (start-up included) are no failures of a worker in rotation
         w.healthy, w.epoch, w.after, w.last_error, w.reported, w.synced = False, None, -1, why, None, False
@@ -421,6 +423,9 @@ class Workers:
         if w.healthy:
             return
         r = await self.client.get(f"{w.url}/v1/cache/info")
+        if r.status_code in (401, 403):
+            raise ValueError(f"its /v1/cache/info answered {r.status_code}: the router needs the worker's admin key "
+                             "(--worker-key or $HYBRIDKV_WORKER_KEY)")
         r.raise_for_status()
         info = r.json()
         fleet = FleetIdentity.from_info(info)
