@@ -94,3 +94,22 @@ def test_a_router_with_a_wrong_worker_key_says_why_its_workers_stay_out(caplog):
             assert httpx.get(f"{router.url}/health", timeout=10).json()["workers_in_rotation"] == 0
         finally:
             router.close()
+
+
+def test_the_router_does_not_claim_an_open_metrics_route_it_lacks():
+    """`hybridkv router` serves no /metrics (GET /metrics is a 404), yet its --admin-key help and
+    its start line said '/health and /metrics' never need a key."""
+    import argparse
+
+    from hybridkv.serve.auth import KeyRing, add_auth_arguments
+
+    def admin_help(router: bool) -> str:
+        parser = argparse.ArgumentParser()
+        add_auth_arguments(parser, router=router)
+        return next(a.help for a in parser._actions if "--admin-key" in a.option_strings)
+
+    assert "/metrics" not in admin_help(router=True) and "/health never needs a key" in admin_help(router=True)
+    assert "/health and /metrics never need a key" in admin_help(router=False)
+    ring = KeyRing({"sk-key-0001": "x"}, (ADMIN,))
+    assert ring.describe("read /router/stats", "/health is").endswith("; /health is open")
+    assert ring.describe().endswith("; /health and /metrics are open")

@@ -146,9 +146,11 @@ class KeyRing:
     def __repr__(self) -> str:
         return f"KeyRing({len(self._api)} API keys, {self.bound} bound to a tenant, {len(self._admin)} admin keys)"
 
-    def describe(self, admin_does: str = "purge or flush the cache") -> str:
+    def describe(self, admin_does: str = "purge or flush the cache",
+                 open_routes: str = "/health and /metrics are") -> str:
         """One line for the start-up log: what is open and how many keys guard the rest (counts
-        only, never a key); ``admin_does`` says what an open admin route lets anyone do."""
+        only, never a key); ``admin_does`` says what an open admin route lets anyone do,
+        ``open_routes`` which routes never need a key (the router has no ``/metrics``)."""
         if self.api_open:
             api = "the API is OPEN: no --api-key, so any client may use it and name any tenant"
         else:
@@ -159,7 +161,7 @@ class KeyRing:
             admin = "the admin routes take the admin key"
         else:
             admin = "the admin routes are refused: no --admin-key was given"
-        return f"{api}; {admin}; /health and /metrics are open"
+        return f"{api}; {admin}; {open_routes} open"
 
     def _match(self, key: str) -> tuple[bool, bool, str | None]:
         """``(api match, admin match, bound tenant)``, every stored key compared."""
@@ -395,8 +397,9 @@ def add_auth_arguments(parser, router: bool) -> None:
     admin_routes = "/router/stats" if router else "/admin/*, /flush_cache and /v1/cache/* (the event feed)"
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help=f"the key for {admin_routes}, also accepted on the API with any tenant; without it "
-                             "these routes are open when no API key is given either, else refused. /health and "
-                             f"/metrics never need a key. Default: ${ADMIN_KEY_ENV} if set")
+                             "these routes are open when no API key is given either, else refused. "
+                             + ("/health never needs" if router else "/health and /metrics never need") +
+                             f" a key. Default: ${ADMIN_KEY_ENV} if set")
     if router:
         parser.add_argument("--worker-key", default=None, metavar="KEY",
                             help="the key the router sends to every worker (their --admin-key): it reads their "
