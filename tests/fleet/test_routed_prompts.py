@@ -177,7 +177,7 @@ def test_a_record_ends_with_its_prompts_first_token_though_other_prompts_wait_th
     first.done()
     assert states[0].load.waiting == 2
     states[2].healthy = True                               # back: router A again
-    a = service._routers[((0, 1, 2), None)]
+    a = service._routers[((0, 1, 2), None, 1)]         # live workers, store, slots (unknown: 1)
     fleet = FleetState([w.view for w in states], [w.load for w in states])
     assert a.score(request(next_turn()), fleet, 0, 0)[1] == 0     # nothing of the first turn on worker 0
     assert not a.routed[0].seqs
