@@ -73,3 +73,21 @@ def running_cli(cmd: list[str]) -> Iterator[tuple[subprocess.Popen, str]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def router_stats(router) -> dict:
+    """``GET /router/stats`` of a running router (a ``BackgroundUvicorn``), as JSON."""
+    import httpx
+    return httpx.get(f"{router.url}/router/stats", timeout=10).json()
+
+
+def wait_router(pred, router, polls: int = 400) -> dict:
+    """Poll the router's stats until ``pred(stats)`` (at most ``polls`` polls, 25 ms apart);
+    fails the test with the last stats otherwise."""
+    s: dict = {}
+    for _ in range(polls):
+        s = router_stats(router)
+        if pred(s):
+            return s
+        time.sleep(0.025)
+    pytest.fail(f"router never reached the expected state: {s}")

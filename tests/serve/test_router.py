@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import prompt_ids, wait_idle
+from serve_helpers import prompt_ids, wait_idle, router_stats as _stats, wait_router as _wait
 
 from hybridkv.serve.commands import router_service
 from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
@@ -30,18 +30,6 @@ def _router(urls: list[str], policy: str, poll_interval: float = 0.05, follow_wa
     return BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
 
 
-def _stats(router: BackgroundUvicorn) -> dict:
-    return httpx.get(f"{router.url}/router/stats", timeout=10).json()
-
-
-def _wait(pred, router: BackgroundUvicorn, polls: int = 400) -> dict:
-    """Poll the router's stats until ``pred(stats)`` (at most ``polls`` polls, 25 ms apart)."""
-    for _ in range(polls):
-        s = _stats(router)
-        if pred(s):
-            return s
-        time.sleep(0.025)
-    pytest.fail(f"router never reached the expected state: {s}")
 
 
 def _complete(router: BackgroundUvicorn, ids: list[int], **extra) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import prompt_ids
+from serve_helpers import prompt_ids, router_stats as _stats, wait_router as _wait
 
 from hybridkv.fleet.routers import FleetState, InstanceLoad, PrefixOptions, PrefixRouter, RouteRequest
 from hybridkv.serve.commands import router_service
@@ -40,18 +40,6 @@ def _router(urls: list[str], policy: str = "hybrid", **extra) -> BackgroundUvico
     return BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
 
 
-def _stats(router) -> dict:
-    return httpx.get(f"{router.url}/router/stats", timeout=10).json()
-
-
-def _wait(pred, router, polls: int = 400) -> dict:
-    """Poll the router's stats until ``pred(stats)`` (at most ``polls`` polls, 25 ms apart)."""
-    for _ in range(polls):
-        s = _stats(router)
-        if pred(s):
-            return s
-        time.sleep(0.025)
-    pytest.fail(f"router never reached the expected state: {s}")
 
 
 def _routed(stats: dict) -> list[int]:

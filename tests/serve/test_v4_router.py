@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import prompt_ids
+from serve_helpers import prompt_ids, router_stats as _stats, wait_router as _wait
 
 from hybridkv.cache.groups import KIMI_LINEAR, RecomputeCone, SavedEvery
 from hybridkv.serve.commands import router_service
@@ -21,17 +21,6 @@ from hybridkv.serve.router import create_router_app
 PREFIX = 256                                   # 4 units of 64 tokens
 
 
-def _stats(router: BackgroundUvicorn) -> dict:
-    return httpx.get(f"{router.url}/router/stats", timeout=10).json()
-
-
-def _wait(pred, router: BackgroundUvicorn, polls: int = 400) -> dict:
-    for _ in range(polls):
-        s = _stats(router)
-        if pred(s):
-            return s
-        time.sleep(0.025)
-    pytest.fail(f"router never reached the expected state: {s}")
 
 
 def _complete(router: BackgroundUvicorn, ids: list[int]) -> dict:
