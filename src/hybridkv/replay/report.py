@@ -360,8 +360,9 @@ def _operating_rows(r: ReplayReport, table: Table) -> None:
         p = (r.phases or {}).get(name)
         if p and p["requests"]:
             t = p["ttft_seconds"]
+            ttft = "-" if t["p50"] is None else f"{t['p50']:.3f} / {t['p99']:.3f} s"   # every request refused
             table.add_row(f"phase {name.replace('_', ' ')}: requests, TTFT p50 / p99, hit",
-                          f"{p['requests']:,}, {t['p50']:.3f} / {t['p99']:.3f} s, {_pct(p['token_hit_rate'])}")
+                          f"{p['requests']:,}, {ttft}, {_pct(p['token_hit_rate'])}")
 
 
 def render_summary(report: ReplayReport, console: Console | None = None) -> None:
