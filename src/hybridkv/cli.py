@@ -23,7 +23,7 @@ from rich.console import Console
 from hybridkv import __version__
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.replay.args import (
-    swa_recovery_arg,
+    add_swa_recovery_argument,
     add_store_cost_arguments,
     block_tokens,
     checkpoint_policy,
@@ -119,11 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host tier capacity in MiB (write-back of evicted device entries; 0 = off; default 256, "
                         "0 for a DeepSeek-V4 model; "
                         "--simulate: byte accounting only)")
-    r.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
-                   help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
-                        "saved at the hit, placed by --policy; default), periodic=P (saved every P tokens, a "
-                        "multiple of --prefix-match-unit; the hit recomputes from the nearest one) or recompute "
-                        "(nothing saved; the hit recomputes the window's dependency cone)")
+    add_swa_recovery_argument(r)
     r.add_argument("--host-write-through", action="store_true",
                    help="save every page-aligned entry into the host tier as it is computed, not only on eviction")
     r.add_argument("--host-groups", choices=("all", "kda"), default="all",

@@ -248,6 +248,20 @@ def swa_recovery_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+SWA_RECOVERY_HELP = ("DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
+                     "saved at the hit, placed by --policy; default), periodic=P (saved every P tokens, a "
+                     "multiple of --prefix-match-unit; the hit recomputes from the nearest one) or recompute "
+                     "(nothing saved; the hit recomputes the window's dependency cone)")
+"""Help text of ``--swa-recovery``, shared by every command that takes it."""
+
+
+def add_swa_recovery_argument(parser: argparse.ArgumentParser, extra: str = "") -> None:
+    """Add ``--swa-recovery`` (:func:`swa_recovery_arg`, default ``None``) to ``parser``, its help
+    :data:`SWA_RECOVERY_HELP` followed by ``extra`` (a command's own note, may be empty)."""
+    parser.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
+                        help=SWA_RECOVERY_HELP + (f"; {extra}" if extra else ""))
+
+
 def restart_spec(text: str) -> tuple[int, float]:
     """``INSTANCE@SECONDS`` (``--restart``): a 0-based instance index and a time on the fleet's
     clock in seconds (after ``--time-scale``), e.g. ``3@120.5``."""

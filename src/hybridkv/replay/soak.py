@@ -51,7 +51,7 @@ from hybridkv.replay.args import (
     finite_positive_float,
     positive_int,
     seed_value,
-    swa_recovery_arg,
+    add_swa_recovery_argument,
     thread_count,
     unwritable,
 )
@@ -566,9 +566,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=(PRESET, *V4_SOAK_PRESETS), default=PRESET,
                    help="preset the rounds run on (default tiny; DeepSeek-V4: v4-tiny, v4-small, with the same "
                         "drawn host tier, store, second engine and store faults)")
-    p.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
-                   help="DeepSeek-V4 models: how a hit restores the sliding-window state (default window; "
-                        f"periodic=P needs P a multiple of {PERIODIC_SOAK_UNIT})")
+    add_swa_recovery_argument(p, f"periodic=P needs P a multiple of {PERIODIC_SOAK_UNIT}")
     p.add_argument("--case", help="rerun a recorded failure (a --json report, or one of its failures) instead")
     p.add_argument("--threads", type=thread_count, default=1, help="torch threads (default 1)")
     p.add_argument("--json", dest="json_path", help="write the report here")

@@ -28,7 +28,7 @@ from hybridkv.replay.args import (
     port_number,
     positive_int,
     seed_value,
-    swa_recovery_arg,
+    add_swa_recovery_argument,
     thread_count,
     time_scale,
 )
@@ -65,12 +65,7 @@ def register_cli(sub) -> None:
     s.add_argument("--max-waiting", type=positive_int, default=64,
                    help="requests waiting for admission before answering 503 (default 64)")
     s.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
-    s.add_argument("--swa-recovery", type=swa_recovery_arg, default=None, metavar="window|periodic=P|recompute",
-                   help="DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "
-                        "saved at the hit, placed by --policy; default), periodic=P (saved every P tokens, a "
-                        "multiple of --prefix-match-unit) or recompute (nothing saved; the hit recomputes the "
-                        "window's dependency cone). --host-mib and --store carry a V4 model's groups as they "
-                        "carry Kimi Linear's")
+    add_swa_recovery_argument(s, "--host-mib and --store carry a V4 model's groups as they carry Kimi Linear's")
     s.add_argument("--shadow-verify", type=fraction, default=None, metavar="RATE",
                    help="share of requests, in [0, 1], whose cache hits are recomputed without the cache in the "
                         "engine's idle time and compared (logits within 1e-4, same greedy tokens, ties apart); a "
