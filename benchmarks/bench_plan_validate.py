@@ -2,7 +2,7 @@
 
 1. **Seeds**: the plan's configuration re-simulated with arrival seeds 1, 2, 3 (each arrival moved
    later by a uniform draw within the trace's smallest gap between arrivals,
-   :meth:`hybridkv.fleet.plan.Evaluator._trace_for`) must meet the planned targets.
+   :meth:`hybridkv.replay.plan.Evaluator._trace_for`) must meet the planned targets.
 2. **Grid**: every configuration of a reduced space cheaper than the plan is simulated: cache
    share (``--shares``) x store (none, and the plan's when it has one) x router (``--routers``)
    at the plan's policy, each at the largest instance count that keeps it
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridkv.fleet.plan import SHARES, ROUTERS, Evaluator, FleetConfig, Prices, h200_budget
+from hybridkv.replay.plan import SHARES, ROUTERS, Evaluator, FleetConfig, Prices, h200_budget
 
 TOL = 1e-9
 """Tolerance of cost comparisons (USD/h)."""

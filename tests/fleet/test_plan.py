@@ -10,7 +10,7 @@ import pytest
 
 from hybridkv.cli import build_parser, main
 from hybridkv.fleet.operating import parse_slo
-from hybridkv.fleet.plan import (
+from hybridkv.replay.plan import (
     DeviceBudget,
     Evaluator,
     FleetConfig,

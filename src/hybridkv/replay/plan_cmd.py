@@ -1,5 +1,5 @@
 """``hybridkv plan``: the cheapest fleet that meets service-level targets on a trace
-(:mod:`hybridkv.fleet.plan`), printed as a table, plotted, and written as JSON."""
+(:mod:`hybridkv.replay.plan`), printed as a table, plotted, and written as JSON."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hybridkv.fleet.plan import (
+from hybridkv.replay.plan import (
     DEFAULT_GPU_HOUR_USD,
     DEFAULT_HOST_GB_MONTH_USD,
     DEFAULT_STORE_GB_MONTH_USD,

@@ -39,6 +39,7 @@ from rich.progress import (
 from hybridkv.cache.config import HOST_PROBATION, CacheConfig, CheckpointPolicy
 from hybridkv.cache.swa import CSA, HCA, SwaRecovery, check_block_size
 from hybridkv.model.v4.config import V4_SIMULATE_ONLY, V4Config
+from hybridkv.fleet.costmodel import cost_model
 from hybridkv.engine.build import check_pool_memory, model_config
 from hybridkv.fleet.candidates import DEFAULT_ROUTE_CANDIDATES
 from hybridkv.fleet.routers import HybridOptions
@@ -340,6 +341,8 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         raise ValueError(f"store {opts.store!r} with instances={opts.instances}: memory:// is private to one engine "
                          "(a dict in its process), so the instances would share nothing; use disk:///PATH or "
                          "mooncake://HOST:PORT, or no store (the instances then share a fresh disk store)")
+    if opts.timed and opts.cost_model is not None:
+        cost_model(opts.cost_model)           # a bad cost-model file is refused before any note is printed
     _warn_if_lower_tiers_idle(opts, cfg, prompts, console)
     notes = workload_notes(given, len(reqs), cfg.num_checkpoint_slots, _priced_by(opts, mcfg))
     for note in notes:                        # before the run: what this mode changes in the work
