@@ -94,9 +94,11 @@ HEADER = ["USD/h", "instances", "cache share", "store (GiB @ GB/s)", "policy", "
 """Columns of the Pareto table."""
 
 
-def render(result: PlanResult, commands: list[list[str]], console: Console, wall: float, cpu: float) -> None:
-    """Print the plan, the Pareto front, why the next cheaper point fails, and the deploy commands."""
-    t = Table(title="Pareto front (whole trace): cost, TTFT p99, goodput", header_style="bold")
+def render(result: PlanResult, commands: list[list[str]], console: Console, wall: float, cpu: float,
+           scope: str = "whole trace") -> None:
+    """Print the plan, the Pareto front, why the next cheaper point fails, and the deploy commands;
+    ``scope`` names what the front was simulated on (``whole trace`` or ``first N requests``)."""
+    t = Table(title=f"Pareto front ({scope}): cost, TTFT p99, goodput", header_style="bold")
     for h in HEADER:
         t.add_column(h, overflow="fold")
     for o in result.front:
@@ -190,7 +192,8 @@ def cmd_plan(args, console: Console | None = None) -> int:
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
     _POINTS[id(result)] = whole
     commands = deploy_commands(result.plan.config, budget, args.model, args.max_num_seqs) if result.plan else []
-    render(result, commands, out, wall, cpu)
+    scope = "whole trace" if args.limit is None else f"first {ev.total:,} requests"
+    render(result, commands, out, wall, cpu, scope)
     if args.png:
         plot(result, args.png)
     if args.json:

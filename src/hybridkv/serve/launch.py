@@ -271,7 +271,7 @@ def build_server(opts: ServeOptions) -> Server:
         codec = load_codec(opts.model, handle.backend.vocab_size)
         metrics = ServeMetrics()
         shadow = make_verifier(handle, opts.shadow_verify, metrics)
-        log.info("shadow verification: %s", f"{shadow.rate:g} of requests (their cache hits recomputed when idle)"
+        log.info("shadow verification: %s", f"{100 * shadow.rate:.4g}% of requests (their cache hits recomputed when idle)"
                  if shadow is not None else "off")
         worker = EngineWorker(handle, opts.max_waiting, on_step=metrics.step.observe,
                               on_admit=lambda s: metrics.queue_wait.observe(s.queue_seconds),
