@@ -204,10 +204,14 @@ def _fits(prefix: list[int], more: int) -> bool:
     return len(prefix) + more <= MAX_CONTEXT_BLOCKS
 
 
-def _tenants(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
-    systems = [g.fresh(g.span(p.system_blocks)) for _ in range(p.tenants)]
-    cum = g.zipf_table(p.tenants, p.tenant_zipf)
-    convs: list[deque] = [deque(maxlen=p.recent) for _ in range(p.tenants)]   # (history, last output)
+def _conversations(g: _Gen, p: SynthParams, heads: list[list[int]], zipf: float
+                   ) -> Iterator[tuple[list[int], int, int]]:
+    """Conversations that start on one of ``heads`` (a tenant's system prompt, a shared document),
+    picked with Zipf exponent ``zipf``: a new message of ``message_blocks`` on its head, or, with
+    probability ``followup``, the next turn of one of the head's ``recent`` conversations (its
+    history, the re-sent last block, the answer and the message)."""
+    cum = g.zipf_table(len(heads), zipf)
+    convs: list[deque] = [deque(maxlen=p.recent) for _ in heads]   # (history, last output)
     while True:
         t = g.pick(cum)
         msg = g.span(p.message_blocks)
@@ -219,11 +223,16 @@ def _tenants(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
             if _fits(hist, more):
                 del convs[t][k]
                 history = (hist, more)
-        prefix, more = history if history else (systems[t], msg)
+        prefix, more = history if history else (heads[t], msg)
         ids, length = g.prompt(prefix, more)
         out = g.output(p)
         convs[t].append((ids[:-1], out))
         yield ids, length, out
+
+
+def _tenants(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
+    systems = [g.fresh(g.span(p.system_blocks)) for _ in range(p.tenants)]
+    yield from _conversations(g, p, systems, p.tenant_zipf)
 
 
 def _agentic(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
@@ -251,24 +260,7 @@ def _agentic(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
 def _documents(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
     preamble = g.fresh(p.preamble_blocks)
     docs = [preamble + g.fresh(g.span(p.document_blocks)) for _ in range(p.documents)]
-    cum = g.zipf_table(p.documents, p.document_zipf)
-    convs: list[deque] = [deque(maxlen=p.recent) for _ in range(p.documents)]
-    while True:
-        d = g.pick(cum)
-        q = g.span(p.message_blocks)
-        history = None
-        if convs[d] and g.rng.random() < p.followup:
-            k = g.rng.randrange(len(convs[d]))
-            hist, out_prev = convs[d][k]
-            more = 1 + -(-out_prev // B) + q
-            if _fits(hist, more):
-                del convs[d][k]
-                history = (hist, more)
-        prefix, more = history if history else (docs[d], q)
-        ids, length = g.prompt(prefix, more)
-        out = g.output(p)
-        convs[d].append((ids[:-1], out))
-        yield ids, length, out
+    yield from _conversations(g, p, docs, p.document_zipf)
 
 
 def _hotset(g: _Gen, p: SynthParams) -> Iterator[tuple[list[int], int, int]]:
