@@ -91,3 +91,11 @@ def wait_router(pred, router, polls: int = 400) -> dict:
             return s
         time.sleep(0.025)
     pytest.fail(f"router never reached the expected state: {s}")
+
+
+def wait_running(s: RunningServer, polls: int = 400) -> None:
+    """Poll until the server's engine runs a request (at most ``polls`` polls, 25 ms apart)."""
+    for _ in range(polls):
+        if engine_idle(s)["running"]:
+            return
+        time.sleep(0.025)

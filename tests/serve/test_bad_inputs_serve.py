@@ -295,7 +295,7 @@ def test_a_stopping_server_answers_a_running_non_streaming_request_503(uvicorn_l
     """After the grace, a non-streaming request still generating is answered 503
     (``server_shutdown``) instead of being cancelled with its connection; nothing is logged as an
     error."""
-    from serve_helpers import engine_idle
+    from serve_helpers import wait_running
 
     from hybridkv.serve.launch import RunningServer, ServeOptions
 
@@ -305,10 +305,7 @@ def test_a_stopping_server_answers_a_running_non_streaming_request_503(uvicorn_l
         body = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
         client = threading.Thread(target=lambda: answers.append(_post(s.url, "/v1/completions", body)))
         client.start()
-        for _ in range(400):
-            if engine_idle(s)["running"]:
-                break
-            time.sleep(0.025)
+        wait_running(s)
     finally:
         s.close()
     client.join(30)
@@ -321,16 +318,13 @@ def test_a_stopping_server_answers_a_running_non_streaming_request_503(uvicorn_l
 def test_a_stopping_router_answers_a_request_still_waiting_for_its_worker_503(server, stopping_router, uvicorn_log):
     """A non-streaming request whose worker has not answered yet when the router stops gets a
     503 (``server_shutdown``), and the worker's job is cancelled."""
-    from serve_helpers import engine_idle, wait_idle
+    from serve_helpers import wait_idle, wait_running
 
     answers: list[httpx.Response] = []
     body = {"model": "tiny", "prompt": [7] * 100, "max_tokens": 60_000, "ignore_eos": True, "temperature": 0}
     client = threading.Thread(target=lambda: answers.append(_post(stopping_router.url, "/v1/completions", body)))
     client.start()
-    for _ in range(400):
-        if engine_idle(server)["running"]:
-            break
-        time.sleep(0.025)
+    wait_running(server)
     stopping_router.close()
     client.join(30)
     (r,) = answers
