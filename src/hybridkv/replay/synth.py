@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
+from hybridkv.replay.args import finite_positive_float
 from hybridkv.replay.trace import MAX_INPUT_TOKENS, TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 
 KINDS = ("tenants", "agentic", "documents", "hotset")
@@ -462,16 +463,6 @@ def _requests_arg(text: str) -> int:
     return v
 
 
-def _rate_arg(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (requests per second)") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0 (requests per second)")
-    return v
-
-
 _KIND_OPTIONS = {"tenants": "tenants", "sessions": "agentic", "documents": "documents", "hot_set": "hotset"}
 """Workload option (``SynthParams`` field) -> the only kind it applies to."""
 
@@ -496,7 +487,7 @@ def register_cli(subparsers) -> None:
     s.add_argument("--requests", required=True, type=_requests_arg, help="requests (lines) to write")
     s.add_argument("--seed", type=lambda x: _int_arg(x, 0, "seed"), default=0,
                    help="seed of the generator, an integer >= 0 (default 0)")
-    s.add_argument("--rate", type=_rate_arg, default=DEFAULT_RATE,
+    s.add_argument("--rate", type=finite_positive_float, default=DEFAULT_RATE,
                    help=f"mean arrivals per second, a Poisson process (default {DEFAULT_RATE:g})")
     s.add_argument("--tenants", type=lambda x: _int_arg(x, 1, "tenants"), default=None,
                    help=f"--kind tenants: number of tenants, each with its own system prompt of "
@@ -520,7 +511,7 @@ def register_cli(subparsers) -> None:
                                    "output (millions of lines in bounded memory).")
     c.add_argument("--trace", default=None, help="source trace (default: the bundled one)")
     c.add_argument("--copies", required=True, type=lambda x: _int_arg(x, 1, "copies"), help="copies of the trace")
-    c.add_argument("--rate", type=_rate_arg, default=None,
+    c.add_argument("--rate", type=finite_positive_float, default=None,
                    help="mean arrivals per second of the output (default: keep the source's arrival times, "
                         "so --copies times its rate); copy c arrives c/RATE s after copy 0")
     c.add_argument("--shared-prefix-blocks", type=lambda x: _int_arg(x, 0, "shared prefix blocks"), default=0,
