@@ -153,7 +153,10 @@ def test_a_split_batch_whose_part_dies_is_an_error_for_the_whole_request(tmp_pat
 
 def test_a_worker_dying_before_its_first_byte_is_retried_once_on_another(tmp_path, workers):
     """A non-streamed request's first byte is its whole answer: the worker dies while generating
-    it, nothing reached the client yet, so the router sends it to the other worker."""
+    it, nothing reached the client yet, so the router sends it to the other worker. The worker is
+    killed as soon as it reports the request running, with hundreds of tokens still to generate
+    (an idle machine makes 80 tokens in well under a second: it could finish before the kill)."""
+    MAX_TOKENS = 600
     dying = _worker_process(tmp_path, "dying")
     ok = workers[0]
     router = _router([dying.url, ok.url], "round-robin")
@@ -163,17 +166,16 @@ def test_a_worker_dying_before_its_first_byte_is_retried_once_on_another(tmp_pat
 
         def send():
             answer["r"] = httpx.post(f"{router.url}/v1/completions", timeout=120,
-                                     json=_long(prompt_ids(5, 70), max_tokens=80))
+                                     json=_long(prompt_ids(5, 70), max_tokens=MAX_TOKENS))
 
         t = threading.Thread(target=send)
         t.start()
         _wait_load(dying.url, 1)                      # round-robin's first pick is worker 0
-        time.sleep(0.3)
-        dying.kill()
+        dying.kill()                                  # at once: it is far from done with MAX_TOKENS
         t.join(120)
         r = answer["r"]
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 80
+        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
         s = _stats(router)
         assert s["retries"] == 1 and s["workers"][1]["routed"] == 1
     finally:
