@@ -47,3 +47,19 @@ def assert_exact(model, req: Request, tol: float = 1e-4) -> float:
 def tokens(seed: int, n: int, vocab: int) -> np.ndarray:
     """``n`` deterministic random token ids."""
     return np.random.default_rng(seed).integers(0, vocab, n, dtype=np.int64)
+
+
+def tamper_resumed_rows(monkeypatch, backend_cls, delta: float = 0.01) -> None:
+    """Patch ``backend_cls.run`` so the first logits row of every multi-token chunk resumed at a
+    64-aligned position is off by ``delta`` (a stand-in for a reuse or restore bug; greedy tokens
+    stay right)."""
+    run = backend_cls.run
+
+    def wrong(self, items):
+        outs = run(self, items)
+        for it, out in zip(items, outs):
+            if it.start > 0 and it.start % 64 == 0 and out.logits is not None and out.logits.shape[0] > 1:
+                out.logits[0] += delta
+        return outs
+
+    monkeypatch.setattr(backend_cls, "run", wrong)

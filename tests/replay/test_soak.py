@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from hkv_helpers import tamper_resumed_rows
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.replay import soak, soak_check
 from hybridkv.replay.soak_rounds import make_round
@@ -42,16 +43,7 @@ def test_rounds_depend_only_on_seed_and_index():
 def _tamper(monkeypatch):
     """A backend that gets the first logits row of every multi-token chunk resumed at a 64-aligned
     position wrong (a stand-in for a reuse bug); greedy tokens stay right."""
-    run = TorchBackend.run
-
-    def wrong(self, items):
-        outs = run(self, items)
-        for it, out in zip(items, outs):
-            if it.start > 0 and it.start % 64 == 0 and out.logits is not None and out.logits.shape[0] > 1:
-                out.logits[0] += 0.01
-        return outs
-
-    monkeypatch.setattr(TorchBackend, "run", wrong)
+    tamper_resumed_rows(monkeypatch, TorchBackend)
 
 
 def test_a_wrong_logit_is_reported_with_seed_round_and_shrunk_sequence(tiny_model, monkeypatch, tmp_path, capsys):

@@ -68,16 +68,9 @@ def test_a_wrong_v4_logit_is_caught_and_its_case_reruns_on_v4(v4_model, monkeypa
     """A V4 backend that gets the first row of each chunk resumed at a 64-aligned position wrong
     (a stand-in for a restore bug) fails the soak; the recorded case names its model and reruns on it."""
     from hybridkv.engine.v4backend import V4Backend
+    from hkv_helpers import tamper_resumed_rows
     run = V4Backend.run
-
-    def wrong(self, items):
-        outs = run(self, items)
-        for it, out in zip(items, outs):
-            if it.start > 0 and it.start % 64 == 0 and out.logits is not None and out.logits.shape[0] > 1:
-                out.logits[0] += 0.01
-        return outs
-
-    monkeypatch.setattr(V4Backend, "run", wrong)
+    tamper_resumed_rows(monkeypatch, V4Backend)
     monkeypatch.setitem(soak._MODELS, "v4-tiny", v4_model)
     out = tmp_path / "soak.json"
     assert soak.main(["--model", "v4-tiny", "--swa-recovery", "recompute", "--seed", "1", "--rounds", "1",

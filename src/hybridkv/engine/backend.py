@@ -167,7 +167,31 @@ class TorchBackend(_KimiSizes):
                            checkpoints=dict(o.checkpoints)) for o in outs]
 
 
-class SimulatedBackend(_KimiSizes):
+class NoTensors:
+    """The tensor side of a backend in simulation: page reads give ``None`` and writes do nothing,
+    so the engine's bookkeeping runs unchanged without any KV or state held. Shared by
+    :class:`SimulatedBackend` and :class:`~hybridkv.engine.v4backend.SimulatedV4Backend`."""
+
+    def read_kv(self, block_table, start, end):
+        """No tensors in simulation."""
+        return
+
+    def write_pages(self, pages, latents) -> None:
+        """No tensors in simulation."""
+
+    def read_page_entry(self, block_table, start, end):
+        """No tensors in simulation."""
+        return
+
+    def page_entry(self, page):
+        """No tensors in simulation."""
+        return
+
+    def write_page_entry(self, pages, components) -> None:
+        """No tensors in simulation."""
+
+
+class SimulatedBackend(NoTensors, _KimiSizes):
     """No tensors: every answer is a placeholder; compute time comes from a cost model.
 
     Cost model (seconds) for a step: ``sum(n_i) / prefill_tokens_per_second``
@@ -212,24 +236,6 @@ class SimulatedBackend(_KimiSizes):
         return CheckpointPool(num_slots, slot_bytes=self.kda_spec.page_size_bytes, eviction=eviction)
 
     copy_page = None
-
-    def read_kv(self, block_table, start, end):
-        """No tensors in simulation."""
-        return
-
-    def write_pages(self, pages, latents) -> None:
-        """No tensors in simulation."""
-
-    def read_page_entry(self, block_table, start, end):
-        """No tensors in simulation."""
-        return
-
-    def page_entry(self, page):
-        """No tensors in simulation."""
-        return
-
-    def write_page_entry(self, pages, components) -> None:
-        """No tensors in simulation."""
 
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """Account the modelled time and answer with placeholders."""

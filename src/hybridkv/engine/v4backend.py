@@ -29,7 +29,7 @@ from hybridkv._torch import torch
 from hybridkv.cache.groups import BOUNDARY, PREFIX, Family, GroupSpec
 from hybridkv.cache.pools import CheckpointPool, StateCodec
 from hybridkv.cache.swa import CSA, HCA, SWA, SwaRecovery, check_block_size, v4_family
-from hybridkv.engine.backend import StepItem, StepOutput
+from hybridkv.engine.backend import NoTensors, StepItem, StepOutput
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -372,7 +372,7 @@ class V4Backend:
         return end.boundary_state
 
 
-class SimulatedV4Backend:
+class SimulatedV4Backend(NoTensors):
     """A DeepSeek-V4 model's cache groups without tensors (``--simulate``): the same specs,
     family and restart points as :class:`V4Backend`, so the index, matcher, checkpoint policy
     and scheduler decide exactly as they do with the model; compute time comes from a cost
@@ -434,24 +434,6 @@ class SimulatedV4Backend:
     def new_checkpoint_pool(self, num_slots: int, eviction: str = "lru") -> CheckpointPool:
         """A bookkeeping-only pool of ``swa`` slots."""
         return CheckpointPool(num_slots, slot_bytes=self.swa_spec.bytes_per_entry, eviction=eviction)
-
-    def read_kv(self, block_table, start, end):
-        """No tensors in simulation."""
-        return
-
-    def write_pages(self, pages, latents) -> None:
-        """No tensors in simulation."""
-
-    def read_page_entry(self, block_table, start, end):
-        """No tensors in simulation."""
-        return
-
-    def page_entry(self, page):
-        """No tensors in simulation."""
-        return
-
-    def write_page_entry(self, pages, components) -> None:
-        """No tensors in simulation."""
 
     def run(self, items: list[StepItem]) -> list[StepOutput]:
         """Account the modelled time and answer with placeholders."""
