@@ -17,9 +17,13 @@ What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("s
   ``time.perf_counter`` accumulators. Nested calls (``lookup`` -> ``hash_prompt``,
   ``publish`` -> ``publish_units``) are timed per method *inclusive*, and
   the overhead total counts only the outermost call so nothing is counted twice.
+  ``--clock cpu`` times them with ``time.thread_time`` (CPU seconds of the engine's
+  thread) instead of ``time.perf_counter``: time the process spends descheduled by other
+  jobs on a loaded machine is then not counted (the prefill times stay wall seconds).
 * **baseline**: the same engine with policy ``none`` (no checkpoint can exist, so
   every request prefills its whole prompt): the no-cache prefill time of the
-  same prompts, chunked the same way.
+  same prompts, chunked the same way. ``--no-baseline`` leaves it out (half the run
+  time; the overhead figures stay, the saved-prefill ones are ``None``).
 
 The two engines run in lockstep (one step of each in turn), so background load
 on a shared machine hits both alike. ``backend.run`` is timed in both; steps that
@@ -67,8 +71,14 @@ CACHE_METHODS = ("hash_prompt", "lookup", "acquire", "publish", "publish_units",
                  "retire_checkpoint", "release")
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+"""``--clock`` choices: the clock the wrapped cache methods are timed with (seconds)."""
+
+
 class Timers:
-    """Inclusive seconds per wrapped name, plus the outermost-only total."""
+    """Inclusive seconds per wrapped name, plus the outermost-only total (``clock``: seconds)."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self) -> None:
         self.incl: dict[str, float] = {}
@@ -83,11 +93,11 @@ class Timers:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             self.depth += 1
-            t = time.perf_counter()
+            t = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                dt = time.perf_counter() - t
+                dt = self.clock() - t
                 self.depth -= 1
                 self.incl[name] += dt
                 self.calls[name] += 1
@@ -163,19 +173,20 @@ class EngineRun:
 
 
 def run_lockstep(model, prompts, outs, cached_cfg, base_cfg, namespace):
-    """The cached and the baseline engine stepped alternately, so both see the same background load."""
+    """The cached and the baseline engine stepped alternately, so both see the same background load
+    (``base_cfg=None``: the cached engine alone; the baseline returned is ``None``)."""
     cached = EngineRun(model, prompts, outs, cached_cfg, namespace, True)
-    base = EngineRun(model, prompts, outs, base_cfg, namespace, False)
+    base = EngineRun(model, prompts, outs, base_cfg, namespace, False) if base_cfg is not None else None
     real_plan = engine_mod.plan_captures
     timed_plan = cached.timers.wrap("plan_captures", real_plan)
     # the module function is shared by both engines: time only the cached engine's calls
     engine_mod.plan_captures = lambda config, *a, **k: (timed_plan if config is cached_cfg else real_plan)(
         config, *a, **k)
     try:
-        while cached.eng.has_work or base.eng.has_work:
+        while cached.eng.has_work or (base is not None and base.eng.has_work):
             if cached.eng.has_work:
                 cached.step()
-            if base.eng.has_work:
+            if base is not None and base.eng.has_work:
                 base.step()
     finally:
         engine_mod.plan_captures = real_plan
@@ -191,31 +202,33 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
     policy = args.policy or default_policy(block, g)
     cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(policy), checkpoint_probation=args.checkpoint_probation,
                              **common)
-    base_cfg = CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
+    base_cfg = None if args.no_baseline else CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
     run_lockstep(model, [prompts[0][:512]], [1], cached_cfg, base_cfg, namespace)   # warm-up
     runs = []
     for rep in range(args.repeats):
         c, b = run_lockstep(model, prompts, outs, cached_cfg, base_cfg, namespace)
-        runs.append((c.result(), c.timers, b.result(), c.wall, b.wall, c.eng))
+        runs.append((c.result(), c.timers, b.result() if b else None, c.wall, b.wall if b else None, c.eng))
     # per request: the minimum over repeats of each measured time (least noise from other jobs)
     ids = list(runs[0][0])
     rows = []
     for rid in ids:
         c0 = runs[0][0][rid]
         rows.append(dict(c0, prefill_cached_s=min(r[0][rid]["prefill_s"] for r in runs),
-                         prefill_base_s=min(r[2][rid]["prefill_s"] for r in runs),
+                         prefill_base_s=None if base_cfg is None else min(r[2][rid]["prefill_s"] for r in runs),
                          overhead_s=min(r[0][rid]["overhead_s"] for r in runs)))
     n = len(rows)
     hit_tokens = sum(r["hit"] for r in rows)
     matched_units = sum(r["matched_units"] for r in rows)
     hashed_units = sum(r["hashed_units"] for r in rows)
     overhead = sum(r["overhead_s"] for r in rows)
-    base_prefill = sum(r["prefill_base_s"] for r in rows)
     cached_prefill = sum(r["prefill_cached_s"] for r in rows)
     prompt_tokens = sum(r["prompt"] for r in rows)
-    s_per_tok = base_prefill / prompt_tokens
-    saved_measured = base_prefill - cached_prefill
-    saved_est = hit_tokens * s_per_tok
+    if base_cfg is None:
+        base_prefill = saved_measured = saved_est = None
+    else:
+        base_prefill = sum(r["prefill_base_s"] for r in rows)
+        saved_measured = base_prefill - cached_prefill
+        saved_est = hit_tokens * base_prefill / prompt_tokens
     best = min(runs, key=lambda r: r[1].total)[1]
     breakdown = {k: {"calls": best.calls[k], "us_per_call": 1e6 * best.incl[k] / max(best.calls[k], 1),
                      "us_per_request": 1e6 * best.incl[k] / n, "seconds": best.incl[k]} for k in best.incl}
@@ -225,16 +238,16 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
         "requests_with_hit": len(hit_rows), "matched_units": matched_units, "hashed_units": hashed_units,
         "block_size": block_size, "prefix_match_unit": g, "repeats": args.repeats, "policy": policy,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "checkpoints_created": dict(runs[0][5].stats.checkpoints_created),
+        "checkpoints_created": dict(runs[0][5].stats.checkpoints_created), "clock": args.clock,
         "baseline_prefill_s": base_prefill, "cached_prefill_s": cached_prefill,
-        "prefill_tokens_per_s_baseline": prompt_tokens / base_prefill,
+        "prefill_tokens_per_s_baseline": prompt_tokens / base_prefill if base_prefill else None,
         "saved_prefill_s_measured": saved_measured, "saved_prefill_s_estimated": saved_est,
         "overhead_s": overhead, "overhead_us_per_request": 1e6 * overhead / n,
         "overhead_us_per_matched_unit": 1e6 * overhead / matched_units if matched_units else None,
         "overhead_us_per_hashed_unit": 1e6 * overhead / hashed_units,
-        "overhead_pct_of_saved_measured": 100 * overhead / saved_measured if saved_measured > 0 else None,
-        "overhead_pct_of_saved_estimated": 100 * overhead / saved_est if saved_est > 0 else None,
-        "overhead_pct_of_baseline_prefill": 100 * overhead / base_prefill,
+        "overhead_pct_of_saved_measured": 100 * overhead / saved_measured if saved_measured and saved_measured > 0 else None,
+        "overhead_pct_of_saved_estimated": 100 * overhead / saved_est if saved_est and saved_est > 0 else None,
+        "overhead_pct_of_baseline_prefill": 100 * overhead / base_prefill if base_prefill else None,
         "hit_requests_overhead_us_mean": (1e6 * statistics.mean(r["overhead_s"] for r in hit_rows)
                                           if hit_rows else None),
         "breakdown_best_repeat": breakdown,
@@ -266,16 +279,16 @@ def _print(res: dict) -> None:
           f"{res['reused_tokens']} reused ({res['requests_with_hit']} requests with a hit), "
           f"{res['matched_units']} matched / {res['hashed_units']} hashed 64-token units; policy {res['policy']}, "
           f"checkpoints created {res['checkpoints_created']}")
-    print(f"baseline prefill {res['baseline_prefill_s']:.2f} s ({res['prefill_tokens_per_s_baseline']:.0f} tok/s), "
-          f"cached prefill {res['cached_prefill_s']:.2f} s")
-    print(f"saved prefill: measured {res['saved_prefill_s_measured']:.3f} s, "
-          f"estimated (reused x s/token) {res['saved_prefill_s_estimated']:.3f} s")
-    print(f"cache overhead {1e3 * res['overhead_s']:.2f} ms = {res['overhead_us_per_request']:.0f} us/request, "
+    print(f"baseline prefill {f(res['baseline_prefill_s'], '.2f')} s "
+          f"({f(res['prefill_tokens_per_s_baseline'], '.0f')} tok/s), cached prefill {res['cached_prefill_s']:.2f} s")
+    print(f"saved prefill: measured {f(res['saved_prefill_s_measured'], '.3f')} s, "
+          f"estimated (reused x s/token) {f(res['saved_prefill_s_estimated'], '.3f')} s")
+    print(f"cache overhead ({res['clock']} clock) {1e3 * res['overhead_s']:.2f} ms = {res['overhead_us_per_request']:.0f} us/request, "
           f"{f(res['overhead_us_per_matched_unit'], '.1f')} us/matched unit, "
           f"{res['overhead_us_per_hashed_unit']:.1f} us/hashed unit")
     print(f"overhead / saved: {f(res['overhead_pct_of_saved_measured'], '.3f')} % (measured), "
           f"{f(res['overhead_pct_of_saved_estimated'], '.3f')} % (estimated); "
-          f"/ baseline prefill {res['overhead_pct_of_baseline_prefill']:.3f} %")
+          f"/ baseline prefill {f(res['overhead_pct_of_baseline_prefill'], '.3f')} %")
     print(f"{'method':<20}{'calls':>7}{'us/call':>10}{'us/request':>12}   (inclusive, best repeat)")
     for k, v in res["breakdown_best_repeat"].items():
         print(f"{k:<20}{v['calls']:>7}{v['us_per_call']:>10.1f}{v['us_per_request']:>12.1f}")
@@ -294,8 +307,14 @@ def main(argv=None) -> int:
     p.add_argument("--simulate-trace", action="store_true", help="also time the whole-trace simulate replay")
     p.add_argument("--checkpoint-probation", type=float, default=None,
                    help="CacheConfig.checkpoint_probation of the cached run (default: off)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="clock of the cache methods' timers: wall (time.perf_counter) or cpu (time.thread_time, "
+                        "CPU seconds of the engine's thread: not charged for time other jobs hold the core)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="run the cached engine only (no policy-none engine: no saved-prefill figures)")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
+    Timers.clock = staticmethod(CLOCKS[args.clock])
     torch.set_num_threads(1)
     model = HybridModel.from_preset("small", seed=0).eval()
     vocab = model.config.vocab_size

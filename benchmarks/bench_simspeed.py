@@ -15,7 +15,7 @@ Each run also records the replay's own CPU seconds (``time.process_time`` around
 ``run_replay`` in the child: trace load to report, start-up and imports excluded).
 
 Run by hand:  PYTHONPATH=src .venv/bin/python benchmarks/bench_simspeed.py [--limit N] [--cases timed32,untimed]
-    [--out benchmarks/results/simspeed.json]
+    [--out benchmarks/results/simspeed.json] [--replay-args='--checkpoint-probation 0']
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -62,12 +63,14 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run_case(name: str, limit: int | None) -> dict:
-    """One replay in a child process; its speed and its unchanged-by-speed figures."""
+def run_case(name: str, limit: int | None, extra: list[str] | None = None) -> dict:
+    """One replay in a child process; its speed and its unchanged-by-speed figures (``extra``:
+    more ``hybridkv replay`` arguments, after the case's own)."""
+    extra = list(extra or [])
     with tempfile.TemporaryDirectory(prefix="hybridkv-simspeed-") as tmp:
         out = Path(tmp) / "report.json"
         cpu_file = Path(tmp) / "replay_cpu"
-        cmd = [sys.executable, "-c", _CHILD, str(cpu_file), "replay", *CASES[name],
+        cmd = [sys.executable, "-c", _CHILD, str(cpu_file), "replay", *CASES[name], *extra,
                "--no-progress", "--json", str(out)] + (["--limit", str(limit)] if limit else [])
         load_before = os.getloadavg()
         cpu0, t0 = _children_cpu(), time.perf_counter()
@@ -76,7 +79,7 @@ def run_case(name: str, limit: int | None) -> dict:
         rep = json.loads(out.read_text())
         replay_cpu = float(cpu_file.read_text())
     n, wall = rep["requests"], rep["wall_seconds"]
-    return {"case": name, "args": CASES[name], "limit": limit, "requests": n,
+    return {"case": name, "args": CASES[name] + extra, "limit": limit, "requests": n,
             "replay_wall_seconds": wall, "requests_per_second": round(n / wall, 1),
             "process_wall_seconds": round(process_wall, 2), "process_cpu_seconds": round(cpu, 2),
             "requests_per_cpu_second": round(n / cpu, 1),
@@ -95,7 +98,14 @@ def main() -> None:
     ap.add_argument("--commit", default=None,
                     help="commit of the code measured (default: this checkout's HEAD; set it when PYTHONPATH "
                          "points at another tree)")
+    ap.add_argument("--replay-args", default="",
+                    help="more hybridkv replay arguments for every case, one shell-quoted string "
+                         "(e.g. --replay-args='--checkpoint-probation 0')")
     args = ap.parse_args()
+    try:
+        extra = shlex.split(args.replay_args)
+    except ValueError as e:
+        ap.error(f"--replay-args {args.replay_args!r}: {e}")
     names = [c for c in args.cases.split(",") if c]
     for c in names:
         if c not in CASES:
@@ -104,7 +114,7 @@ def main() -> None:
                                            text=True).stdout.strip()
     runs = []
     for c in names:
-        r = run_case(c, args.limit)
+        r = run_case(c, args.limit, extra)
         print(f"{c}: {r['requests']} requests, replay {r['replay_wall_seconds']:.1f} s "
               f"({r['requests_per_second']:.0f}/s), replay CPU {r['replay_cpu_seconds']:.1f} s "
               f"({r['requests_per_replay_cpu_second']:.0f}/CPU s), process CPU {r['process_cpu_seconds']:.1f} s "
