@@ -32,6 +32,7 @@ from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import (
     APIError,
     check_fields,
+    check_tenant,
     check_ids,
     parse_generation,
     parse_prompts,
@@ -235,12 +236,14 @@ class Server:
         their intersection), ``{"all": true}`` or ``{"abi_version": N}`` (an older cache ABI's
         store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier.
 
-        A request with an ``X-Tenant`` header is confined to that tenant (the scope when the body
-        names none; a ``cache_salt`` narrows it).
+        A request of a key bound to a tenant, or with an ``X-Tenant`` header, is confined to that
+        tenant (the scope when the body names none; a ``cache_salt`` narrows it), and its counts
+        are that tenant's.
 
         Raises:
-            APIError: 400 for an unknown field, a field of the wrong type or not exactly one scope; 403 when an
-                ``X-Tenant`` request names another tenant, ``all`` or ``abi_version``.
+            APIError: 400 for an unknown field, a field of the wrong type, an empty ``tenant`` or not
+                exactly one scope; 403 when a bound key's or an ``X-Tenant`` request names another
+                tenant, ``all`` or ``abi_version``, or a bound key's ``X-Tenant`` header names another.
         """
         from hybridkv.cache.abi import ABI_VERSION
 
@@ -255,13 +258,21 @@ class Server:
             raise APIError(400, f"all={everything!r} must be a boolean", "all")
         for name, value in (("tenant", tenant), ("cache_salt", salt)):
             if value is not None and not isinstance(value, str):
-                raise APIError(400, f"{name}={value!r} must be a string", name)
+                raise APIError(400, f"{name}={_shown(value)} must be a string", name)
+        check_tenant(tenant, "the tenant field")
         if abi is not None and (isinstance(abi, bool) or not isinstance(abi, int) or not 1 <= abi < ABI_VERSION):
             raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
                            f"{ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by tenant, cache_salt "
                            "or all)", "abi_version")
-        header = tenant_header(request.headers)
-        if header is not None:        # a gateway's tenant identity: that tenant's entries and counts only
+        principal = principal_of(request)
+        bound = principal.tenant if principal is not None else None
+        header = request_tenant(principal, request.headers, None)    # a bound key's tenant, else X-Tenant
+        if bound is not None:         # a key bound to a tenant: that tenant's entries and counts only
+            if everything or abi is not None or (tenant is not None and tenant != bound):
+                raise APIError(403, "a key bound to a tenant may invalidate only that tenant's entries (no other "
+                                    "tenant, all or abi_version)", "tenant", "tenant_scope", "permission_error")
+            tenant = bound
+        elif header is not None:      # a gateway's tenant identity: that tenant's entries and counts only
             if everything or abi is not None or (tenant is not None and tenant != header):
                 raise APIError(403, f"a request with the X-Tenant header {_shown(header)} may invalidate only "
                                     "that tenant's entries (no other tenant, all or abi_version)", "tenant",

@@ -9,7 +9,9 @@ fall in three groups (:func:`serve_route_kind`, :func:`router_route_kind`):
 * **api**: ``/v1/*`` (completions, chat, models) and SGLang's metadata and load routes: an API key
   or the admin key;
 * **admin**: ``/admin/*``, ``/flush_cache`` and ``/v1/cache/*`` (the event feed holds every
-  tenant's entry keys), and the router's ``/router/stats``: the admin key only.
+  tenant's entry keys), and the router's ``/router/stats``: the admin key only; except
+  ``POST /admin/cache/invalidate`` (**scoped**), which a key bound to a tenant may also use for
+  its own tenant's entries (the route refuses any other scope with a 403).
 
 A :class:`KeyRing` with no API key leaves the api routes open; with no admin key, the admin
 routes are open only when there is no API key either (a server given API keys but no admin key
@@ -32,10 +34,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.serve.protocol import MAX_ID_LEN, APIError, tenant_header
+from hybridkv.serve.protocol import MAX_ID_LEN, APIError, check_tenant, tenant_header
 
-OPEN, API, ADMIN = "open", "api", "admin"
-"""Route groups (see the module docstring)."""
+OPEN, API, ADMIN, SCOPED = "open", "api", "admin", "scoped"
+"""Route groups (see the module docstring); ``SCOPED``: an admin route that a key bound to a tenant
+may also use, confined to its own tenant (``POST /admin/cache/invalidate``)."""
+
+_SCOPED_PATHS = frozenset({"/admin/cache/invalidate"})
 
 API_KEY_ENV, ADMIN_KEY_ENV, WORKER_KEY_ENV = "HYBRIDKV_API_KEY", "HYBRIDKV_ADMIN_KEY", "HYBRIDKV_WORKER_KEY"
 """Environment variables read when the matching option is not given (a key on a command line is
@@ -48,6 +53,8 @@ def serve_route_kind(path: str) -> str | None:
     """The group of a ``hybridkv serve`` route ``path`` (``None``: no route of this server)."""
     if path in ("/health", "/metrics"):
         return OPEN
+    if path in _SCOPED_PATHS:
+        return SCOPED
     if path.startswith(("/admin/", "/v1/cache/")) or path == "/flush_cache":
         return ADMIN
     if path.startswith("/v1/") or path in _SERVE_API_PATHS:
@@ -119,6 +126,9 @@ class KeyRing:
         api_keys = dict(api_keys or {})
         for i, (key, tenant) in enumerate(api_keys.items()):
             check_key(key, f"API key {i + 1}")
+            if tenant == "":
+                raise ValueError(f"API key {i + 1}: its tenant is empty (''); give a tenant of 1 to {MAX_ID_LEN} "
+                                 "characters, or None for a key bound to no tenant")
             if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_ID_LEN):
                 raise ValueError(f"API key {i + 1}: its tenant must be a string of 1 to {MAX_ID_LEN} characters")
         for i, key in enumerate(admin_keys):
@@ -182,13 +192,14 @@ class KeyRing:
         Raises:
             APIError: 401 (``invalid_api_key``) for a missing or wrong key; 403
                 (``admin_key_required``) for an API key on an admin route, or any key when the
-                server has no admin key but has API keys.
+                server has no admin key but has API keys; on a ``SCOPED`` route, for a key bound to
+                no tenant only (a bound key passes, with its tenant).
         """
         if kind is None or kind == OPEN:
             return OPEN_PRINCIPAL
         if kind == API and self.api_open:
             return OPEN_PRINCIPAL
-        if kind == ADMIN and self.admin_open:
+        if kind in (ADMIN, SCOPED) and self.admin_open:
             return OPEN_PRINCIPAL
         values = headers.getlist("authorization")
         scheme, _, key = values[0].partition(" ") if len(values) == 1 else ("", "", "")
@@ -201,6 +212,13 @@ class KeyRing:
             raise APIError(401, "the API key provided is not valid", None, "invalid_api_key")
         if admin:
             return Principal(admin=True)
+        if kind == SCOPED and tenant is not None:
+            return Principal(tenant=tenant)            # its own tenant's scope only (the route confines it)
+        if kind == SCOPED:
+            why = "this route needs the admin key" if self._admin else \
+                "this server has no admin key (start it with --admin-key to use this route)"
+            raise APIError(403, f"{why}, or a key bound to a tenant (for that tenant's entries); a key bound to no "
+                                "tenant may not administer the cache", None, "admin_key_required", "permission_error")
         if kind == ADMIN:
             why = "this route needs the admin key" if self._admin else \
                 "this server has no admin key (start it with --admin-key to use this route)"
@@ -216,12 +234,14 @@ def request_tenant(principal: Principal | None, headers, body: dict | None) -> s
 
     Raises:
         APIError: 403 (``tenant_mismatch``) when the key is bound to a tenant and the ``X-Tenant``
-            header or the ``tenant`` field names another; 400 for two ``X-Tenant`` headers.
+            header or the ``tenant`` field names another; 400 for two ``X-Tenant`` headers, or an
+            empty one or an empty ``tenant`` field (:func:`~hybridkv.serve.protocol.check_tenant`).
     """
     header = tenant_header(headers)
+    field = body.get("tenant") if isinstance(body, dict) else None
+    check_tenant(field, "the tenant field")
     if principal is None or principal.tenant is None:
         return header
-    field = body.get("tenant") if isinstance(body, dict) else None
     for claim, where in ((header, "the X-Tenant header"), (field, "the tenant field")):
         if claim is not None and claim != principal.tenant:
             raise APIError(403, f"{where} names another tenant than this API key is bound to; a key may act only "
@@ -321,6 +341,9 @@ def read_keys_file(path: str) -> dict[str, str | None]:
         raise ValueError(f"{where}: must hold a non-empty mapping of API key to tenant (or a list of keys)")
     for i, (key, tenant) in enumerate(data.items()):
         check_key(key, f"{where}: entry {i + 1}")
+        if tenant == "":
+            raise ValueError(f"{where}: entry {i + 1}: the tenant is empty (''); give a tenant of 1 to {MAX_ID_LEN} "
+                             "characters, or null for a key bound to no tenant")
         if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_ID_LEN):
             raise ValueError(f"{where}: entry {i + 1}: the tenant must be a string of 1 to {MAX_ID_LEN} characters "
                              "or null")
@@ -393,11 +416,15 @@ def add_auth_arguments(parser, router: bool) -> None:
     parser.add_argument("--api-keys-file", default=None, metavar="PATH",
                         help="a JSON or YAML file mapping each API key to the tenant it is bound to (null: none; a "
                              "list: keys bound to none); a bound key's requests are its tenant's, and a request "
-                             "naming another tenant (X-Tenant header or tenant field) is refused with 403")
+                             "naming another tenant (X-Tenant header or tenant field) is refused with 403"
+                             + ("" if router else "; such a key reads its own tenant's /get_load figures only "
+                                                  "and may invalidate its own tenant's entries"))
     admin_routes = "/router/stats" if router else "/admin/*, /flush_cache and /v1/cache/* (the event feed)"
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help=f"the key for {admin_routes}, also accepted on the API with any tenant; without it "
-                             "these routes are open when no API key is given either, else refused. "
+                             "these routes are open when no API key is given either, else refused"
+                             + ("" if router else " (a key bound to a tenant may still POST /admin/cache/invalidate "
+                                                  "for its own tenant's entries)") + ". "
                              + ("/health never needs" if router else "/health and /metrics never need") +
                              f" a key. Default: ${ADMIN_KEY_ENV} if set")
     if router:

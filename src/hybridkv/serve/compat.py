@@ -12,7 +12,8 @@ Routes (all JSON):
 * ``GET /get_load``: a list with one entry per data-parallel rank (one here):
   ``{"dp_rank": 0, "num_reqs", "num_waiting_reqs", "num_tokens"}`` (requests, tokens; see
   :meth:`EngineWorker.load`). SGLang's router sums ``num_tokens`` over the list for its
-  ``power_of_two`` policy (sgl-router ``WorkerManager::get_worker_load``).
+  ``power_of_two`` policy (sgl-router ``WorkerManager::get_worker_load``). A key bound to a
+  tenant (or an ``X-Tenant`` header) sees its own tenant's figures only.
 * ``POST /flush_cache``: drops every device entry of this worker's model through the shared purge
   (:func:`hybridkv.tiers.purge.purge` with no lower tiers), between two engine steps. Entries a
   running request reads are detached, not torn: their pages stay with the request until it
@@ -33,6 +34,7 @@ from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.build import EngineHandle
 from hybridkv.model.config import MODEL_TYPE
 from hybridkv.serve.cache_events import group_info
+from hybridkv.serve.auth import principal_of, request_tenant
 from hybridkv.serve.protocol import APIError, tenant_header
 from hybridkv.tiers.purge import purge as purge_tiers
 
@@ -109,9 +111,20 @@ class CompatRoutes:
         return {"model_path": self._model_path(), "tokenizer_path": tokenizer_path(s.settings.model_name),
                 "is_generation": True, "model_type": kind and kind[0], "architectures": kind and [kind[1]]}
 
-    async def get_load(self) -> list[dict]:
-        """``GET /get_load``: one entry (rank 0) of requests and tokens this worker has to do."""
-        return [{"dp_rank": 0, **self.server.worker.load()}]
+    async def get_load(self, request: Request) -> list[dict]:
+        """``GET /get_load``: one entry (rank 0) of requests and tokens this worker has to do.
+
+        A request of a key bound to a tenant, or with an ``X-Tenant`` header, gets that tenant's
+        figures only (its own requests: tenants never see each other's counts); the admin key, a
+        key bound to no tenant and an open server get the whole worker's (what ``hybridkv router``
+        reads with its ``--worker-key``).
+
+        Raises:
+            APIError: 403 (``tenant_mismatch``) for a bound key whose ``X-Tenant`` header names
+                another tenant; 400 for an empty or repeated ``X-Tenant`` header.
+        """
+        tenant = request_tenant(principal_of(request), request.headers, None)
+        return [{"dp_rank": 0, **self.server.worker.load(tenant)}]
 
     async def flush_cache(self, request: Request) -> dict:
         """``POST /flush_cache``: drop this worker's device entries (see the module docstring).

@@ -239,7 +239,25 @@ def tenant_header(headers) -> str | None:
     values = headers.getlist("x-tenant")
     if len(values) > 1:
         raise APIError(400, f"the request has {len(values)} X-Tenant headers; give one", "tenant")
+    if values:
+        check_tenant(values[0], "the X-Tenant header")
     return values[0] if values else None
+
+
+def check_tenant(value: object, where: str) -> None:
+    """Refuse an empty tenant name: ``""`` would be a tenant of its own (its own namespace),
+    distinct from ``default``, which a client leaving the tenant out gets.
+
+    Args:
+        value: the tenant given (``None``: not given, accepted).
+        where: what gave it (``the tenant field``, ``the X-Tenant header``), named in the error.
+
+    Raises:
+        APIError: 400 (param ``tenant``, code ``empty_tenant``) for ``""``.
+    """
+    if value == "":
+        raise APIError(400, f"{where} is empty (''); name a tenant of 1 to {MAX_ID_LEN} characters, or leave it out "
+                            "for the tenant 'default'", "tenant", "empty_tenant")
 
 
 def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: int, unit: int) -> Generation:
@@ -250,7 +268,7 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
             [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a
             string or list of at most 4 strings, ``stream`` or ``stream_options.include_usage`` not a
             boolean, ``n`` other than the integer 1, ``echo`` true, ``logprobs`` asked for, a bad
-            ``tenant`` / ``cache_salt`` / ``cache_hints``, an ``adapter`` or ``adapter_version`` that
+            ``tenant`` (an empty one included) / ``cache_salt`` / ``cache_hints``, an ``adapter`` or ``adapter_version`` that
             is not a string of at most 256 characters, an ``adapter_version`` without ``adapter``.
     """
     max_tokens = next((body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None),
@@ -283,6 +301,7 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
     if options.get("include_usage") is not None and not isinstance(options.get("include_usage"), bool):
         raise APIError(400, f"stream_options.include_usage={options.get('include_usage')!r} must be a boolean",
                        "stream_options")
+    check_tenant(body.get("tenant"), "the tenant field")
     adapter = _identifier(body, "adapter", None, "")
     adapter_version = _identifier(body, "adapter_version", None, "")
     if adapter_version and not adapter:

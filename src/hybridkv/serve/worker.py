@@ -172,8 +172,11 @@ class EngineWorker:
             self._put("submit", job)
         return True
 
-    def load(self) -> dict[str, int]:
+    def load(self, tenant: str | None = None) -> dict[str, int]:
         """What this worker has to do, read without waiting for the engine thread.
+
+        Args:
+            tenant: count only the jobs of this tenant (``None``: every job, whoever sent it).
 
         Returns:
             ``num_reqs``: jobs submitted and not ended (requests); ``num_waiting_reqs``: those not
@@ -185,6 +188,8 @@ class EngineWorker:
         """
         with self._lock:
             jobs = list(self._active)
+        if tenant is not None:
+            jobs = [j for j in jobs if j.owner[0] == tenant]
         waiting = [j for j in jobs if not j.admitted]
         tokens = sum(len(j.prompt) + j.sent for j in jobs)
         return {"num_reqs": len(jobs), "num_waiting_reqs": len(waiting), "num_tokens": tokens,
