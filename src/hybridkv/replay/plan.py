@@ -4,18 +4,27 @@ The planner searches fleet configurations (:class:`FleetConfig`) on the timed fl
 (``hybridkv replay --simulate --timed``, :func:`hybridkv.replay.runner.run_replay`) and prices
 each (:class:`Prices`). It is a search, not a grid:
 
-1. **Lower bound.** Each request's own prefill on an idle instance with every reusable token
-   reused (the trace's oracle), priced by the cost model in ``max_num_batched_tokens`` chunks: no
-   fleet does better, so a TTFT target below this bound's statistic is infeasible at once.
+1. **Lower bound** (:func:`prefill_bound`): per request, the fastest its first token can come on
+   an idle instance that reuses every token an earlier request makes reusable (the trace's
+   oracle); a TTFT target below this bound's statistic is infeasible at once.
 2. **Instances by bisection.** With the baseline configuration (the first candidate), the fewest
    instances that meet every target on a short prefix of the trace: doubling until the targets
    are met, then bisection (more instances are assumed never to make a target worse: monotone).
-3. **Successive halving on the rest** (device cache share, store size and bandwidth, checkpoint
-   policy, router) at :data:`HEADROOM` times that count: every candidate on the shortest prefix,
-   the best :data:`KEEP` share on a prefix :data:`GROWTH` times longer, ... , the last rung on the
-   whole trace. Candidates are ranked by the worst target's value over the target, then cost.
-4. **Instances again**, on the whole trace, for the :data:`FINALISTS` best: the fewest that meet
-   every target (bisection below the halving's count, doubling above it).
+3. **Successive halving** at :data:`HEADROOM` times that count, on trace prefixes (the shortest,
+   then :data:`GROWTH` times longer, up to half the trace), keeping the best :data:`KEEP` share
+   on each. Candidates are grouped by their *structure*: what they pay for besides GPUs (store
+   size and bandwidth, host tier size). Candidates of one structure cost the same at every
+   instance count and compete on latency alone (ranked by the worst target's value over the
+   target, then mean TTFT); every structure keeps its best survivor, whatever the others do.
+   To keep this cheap, the device and routing choices (cache share, checkpoint policy, router)
+   are first screened in two structures (the baseline's and the dearest) and the best
+   :data:`SCREEN_KEEP` of each are tried in every structure.
+4. **Branch and bound on the whole trace.** The best structure's survivor gets the fewest
+   instances that meet every target (bisection); every other structure's survivor is simulated
+   at the most instances that still cost less than the cheapest plan so far: if it misses, no
+   fewer instances meet (monotone) and the structure is done in one simulation (or, when it
+   misses by at most :data:`NEAR`, two: its second survivor is tried the same way); if it meets,
+   its own bisection gives a cheaper plan.
 
 Every simulation is cached by its configuration, prefix, seed and targets (in memory and, with a
 cache file, across runs). The device memory of an instance is split between checkpoint slots and
@@ -30,6 +39,7 @@ import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import random
 import tempfile
@@ -69,9 +79,12 @@ KIMI_LINEAR_48B_WEIGHT_BYTES = 48e9 * 2
 
 SHARES = (0.2, 0.05, 0.5)
 """Device cache shares searched (checkpoint slots' part of the pools; the first is the baseline's)."""
-STORES = ((0.0, 0.0), (1024.0, 1.1), (1024.0, 10.0))
+STORES = ((0.0, 0.0), (256.0, 1.1), (1024.0, 1.1), (1024.0, 10.0))
 """Shared stores searched, ``(GiB, GB/s)``; ``(0, 0)``: none. 1.1 GB/s is the Mooncake store's
 measured load bandwidth (docs/results/store.md)."""
+HOSTS = (0.0, 64.0, 256.0)
+"""Host tier sizes searched, GiB of DRAM per instance (0: none); 256 GiB is an eighth of the 2 TiB
+of host memory of a typical 8-GPU H200 server."""
 ROUTERS = ("hybrid", "prefix-smg", "least-load")
 """Routers searched."""
 KEEP = 0.25
@@ -82,8 +95,9 @@ FIRST_FRACTION = 1 / 16
 """The first rung's share of the trace."""
 MAX_INSTANCES = 64
 """Most instances the planner tries unless told otherwise."""
-FINALISTS = 2
-"""Candidates whose instance count is searched on the whole trace."""
+SCREEN_KEEP = 2
+"""Device and routing choices (cache share, policy, router) each screening structure passes on
+to every structure."""
 HEADROOM = 2
 """The halving runs at this many times the instances the baseline needs on the first prefix: enough
 that queueing is small and the ranking shows what the cache, store, policy and router do."""
@@ -139,9 +153,16 @@ class FleetConfig:
                     if self.store_gbps > 0 else 0.0))
         return self.instances * prices.gpu_hour + month / HOURS_PER_MONTH
 
+    @property
+    def structure(self) -> tuple[float, float, float]:
+        """What the fleet pays for besides GPUs: ``(store_gib, store_gbps, host_gib)`` (no store:
+        ``(0, 0, host_gib)``). Configurations of one structure cost the same at every instance count."""
+        return (self.store_gib, self.store_gbps, self.host_gib) if self.store_gbps > 0 else (0.0, 0.0, self.host_gib)
+
     def label(self) -> str:
         store = "no store" if self.store_gbps <= 0 else f"store {self.store_gib:g} GiB @ {self.store_gbps:g} GB/s"
-        return (f"{self.instances} x H200, cache share {self.cache_share:g}, {store}, policy {self.policy}, "
+        host = "no host tier" if self.host_gib <= 0 else f"host {self.host_gib:g} GiB"
+        return (f"{self.instances} x H200, cache share {self.cache_share:g}, {host}, {store}, policy {self.policy}, "
                 f"router {self.router}")
 
 
@@ -243,11 +264,12 @@ class Evaluator:
         cache_file: JSON file of earlier results to read and extend (``None``: memory only).
         log: called with one line per simulation (progress).
         limit: plan on the first ``limit`` requests (``None``: all).
+        jobs: simulations run at once (forked processes, one core each; 1: in this process).
     """
 
     def __init__(self, trace: str | None, model: str, slo: dict[str, float], prices: Prices, budget: DeviceBudget,
                  max_num_seqs: int = 4, time_scale: float = 1.0, cache_file: str | None = None,
-                 log: Callable[[str], None] | None = None, limit: int | None = None) -> None:
+                 log: Callable[[str], None] | None = None, limit: int | None = None, jobs: int = 1) -> None:
         from hybridkv.replay.trace import load_trace
         self.trace, self.model, self.slo, self.prices, self.budget = trace, model, slo, prices, budget
         self.max_num_seqs, self.time_scale = max_num_seqs, time_scale
@@ -266,6 +288,8 @@ class Evaluator:
                 raise PlanError(f"--cache {cache_file}: not a planner cache ({exc})") from None
         self.log = log or (lambda line: None)
         self.runs = self.hits = 0
+        self.jobs = max(1, int(jobs))
+        self.stage = ""
         self.outcomes: list[Outcome] = []
         self._jittered: dict[int, str] = {}
         self._bound: np.ndarray | None = None
@@ -303,24 +327,67 @@ class Evaluator:
 
     def evaluate(self, cfg: FleetConfig, requests: int | None = None, seed: int = 0) -> Outcome:
         """Simulate ``cfg`` on the first ``requests`` requests (``None``: all) with arrival seed ``seed``."""
-        n = self.total if requests is None else max(min(requests, self.total), cfg.instances)
-        key = self.key(cfg, n, seed)
-        cached = key in self.cache
-        if cached:
-            self.hits += 1
-            data = self.cache[key]
-        else:
-            data = self._simulate(cfg, n, seed)
-            self.cache[key] = data
+        return self.evaluate_many([(cfg, requests, seed)])[0]
+
+    def _requests(self, cfg: FleetConfig, requests: int | None) -> int:
+        return self.total if requests is None else max(min(requests, self.total), cfg.instances)
+
+    def evaluate_many(self, jobs: list[tuple[FleetConfig, int | None, int]]) -> list[Outcome]:
+        """:meth:`evaluate` of every ``(config, requests, seed)``, in order; those the cache lacks run
+        :attr:`jobs` at a time in forked processes (each line of progress as one finishes)."""
+        keys = [self.key(c, self._requests(c, r), s) for c, r, s in jobs]
+        todo: dict[str, tuple[FleetConfig, int, int]] = {}
+        for (c, r, s), k in zip(jobs, keys):
+            if k not in self.cache and k not in todo:
+                todo[k] = (c, self._requests(c, r), s)
+        fresh: set[str] = set()
+        total, done = len(todo), 0
+
+        def finished(k: str, data: dict) -> None:
+            nonlocal done
+            done += 1
+            self.cache[k] = data
             self.runs += 1
+            fresh.add(k)
             self._save()
-        out = self._outcome(cfg, n, seed, data, cached)
-        self.outcomes.append(out)
+            c, n, s = todo[k]
+            self._log(c, n, s, data, f"{done}/{total} ")
+
+        if self.jobs > 1 and len(todo) > 1:
+            global _WORKER
+            for _, _, s in todo.values():
+                self._trace_for(s)                  # made here, so that every worker reads the same copy
+            _WORKER = self
+            ctx = multiprocessing.get_context("fork")
+            items = list(todo.items())
+            try:     # a fresh process per simulation: each leaves nothing behind for the next
+                with ctx.Pool(min(self.jobs, len(todo)), maxtasksperchild=1) as pool:
+                    for i, data in pool.imap_unordered(_simulate_job, list(enumerate(j for _, j in items))):
+                        finished(items[i][0], data)
+            finally:
+                _WORKER = None
+        else:
+            for k, (c, n, s) in todo.items():
+                finished(k, self._simulate(c, n, s))
+        outs = []
+        for (c, r, s), k in zip(jobs, keys):
+            cached = k not in fresh
+            if cached:
+                self.hits += 1
+                self._log(c, self._requests(c, r), s, self.cache[k], "cached ")
+            fresh.discard(k)                      # a job asked twice in one call: the second is a hit
+            out = self._outcome(c, self._requests(c, r), s, self.cache[k], cached)
+            self.outcomes.append(out)
+            outs.append(out)
+        return outs
+
+    def _log(self, cfg: FleetConfig, n: int, seed: int, data: dict, head: str) -> None:
+        out = self._outcome(cfg, n, seed, data, True)
         verdict = "meets" if out.meets else "misses " + ", ".join(out.misses)
-        self.log(f"{'cached ' if cached else ''}{n:,} requests, seed {seed}: {cfg.label()}: "
+        stage = f"[{self.stage}] " if self.stage else ""
+        self.log(f"{stage}{head}{n:,} requests, seed {seed}: {cfg.label()}: "
                  f"TTFT p99 {out.stats['ttft_p99']:.3f} s, {out.cost_per_hour:.2f} USD/h, {verdict}"
-                 + ("" if cached else f" ({data['wall_seconds']:.1f} s)"))
-        return out
+                 + ("" if head == "cached " else f" ({data['wall_seconds']:.1f} s)"))
 
     def _save(self) -> None:
         if not self.cache_file:
@@ -339,9 +406,9 @@ class Evaluator:
         opts = ReplayOptions(trace=self._trace_for(seed), limit=n, model=self.model, simulate=True, timed=True,
                              instances=cfg.instances, router=cfg.router, policy=cfg.policy,
                              num_kv_pages=pages, num_checkpoint_slots=slots, max_num_seqs=self.max_num_seqs,
-                             host_bytes=int(cfg.host_gib * 2**30), store_gib=cfg.store_gib if cfg.store_gbps > 0
-                             else None, store_gbps=cfg.store_gbps, time_scale=self.time_scale, progress=False,
-                             slo=self.slo)
+                             host_bytes=int(cfg.host_gib * 2**30), simulated_host=True,
+                             store_gib=cfg.store_gib if cfg.store_gbps > 0 else None, store_gbps=cfg.store_gbps,
+                             time_scale=self.time_scale, progress=False, slo=self.slo)
         t0 = time.perf_counter()
         report = run_replay(opts, Console(file=io.StringIO()))
         stats = {f"{m}_{s}": report_stat for m, key in (("ttft", "ttft_seconds"), ("e2e", "e2e_seconds"),
@@ -390,31 +457,65 @@ class Evaluator:
                        data["wall_seconds"], data["token_hit_rate"], cached)
 
 
+_WORKER: Evaluator | None = None
+"""The evaluator whose simulations a forked worker runs (set before the workers are forked)."""
+
+
+def _simulate_job(job: tuple[int, tuple[FleetConfig, int, int]]) -> tuple[int, dict]:
+    """One simulation in a forked worker of :meth:`Evaluator.evaluate_many`: ``(index, data)``."""
+    assert _WORKER is not None
+    i, (cfg, n, seed) = job
+    return i, _WORKER._simulate(cfg, n, seed)
+
+
 def prefill_bound(evaluator: Evaluator) -> dict[str, float]:
-    """TTFT statistics (``ttft_mean``, ``ttft_p50``, ...; seconds) of each request's own prefill on
-    an idle instance with every token the trace's oracle can reuse reused (no queue, no decode
-    batch, no store transfer), priced by the H200 cost model in 8,192-token chunks (the replay's
-    ``max_num_batched_tokens``): a lower bound no fleet beats."""
+    """TTFT statistics (``ttft_mean``, ``ttft_p50``, ``ttft_p90``, ``ttft_p99``; seconds) of
+    :func:`_prefill_times`: a lower bound of every fleet's statistic on the trace (each request's
+    TTFT is at least its own bound, so every percentile and the mean of the TTFTs is at least the
+    bound's)."""
     a = evaluator.bound_times()[:evaluator.total]
     return {f"ttft_{s}": round(_stat(a, s), 6) for s in ("mean", "p50", "p90", "p99")}
 
 
-def _prefill_times(reqs, chunk_tokens: int = 8192) -> np.ndarray:
-    """:func:`prefill_bound`'s per-request seconds (512 tokens per trace block, 64-token units)."""
+def _prefill_times(reqs, chunk_tokens: int = 8192, block_tokens: int = 512, unit: int = 64) -> np.ndarray:
+    """Per request (trace order), a lower bound of its TTFT in seconds on any fleet of the H200 cost
+    model (:func:`~hybridkv.fleet.costmodel.h200_kimi_linear_48b`, ``step_seconds``).
+
+    Reuse: at most what the oracle (:func:`~hybridkv.replay.oracle.oracle_from_trace`, ``unit``-token
+    granularity, ``block_tokens`` per trace hash id) finds in requests that arrive earlier (arrival
+    order, ties in trace order); at least the prompt's last token is computed. The ``L`` tokens left
+    take at least ``k = ceil(L / chunk_tokens)`` steps; each step that computes a chunk of ``n``
+    of them lasts at least ``step_seconds([(start, n)])`` alone (a step's time grows with every
+    token, pair and sequence added). Summed over any split into ``k' >= k`` chunks:
+    ``sum(overhead + max(compute_j, memory_j)) >= k * overhead + max(sum compute_j, sum memory_j)``
+    with ``sum compute_j >= linear * L + attention * pairs + seq * k`` (``pairs`` fixed by the
+    start and ``L``) and ``sum memory_j >= k * dense + experts * L * cover(chunk) / chunk`` (the
+    expert coverage ``cover(n)`` is concave with ``cover(0) = 0``, so ``cover(n) / n`` falls with
+    ``n``). Store and host loads, queueing and decode only add time.
+    """
     from hybridkv.fleet.costmodel import h200_kimi_linear_48b
     from hybridkv.replay.oracle import oracle_from_trace
     from hybridkv.replay.trace import scaled_input_length
     cost = h200_kimi_linear_48b()
-    oracle = oracle_from_trace(reqs, 512, 64)
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].timestamp_ms)       # stable: ties in trace order
+    oracle = oracle_from_trace([reqs[i] for i in order], block_tokens, unit)
+    hits = [0] * len(reqs)
+    for pos, i in enumerate(order):
+        hits[i] = oracle.per_request[pos]
+    if cost.experts:
+        cover = 1.0 - (1.0 - cost.experts_per_token / cost.experts) ** chunk_tokens
+    else:
+        cover = 0.0
     times = []
-    for r, hit in zip(reqs, oracle.per_request):
-        end = scaled_input_length(r, 512)
-        t, s = 0.0, min(hit, end - 1)
-        while s < end:
-            step = min(chunk_tokens, end - s)
-            t += cost.step_seconds([(s, step)])
-            s += step
-        times.append(t)
+    for r, hit in zip(reqs, hits):
+        end = scaled_input_length(r, block_tokens)
+        s = min(hit, end - 1)
+        n = end - s
+        k = -(-n // chunk_tokens)
+        compute = (cost.linear_s_per_token * n + cost.attention_s_per_pair * (n * s + n * (n + 1) // 2)
+                   + cost.seq_s * k)
+        memory = k * cost.dense_weights_s + cost.expert_weights_s * cover * n / chunk_tokens
+        times.append(k * cost.overhead_s + max(compute, memory))
     return np.asarray(times, dtype=np.float64)
 
 
@@ -490,9 +591,11 @@ def pareto_front(outcomes: list[Outcome]) -> list[Outcome]:
     return sorted(front, key=key)
 
 
-def candidates(policies: tuple[str, ...], shares=SHARES, stores=STORES, routers=ROUTERS) -> list[FleetConfig]:
-    """The non-instance part of the search space (instances set to 1)."""
-    return [FleetConfig(1, s, g, b, p, r) for s in shares for g, b in stores for p in policies for r in routers]
+def candidates(policies: tuple[str, ...], shares=SHARES, stores=STORES, routers=ROUTERS,
+               hosts=HOSTS) -> list[FleetConfig]:
+    """The non-instance part of the search space (instances set to 1); the first is the baseline."""
+    return [FleetConfig(1, s, g, b, p, r, h) for h in hosts for g, b in stores for s in shares for p in policies
+            for r in routers]
 
 
 def default_policies() -> tuple[str, ...]:
@@ -503,9 +606,55 @@ def default_policies() -> tuple[str, ...]:
     return base, "branch+tail=512+supersede"
 
 
+def _rank(o: Outcome) -> tuple[float, float, float]:
+    """Order of candidates within a rung: the worst target's value over the target, then mean TTFT
+    (which separates candidates a tail near the bound ties), then cost."""
+    return (o.ratio, o.stats.get("ttft_mean", math.inf), o.cost_per_hour)
+
+
+def _halve(ev: Evaluator, groups: dict, sizes: list[int], keep: float, final_keep: int, label: str,
+           rungs: list[dict]) -> tuple[dict, dict]:
+    """Successive halving of every group's candidates on the prefixes ``sizes``, each group on its
+    own: after each rung a group keeps its best ``keep`` share (at least ``final_keep + 1``), after
+    the last its best ``final_keep``. Returns ``(survivors, last_outcomes)`` per group (no prefix:
+    the first ``final_keep`` in order, no outcomes)."""
+    alive = {g: list(cs) for g, cs in groups.items()}
+    last: dict = {g: [] for g in groups}
+    for i, size in enumerate(sizes):
+        flat = [c for cs in alive.values() for c in cs]
+        ev.stage = f"{label} {i + 1}/{len(sizes)}: {len(flat)} on {size:,} requests"
+        by = dict(zip(flat, ev.evaluate_many([(c, size, 0) for c in flat])))
+        rungs.append({"stage": label, "requests": size, "candidates": len(flat), "groups": len(alive),
+                      "instances": sorted({c.instances for c in flat})})
+        for g, cs in alive.items():
+            ranked = sorted(cs, key=lambda c: _rank(by[c]))
+            k = final_keep if i == len(sizes) - 1 else max(final_keep + 1, math.ceil(len(ranked) * keep))
+            alive[g] = ranked[:k]
+            last[g] = [by[c] for c in alive[g]]
+    if not sizes:
+        alive = {g: cs[:final_keep] for g, cs in alive.items()}
+    return alive, last
+
+
+def _most_instances_below(cfg: FleetConfig, cost: float, prices: Prices, max_instances: int) -> int:
+    """The most instances (at most ``max_instances``) at which ``cfg``'s structure costs less than
+    ``cost`` USD/h (0: none)."""
+    n = max_instances
+    while n >= 1 and replace(cfg, instances=n).cost_per_hour(prices) >= cost - COST_TOL:
+        n -= 1
+    return n
+
+
+COST_TOL = 1e-9
+"""Tolerance of cost comparisons (USD/h)."""
+NEAR = 0.05
+"""A structure whose best survivor misses a target by at most this share (at the most instances that
+cost less than the plan so far) has its second survivor tried too."""
+
+
 def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[FleetConfig] | None = None,
          first_fraction: float = FIRST_FRACTION, keep: float = KEEP, growth: int = GROWTH,
-         finalists: int = FINALISTS) -> PlanResult:
+         screen_keep: int = SCREEN_KEEP) -> PlanResult:
     """Search (module docstring) and return the :class:`PlanResult`.
 
     Raises:
@@ -523,9 +672,10 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     for key, target in asked.items():
         if key in bound and bound[key] > target:
             planned[key] = math.ceil(bound[key] * (1 + RELAX) * 100) / 100
-            why.append(f"{key} <= {target:g} s cannot be met: each request's own prefill on an idle instance with "
-                       f"every reusable token reused already has {key} {bound[key]:.3f} s; planned instead for the "
-                       f"nearest reachable target, {key} <= {planned[key]:g} s (the bound + {RELAX:.0%})")
+            why.append(f"{key} <= {target:g} s cannot be met: the fastest each request's first token can come "
+                       f"(its own prefill on an idle instance reusing every token an earlier request makes "
+                       f"reusable) already has {key} {bound[key]:.3f} s; planned instead for the nearest reachable "
+                       f"target, {key} <= {planned[key]:g} s (the bound + {RELAX:.0%})")
     ev.slo = planned
     base = space[0]
     first = max(int(ev.total * first_fraction), 1)
@@ -534,29 +684,80 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     while n < ev.total / 2:            # a prefix of most of the trace would cost a whole run for little
         sizes.append(n)
         n *= growth
-    sizes.append(ev.total)
+    rungs: list[dict] = []
     # 2. instances for the baseline on the first prefix
-    start = min_instances(lambda k: ev.evaluate(replace(base, instances=k), sizes[0]), 0, 1, max_instances)
+    ev.stage = "instances, baseline"
+    start = min_instances(lambda k: ev.evaluate(replace(base, instances=k), sizes[0] if sizes else None), 0, 1,
+                         max_instances)
     n_ref = start.config.instances if start is not None else max_instances
     probe = min(HEADROOM * n_ref, max_instances)
-    # 3. successive halving at the probe count
-    alive = [replace(c, instances=probe) for c in space]
-    rungs = []
-    for i, size in enumerate(sizes):
-        outs = [ev.evaluate(c, size) for c in alive]
-        outs.sort(key=lambda o: (o.ratio, o.cost_per_hour))
-        rungs.append({"requests": size, "candidates": len(alive), "instances": probe})
-        if i == len(sizes) - 1:
-            alive = [o.config for o in outs[:finalists]]
-        else:
-            alive = [o.config for o in outs[:max(2, math.ceil(len(outs) * keep))]]
-    # 4. instances on the whole trace for the finalists
-    for c in alive:
-        min_instances(lambda k, c=c: ev.evaluate(replace(c, instances=k)), 0, probe, max_instances)
+    # 3. successive halving per structure, the device and routing choices screened in two structures
+    groups: dict = {}
+    for c in space:
+        groups.setdefault(c.structure, []).append(replace(c, instances=probe))
+    dearest = max(groups, key=lambda g: (groups[g][0].cost_per_hour(ev.prices), g))
+    screen = {g: groups[g] for g in dict.fromkeys([base.structure, dearest])}
+    kept, _ = _halve(ev, screen, sizes, keep, screen_keep, "screen", rungs)
+
+    def choice(c: FleetConfig) -> tuple:
+        return (c.cache_share, c.policy, c.router)
+
+    chosen = {choice(c) for cs in kept.values() for c in cs}
+    tried = {g: [c for c in cs if choice(c) in chosen] or cs[:1] for g, cs in groups.items()}
+    best, last = _halve(ev, tried, sizes, keep, 2, "structures", rungs)
+    # 4. branch and bound on the whole trace, the best-ranked structure first
+    order = sorted(best, key=lambda g: (_rank(last[g][0]) if last[g] else (0.0, 0.0, 0.0), g))
+    incumbent: Outcome | None = None
+    bb: list[dict] = []
+
+    def cheapest(o: Outcome | None) -> None:
+        nonlocal incumbent
+        if o is not None and (incumbent is None or o.cost_per_hour < incumbent.cost_per_hour - COST_TOL):
+            incumbent = o
+
+    pending = [best[g][0] for g in order]
+    runner_up = {g: best[g][1] for g in order if len(best[g]) > 1}
+    while pending:
+        if incumbent is None:                                     # no plan yet: a whole bisection
+            cfg = pending.pop(0)
+            ev.stage = f"whole trace, instances: {cfg.label()}"
+            found = min_instances(lambda k, c=cfg: ev.evaluate(replace(c, instances=k)), 0, probe, max_instances)
+            bb.append({"structure": list(cfg.structure), "bisected": True,
+                       "instances": found.config.instances if found else None})
+            cheapest(found)
+            continue
+        batch, checks = [], []
+        while pending and len(batch) < ev.jobs:
+            cfg = pending.pop(0)
+            m = _most_instances_below(cfg, incumbent.cost_per_hour, ev.prices, max_instances)
+            if m < 1:
+                bb.append({"structure": list(cfg.structure), "bisected": False, "instances": None,
+                           "pruned": "costs more than the plan at one instance"})
+                continue
+            batch.append(replace(cfg, instances=m))
+        if not batch:
+            continue
+        ev.stage = f"whole trace, below {incumbent.cost_per_hour:.2f} USD/h: {len(batch)} structures"
+        checks = ev.evaluate_many([(c, None, 0) for c in batch])
+        for c, o in zip(batch, checks):
+            if not o.meets:
+                bb.append({"structure": list(c.structure), "bisected": False, "instances": None,
+                           "checked_at": c.instances, "ratio": None if math.isinf(o.ratio) else round(o.ratio, 6)})
+                second = runner_up.pop(c.structure, None)
+                if second is not None and o.ratio <= 1 + NEAR:       # a near miss: the structure's second choice
+                    pending.append(second)
+                continue
+            ev.stage = f"whole trace, instances: {c.label()}"
+            found = min_instances(lambda k, c=c: ev.evaluate(replace(c, instances=k)), 0, c.instances, c.instances)
+            bb.append({"structure": list(c.structure), "bisected": True, "checked_at": c.instances,
+                       "instances": found.config.instances if found else None})
+            cheapest(found)
+    ev.stage = ""
+    rungs.append({"stage": "whole trace", "requests": ev.total, "structures": bb})
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
     meeting = sorted((o for o in whole if o.meets), key=lambda o: (o.cost_per_hour, o.ratio))
     best_plan = meeting[0] if meeting else None
-    best = best_plan or (min(whole, key=lambda o: (o.ratio, o.cost_per_hour)) if whole else None)
+    nearest = best_plan or (min(whole, key=lambda o: (o.ratio, o.cost_per_hour)) if whole else None)
     nxt = None
     if best_plan is not None:
         cheaper = [o for o in whole if o.cost_per_hour < best_plan.cost_per_hour and not o.meets]
@@ -564,11 +765,11 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
         if nxt is not None:
             why.append(f"the next cheaper point ({nxt.config.label()}, {nxt.cost_per_hour:.2f} USD/h) misses: "
                        + "; ".join(nxt.misses))
-    elif best is not None:
+    elif nearest is not None:
         why.append(f"no configuration tried (up to {max_instances} instances) meets every target; the nearest "
-                   f"({best.config.label()}) misses: " + "; ".join(best.misses))
+                   f"({nearest.config.label()}) misses: " + "; ".join(nearest.misses))
     ev.slo = asked
-    return PlanResult(asked, best_plan, best, pareto_front(whole), nxt, bound, why, rungs, ev.runs, ev.hits,
+    return PlanResult(asked, best_plan, nearest, pareto_front(whole), nxt, bound, why, rungs, ev.runs, ev.hits,
                       planned)
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hybridkv.replay.plan import (
@@ -45,7 +47,8 @@ def _price(text: str) -> float:
 def add_plan_parser(sub) -> None:
     """The ``plan`` subcommand's options."""
     p = sub.add_parser("plan", help="the cheapest fleet that meets latency targets on a trace (simulated)",
-                       description="Search instances, device cache share, store size and bandwidth, checkpoint "
+                       description="Search instances, device cache share (checkpoint slots against KV pages), "
+                                   "host tier size, store size and bandwidth, checkpoint "
                                    "policy and router on the timed fleet simulator and print the cheapest "
                                    "configuration that meets every target, the Pareto front (cost, TTFT p99, "
                                    "goodput), why the next cheaper point fails, and the commands that deploy it.")
@@ -74,6 +77,9 @@ def add_plan_parser(sub) -> None:
                    help="multiply the trace's arrival times by this (default 1; 0.5: twice the rate)")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="plan on the first N requests only (default: the whole trace)")
+    p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
+                   help="simulations run at once, one process and core each (default: 2, or 1 on a one-core "
+                        "machine)")
     p.add_argument("--cache", default=None, metavar="FILE",
                    help="JSON file of simulation results to reuse and extend (default: memory only)")
     p.add_argument("--json", default=None, metavar="FILE", help="write everything found to this JSON file")
@@ -85,11 +91,12 @@ def _row(o) -> list[str]:
     c = o.config
     store = "-" if c.store_gbps <= 0 else f"{c.store_gib:g} GiB @ {c.store_gbps:g}"
     g = "-" if o.goodput is None else f"{o.goodput:.3f}"
-    return [f"{o.cost_per_hour:.2f}", str(c.instances), f"{c.cache_share:g}", store, c.policy, c.router,
+    host = "-" if c.host_gib <= 0 else f"{c.host_gib:g}"
+    return [f"{o.cost_per_hour:.2f}", str(c.instances), f"{c.cache_share:g}", host, store, c.policy, c.router,
             f"{o.stats['ttft_p50']:.3f}", f"{o.stats['ttft_p99']:.3f}", g, "yes" if o.meets else "no"]
 
 
-HEADER = ["USD/h", "instances", "cache share", "store (GiB @ GB/s)", "policy", "router", "TTFT p50 (s)",
+HEADER = ["USD/h", "instances", "cache share", "host (GiB each)", "store (GiB @ GB/s)", "policy", "router", "TTFT p50 (s)",
           "TTFT p99 (s)", "goodput (req/s)", "meets"]
 """Columns of the Pareto table."""
 
@@ -115,7 +122,7 @@ def render(result: PlanResult, commands: list[list[str]], console: Console, wall
     for line in result.why:
         console.print(f"why: {line}", highlight=False)
     console.print(f"{result.runs} simulations run, {result.cache_hits} answered by the cache, {wall:.1f} s wall, "
-                  f"{cpu:.1f} s CPU", highlight=False)
+                  f"{cpu:.1f} s CPU (this process and its simulation workers)", highlight=False)
     if commands:
         console.print("[bold]deploy:[/bold]")
         for cmd in commands[:2] + (["..."] if len(commands) > 3 else []) + commands[-1:]:
@@ -153,6 +160,12 @@ def plot(result: PlanResult, path: str) -> None:
     plt.close(fig)
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its finished children (the workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 _POINTS: dict[int, list] = {}
 
 
@@ -174,13 +187,14 @@ def cmd_plan(args, console: Console | None = None) -> int:
     if args.trace is not None and not Path(args.trace).is_file():
         console.print(f"[red]error:[/red] --trace {args.trace}: no such file", markup=True, highlight=False)
         return 2
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     try:
         slo = parse_slo_option(args.slo)
         prices = Prices(args.gpu_hour_usd, args.host_gb_month_usd, args.store_gb_month_usd, args.store_gbps_month_usd)
         budget = h200_budget(args.model, args.max_num_seqs)
         ev = Evaluator(args.trace, args.model, slo, prices, budget, args.max_num_seqs, args.time_scale, args.cache,
-                       log=lambda line: console.print(f"[dim]{line}[/dim]", highlight=False), limit=args.limit)
+                       log=lambda line: console.print(f"[dim]{escape(line)}[/dim]", highlight=False), limit=args.limit,
+                       jobs=args.jobs)
         try:
             result = plan(ev, max_instances=args.max_instances)
         finally:
@@ -188,7 +202,7 @@ def cmd_plan(args, console: Console | None = None) -> int:
     except (PlanError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 2
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
     _POINTS[id(result)] = whole
     commands = deploy_commands(result.plan.config, budget, args.model, args.max_num_seqs) if result.plan else []
@@ -199,7 +213,7 @@ def cmd_plan(args, console: Console | None = None) -> int:
     if args.json:
         data = {"slo": slo, "planned_slo": result.planned_slo, "prices": asdict(prices),
                 "model": args.model, "trace": args.trace or "bundled", "requests": ev.total,
-                "max_num_seqs": args.max_num_seqs, "time_scale": args.time_scale,
+                "max_num_seqs": args.max_num_seqs, "time_scale": args.time_scale, "jobs": args.jobs,
                 "device_pool_bytes": budget.pool_bytes,
                 "plan": result.plan.as_dict() if result.plan else None,
                 "best": result.best.as_dict() if result.best else None,

@@ -100,7 +100,9 @@ class ReplayOptions:
     service-level targets in seconds (:func:`~hybridkv.fleet.operating.parse_slo`) the report's
     ``goodput`` counts against; ``defaulted_limit``: ``limit`` was chosen by the mode, not given (the
     report's ``workload_notes`` then name it); ``route_candidates``: a larger timed fleet narrows the
-    routers that scan every instance to this many candidates (:mod:`hybridkv.fleet.candidates`)."""
+    routers that scan every instance to this many candidates (:mod:`hybridkv.fleet.candidates`);
+    ``simulated_host``: a timed simulation builds the host tier of ``host_bytes`` too (payload-free,
+    its loads not priced; off: a timed simulation has no host tier; ``hybridkv plan`` turns it on)."""
 
     trace: str | None = None
     limit: int | None = 40
@@ -149,6 +151,7 @@ class ReplayOptions:
     slo: dict[str, float] | None = None
     defaulted_limit: bool = False
     route_candidates: int = DEFAULT_ROUTE_CANDIDATES
+    simulated_host: bool = False
 
 
 def default_policy(block_tokens: int, prefix_match_unit: int) -> str:
@@ -321,7 +324,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
         host_probation=opts.host_probation, checkpoint_probation=opts.checkpoint_probation,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
-                                             not (opts.timed and opts.simulate))
+                                             not (opts.timed and opts.simulate) or opts.simulated_host)
                        if opts.host_interval is None else opts.host_interval or None))
     if recovery is not None:
         check_block_size(cfg.block_size, {CSA: mcfg.csa_rate, HCA: mcfg.hca_rate})
@@ -469,7 +472,8 @@ def _timed_setup(opts: ReplayOptions, store_url: str) -> TimedSetup:
                       step_clock=opts.step_clock,
                       store_gib=DEFAULT_STORE_GIB if opts.store_gib is None else opts.store_gib,
                       restarts=opts.restarts, crashes=opts.crashes, cold_start_s=opts.cold_start_s,
-                      swa_recovery=opts.swa_recovery, slo=opts.slo, route_candidates=opts.route_candidates)
+                      swa_recovery=opts.swa_recovery, slo=opts.slo, route_candidates=opts.route_candidates,
+                      simulated_host=opts.simulated_host)
 
 
 def _warn_if_lower_tiers_idle(opts: ReplayOptions, cfg: CacheConfig, prompts, console: Console) -> None:

@@ -92,6 +92,8 @@ class TimedSetup:
             (:mod:`hybridkv.fleet.candidates`); 0: every instance always.
         slo: service-level targets (:func:`~hybridkv.fleet.operating.parse_slo`, seconds) the
             report's ``goodput`` is counted against; ``None``: no goodput.
+        simulated_host: a simulation builds every instance's host tier of ``host_bytes`` (payload-free:
+            keys, capacity, eviction, demotion and promotion; a host load takes no time on the clock).
     """
 
     model: str
@@ -117,6 +119,7 @@ class TimedSetup:
     swa_recovery: str | None = None
     slo: dict[str, float] | None = None
     route_candidates: int = DEFAULT_ROUTE_CANDIDATES
+    simulated_host: bool = False
 
 
 @dataclass(slots=True)
@@ -169,8 +172,9 @@ def _builder(setup: TimedSetup, cfg: CacheConfig):
         mcfg = model_config(setup.model)
         v4 = {"swa_recovery": setup.swa_recovery,
               "restore_cost": v4_restore_pricer(mcfg, setup.swa_recovery)} if isinstance(mcfg, V4Config) else {}
+        host = setup.host_bytes if setup.simulated_host else 0
         return lambda listener, step_cost: build_engine(mcfg, cfg, model_name=setup.model, listener=listener,
-                                                        step_cost=step_cost, **v4)
+                                                        step_cost=step_cost, host_bytes=host, **v4)
     model = load_model(setup.model, setup.seed)
     return lambda listener, step_cost: build_engine(
         model, cfg, model_name=setup.model, store_url=setup.store_url, host_bytes=setup.host_bytes,
