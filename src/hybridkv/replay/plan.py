@@ -10,7 +10,7 @@ each (:class:`Prices`). It is a search, not a grid:
 2. **Instances by bisection.** With the baseline configuration (the first candidate), the fewest
    instances that meet every target on a short prefix of the trace: doubling until the targets
    are met, then bisection (more instances are assumed never to make a target worse: monotone).
-3. **Successive halving** at :data:`HEADROOM` times that count, on trace prefixes (the shortest,
+3. **Successive halving** at that count (:data:`HEADROOM`), on trace prefixes (the shortest,
    then :data:`GROWTH` times longer, up to half the trace), keeping the best :data:`KEEP` share
    on each. Candidates are grouped by their *structure*: what they pay for besides GPUs (store
    size and bandwidth, host tier size). Candidates of one structure cost the same at every
@@ -98,9 +98,10 @@ MAX_INSTANCES = 64
 SCREEN_KEEP = 2
 """Device and routing choices (cache share, policy, router) each screening structure passes on
 to every structure."""
-HEADROOM = 2
-"""The halving runs at this many times the instances the baseline needs on the first prefix: enough
-that queueing is small and the ranking shows what the cache, store, policy and router do."""
+HEADROOM = 1
+"""The halving runs at this many times the instances the baseline needs on the first prefix: near the
+count where a plan is decided, so the ranking shows what the cache, store, policy and router do
+there (with many more instances every candidate's tail sits on the prefill bound and they tie)."""
 RELAX = 0.25
 """A TTFT target below the prefill bound is planned for at the bound plus this share instead
 (rounded up to 10 ms), and said so: the nearest target a fleet can reach."""
@@ -647,14 +648,15 @@ def _most_instances_below(cfg: FleetConfig, cost: float, prices: Prices, max_ins
 
 COST_TOL = 1e-9
 """Tolerance of cost comparisons (USD/h)."""
-NEAR = 0.05
+NEAR = 0.10
 """A structure whose best survivor misses a target by at most this share (at the most instances that
 cost less than the plan so far) has its second survivor tried too."""
 
 
 def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[FleetConfig] | None = None,
          first_fraction: float = FIRST_FRACTION, keep: float = KEEP, growth: int = GROWTH,
-         screen_keep: int = SCREEN_KEEP) -> PlanResult:
+         screen_keep: int = SCREEN_KEEP, headroom: float | None = None,
+         near: float | None = None) -> PlanResult:
     """Search (module docstring) and return the :class:`PlanResult`.
 
     Raises:
@@ -690,7 +692,9 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     start = min_instances(lambda k: ev.evaluate(replace(base, instances=k), sizes[0] if sizes else None), 0, 1,
                          max_instances)
     n_ref = start.config.instances if start is not None else max_instances
-    probe = min(HEADROOM * n_ref, max_instances)
+    headroom = HEADROOM if headroom is None else headroom
+    near = NEAR if near is None else near
+    probe = min(max(1, math.ceil(headroom * n_ref)), max_instances)
     # 3. successive halving per structure, the device and routing choices screened in two structures
     groups: dict = {}
     for c in space:
@@ -744,7 +748,7 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
                 bb.append({"structure": list(c.structure), "bisected": False, "instances": None,
                            "checked_at": c.instances, "ratio": None if math.isinf(o.ratio) else round(o.ratio, 6)})
                 second = runner_up.pop(c.structure, None)
-                if second is not None and o.ratio <= 1 + NEAR:       # a near miss: the structure's second choice
+                if second is not None and o.ratio <= 1 + near:       # a near miss: the structure's second choice
                     pending.append(second)
                 continue
             ev.stage = f"whole trace, instances: {c.label()}"
