@@ -32,6 +32,9 @@ Variants (``VARIANTS``; the device policy is the replay default unless named):
 * ``probation``: ``default`` with ``checkpoint_probation=0``: the device policy's ``interval``
   checkpoints wait on probation until a request uses one and are evicted before the others
   (``--checkpoint-probation``, :class:`hybridkv.store.eviction.ProbationOrder`).
+* ``utility``: ``default`` with ``checkpoint_eviction="utility"``: the device checkpoint pool
+  evicts by expected saving (``--checkpoint-eviction utility``,
+  :class:`hybridkv.cache.pools.UtilityOrder`).
 
 Each row also gives ``share``: its reused tokens as a fraction of the every-block run's (the
 frontier's headline figure; ``oracle_fraction`` divides by the every-unit oracle instead).
@@ -64,6 +67,7 @@ VARIANTS = {
     "dense2": {"host_interval": 2},
     "value": {"eviction": "value"},
     "probation": {"checkpoint_probation": 0.0},
+    "utility": {"checkpoint_eviction": "utility"},
 }
 """Variant name -> replay options (``host_interval`` in blocks)."""
 
@@ -92,7 +96,8 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
         v["host_interval"] *= block
     host_bytes = int(host * peak)
     if not host_bytes:            # no host tier: the write-through options have nowhere to go
-        v = {k: x for k, x in v.items() if k in ("eviction", "host_eviction", "checkpoint_probation")}
+        v = {k: x for k, x in v.items() if k in ("eviction", "host_eviction", "checkpoint_probation",
+                                                 "checkpoint_eviction")}
     slots = max(8, math.ceil(device * peak / slot_bytes))
     t0 = time.perf_counter()
     r = run_replay(ReplayOptions(trace=trace, limit=limit, simulate=True, progress=False, block_tokens=block,
@@ -101,6 +106,7 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
     h = r.tiers["host"]
     return {"variant": variant, "eviction": r.config["eviction"],
             "checkpoint_probation": v.get("checkpoint_probation"),
+            "checkpoint_eviction": v.get("checkpoint_eviction"),
             "host_eviction": r.config["host_eviction"],
             "policy": r.config["policy"], "device": device, "host": host, "slots": slots, "host_bytes": host_bytes,
             "oracle_fraction": r.oracle_fraction, "reused_tokens": r.reused_tokens,
@@ -163,7 +169,8 @@ def main() -> None:
         for d, h in pairs:
             if True:
                 dev_order = VARIANTS[variant].get("eviction", args.eviction)
-                key = (("device only", d, dev_order, VARIANTS[variant].get("checkpoint_probation"))
+                key = (("device only", d, dev_order, VARIANTS[variant].get("checkpoint_probation"),
+                        VARIANTS[variant].get("checkpoint_eviction"))
                        if h == 0 else None)
                 if key is not None and key in seen:
                     continue                  # no host: every lru variant is the same run
@@ -192,10 +199,12 @@ def plot(rows: list[dict], base_reused: int, path: str, title: str) -> None:
     styles = ["-", "--", ":", "-."]
     for vi, variant in enumerate(variants):
         probation = VARIANTS[variant].get("checkpoint_probation")
+        order = VARIANTS[variant].get("checkpoint_eviction")
         for hi, h in enumerate(hosts):
             pts = sorted((r["device"], 100 * r["reused_tokens"] / base_reused) for r in rows
                          if r["host"] == h and (r["variant"] == variant
-                                                or (h == 0 and r.get("checkpoint_probation") == probation)))
+                                                or (h == 0 and r.get("checkpoint_probation") == probation
+                                                    and r.get("checkpoint_eviction") == order)))
             if pts:
                 ax.plot([100 * x for x, _ in pts], [y for _, y in pts], styles[vi % len(styles)], marker="o",
                         color=f"C{hi}", label=f"{variant}, host {100 * h:g}%")

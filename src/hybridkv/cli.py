@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "hold, until a request uses one, while branch and tail checkpoints need the room (2Q's "
                         "A1in; with --eviction lru; default off: one lru order; 0 is the setting measured in "
                         "docs/results/memory.md)")
+    r.add_argument("--checkpoint-eviction", choices=("utility",), default=None,
+                   help="utility: the device checkpoint pool evicts the checkpoint of least expected saving "
+                        "(its hits, or its term's observed use share, times the tokens it saves over the "
+                        "checkpoint below it; aged GreedyDual-style); not with --checkpoint-probation; default "
+                        "off: the pool follows --eviction (docs/concepts/eviction.md)")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -274,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.checkpoint_probation is not None and args.eviction != "lru":
         parser.error(f"--checkpoint-probation {args.checkpoint_probation:g} works with --eviction lru, "
                      f"not {args.eviction}")
+    if args.command == "replay" and args.checkpoint_eviction and args.checkpoint_probation is not None:
+        parser.error(f"--checkpoint-eviction {args.checkpoint_eviction} and --checkpoint-probation "
+                     f"{args.checkpoint_probation:g} exclude each other")
     if args.command == "replay" and args.verify and args.simulate:
         parser.error(f"--verify {args.verify} needs the real model: --simulate has no logits to compare")
     console = Console(stderr=True)
@@ -468,7 +476,7 @@ def _replay(args, console: Console) -> int:
         host_groups=("full", "kda") if args.host_groups == "all" else ("kda",),
         host_interval=args.host_interval,
         eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,
-        checkpoint_probation=args.checkpoint_probation,
+        checkpoint_probation=args.checkpoint_probation, checkpoint_eviction=args.checkpoint_eviction,
         timed=args.timed, time_scale=args.time_scale, router=args.router,
         hybrid=HybridOptions() if args.own_waiting is None else HybridOptions(own_waiting=args.own_waiting),
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from hybridkv.store.eviction import EVICTION_POLICIES
 
 KERNEL_CHUNK = 64
+CHECKPOINT_EVICTIONS = ("utility",)
+"""Orders the device checkpoint pool may use instead of ``eviction``'s (``CacheConfig.checkpoint_eviction``)."""
 """Tokens per chunk of the chunked KDA algorithm (DESIGN §1)."""
 
 
@@ -212,6 +214,11 @@ class CacheConfig:
             request uses them, while the others (``branch``, ``tail``, ``hint``, and any that was
             used) need the room (:class:`~hybridkv.store.eviction.ProbationOrder`; with ``lru``
             eviction only). ``None``: one recency order for all (docs/concepts/eviction.md).
+        checkpoint_eviction: ``"utility"``: the device checkpoint pool evicts by expected saving
+            (:class:`~hybridkv.cache.pools.UtilityOrder`: a checkpoint's hits, or its placing
+            term's observed use share, times the tokens it saves over the checkpoint below it, aged
+            GreedyDual-style), whatever ``eviction`` the page pool uses. ``None``: the pool follows
+            ``eviction``. Not with ``checkpoint_probation``.
         host_interval: tokens; every ``host_interval`` tokens of a prefill a checkpoint is
             captured for the lower tiers only (label ``host``: written through to the host tier,
             never published on the device), so the host holds denser checkpoints than the device.
@@ -236,6 +243,7 @@ class CacheConfig:
     tenant_quota: float | None = None
     host_interval: int | None = None
     checkpoint_probation: float | None = None
+    checkpoint_eviction: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mechanism", Mechanism.parse(self.mechanism))
@@ -272,6 +280,11 @@ class CacheConfig:
             raise ConfigError(f"checkpoint_probation={cp!r} must be a fraction in [0, 1] or None")
         if cp is not None and self.eviction != "lru":
             raise ConfigError(f"checkpoint_probation={cp!r} works with eviction='lru', not {self.eviction!r}")
+        ce = self.checkpoint_eviction
+        if ce is not None and ce not in CHECKPOINT_EVICTIONS:
+            raise ConfigError(f"checkpoint_eviction={ce!r} must be one of {list(CHECKPOINT_EVICTIONS)} or None")
+        if ce is not None and cp is not None:
+            raise ConfigError(f"checkpoint_eviction={ce!r} and checkpoint_probation={cp!r} exclude each other")
         q = self.tenant_quota
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1):
             raise ConfigError(f"tenant_quota={q!r} must be a fraction in (0, 1] or None")

@@ -30,7 +30,7 @@ from hybridkv.cache.namespace import (
     chain_periodic,
     chained_block_hashes,
 )
-from hybridkv.cache.pools import CheckpointPool, PagePool
+from hybridkv.cache.pools import CheckpointPool, PagePool, UtilityOrder
 from hybridkv.store.eviction import ProbationOrder
 
 if TYPE_CHECKING:                      # the model's state type, named in annotations only
@@ -224,6 +224,12 @@ class HybridCacheCoordinator:
             if len(checkpoints.order):
                 raise ValueError("checkpoint_probation needs an empty checkpoint pool")
             self._probation = checkpoints.order = ProbationOrder(checkpoints.num_slots, config.checkpoint_probation)
+        self._utility: UtilityOrder | None = None
+        if config.checkpoint_eviction == "utility":       # expected saving: uses x tokens over the one below
+            if len(checkpoints.order):
+                raise ValueError("checkpoint_eviction needs an empty checkpoint pool")
+            self._utility = checkpoints.order = UtilityOrder()
+        self._below: dict[int, int] = {}      # slot -> boundary of the checkpoint below it when placed (utility)
         self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
         self.page_bytes = page_bytes
         self.copy_page = copy_page
@@ -508,9 +514,12 @@ class HybridCacheCoordinator:
                 raise ValueError(f"checkpoint boundary {b} lies beyond the prompt's {len(hashes)} whole units")
         self.publish_units(alloc, hashes, computed)
         result = PublishResult()
+        below = self._below_start(alloc, checkpoints) if self._utility is not None else 0
         for b in sorted(checkpoints):
             ckpt, label = checkpoints[b]
-            if not self._publish_checkpoint(alloc, hashes, ckpt, b, label):
+            ok = self._publish_checkpoint(alloc, hashes, ckpt, b, label, below)
+            below = b
+            if not ok:
                 result.skipped.append(b)
                 continue
             result.created.append((b, label))
@@ -518,6 +527,18 @@ class HybridCacheCoordinator:
                 result.superseded += 1
                 result.retired.append(alloc.start)
         return result
+
+    def _below_start(self, alloc: Allocation, checkpoints: dict) -> int:
+        """The boundary of the checkpoint below the request's new ones: its start (the checkpoint
+        it resumed from), or, when ``supersede`` will retire that tail, the one below the tail."""
+        start = alloc.start
+        if start <= 0 or not self.config.policy.supersede:
+            return start
+        g = self.config.prefix_match_unit
+        slot = alloc.nodes[start // g - 1].checkpoint if len(alloc.nodes) >= start // g else None
+        if slot is None or self.labels.get(slot) != TAIL or not any(lb == TAIL for _, lb in checkpoints.values()):
+            return start
+        return self._below.get(slot, 0)
 
     def publish_units(self, alloc: Allocation, hashes: list[bytes], computed: int) -> None:
         """Publish every whole unit of ``[0, computed)`` whose KV the request has written.
@@ -538,7 +559,7 @@ class HybridCacheCoordinator:
         self.index.extend_table(parent, hashes[k:n], table, k, per_page, alloc.owner, self.clock(), out=nodes)
 
     def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
-                            boundary: int, label: str = "") -> bool:
+                            boundary: int, label: str = "", below: int = 0) -> bool:
         """Publish ``C(P_boundary)`` at the request's node for ``boundary`` (units already published).
 
         The bytes are copied into a cache-owned slot first and only then
@@ -551,7 +572,7 @@ class HybridCacheCoordinator:
         g = self.config.prefix_match_unit
         if len(alloc.nodes) < boundary // g:
             raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
-        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label)
+        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label, below)
 
     def retire_checkpoint(self, alloc: Allocation, boundary: int, label: str) -> bool:
         """Detach the request's checkpoint at ``boundary`` if it was published under ``label``."""
@@ -565,7 +586,7 @@ class HybridCacheCoordinator:
         self.index.detach_checkpoint(node)
         return True
 
-    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None, label: str = "") -> bool:
+    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None, label: str = "", below: int = 0) -> bool:
         if node.checkpoint is not None:
             return False
         slot = self.checkpoints.take_free()
@@ -578,6 +599,9 @@ class HybridCacheCoordinator:
         self.checkpoints.write(slot, ckpt)
         if self._probation is not None and label in PROBATION_LABELS:
             self._probation.mark(slot)
+        if self._utility is not None:      # saving: tokens over the checkpoint below (``below``) when placed
+            self._utility.mark(slot, label, node.end - below)
+            self._below[slot] = below
         self.index.attach_checkpoint(node, slot)
         self.labels[slot] = label
         self._note_peaks()

@@ -18,14 +18,15 @@ copying it into its working state).
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from hybridkv._torch import torch
 from hybridkv.cache.groups import GroupSpec
-from hybridkv.store.eviction import make_order
+from hybridkv.store.eviction import EvictionOrder, make_order
 
 
 class _FreeQueue:
@@ -356,3 +357,133 @@ class CheckpointPool(_RefcountedCache):
             assert (s in self.order) == (pub and rc == 0), f"slot {s}: evictable membership wrong"
             if s in free:
                 assert not pub and rc == 0, f"slot {s}: free but in use"
+
+
+class UtilityOrder(EvictionOrder):
+    """Eviction order of the device checkpoint pool by expected saving (``checkpoint_eviction="utility"``).
+
+    GreedyDual-Size-Frequency (Cherkasova, 1998) with the two inputs a checkpoint cache knows:
+    the *saving* of a checkpoint, the tokens a hit on it saves over the next checkpoint below it
+    on its path when it was placed (Marconi's FLOPs saved, Pan et al. 2025, linear in tokens here),
+    and its expected uses: the hits it has had, or, before its first hit, the share of checkpoints
+    placed under the same label (``tail``, ``branch``, ``interval``, ...) that have been hit at
+    least once, ``(used + 1) / (placed + 2)``, learned online. A member's priority is
+    ``floor + uses * saving``; the victim is the member of lowest priority; ``floor`` rises to
+    each victim's priority, so an entry not used for a while falls below newer ones (recency).
+    All checkpoints are the same size, so bytes do not enter the priority.
+
+    What it learns per label replaces a fixed probation for speculative checkpoints: where
+    ``interval`` checkpoints are seldom used (a conversation trace) they go first, where later
+    requests do resume from them (a hot set of long contexts) they stay.
+
+    :meth:`mark` tells the order a slot's label and saving before the pool describes it
+    (:meth:`CheckpointPool.publish`); unmarked items count as label ``""`` with the described
+    ``cost`` (tokens) as their saving. Victims by owner (quotas) scan the members: O(members).
+    """
+
+    name = "utility"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.floor = 0.0                                     # priority of the last victim (GDS's L)
+        self._prio: dict[Hashable, float] = {}               # member -> priority
+        self._heap: list[tuple[float, int, Hashable]] = []   # (priority, seq, item); stale entries skipped
+        self._seq = 0
+        self._pending: dict[Hashable, tuple[str, float]] = {}    # item -> (label, saving) before describe
+        self._what: dict[Hashable, tuple[str, float]] = {}       # described item -> (label, saving)
+        self.placed: dict[str, int] = {}                     # label -> checkpoints described
+        self.used: dict[str, int] = {}                       # label -> of those, hit at least once
+
+    def mark(self, item: Hashable, label: str, saving: float) -> None:
+        """The next :meth:`describe` of ``item`` is a checkpoint placed by ``label`` saving
+        ``saving`` tokens over the checkpoint below it."""
+        self._pending[item] = (label, float(saving))
+
+    def use_share(self, label: str) -> float:
+        """Share of ``label``'s checkpoints hit at least once, ``(used + 1) / (placed + 2)``."""
+        return (self.used.get(label, 0) + 1) / (self.placed.get(label, 0) + 2)
+
+    def describe(self, item: Hashable, nbytes: int = 1, cost: float = 1.0, depth: int = 0,
+                 owner: Hashable | None = None, key: bytes | None = None) -> None:
+        """As :meth:`EvictionOrder.describe`; takes the label and saving :meth:`mark` gave."""
+        EvictionOrder.describe(self, item, nbytes, cost, depth, owner, key)
+        label, saving = self._pending.pop(item, ("", float(cost)))
+        self._what[item] = (label, saving)
+        self.placed[label] = self.placed.get(label, 0) + 1
+
+    def forget(self, item: Hashable) -> None:
+        """The item's content is gone."""
+        EvictionOrder.forget(self, item)
+        self._what.pop(item, None)
+        self._pending.pop(item, None)
+
+    def priority(self, item: Hashable) -> float:
+        """``floor + uses * saving`` for ``item`` now (uses: its hits, or its label's use share)."""
+        label, saving = self._what.get(item, ("", 1.0))
+        info = self.info.get(item)
+        hits = info.hits if info is not None else 0
+        return self.floor + (hits if hits else self.use_share(label)) * saving
+
+    def _push(self, item: Hashable) -> None:
+        p = self.priority(item)
+        prio = self._prio
+        prio[item] = p
+        self._seq += 1
+        heapq.heappush(self._heap, (p, self._seq, item))
+        if len(self._heap) > 4 * len(prio) + 1024:           # rebuild without the stale entries
+            self._heap = [e for e in self._heap if prio.get(e[2]) == e[0]]
+            latest: dict[Hashable, tuple] = {}
+            for e in self._heap:                             # equal priorities: keep the latest push
+                if e[2] not in latest or e[1] > latest[e[2]][1]:
+                    latest[e[2]] = e
+            self._heap = list(latest.values())
+            heapq.heapify(self._heap)
+
+    def add(self, item: Hashable) -> None:
+        """``item`` became evictable; its priority is taken now (a refresh when re-added)."""
+        if item not in self.info:
+            self._info(item)
+        self._push(item)
+
+    def discard(self, item: Hashable) -> None:
+        self._prio.pop(item, None)
+
+    def hit(self, item: Hashable, count: bool = True) -> None:
+        """A use: counted ones add a hit (the first counts its label as used); a member's
+        priority is taken again."""
+        info = self._info(item)
+        if count:
+            if not info.hits:
+                label = self._what.get(item, ("", 0.0))[0]
+                self.used[label] = self.used.get(label, 0) + 1
+            info.hits += 1
+        if item in self._prio:
+            self._push(item)
+
+    def victim(self, owner: Hashable | None = None) -> Hashable | None:
+        """The member of lowest priority (of ``owner`` when given), or ``None``."""
+        if owner is not None:
+            own = [(p, i) for i, p in self._prio.items() if self.info[i].owner == owner]
+            return min(own, key=lambda e: e[0])[1] if own else None
+        heap, prio = self._heap, self._prio
+        while heap:
+            p, _, item = heap[0]
+            if prio.get(item) == p:
+                return item
+            heapq.heappop(heap)
+        return None
+
+    def evicted(self, item: Hashable) -> None:
+        """``item`` is evicted: the floor rises to its priority."""
+        p = self._prio.get(item)
+        if p is not None and p > self.floor:
+            self.floor = p
+
+    def __contains__(self, item: Hashable) -> bool:
+        return item in self._prio
+
+    def __len__(self) -> int:
+        return len(self._prio)
+
+    def __iter__(self):
+        return iter(sorted(self._prio, key=self._prio.__getitem__))

@@ -92,7 +92,8 @@ class ReplayOptions:
     holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
     ``None``: :func:`default_host_interval`, 0: off); ``checkpoint_probation``: the device checkpoint
     pool's probation share for interval checkpoints (``CacheConfig.checkpoint_probation``; ``None``:
-    off); ``store_gib=None`` means
+    off); ``checkpoint_eviction``: ``"utility"`` for the device checkpoint pool's expected-saving
+    order (``CacheConfig.checkpoint_eviction``; ``None``: ``eviction``'s); ``store_gib=None`` means
     :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
     ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`), and so
     are ``crashes`` (each instance back after ``cold_start_s``); ``hybrid``: the ``hybrid``
@@ -134,6 +135,7 @@ class ReplayOptions:
     host_eviction: str = "lru"
     host_probation: float = HOST_PROBATION
     checkpoint_probation: float | None = None
+    checkpoint_eviction: str | None = None
     timed: bool = False
     time_scale: float = 1.0
     router: str | None = None
@@ -323,6 +325,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
         host_probation=opts.host_probation, checkpoint_probation=opts.checkpoint_probation,
+        checkpoint_eviction=opts.checkpoint_eviction,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate) or opts.simulated_host)
                        if opts.host_interval is None else opts.host_interval or None))
@@ -609,7 +612,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
                 "own_waiting": opts.hybrid.own_waiting if opts.timed and _router_name(opts) == "hybrid" else None,
                 "host_eviction": cfg.host_eviction, "host_probation": cfg.host_probation,
-                "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
+                "checkpoint_eviction": cfg.checkpoint_eviction, "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
                 "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,
                 "evicted_pages": sum(r.evicted_pages for r in results),
                 "evicted_checkpoints": sum(r.evicted_checkpoints for r in results)},

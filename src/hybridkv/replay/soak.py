@@ -561,8 +561,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-going", action="store_true", help="continue after a failing round")
     p.add_argument("--eviction", choices=EVICTION_CHOICES, default="lru",
                    help="eviction order of the device pools and host tier: lru (default; every earlier "
-                        "round reproduces), value, mixed (value in odd rounds), or probation (lru with the "
-                        "device checkpoint pool's interval checkpoints on probation, --checkpoint-probation 0)")
+                        "round reproduces), value, mixed (value in odd rounds), probation (lru with the "
+                        "device checkpoint pool's interval checkpoints on probation, --checkpoint-probation 0), "
+                        "or utility (lru pages, the device checkpoint pool by expected saving, "
+                        "--checkpoint-eviction utility)")
     p.add_argument("--model", choices=(PRESET, *V4_SOAK_PRESETS), default=PRESET,
                    help="preset the rounds run on (default tiny; DeepSeek-V4: v4-tiny, v4-small, with the same "
                         "drawn host tier, store, second engine and store faults)")

@@ -38,6 +38,8 @@ class RoundConfig:
             not drawn by :func:`make_round`: the soak's ``--eviction`` option sets it).
         checkpoint_probation: :class:`CacheConfig` field (not drawn: the soak's ``--eviction probation``
             sets it to 0 with ``lru``).
+        checkpoint_eviction: :class:`CacheConfig` field (not drawn: the soak's ``--eviction utility``
+            sets it to ``utility`` with ``lru`` pages).
         model: the preset the round runs on (``tiny``, or DeepSeek-V4's ``v4-tiny`` / ``v4-small``;
             not drawn: the soak's ``--model`` sets it).
         swa_recovery: DeepSeek-V4 only: ``window``, ``periodic=P`` or ``recompute``
@@ -62,6 +64,7 @@ class RoundConfig:
     faults: float = 0.0
     eviction: str = "lru"
     checkpoint_probation: float | None = None
+    checkpoint_eviction: str | None = None
     model: str = "tiny"
     swa_recovery: str | None = None
 
@@ -72,7 +75,8 @@ class RoundConfig:
                            num_checkpoint_slots=self.num_checkpoint_slots,
                            policy=CheckpointPolicy.parse(self.policy), mechanism=self.mechanism,
                            max_num_seqs=self.max_num_seqs, store_alignment=self.store_alignment,
-                           eviction=self.eviction, checkpoint_probation=self.checkpoint_probation)
+                           eviction=self.eviction, checkpoint_probation=self.checkpoint_probation,
+                           checkpoint_eviction=self.checkpoint_eviction)
 
 
 # -- requests ----------------------------------------------------------------------------------------
@@ -234,16 +238,20 @@ def _workload(rng: np.random.Generator, *, unit: int, block: int, instances: int
     return specs
 
 
-EVICTION_CHOICES = ("lru", "value", "mixed", "probation")
-"""The soak's ``--eviction`` values: one order for every round, ``mixed`` (by round parity), or
-``probation`` (``lru`` with ``checkpoint_probation=0``: :func:`apply_eviction`)."""
+EVICTION_CHOICES = ("lru", "value", "mixed", "probation", "utility")
+"""The soak's ``--eviction`` values: one order for every round, ``mixed`` (by round parity),
+``probation`` (``lru`` with ``checkpoint_probation=0``) or ``utility`` (``lru`` pages with
+``checkpoint_eviction="utility"``): :func:`apply_eviction`."""
 
 
 def apply_eviction(rc: RoundConfig, order: str) -> RoundConfig:
     """``rc`` with the order :func:`round_eviction` gave: ``probation`` is ``lru`` with the device
-    checkpoint pool's probation at 0 (``CacheConfig.checkpoint_probation``)."""
+    checkpoint pool's probation at 0 (``CacheConfig.checkpoint_probation``); ``utility`` is ``lru``
+    pages with the device checkpoint pool by expected saving (``CacheConfig.checkpoint_eviction``)."""
     if order == "probation":
         return replace(rc, eviction="lru", checkpoint_probation=0.0)
+    if order == "utility":
+        return replace(rc, eviction="lru", checkpoint_eviction="utility")
     return replace(rc, eviction=order)
 
 
