@@ -179,6 +179,11 @@ def test_bad_prices_and_models_are_named():
     (["plan", "--slo", "ttft_p99=1", "--model", "small"], "--model 'small'"),
     (["plan", "--slo", "ttft_p99=1", "--trace", "/nonexistent/t.jsonl"], "--trace /nonexistent/t.jsonl"),
     (["plan", "--slo", "ttft_p99=1", "--json", "/nonexistent/dir/p.json"], "--json /nonexistent/dir/p.json"),
+    (["plan", "--slo", "ttft_p99=1", "--hosts", "0,-4"], "host tier size '-4'"),
+    (["plan", "--slo", "ttft_p99=1", "--stores", "none,256"], "store '256' is not GIB@GBPS"),
+    (["plan", "--slo", "ttft_p99=1", "--routers", "hybrid,fastest"], "router 'fastest'"),
+    (["plan", "--slo", "ttft_p99=1", "--shares", "0.2,1.5"], "cache share '1.5'"),
+    (["plan", "--slo", "ttft_p99=1", "--shares", "0.2,0.2"], "given twice"),
 ])
 def test_cli_bad_inputs_exit_2_with_one_line(argv, needle, capsys):
     try:
@@ -192,7 +197,8 @@ def test_cli_bad_inputs_exit_2_with_one_line(argv, needle, capsys):
 
 def test_cli_plans_a_prefix_and_writes_json_and_png(tmp_path, capsys):
     out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
-    code = main(["plan", "--slo", "ttft_p99=60", "--limit", "16", "--max-instances", "4",
+    code = main(["plan", "--slo", "ttft_p99=60", "--limit", "16", "--max-instances", "4", "--jobs", "1",
+                 "--shares", "0.2", "--hosts", "0", "--stores", "none,256@1.1", "--routers", "hybrid",
                  "--json", str(out_json), "--png", str(out_png)])
     assert code == 0
     data = json.loads(out_json.read_text())
@@ -203,6 +209,10 @@ def test_cli_plans_a_prefix_and_writes_json_and_png(tmp_path, capsys):
     for line in data["commands"]:
         parser.parse_args(shlex.split(line)[1:])
     assert "plan:" in capsys.readouterr().out
+    # the space asked for and no other: two structures, both reaching the whole (prefix) trace
+    structures = {tuple(e["structure"]) for e in data["rungs"][-1]["structures"]}
+    assert structures == {(0.0, 0.0, 0.0), (256.0, 1.1, 0.0)}
+    assert {o["config"]["router"] for o in data["evaluated"]} == {"hybrid"}
 
 
 def test_seeds_move_arrivals_within_the_trace_resolution():

@@ -20,7 +20,11 @@ from hybridkv.replay.plan import (
     DEFAULT_HOST_GB_MONTH_USD,
     DEFAULT_STORE_GB_MONTH_USD,
     DEFAULT_STORE_GBPS_MONTH_USD,
+    HOSTS,
     MAX_INSTANCES,
+    ROUTERS,
+    SHARES,
+    STORES,
     Evaluator,
     PlanError,
     PlanResult,
@@ -28,6 +32,8 @@ from hybridkv.replay.plan import (
     deploy_commands,
     h200_budget,
     parse_slo_option,
+    candidates,
+    default_policies,
     plan,
 )
 from hybridkv.replay.args import max_num_seqs, positive_int, time_scale, unwritable
@@ -42,6 +48,75 @@ def _price(text: str) -> float:
     if not (x >= 0 and x != float("inf")):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite price >= 0 (USD)")
     return x
+
+
+def _list(kind: str, one):
+    """An argparse type: a comma-separated list of ``kind`` values, each read by ``one`` (which
+    raises ``ValueError`` naming the value), none given twice."""
+    def parse(text: str) -> tuple:
+        items = [t.strip() for t in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty {kind} in the list")
+        try:
+            out = tuple(one(t) for t in items)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if len(set(out)) != len(out):
+            raise argparse.ArgumentTypeError(f"{text!r}: a {kind} is given twice")
+        return out
+    return parse
+
+
+def _share(t: str) -> float:
+    x = _number(t, "cache share")
+    if not 0 < x < 1:
+        raise ValueError(f"cache share {t!r} must be in (0, 1)")
+    return x
+
+
+def _host(t: str) -> float:
+    x = _number(t, "host tier size")
+    if not 0 <= x <= MAX_HOST_GIB:
+        raise ValueError(f"host tier size {t!r} must be GiB in [0, {MAX_HOST_GIB:g}]")
+    return x
+
+
+def _store(t: str) -> tuple[float, float]:
+    if t == "none":
+        return (0.0, 0.0)
+    gib, sep, gbps = t.partition("@")
+    if not sep:
+        raise ValueError(f"store {t!r} is not GIB@GBPS (e.g. 256@1.1) or none")
+    g, b = _number(gib, "store size"), _number(gbps, "store bandwidth")
+    if not (0 < g <= MAX_STORE_GIB and 0 < b <= MAX_STORE_GBPS):
+        raise ValueError(f"store {t!r}: size must be GiB in (0, {MAX_STORE_GIB:g}], bandwidth GB/s in "
+                         f"(0, {MAX_STORE_GBPS:g}]")
+    return (g, b)
+
+
+def _router(t: str) -> str:
+    from hybridkv.fleet.routers import ROUTER_NAMES as KNOWN
+    if t not in KNOWN:
+        raise ValueError(f"router {t!r} is not one of {', '.join(KNOWN)}")
+    return t
+
+
+def _number(t: str, what: str) -> float:
+    try:
+        x = float(t)
+    except ValueError:
+        raise ValueError(f"{what} {t!r} is not a number") from None
+    if x != x or x in (float("inf"), float("-inf")):
+        raise ValueError(f"{what} {t!r} is not a finite number")
+    return x
+
+
+MAX_HOST_GIB = 65536.0
+"""Largest host tier per instance accepted (GiB)."""
+MAX_STORE_GIB = 1 << 20
+"""Largest store accepted (GiB)."""
+MAX_STORE_GBPS = 1000.0
+"""Largest store bandwidth accepted (GB/s)."""
 
 
 def add_plan_parser(sub) -> None:
@@ -77,6 +152,17 @@ def add_plan_parser(sub) -> None:
                    help="multiply the trace's arrival times by this (default 1; 0.5: twice the rate)")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="plan on the first N requests only (default: the whole trace)")
+    p.add_argument("--shares", type=_list("cache share", _share), default=SHARES, metavar="X[,X...]",
+                   help="device cache shares searched, the first the baseline's (default "
+                        f"{','.join(f'{x:g}' for x in SHARES)})")
+    p.add_argument("--hosts", type=_list("host tier size", _host), default=HOSTS, metavar="GIB[,GIB...]",
+                   help="host tier sizes per instance searched, GiB, 0 for none, the first the baseline's (default "
+                        f"{','.join(f'{x:g}' for x in HOSTS)})")
+    p.add_argument("--stores", type=_list("store", _store), default=STORES, metavar="GIB@GBPS|none[,...]",
+                   help="shared stores searched, the first the baseline's (default "
+                        + ",".join("none" if b <= 0 else f"{g:g}@{b:g}" for g, b in STORES) + ")")
+    p.add_argument("--routers", type=_list("router", _router), default=ROUTERS, metavar="NAME[,NAME...]",
+                   help=f"routers searched, the first the baseline's (default {','.join(ROUTERS)})")
     p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                    help="simulations run at once, one process and core each (default: 2, or 1 on a one-core "
                         "machine)")
@@ -196,7 +282,9 @@ def cmd_plan(args, console: Console | None = None) -> int:
                        log=lambda line: console.print(f"[dim]{escape(line)}[/dim]", highlight=False), limit=args.limit,
                        jobs=args.jobs)
         try:
-            result = plan(ev, max_instances=args.max_instances)
+            space = candidates(default_policies(), shares=args.shares, stores=args.stores, routers=args.routers,
+                               hosts=args.hosts)
+            result = plan(ev, max_instances=args.max_instances, space=space)
         finally:
             ev.close()
     except (PlanError, ValueError) as exc:
