@@ -26,7 +26,14 @@ from starlette.exceptions import HTTPException
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.auth import AuthMiddleware, KeyRing, principal_of, request_tenant, serve_route_kind
-from hybridkv.serve.cache_events import EVENT_PAGE_MAX, EventFeed, group_info
+from hybridkv.serve.cache_events import (
+    EVENT_PAGE_MAX,
+    SNAPSHOT_PAGE_MAX,
+    EventFeed,
+    SnapshotGone,
+    SnapshotPages,
+    group_info,
+)
 from hybridkv.serve.compat import add_compat_routes
 from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import (
@@ -75,6 +82,7 @@ class Server:
                  metrics: ServeMetrics, events: EventFeed | None = None) -> None:
         self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
         self.events = events
+        self.snapshots = SnapshotPages()      # device-index snapshots being paged (GET /v1/cache/snapshot)
         handle.engine.set_timings(metrics)    # lookup / load / transfer / install / saved-prefill histograms
         self.vocab_size = handle.backend.vocab_size
         self.unit = handle.engine.config.prefix_match_unit
@@ -314,44 +322,64 @@ class Server:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    async def cache_snapshot(self, request: Request) -> dict:
-        """``GET /v1/cache/snapshot``: every entry the device cache holds now, named as the event
-        feed names them, read on the engine thread between two steps: ``{"epoch": E, "kv": [hex,
-        ...], "checkpoints": [hex, ...]}`` (the chained hash of each cached ``prefix_match_unit``,
-        and of each unit with a published checkpoint; never token ids). The events of epoch ``E``
-        applied over it, from its first, give the cache as it is when they were published:
-        ``hybridkv router`` resyncs from it when a purge or restart starts a new epoch, so the
-        entries that survived keep their affinity.
+    async def cache_snapshot(self, request: Request, cursor: str | None = None,
+                             limit: int = SNAPSHOT_PAGE_MAX) -> dict:
+        """``GET /v1/cache/snapshot?limit=N`` then ``?cursor=C&limit=N``: every entry the device
+        cache holds, named as the event feed names them, in pages of at most ``limit`` entries
+        (1 to :data:`~hybridkv.serve.cache_events.SNAPSHOT_PAGE_MAX`)::
+
+            {"epoch": E, "generation": G, "total": N, "kv": [hex, ...], "checkpoints": [hex, ...],
+             "next_cursor": C or null}
+
+        ``kv``: the chained hash of each cached ``prefix_match_unit``; ``checkpoints``: those of
+        this page's units with a published checkpoint (never token ids). The first page (no
+        ``cursor``) reads the index on the engine thread between two steps; the next pages come
+        from that same read (:class:`~hybridkv.serve.cache_events.SnapshotPages`), so every page
+        of generation ``G`` is one consistent cut, whatever the cache did meanwhile. The events of
+        epoch ``E`` applied over it, from its first, give the cache as it is when they were
+        published: ``hybridkv router`` resyncs from it when a purge or restart starts a new epoch,
+        so the entries that survived keep their affinity.
 
         Raises:
             APIError: 403 for a request with an ``X-Tenant`` header (every tenant's entry keys, as
-                the event feed); 404 when the device cache has no prefix index to read.
+                the event feed); 400 naming ``limit`` or ``cursor`` (out of range, not a cursor of
+                this server); 410 (``snapshot_gone``) for a cursor whose snapshot is no longer
+                held (a purge or restart started a new epoch, idle past its time, or replaced):
+                read it again from the first page; 404 when the device cache has no prefix index.
         """
         if tenant_header(request.headers) is not None:
             raise APIError(403, "a request with the X-Tenant header may not read the cache snapshot (every "
                                 "tenant's entry keys)", None, "tenant_scope", "permission_error")
-        self._check_alive()
+        if not 1 <= limit <= SNAPSHOT_PAGE_MAX:
+            raise APIError(400, f"limit={limit} must be in [1, {SNAPSHOT_PAGE_MAX}] (entries per page)", "limit")
         events = self.events
+        if cursor is not None:
+            try:
+                return self.snapshots.resume(cursor, limit, events.epoch)
+            except SnapshotGone as exc:
+                raise APIError(410, str(exc), "cursor", "snapshot_gone") from None
+            except ValueError as exc:
+                raise APIError(400, str(exc), "cursor") from None
+        self._check_alive()
 
-        def read(handle: EngineHandle) -> dict | None:
+        def read(handle: EngineHandle) -> tuple[int, list[bytes], bytearray] | None:
             index = getattr(handle.engine.cache, "index", None)
             root = getattr(index, "root", None)
             if root is None:
                 return None
-            kv, checkpoints, stack = [], [], list(root.children.values())
+            keys, flags, stack = [], bytearray(), list(root.children.values())
             while stack:
                 node = stack.pop()
-                kv.append(node.key.hex())
-                if node.checkpoint is not None:
-                    checkpoints.append(node.key.hex())
+                keys.append(node.key)
+                flags.append(node.checkpoint is not None)
                 stack.extend(node.children.values())
-            return {"epoch": events.epoch, "kv": kv, "checkpoints": checkpoints}
+            return events.epoch, keys, flags
 
-        snapshot = await asyncio.wrap_future(self.worker.call(read))
-        if snapshot is None:
+        got = await asyncio.wrap_future(self.worker.call(read))
+        if got is None:
             raise APIError(404, "this worker's device cache has no prefix index to snapshot", None, "not_found",
                            "invalid_request_error")
-        return snapshot
+        return self.snapshots.first(*got, limit)
 
 
 async def _disconnected(request: Request) -> None:

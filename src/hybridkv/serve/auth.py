@@ -252,7 +252,7 @@ def request_tenant(principal: Principal | None, headers, body: dict | None) -> s
 def principal_of(request) -> Principal | None:
     """The :class:`Principal` :class:`AuthMiddleware` set on a Starlette ``request`` (``None``
     on an app without the middleware)."""
-    return request.scope.get("hybridkv.principal")
+    return getattr(request, "scope", {}).get("hybridkv.principal")
 
 
 class AuthMiddleware:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import secrets
 import threading
 import time
 from collections import deque
@@ -281,3 +282,115 @@ class EventFeed:
         finally:
             with self._lock:
                 self._waiters.discard(waiter)
+
+
+# -- the device cache's snapshot, in pages --------------------------------------------------------
+
+SNAPSHOT_PAGE_MAX = 4096
+"""Most entries one ``GET /v1/cache/snapshot`` page answers (about 280 KB of JSON: 64 hex digits
+per entry); also its default ``limit``."""
+SNAPSHOT_KEEP = 4
+"""Snapshots a worker holds for readers paging through them at once (the least recently read is
+dropped first)."""
+SNAPSHOT_TTL_S = 60.0
+"""Seconds a held snapshot outlives its last page read."""
+
+
+class SnapshotGone(LookupError):
+    """A cursor's snapshot is no longer held: dropped after :data:`SNAPSHOT_TTL_S` idle, for newer
+    ones, or because a purge or restart started a new epoch; the reader starts again."""
+
+
+class SnapshotPages:
+    """Snapshots of the device index held while readers page through them (event loop only).
+
+    A snapshot is read once, on the engine thread between two steps (a consistent cut of the
+    index); its pages are then served from that copy, so the cache changing between two pages
+    changes nothing in them. Each snapshot has a ``generation`` (random hex) that every page and
+    cursor carries; a snapshot whose epoch has ended is dropped, and its cursors then raise
+    :class:`SnapshotGone`, so a reader that pages across a purge or restart starts again.
+
+    Args:
+        keep: snapshots held at once (>= 1).
+        ttl_s: seconds a snapshot is held after its last page (> 0).
+        clock: monotonic seconds (``time.monotonic``).
+
+    Raises:
+        ValueError: ``keep`` < 1 or ``ttl_s`` <= 0 (named).
+    """
+
+    def __init__(self, keep: int = SNAPSHOT_KEEP, ttl_s: float = SNAPSHOT_TTL_S, clock=time.monotonic) -> None:
+        if keep < 1 or not ttl_s > 0:
+            raise ValueError(f"keep={keep} must be >= 1 and ttl_s={ttl_s} > 0 seconds")
+        self.keep, self.ttl_s, self.clock = keep, ttl_s, clock
+        self._held: dict[str, tuple[int, list[bytes], bytearray, float]] = {}   # generation -> epoch, keys,
+                                                                                 # checkpoint flags, last read
+
+    @staticmethod
+    def parse_cursor(cursor: str) -> tuple[str, int]:
+        """``(generation, offset)`` of a ``next_cursor`` (``GENERATION.OFFSET``).
+
+        Raises:
+            ValueError: anything else (naming the cursor, shortened).
+        """
+        generation, dot, offset = cursor.partition(".")
+        if not dot or not generation or not all(c in "0123456789abcdef" for c in generation) \
+                or not offset.isascii() or not offset.isdigit():
+            shown = cursor if len(cursor) <= 60 else cursor[:57] + "..."
+            raise ValueError(f"cursor={shown!r} is not a cursor this server gave (next_cursor of a previous page)")
+        return generation, int(offset)
+
+    def first(self, epoch: int, keys: list[bytes], flags: bytearray, limit: int) -> dict:
+        """The first page of a snapshot just read (``keys``: every cached unit's chained hash,
+        ``flags[i]`` 1 when ``keys[i]`` has a published checkpoint), held for the next pages when
+        it has more than ``limit`` entries."""
+        now = self.clock()
+        self._expire(now)
+        generation = secrets.token_hex(8)
+        if len(keys) > limit:
+            while len(self._held) >= self.keep:             # the least recently read goes
+                del self._held[min(self._held, key=lambda g: self._held[g][3])]
+            self._held[generation] = (epoch, keys, flags, now)
+        return self._page(generation, epoch, keys, flags, 0, limit)
+
+    def resume(self, cursor: str, limit: int, epoch_now: int) -> dict:
+        """The page a cursor names, at most ``limit`` entries.
+
+        Raises:
+            ValueError: a cursor this server did not give, or past the snapshot's end.
+            SnapshotGone: its snapshot is no longer held, or its epoch (``epoch_now`` is the
+                current one) has ended.
+        """
+        generation, offset = self.parse_cursor(cursor)
+        now = self.clock()
+        self._expire(now)
+        held = self._held.get(generation)
+        if held is not None and held[0] != epoch_now:       # a purge or restart since: the entries changed
+            del self._held[generation]
+            held = None
+        if held is None:
+            raise SnapshotGone(f"snapshot generation {generation} is no longer held (a purge or restart started a "
+                               f"new epoch, it was not read for {self.ttl_s:g} s, or newer snapshots replaced it); "
+                               "read the snapshot again from its first page (no cursor)")
+        epoch, keys, flags, _ = held
+        if offset >= len(keys):
+            raise ValueError(f"cursor offset {offset} is past the snapshot's {len(keys)} entries")
+        self._held[generation] = (epoch, keys, flags, now)
+        return self._page(generation, epoch, keys, flags, offset, limit)
+
+    def _page(self, generation: str, epoch: int, keys: list[bytes], flags: bytearray, offset: int,
+              limit: int) -> dict:
+        end = min(offset + limit, len(keys))
+        if end == len(keys):
+            self._held.pop(generation, None)                # read to its end: nothing more to hold
+        return {"epoch": epoch, "generation": generation, "total": len(keys),
+                "kv": [k.hex() for k in keys[offset:end]],
+                "checkpoints": [keys[i].hex() for i in range(offset, end) if flags[i]],
+                "next_cursor": f"{generation}.{end}" if end < len(keys) else None}
+
+    def _expire(self, now: float) -> None:
+        for g in [g for g, h in self._held.items() if now - h[3] > self.ttl_s]:
+            del self._held[g]
+
+    def __len__(self) -> int:
+        return len(self._held)

@@ -36,11 +36,15 @@ from hybridkv.cache.groups import (BOUNDARY, KIMI_LINEAR, PREFIX, SAVED_AT_HIT, 
 from hybridkv.cache.namespace import CacheIdentity, bind_namespace, chained_block_hashes
 from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 from hybridkv.fleet.routers import InstanceLoad
+from hybridkv.serve.cache_events import SNAPSHOT_PAGE_MAX
 
 log = logging.getLogger("hybridkv.serve.router")
 
 MAX_PAGES_PER_POLL = 16
 """Event pages read from one worker per poll (the rest waits for the next poll)."""
+SNAPSHOT_RESTARTS = 3
+"""Reads of a worker's paged ``/v1/cache/snapshot`` tried when it changes under the router (a
+new epoch while paging); after that its view starts empty and fills from its events."""
 
 
 def family_from_groups(groups: list[dict] | None) -> Family:
@@ -196,7 +200,9 @@ class WorkerState:
             ``page_size`` and KV pool (``max_total_tokens``, tokens) from ``/server_info`` when it
             entered rotation (``None``: a worker without that route).
         snapshots: times its view was rebuilt from its ``/v1/cache/snapshot``; ``synced``: the
-            view of this epoch started from one (its events from the first are applied over it).
+            view of this epoch started from one (its events from the first are applied over it);
+            ``snapshot_restarts``: reads of its paged snapshot begun again because it changed
+            while being paged (a purge or restart).
         reported: its last ``/get_load`` entry (requests and tokens it has to do, whoever sent
             them; ``None``: not read yet, or a worker without that route); ``own_at_report``:
             this router's ``(in_flight, waiting)`` there when that answer arrived.
@@ -222,6 +228,7 @@ class WorkerState:
     reported: dict | None = None
     own_at_report: tuple[int, int] = (0, 0)
     snapshots: int = 0
+    snapshot_restarts: int = 0
     synced: bool = False
     pull_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -263,7 +270,8 @@ class WorkerState:
                 "predicted_store_hit_tokens_routed": self.store_hit_tokens_routed, "last_error": self.last_error,
                 "slots": self.slots, "page_size": self.page_size, "pool_tokens": self.pool_tokens,
                 "worker_reqs": self.reported.get("num_reqs") if self.reported else None,
-                "others_reqs": self.others()["reqs"], "snapshots": self.snapshots}
+                "others_reqs": self.others()["reqs"], "snapshots": self.snapshots,
+                "snapshot_restarts": self.snapshot_restarts}
 
 
 def _check_worker_url(url: str) -> None:
@@ -284,12 +292,16 @@ class Workers:
         urls: worker base URLs.
         client: the HTTP client for checks (its timeout bounds each).
         health_every: polls between two ``/health`` checks of a healthy worker (>= 1).
+        snapshot_page: entries asked for per ``/v1/cache/snapshot`` page (1 to
+            :data:`~hybridkv.serve.cache_events.SNAPSHOT_PAGE_MAX`).
 
     Raises:
-        ValueError: no URL, a duplicate, or one that is not ``http(s)://HOST[:PORT]`` (named).
+        ValueError: no URL, a duplicate, one that is not ``http(s)://HOST[:PORT]``, or a
+            ``snapshot_page`` out of range (named).
     """
 
-    def __init__(self, urls: list[str], client: httpx.AsyncClient, health_every: int = 5) -> None:
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, health_every: int = 5,
+                 snapshot_page: int = SNAPSHOT_PAGE_MAX) -> None:
         for u in urls:
             _check_worker_url(u)
         urls = [u.rstrip("/") for u in urls]
@@ -301,6 +313,9 @@ class Workers:
         self.states = [WorkerState(u) for u in urls]
         self.client = client
         self.health_every = max(1, health_every)
+        if not 1 <= snapshot_page <= SNAPSHOT_PAGE_MAX:
+            raise ValueError(f"snapshot_page={snapshot_page} must be in [1, {SNAPSHOT_PAGE_MAX}] (entries)")
+        self.snapshot_page = snapshot_page
         self.fleet: FleetIdentity | None = None
         self.stores: dict[str, SharedStoreView] = {}
         self.store_info: dict[str, dict] = {}
@@ -457,23 +472,57 @@ class Workers:
 
     async def _snapshot(self, w: WorkerState) -> bool:
         """Replace ``w``'s view with its ``/v1/cache/snapshot`` (every entry its device cache holds
-        now) and follow that snapshot's epoch from its first event; ``False`` (the view left as
-        it is) for a worker without the route. The epoch's events applied over the snapshot give
+        now, read page by page: :attr:`snapshot_page` entries each, following ``next_cursor``) and
+        follow that snapshot's epoch from its first event; ``False`` (the view left as it is) for
+        a worker without the route, or whose snapshot changed under every one of
+        :data:`SNAPSHOT_RESTARTS` tries. Every page must carry the first page's ``generation``
+        and ``epoch``; a page of another one, or a ``410`` (the worker dropped the snapshot: a
+        purge or restart started a new epoch), restarts the read from its first page
+        (``snapshot_restarts`` counts these). The epoch's events applied over the snapshot give
         the cache as it is (:meth:`_pull`): an event before the snapshot was taken repeats what
         the snapshot holds, or is undone by a later one, as the cache did."""
         outs = w.failures
-        r = await self.client.get(f"{w.url}/v1/cache/snapshot")
-        if r.status_code != 200 or not w.healthy or w.failures != outs:
-            return False
-        snap = r.json()
+        for _try in range(SNAPSHOT_RESTARTS):
+            kv: list[str] = []
+            checkpoints: list[str] = []
+            params: dict = {"limit": self.snapshot_page}
+            first = None                                        # (generation, epoch) of the first page
+            while True:
+                r = await self.client.get(f"{w.url}/v1/cache/snapshot", params=params)
+                if not w.healthy or w.failures != outs:
+                    return False
+                if r.status_code == 410 and first is not None:
+                    break                                       # dropped under us: start again
+                if r.status_code != 200:
+                    return False
+                snap = r.json()
+                mark = (snap.get("generation"), int(snap["epoch"]))
+                if first is None:
+                    first = mark
+                elif mark != first:
+                    break
+                kv.extend(snap["kv"])
+                checkpoints.extend(snap["checkpoints"])
+                cursor = snap.get("next_cursor")
+                if not cursor:
+                    self._install_snapshot(w, first[1], kv, checkpoints)
+                    return True
+                params = {"cursor": cursor, "limit": self.snapshot_page}
+            w.snapshot_restarts += 1
+        log.warning("worker %s: its cache snapshot changed during each of %d reads; its view starts empty",
+                    w.url, SNAPSHOT_RESTARTS)
+        return False
+
+    def _install_snapshot(self, w: WorkerState, epoch: int, kv: list[str], checkpoints: list[str]) -> None:
+        """``w``'s view rebuilt from a whole snapshot (hex keys) of ``epoch``."""
         view = self.fleet.view()
-        pages = [bytes.fromhex(k) for k in snap["kv"]]
+        view.epoch = 0                # the epoch _pull's events carry: the first one must not clear the snapshot
+        pages = [bytes.fromhex(k) for k in kv]
         for name in view.family.prefix_names:                   # a page holds every paged group
             view.held[name].update(pages)
-        view.checkpoints.update(k for k in map(bytes.fromhex, snap["checkpoints"]) if k in view.kv)
-        w.view, w.epoch, w.after, w.synced = view, int(snap["epoch"]), -1, True
+        view.checkpoints.update(k for k in map(bytes.fromhex, checkpoints) if k in view.kv)
+        w.view, w.epoch, w.after, w.synced = view, epoch, -1, True
         w.snapshots += 1
-        return True
 
     async def _pull(self, w: WorkerState, wait_s: float = 0.0) -> int:
         """Read ``w``'s new events into its view and the store's (the first page may wait up to

@@ -50,6 +50,7 @@ from hybridkv.fleet.store import (
     StoreCost,
 )
 from hybridkv.serve.auth import AuthMiddleware, KeyRing, forwarded_headers, router_route_kind
+from hybridkv.serve.cache_events import SNAPSHOT_PAGE_MAX
 from hybridkv.serve.fleet_view import Workers, WorkerState
 from hybridkv.serve.protocol import (
     APIError,
@@ -99,6 +100,8 @@ class RouterSettings:
             tenant makes its requests that tenant's, passed on in ``X-Tenant``); ``None``: open.
         worker_key: the key sent to every worker (their admin key; never shown by ``repr``);
             ``None``: a client's ``Authorization`` header is forwarded as it came.
+        snapshot_page: entries asked for per page of a worker's ``/v1/cache/snapshot`` (1 to
+            :data:`~hybridkv.serve.cache_events.SNAPSHOT_PAGE_MAX`).
     """
 
     policy: str
@@ -114,6 +117,7 @@ class RouterSettings:
     max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS
     keys: KeyRing | None = None
     worker_key: str | None = field(default=None, repr=False)
+    snapshot_page: int = SNAPSHOT_PAGE_MAX
 
 
 class _Ticket:
@@ -178,7 +182,7 @@ class RouterService:
         # connection the worker is closing fails after connecting (a 502, not a retried refusal)
         self.proxy = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
                                        limits=httpx.Limits(keepalive_expiry=PROXY_KEEPALIVE_S), headers=auth)
-        self.workers = Workers(urls, self.control, settings.health_every)
+        self.workers = Workers(urls, self.control, settings.health_every, settings.snapshot_page)
         self._routers: dict[tuple[int, ...], Router] = {}
         self._store_costs: dict[tuple[int, ...], StoreCost | None] = {}     # the same keys: each router's store
         self.retries = 0
@@ -490,11 +494,14 @@ class RouterService:
                             status_code=200 if n else 503)
 
     async def stats(self) -> dict:
-        """``GET /router/stats``: the policy (and ``own_waiting`` under ``hybrid``; ``max_tree_tokens``
+        """``GET /router/stats``: the policy (and ``own_waiting``, ``waiting_weight``, ``tie_kv_run`` and
+        ``price_restore`` under ``hybrid``; ``max_tree_tokens``
         and each worker's ``tree_nodes`` under ``prefix`` and ``prefix-smg``), per-worker
         counters, retries, batches split, and per shared store the entries its view holds (counts,
         never keys)."""
-        policy = {"own_waiting": self.settings.hybrid.own_waiting} if self.settings.policy == "hybrid" else {}
+        h = self.settings.hybrid
+        policy = ({"own_waiting": h.own_waiting, "waiting_weight": h.waiting_weight, "tie_kv_run": h.tie_kv_run,
+                   "price_restore": h.price_restore} if self.settings.policy == "hybrid" else {})
         if self.settings.policy in ("prefix", "prefix-smg"):
             nodes = [0] * len(self.workers.states)
             for key, router in self._routers.items():

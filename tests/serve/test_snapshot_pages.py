@@ -1,0 +1,148 @@
+"""`GET /v1/cache/snapshot` in pages: bounded pages, one consistent cut per generation, a cursor
+refused once a purge started a new epoch, and `hybridkv router`'s resync reading it page by page
+(starting again when the snapshot changes under it).
+
+Real servers on 127.0.0.1 (free ports, the tiny preset) and httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from serve_helpers import prompt_ids, wait_router
+
+from hybridkv.replay.timed import CPU_ESTIMATE
+from hybridkv.serve.cache_events import SNAPSHOT_PAGE_MAX
+from hybridkv.serve.fleet_view import Workers
+from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
+from hybridkv.serve.router import RouterService, RouterSettings, create_router_app
+from hybridkv.serve.tokenizer import load_codec
+
+TENANTS = ("t0", "t1", "t2")
+
+
+@pytest.fixture(scope="module")
+def filled():
+    """A server whose device cache holds two 300-token prompts of each tenant (24 units)."""
+    with RunningServer(ServeOptions(port=0, threads=1)) as s:
+        for i, tenant in enumerate(TENANTS):
+            for j in range(2):
+                _cache(s.url, prompt_ids(1000 + 10 * i + j, 300), tenant)
+        yield s
+
+
+def _cache(url: str, ids: list[int], tenant: str) -> None:
+    r = httpx.post(f"{url}/v1/completions", headers={"X-Tenant": tenant}, timeout=60,
+                   json={"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def _get(url: str, **params) -> httpx.Response:
+    return httpx.get(f"{url}/v1/cache/snapshot", params=params, timeout=60)
+
+
+def _read_all(url: str, limit: int) -> tuple[list[dict], set[str], set[str]]:
+    """Every page of one snapshot (``limit`` entries each), and the union of their kv and checkpoints."""
+    pages = [_get(url, limit=limit).json()]
+    while pages[-1]["next_cursor"]:
+        r = _get(url, cursor=pages[-1]["next_cursor"], limit=limit)
+        assert r.status_code == 200, r.text
+        pages.append(r.json())
+    return pages, {k for p in pages for k in p["kv"]}, {k for p in pages for k in p["checkpoints"]}
+
+
+def test_pages_are_bounded_and_together_are_the_whole_snapshot(filled):
+    whole = _get(filled.url).json()                       # the default limit holds all 24
+    assert whole["next_cursor"] is None and whole["total"] == len(whole["kv"]) == 24
+    pages, kv, checkpoints = _read_all(filled.url, 5)
+    assert [len(p["kv"]) for p in pages] == [5, 5, 5, 5, 4]
+    assert {p["generation"] for p in pages} == {pages[0]["generation"]}
+    assert {p["epoch"] for p in pages} == {whole["epoch"]} and {p["total"] for p in pages} == {24}
+    assert kv == set(whole["kv"]) and checkpoints == set(whole["checkpoints"]) and checkpoints <= kv
+    assert pages[-1]["next_cursor"] is None
+
+
+def test_the_cache_changing_between_pages_leaves_the_generation_as_first_read(filled):
+    first = _get(filled.url, limit=5).json()
+    _cache(filled.url, prompt_ids(2000, 300), "t1")      # four new units, cached after the first page
+    rest, cursor = [], first["next_cursor"]
+    while cursor:
+        page = _get(filled.url, cursor=cursor, limit=5).json()
+        rest.append(page)
+        cursor = page["next_cursor"]
+    assert first["total"] + 4 == _get(filled.url).json()["total"]              # a new read has them
+    assert len(set(first["kv"]).union(*(p["kv"] for p in rest))) == first["total"]
+
+
+def test_a_purge_while_paging_ends_the_generation_with_a_410(filled):
+    first = _get(filled.url, limit=5).json()
+    r = httpx.post(f"{filled.url}/admin/cache/invalidate", json={"tenant": "t2"}, timeout=60)
+    assert r.status_code == 200
+    r = _get(filled.url, cursor=first["next_cursor"], limit=5)
+    assert r.status_code == 410
+    err = r.json()["error"]
+    assert err["code"] == "snapshot_gone" and err["param"] == "cursor" and "first page" in err["message"]
+    again = _get(filled.url).json()
+    assert again["epoch"] != first["epoch"] and again["total"] < first["total"]
+    for i in range(2):                                    # t2 again, for the next tests
+        _cache(filled.url, prompt_ids(1020 + i, 300), "t2")
+
+
+@pytest.mark.parametrize(("params", "param", "status"), [
+    ({"limit": 0}, "limit", 400), ({"limit": SNAPSHOT_PAGE_MAX + 1}, "limit", 400), ({"limit": "many"}, "limit", 400),
+    ({"cursor": "page-two"}, "cursor", 400), ({"cursor": "0123abcd.5"}, "cursor", 410)])
+def test_bad_limits_and_cursors_are_refused_naming_them(filled, params, param, status):
+    r = _get(filled.url, **params)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_cursor_past_the_end_is_refused(filled):
+    first = _get(filled.url, limit=5).json()
+    r = _get(filled.url, cursor=f"{first['generation']}.100000", limit=5)
+    assert r.status_code == 400 and "past the snapshot" in r.json()["error"]["message"]
+
+
+def test_the_router_resyncs_from_the_snapshot_page_by_page(filled):
+    total = _get(filled.url).json()["total"]
+    settings = RouterSettings("hybrid", CPU_ESTIMATE, poll_interval_s=0.05, health_every=2, snapshot_page=3)
+    router = BackgroundUvicorn(create_router_app(RouterService([filled.url], load_codec("tiny", 1024), settings)),
+                               "127.0.0.1", 0, lifespan="on")
+    try:
+        stats = wait_router(lambda s: s["workers"][0]["healthy"] and s["workers"][0]["snapshots"] == 1, router)
+        assert stats["workers"][0]["kv_keys"] == total > 3 and stats["workers"][0]["snapshot_restarts"] == 0
+        # a purge of t0 starts a new epoch: the router resyncs, and the other tenants' entries stay in
+        # its view once the new epoch's events (t1's next prompt) are applied over the snapshot
+        assert httpx.post(f"{filled.url}/admin/cache/invalidate", json={"tenant": "t0"}, timeout=60).status_code == 200
+        _cache(filled.url, prompt_ids(3000, 300), "t1")
+        left = _get(filled.url).json()["total"]
+        stats = wait_router(lambda s: s["workers"][0]["snapshots"] == 2 and s["workers"][0]["events_applied"] > 0
+                            and s["workers"][0]["kv_keys"] == left, router)
+        assert left > 8
+    finally:
+        router.close()
+
+
+def test_the_routers_read_starts_again_when_a_purge_ends_the_generation_it_pages(filled):
+    """A purge lands after the router's first page: the next page is a 410, and the router reads
+    the new epoch's snapshot from its first page."""
+    purged = []
+
+    async def run() -> Workers:
+        async def purge_after_first_page(response: httpx.Response) -> None:
+            if response.url.path == "/v1/cache/snapshot" and "cursor" not in response.url.params and not purged:
+                async with httpx.AsyncClient(timeout=60) as admin:
+                    r = await admin.post(f"{filled.url}/admin/cache/invalidate", json={"tenant": "t0"})
+                purged.append(r.status_code)
+
+        async with httpx.AsyncClient(timeout=60, event_hooks={"response": [purge_after_first_page]}) as client:
+            workers = Workers([filled.url], client, health_every=1, snapshot_page=4)
+            await workers.poll_once()
+            return workers
+
+    w = asyncio.run(run()).states[0]
+    after = _get(filled.url).json()
+    assert purged == [200] and w.healthy
+    assert (w.snapshot_restarts, w.snapshots, w.epoch) == (1, 1, after["epoch"])
+    assert w.view.kv == {bytes.fromhex(k) for k in after["kv"]} and len(w.view.kv) == after["total"]
