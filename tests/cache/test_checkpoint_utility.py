@@ -149,6 +149,20 @@ def test_saving_is_counted_from_the_checkpoint_left_below(policy, saving):
     assert retired is policy.endswith("supersede")
 
 
+def test_an_installed_checkpoint_saves_over_the_deepest_one_below():
+    """A checkpoint installed from a lower tier (a promotion) at 5 units, on a path with a tail at
+    2 units: labelled ``installed``, it saves 3 units."""
+    cache = _cache("tail")
+    prompt = _tokens(4, 6 * UNIT + 1)
+    _serve(cache, prompt[: 2 * UNIT + 1], {2 * UNIT: "tail"})
+    _serve(cache, prompt, {})                      # publishes the KV of all 6 units
+    hashes = cache.hash_prompt(prompt)
+    assert cache.install_checkpoint(hashes, None, 5 * UNIT)
+    cache.check_invariants()
+    slot = cache.index.walk(hashes[:5])[-1].checkpoint
+    assert cache.checkpoints.order._what[slot] == ("installed", float(3 * UNIT))
+
+
 def test_replay_option_reaches_the_cache_and_keeps_more_reuse():
     """``ReplayOptions.checkpoint_eviction`` (``replay --checkpoint-eviction utility``) reaches the
     device checkpoint pool: on the bundled trace's first 1,000 requests with 60 checkpoint slots it

@@ -42,12 +42,14 @@ CopyPage = Callable[[int, int, int], None]
 """``copy_page(src_page, dst_page, num_tokens)`` copies KV latents of the first tokens."""
 
 TAIL = "tail"
+"""Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
+INSTALLED = "installed"
+"""Label of a checkpoint installed from a lower tier (a promotion), for the ``utility`` order."""
 PROBATION_LABELS = frozenset({"interval"})
 """Policy terms whose checkpoints start on probation under ``CacheConfig.checkpoint_probation``:
 placed on speculation (a boundary no request has reached twice), unlike ``branch`` (where traffic
 already branched), ``tail`` (where a conversation's next turn resumes) and ``hint`` (named by the
 caller)."""
-"""Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
 
 
 class PathPresence:
@@ -651,7 +653,15 @@ class HybridCacheCoordinator:
         if len(path) * g < boundary:
             return False
         node = path[-1]
-        return node.checkpoint is not None or self._attach_new(node, ckpt)
+        if node.checkpoint is not None:
+            return True
+        below = 0
+        if self._utility is not None:          # its saving: tokens over the deepest checkpoint below it
+            k = len(path) - 1
+            while k and path[k - 1].checkpoint is None:
+                k -= 1
+            below = k * g
+        return self._attach_new(node, ckpt, INSTALLED, below)
 
     def _evict_checkpoint(self, slot: int) -> None:
         if self._on_evict is not None:
