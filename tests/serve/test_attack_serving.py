@@ -109,7 +109,8 @@ def test_the_router_does_not_claim_an_open_metrics_route_it_lacks():
         return next(a.help for a in parser._actions if "--admin-key" in a.option_strings)
 
     assert "/metrics" not in admin_help(router=True) and "/health never needs a key" in admin_help(router=True)
-    assert "/health and /metrics never need a key" in admin_help(router=False)
+    assert "/health never needs a key; /metrics needs one once API keys are given" in admin_help(router=False)
     ring = KeyRing({"sk-key-0001": "x"}, (ADMIN,))
     assert ring.describe("read /router/stats", "/health is").endswith("; /health is open")
-    assert ring.describe().endswith("; /health and /metrics are open")
+    assert ring.describe().endswith("; /metrics takes the admin key or a key bound to no tenant; /health is open")
+    assert KeyRing().describe().endswith("; /health and /metrics are open")

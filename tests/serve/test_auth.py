@@ -64,12 +64,12 @@ def test_a_missing_or_wrong_key_is_refused_with_an_openai_shaped_401(keyed):
         client.completions.create(model="tiny", prompt=[5, 6], max_tokens=1)
 
 
-def test_health_and_metrics_stay_open_and_count_refusals(keyed):
+def test_health_stays_open_and_metrics_count_refusals(keyed):
     assert httpx.get(f"{keyed.url}/health", timeout=30).status_code == 200
     assert httpx.get(f"{keyed.url}/v1/models", timeout=30).status_code == 401
 
     def refused() -> float:
-        r = httpx.get(f"{keyed.url}/metrics", timeout=30)
+        r = httpx.get(f"{keyed.url}/metrics", headers=_bearer(ADMIN), timeout=30)
         assert r.status_code == 200
         return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
                    if s.name == "hybridkv_http_errors_total" and s.labels.get("code") == "401")

@@ -167,3 +167,21 @@ def test_an_empty_tenant_in_the_keys_file_is_refused_naming_the_entry(tmp_path):
     assert str(exc.value) == (f"--api-keys-file {keys}: entry 2: the tenant is empty (''); give a tenant of 1 to "
                               "256 characters, or null for a key bound to no tenant")
     assert "0202" not in str(exc.value)
+
+
+# -- /metrics -------------------------------------------------------------------------------------
+
+def test_metrics_of_every_tenant_are_refused_to_a_bound_key_and_open_only_without_api_keys(keyed, server):
+    """/metrics holds every tenant's counts and timings: with API keys it takes the admin key or a
+    key bound to no tenant (a Prometheus scrape's bearer token), never a tenant's key."""
+    url = f"{keyed.url}/metrics"
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(url, headers=_bearer("sk-x-0102"), timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_scope"
+    assert "hybridkv_" not in r.text
+    for key in (ADMIN, "sk-plain-0101"):
+        r = httpx.get(url, headers=_bearer(key), timeout=30)
+        assert r.status_code == 200 and "hybridkv_requests_total" in r.text
+    assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 200      # a server without keys
+    assert httpx.get(f"{keyed.url}/health", timeout=30).status_code == 200

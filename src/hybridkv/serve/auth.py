@@ -4,8 +4,11 @@ tenants bound to keys.
 A client sends its key as ``Authorization: Bearer KEY`` (what the ``openai`` client sends). Routes
 fall in three groups (:func:`serve_route_kind`, :func:`router_route_kind`):
 
-* **open**: ``/health`` and ``/metrics``, readable without a key (as vLLM's ``--api-key``, which
-  guards the ``/v1`` routes only, and SGLang's, which leaves ``/health`` and ``/metrics`` open);
+* **open**: ``/health``, readable without a key (as vLLM's ``--api-key``, which guards the ``/v1``
+  routes only, and SGLang's, which leaves ``/health`` and ``/metrics`` open);
+* **metrics**: ``/metrics``: open while the API is (no API key), else the admin key or an API key
+  bound to no tenant; a key bound to a tenant is refused (403), as the figures are every tenant's
+  counts and timings;
 * **api**: ``/v1/*`` (completions, chat, models) and SGLang's metadata and load routes: an API key
   or the admin key;
 * **admin**: ``/admin/*``, ``/flush_cache`` and ``/v1/cache/*`` (the event feed holds every
@@ -36,9 +39,10 @@ from pathlib import Path
 
 from hybridkv.serve.protocol import MAX_ID_LEN, APIError, check_tenant, tenant_header
 
-OPEN, API, ADMIN, SCOPED = "open", "api", "admin", "scoped"
+OPEN, API, ADMIN, SCOPED, METRICS = "open", "api", "admin", "scoped", "metrics"
 """Route groups (see the module docstring); ``SCOPED``: an admin route that a key bound to a tenant
-may also use, confined to its own tenant (``POST /admin/cache/invalidate``)."""
+may also use, confined to its own tenant (``POST /admin/cache/invalidate``); ``METRICS``: ``GET
+/metrics``, open while the API is, else for the admin key and keys bound to no tenant."""
 
 _SCOPED_PATHS = frozenset({"/admin/cache/invalidate"})
 
@@ -51,8 +55,10 @@ _SERVE_API_PATHS = frozenset({"/server_info", "/get_server_info", "/model_info",
 
 def serve_route_kind(path: str) -> str | None:
     """The group of a ``hybridkv serve`` route ``path`` (``None``: no route of this server)."""
-    if path in ("/health", "/metrics"):
+    if path == "/health":
         return OPEN
+    if path == "/metrics":
+        return METRICS
     if path in _SCOPED_PATHS:
         return SCOPED
     if path.startswith(("/admin/", "/v1/cache/")) or path == "/flush_cache":
@@ -156,11 +162,14 @@ class KeyRing:
     def __repr__(self) -> str:
         return f"KeyRing({len(self._api)} API keys, {self.bound} bound to a tenant, {len(self._admin)} admin keys)"
 
-    def describe(self, admin_does: str = "purge or flush the cache",
-                 open_routes: str = "/health and /metrics are") -> str:
+    def describe(self, admin_does: str = "purge or flush the cache", open_routes: str | None = None) -> str:
         """One line for the start-up log: what is open and how many keys guard the rest (counts
         only, never a key); ``admin_does`` says what an open admin route lets anyone do,
-        ``open_routes`` which routes never need a key (the router has no ``/metrics``)."""
+        ``open_routes`` which routes never need a key (default: a server's: ``/health``, and
+        ``/metrics`` while the API is open; the router has no ``/metrics``)."""
+        if open_routes is None:
+            open_routes = "/health and /metrics are" if self.api_open else \
+                "/metrics takes the admin key or a key bound to no tenant; /health is"
         if self.api_open:
             api = "the API is OPEN: no --api-key, so any client may use it and name any tenant"
         else:
@@ -197,6 +206,8 @@ class KeyRing:
         """
         if kind is None or kind == OPEN:
             return OPEN_PRINCIPAL
+        if kind == METRICS and self.api_open:
+            return OPEN_PRINCIPAL
         if kind == API and self.api_open:
             return OPEN_PRINCIPAL
         if kind in (ADMIN, SCOPED) and self.admin_open:
@@ -212,6 +223,12 @@ class KeyRing:
             raise APIError(401, "the API key provided is not valid", None, "invalid_api_key")
         if admin:
             return Principal(admin=True)
+        if kind == METRICS and tenant is not None:
+            raise APIError(403, "a key bound to a tenant may not read /metrics (every tenant's counts and timings); "
+                                "use the admin key or a key bound to no tenant", None, "tenant_scope",
+                           "permission_error")
+        if kind == METRICS:
+            return Principal()
         if kind == SCOPED and tenant is not None:
             return Principal(tenant=tenant)            # its own tenant's scope only (the route confines it)
         if kind == SCOPED:
@@ -425,8 +442,10 @@ def add_auth_arguments(parser, router: bool) -> None:
                              "these routes are open when no API key is given either, else refused"
                              + ("" if router else " (a key bound to a tenant may still POST /admin/cache/invalidate "
                                                   "for its own tenant's entries)") + ". "
-                             + ("/health never needs" if router else "/health and /metrics never need") +
-                             f" a key. Default: ${ADMIN_KEY_ENV} if set")
+                             + ("/health never needs a key" if router else
+                                "/health never needs a key; /metrics needs one once API keys are given (the admin "
+                                "key or a key bound to no tenant)") +
+                             f". Default: ${ADMIN_KEY_ENV} if set")
     if router:
         parser.add_argument("--worker-key", default=None, metavar="KEY",
                             help="the key the router sends to every worker (their --admin-key): it reads their "
