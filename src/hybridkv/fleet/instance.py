@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,6 +106,24 @@ class FleetRequest:
         """When the user saw the first token (:attr:`earlier_first_token` if a crash lost the
         attempt that made it, else :attr:`first_token`)."""
         return self.first_token if self.earlier_first_token is None else self.earlier_first_token
+
+
+@dataclass(frozen=True, slots=True)
+class Coast:
+    """Decode-only steps an instance will take (:meth:`FleetInstance.coast_plan`), one entry a step.
+
+    Attributes:
+        starts: each step's start on the instance's clock (seconds, ascending).
+        taken: tokens each decoder has generated in these steps by the end of each step.
+        busy: the instance's ``busy_seconds`` at the end of each step.
+        end: the clock after the last step (seconds): when the next step, which ends a decoder,
+            starts.
+    """
+
+    starts: list[float]
+    taken: list[int]
+    busy: list[float]
+    end: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +401,60 @@ class FleetInstance:
         self._shape = (ran[d:], d, sum(decoders) if ran else 0, backend.last_seconds)
         return self._times[0] if self._clock is time.perf_counter else self._times[1]
 
+    def coast_plan(self, arrivals: list[float]) -> Coast | None:
+        """The decode-only steps this instance will take from its clock, each exactly as
+        :meth:`step` would take it, until the first step that would end a decoder (not taken).
+
+        Only for an instance with modelled decoders and nothing else (no queue, nothing in the
+        engine, no step log): its steps then depend on nothing but the horizon each one is given,
+        which the fleet's loop makes the first arrival later than the step's start (``arrivals``:
+        every arrival in seconds, ascending; no crash or restart pending). The fleet applies the
+        plan (:meth:`coast_to`) when it next needs the instance, instead of stepping it.
+
+        Returns:
+            The plan, or ``None`` when its first step would already end a decoder.
+        """
+        dec, cost = self.decoding, self.cost
+        b, ctx = len(dec), self._decode_context()
+        step = _decode_pricer(cost, b, ctx)
+        left = min(fr.decode_left for fr in dec)
+        c, busy, n = self.clock, self.stats.busy_seconds, len(arrivals)
+        starts, taken, busys, total = [], [], [], 0
+        while True:
+            p = bisect_right(arrivals, c)
+            if p >= n:                           # no horizon: the step runs to a decoder's end
+                break
+            one = step(ctx)
+            if not one > 0:
+                break
+            k = max(1, min(left, int((arrivals[p] - c) / one)))
+            if k >= left:                        # it ends a decoder: step() takes it
+                break
+            dt = step(ctx + b * (k - 1) // 2) * k
+            starts.append(c)
+            c = c + dt
+            busy += 0.0 + dt                     # step(): busy_seconds += load + dt, with no store load
+            ctx += b * k
+            left -= k
+            total += k
+            taken.append(total)
+            busys.append(busy)
+        return Coast(starts, taken, busys, c) if starts else None
+
+    def coast_to(self, plan: Coast, before: float = math.inf) -> None:
+        """Take the steps of ``plan`` (:meth:`coast_plan`) that start before ``before`` (seconds;
+        default all of them): the clock, busy seconds, decoders' tokens left and the load's
+        decode tokens are then as :meth:`step` would have left them."""
+        m = bisect_left(plan.starts, before) if before != math.inf else len(plan.starts)
+        if not m:
+            return
+        self.clock = plan.starts[m] if m < len(plan.starts) else plan.end
+        self.stats.busy_seconds = plan.busy[m - 1]
+        k = plan.taken[m - 1]
+        for fr in self.decoding:
+            fr.decode_left -= k
+        self.load.decode_tokens -= k * len(self.decoding)
+
     def _decode_steps(self, horizon: float) -> tuple[int, float]:
         """Decode-only steps to run at once (until a decoder ends or ``horizon``), and their seconds."""
         b, context = len(self.decoding), self._decode_context()
@@ -483,6 +556,27 @@ class FleetInstance:
         self.load.in_flight -= 1
         self.load.in_flight_tokens -= fr.request.prompt_len + fr.output_tokens
         self.load.release(fr.pages[0], fr.pages[1])
+
+
+def _decode_pricer(cost: StepCostModel, b: int, ctx: int) -> Callable[[int], float]:
+    """``price(context)``: ``cost.step_seconds([], b, context)`` (seconds of a decode-only step of
+    ``b`` sequences attending ``context`` tokens), with the terms that depend on ``b`` alone
+    taken once; the same arithmetic in the same order, checked against ``step_seconds`` at
+    ``ctx`` (any other cost model, or a mismatch: ``step_seconds`` itself)."""
+    exact = cost.step_seconds([], b, ctx)
+    if type(cost) is not StepCostModel or b <= 0:
+        return lambda context: cost.step_seconds([], b, context)
+    lin, att, kv = cost.linear_s_per_token * b, cost.attention_s_per_pair, cost.kv_read_s_per_token
+    seq, w, st, over = cost.seq_s * b, cost.weights_seconds(b), cost.state_s_per_seq * b, cost.overhead_s
+
+    def price(context: int) -> float:
+        compute = lin + att * context + seq
+        memory = w + kv * context + st
+        return over + (compute if compute >= memory else memory)
+
+    if price(ctx) != exact:                      # the formula changed: no shortcut
+        return lambda context: cost.step_seconds([], b, context)
+    return price
 
 
 def _no_tensors(pages) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
 from hybridkv.fleet.events import CacheEvent, InstanceView
 from hybridkv.fleet.candidates import CandidateIndex
-from hybridkv.fleet.instance import FleetInstance, FleetRequest
+from hybridkv.fleet.instance import Coast, FleetInstance, FleetRequest
 from hybridkv.fleet.routers import (FleetState, RestorePricer, Router, RouteRequest, kv_admission, priced_prefill,
                                     restore_seconds)
 from hybridkv.fleet.store import StoreCost, StoreView
@@ -70,6 +71,12 @@ class Fleet:
     The router's views follow the instances' cache groups (their engines' backend ``family``).
     """
 
+    coast = True
+    """An instance with modelled decoders and nothing else to do takes its decode steps as one
+    plan, applied when the fleet next needs it (:meth:`FleetInstance.coast_plan
+    <hybridkv.fleet.instance.FleetInstance.coast_plan>`), instead of one loop turn a step: the
+    same steps, the same results; ``False``: every step through the loop."""
+
     def __init__(self, instances: list[FleetInstance], router: Router, unit: int, estimate: StepCostModel,
                  store: StoreView | None = None, store_cost: StoreCost | None = None,
                  restore: RestorePricer | None = None) -> None:
@@ -96,6 +103,11 @@ class Fleet:
         self._faults: list[tuple[float, int, int, float, float]] = []   # heap: (at, 0 back / 1 crash, instance,
         #                                                                  cold-start s, time asked for)
         self.crashes_done: list[dict] = []
+        self.coasted = 0           # decode-only steps planned by coasting (not taken one loop turn each)
+        self._coasting: dict[int, Coast] = {}             # instance -> its plan, in _busy at plan.end
+        self._stale: Counter[tuple[float, int]] = Counter()   # _busy entries of plans applied early
+        self._arrivals: list[float] = []
+        self._coast_below = getattr(router, "max_num_seqs", None)
 
     def deliver(self, now: float) -> None:
         """Apply every event due by ``now`` (seconds) to the router's views."""
@@ -143,6 +155,8 @@ class Fleet:
         inst = self.instances[j]
         if self.router.uses_pages:
             fr.pages = kv_admission(view, hashes, r.prompt_len, self._block_size)
+        if j in self._coasting:                  # its steps that start before now, then it steps again
+            self._wake(j, now)
         idle = not inst.has_work
         inst.enqueue(fr, now, seconds)
         if self.candidates is not None:
@@ -174,9 +188,36 @@ class Fleet:
                               restore_seconds(self.restore, m.restart, m.hit),
                               restore_seconds(self.restore, store_restart, store_hit))[0]
 
+    def _wake(self, j: int, now: float) -> None:
+        """Apply instance ``j``'s coasting plan up to ``now`` (its steps that start before it,
+        as the loop would have stepped it by then); it is then stepped as any busy instance."""
+        plan, inst = self._coasting.pop(j), self.instances[j]
+        inst.coast_to(plan, now)
+        if inst.clock != plan.end:               # its entry at plan.end is void; one at its clock
+            self._stale[(plan.end, j)] += 1
+            heapq.heappush(self._busy, (inst.clock, j))
+
+    def _coasts(self, inst: FleetInstance) -> bool:
+        """``inst`` may coast: modelled decoders only, its load as the router reads it unchanged
+        by their steps (fewer requests in flight than the router's sequence slots, whose
+        ``queue_seconds`` counts the decode only when they are full), no fault pending."""
+        return (self.coast and inst.decoding and not inst.queue and not inst.in_engine
+                and inst.step_log is None and inst.cost is not None and not inst.handle.engine.has_work
+                and not self._faults and not self._restarts
+                and (self._coast_below is None or inst.load.in_flight < self._coast_below))
+
     def _step_next(self, horizon: float) -> int:
-        _, j = heapq.heappop(self._busy)
+        entry = heapq.heappop(self._busy)
+        j = entry[1]
+        if self._stale and self._stale.get(entry):
+            self._stale[entry] -= 1
+            if not self._stale[entry]:
+                del self._stale[entry]
+            return 0
         inst = self.instances[j]
+        plan = self._coasting.pop(j, None)
+        if plan is not None:
+            inst.coast_to(plan)
         self.deliver(inst.clock)                 # the store holds what was written before this step
         done = inst.step(horizon)
         if self.candidates is not None:
@@ -189,7 +230,11 @@ class Fleet:
                 fr.request.hashes = None
         self._events.push(inst.clock, inst.publisher.drain())
         if inst.has_work:
-            heapq.heappush(self._busy, (inst.clock, j))
+            plan = self._coasts(inst) and inst.coast_plan(self._arrivals)
+            if plan:
+                self._coasting[j] = plan
+                self.coasted += len(plan.starts)
+            heapq.heappush(self._busy, (plan.end if plan else inst.clock, j))
         return len(done)
 
     def run(self, requests: list[FleetRequest], progress: Callable[[int], None] | None = None) -> None:
@@ -203,6 +248,7 @@ class Fleet:
             if b.arrival < a.arrival:
                 raise ValueError(f"requests must be sorted by arrival: trace index {b.index} arrives "
                                  f"at {b.arrival} s, before {a.arrival} s")
+        self._arrivals = [fr.arrival for fr in requests]
         i = 0
         while i < len(requests) or self._busy:
             nxt = requests[i].arrival if i < len(requests) else math.inf

@@ -260,9 +260,12 @@ def run_timed(setup: TimedSetup, cfg: CacheConfig, reqs: list[TraceRequest], pro
         for inst in instances:
             inst.handle.close()
     results = []
+    served: dict[int | None, list[FleetRequest]] = {}  # each instance's requests, in arrival order
+    for fr in frs:
+        served.setdefault(fr.instance, []).append(fr)
     try:                                               # verification (in collect_result) on the same threads
         for inst in instances:
-            mine = [fr for fr in frs if fr.instance == inst.index]
+            mine = served.get(inst.index, [])
             results.append(collect_result(inst.handle, [fr.index for fr in mine], [fr.request for fr in mine],
                                           inst.stats.busy_seconds))
     finally:
