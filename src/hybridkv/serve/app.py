@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``, ``POST /admin/cache/invalidate``, and for ``hybridkv router``
-``GET /v1/cache/info`` and ``GET /v1/cache/events`` (:mod:`hybridkv.serve.cache_events`), and SGLang's
+``GET /v1/cache/info``, ``GET /v1/cache/events`` and ``GET /v1/cache/snapshot`` (in pages)
+(:mod:`hybridkv.serve.cache_events`), and SGLang's
 ``/server_info``, ``/model_info``, ``/get_load`` and ``/flush_cache`` (:mod:`hybridkv.serve.compat`). Errors answer with the
 OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/how-to/serve.md.
 """

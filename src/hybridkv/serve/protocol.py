@@ -268,8 +268,9 @@ def parse_generation(body: dict, tenant_header: str | None, default_max_tokens: 
             [0, 2], ``top_p`` outside (0, 1], a ``seed`` not a 64-bit signed integer, ``stop`` not a
             string or list of at most 4 strings, ``stream`` or ``stream_options.include_usage`` not a
             boolean, ``n`` other than the integer 1, ``echo`` true, ``logprobs`` asked for, a bad
-            ``tenant`` (an empty one included) / ``cache_salt`` / ``cache_hints``, an ``adapter`` or ``adapter_version`` that
-            is not a string of at most 256 characters, an ``adapter_version`` without ``adapter``.
+            ``tenant`` (an empty one included) / ``cache_salt`` / ``cache_hints``, an ``adapter``
+            or ``adapter_version`` that is not a string of at most 256 characters, an
+            ``adapter_version`` without ``adapter``.
     """
     max_tokens = next((body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None),
                       default_max_tokens)
