@@ -38,8 +38,10 @@ path per run, ``{src}`` the side's ``src`` directory, ``{args}`` (a whole argume
 extra arguments as separate arguments, ``{args_str}`` (inside an argument) the same joined as one
 shell-quoted string. Without ``{args}`` or ``{args_str}`` the side's extra arguments are
 appended. The command runs in the working tree's root (``--script-tree working``: every side
-runs the benchmark script as it is on disk in the working tree, so only the library differs) or
-in each side's own root (``--script-tree each``: each side's own copy of the script).
+runs the benchmark script as it is on disk in the working tree, so only the library differs), in
+the current side's root (``--script-tree current``: with ``--current REV``, that revision's
+script, which edits made during the run do not reach) or in each side's own root
+(``--script-tree each``: each side's own copy of the script).
 
 Run by hand (from the repository root)::
 
@@ -297,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                     help="a working-tree side with extra arguments (repeatable; default: current=)")
     ap.add_argument("--base-args", default="", help="extra arguments of the base side's runs")
-    ap.add_argument("--script-tree", choices=("working", "each"), default="working",
-                    help="run the command in the working tree's root for every side (default) or in each's own")
+    ap.add_argument("--script-tree", choices=("working", "current", "each"), default="working",
+                    help="run the command in the working tree's root for every side (default), in the current "
+                         "side's root (with --current: that revision's scripts) or in each side's own root")
     ap.add_argument("--package", default="hybridkv", help="package checked to import from each side's src")
     ap.add_argument("--json", dest="json_path", type=Path, help="write the runs and the summary here")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the benchmark command (after --)")
@@ -360,7 +363,7 @@ def _run(args) -> int:
                 made.append(path)
         cur_root = cur_wt or repo
         sides = [Side("base", wt, base_args)] + [Side(lab, cur_root, a) for lab, a in variants]
-        cwd_of = {s.label: (repo if args.script_tree == "working" else s.root) for s in sides}
+        cwd_of = {s.label: {"working": repo, "current": cur_root, "each": s.root}[args.script_tree] for s in sides}
         for root in {cur_root, wt}:        # compile first, so no run pays for writing .pyc files
             subprocess.run([sys.executable, "-m", "compileall", "-q", str(root / "src")], check=False,
                            stdout=subprocess.DEVNULL)

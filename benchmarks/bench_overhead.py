@@ -44,6 +44,7 @@ prompt + unique suffix), in an interleaved order.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -201,7 +202,7 @@ def bench_workload(name, model, prompts, outs, block, args, namespace):
                   "num_kv_pages": pages, "num_checkpoint_slots": max(16, 4 * len(prompts)), "max_num_seqs": args.max_num_seqs}
     policy = args.policy or default_policy(block, g)
     cached_cfg = CacheConfig(policy=CheckpointPolicy.parse(policy), checkpoint_probation=args.checkpoint_probation,
-                             **common)
+                             **common, **dict(args.cache_option))
     base_cfg = None if args.no_baseline else CacheConfig(policy=CheckpointPolicy.parse("none"), **common)
     run_lockstep(model, [prompts[0][:512]], [1], cached_cfg, base_cfg, namespace)   # warm-up
     runs = []
@@ -294,6 +295,21 @@ def _print(res: dict) -> None:
         print(f"{k:<20}{v['calls']:>7}{v['us_per_call']:>10.1f}{v['us_per_request']:>12.1f}")
 
 
+def cache_option(text: str) -> tuple[str, object]:
+    """``FIELD=VALUE`` -> ``(FIELD, value)``: ``none`` -> None, then int, float, else the string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: give FIELD=VALUE")
+    if raw.lower() == "none":
+        return name, None
+    for conv in (int, float):
+        try:
+            return name, conv(raw)
+        except ValueError:
+            pass
+    return name, raw
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=("trace", "synthetic", "both"), default="both")
@@ -312,8 +328,17 @@ def main(argv=None) -> int:
                         "CPU seconds of the engine's thread: not charged for time other jobs hold the core)")
     p.add_argument("--no-baseline", action="store_true",
                    help="run the cached engine only (no policy-none engine: no saved-prefill figures)")
+    p.add_argument("--cache-option", action="append", default=[], type=cache_option, metavar="FIELD=VALUE",
+                   help="another CacheConfig field of the cached run (repeatable; e.g. checkpoint_eviction=utility; "
+                        "VALUE none, a number or a string)")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(CacheConfig)} - {
+        "policy", "checkpoint_probation", "block_size", "prefix_match_unit", "max_num_batched_tokens",
+        "num_kv_pages", "num_checkpoint_slots", "max_num_seqs"}      # set by the script (bench_workload)
+    for name, _ in args.cache_option:
+        if name not in fields:
+            p.error(f"--cache-option {name}=...: not a CacheConfig field this run can set (choose from {sorted(fields)})")
     Timers.clock = staticmethod(CLOCKS[args.clock])
     torch.set_num_threads(1)
     model = HybridModel.from_preset("small", seed=0).eval()

@@ -101,12 +101,15 @@ def test_base_and_working_tree_alternate_and_the_ratio_is_theirs(repo, tmp_path)
 
 
 def test_current_revision_and_stdout_regex(repo, tmp_path):
-    """--current HEAD compares the committed code (2.0), not the working tree's edit (3.0)."""
+    """--current HEAD compares the committed code (2.0), not the working tree's edit (3.0); with
+    --script-tree current the committed fig.py runs, not the working tree's edited one."""
     log = tmp_path / "order.log"
-    p = _run(repo, tmp_path, "--current", "HEAD", "--figure", r"regex:figure: ([0-9.]+)", "--rounds", "1",
-             "--", "{python}", "fig.py", str(log), "{out}")
+    (repo / "fig.py").write_text('print("figure: 99")\n' + FIG)
+    p = _run(repo, tmp_path, "--current", "HEAD", "--script-tree", "current", "--figure",
+             r"regex:figure: ([0-9.]+)", "--rounds", "1", "--", "{python}", "fig.py", str(log), "{out}")
     assert p.returncode == 0, p.stderr
     assert [float(x) for x in log.read_text().split()] == [2.0, 2.0]
+    assert "99" not in p.stdout
     assert not (tmp_path / "wt").exists() and not (tmp_path / "wt_current").exists()
     assert "1.000" in p.stdout
 
@@ -126,3 +129,25 @@ def test_bad_input_is_one_line(repo, tmp_path, args, message):
     assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
     assert not (tmp_path / "wt").exists()
     assert (repo / "src" / "abpkg" / "__init__.py").read_text() == "VALUE = 3.0\n"
+
+
+def _load_bench(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_overhead_cache_option(capsys):
+    """bench_overhead --cache-option FIELD=VALUE (what a compared variant passes to the cached run)."""
+    bo = _load_bench("bench_overhead")
+    assert bo.cache_option("checkpoint_eviction=utility") == ("checkpoint_eviction", "utility")
+    assert bo.cache_option("host_probation=0.5") == ("host_probation", 0.5)
+    assert bo.cache_option("tenant_quota=none") == ("tenant_quota", None)
+    with pytest.raises(SystemExit) as e:
+        bo.main(["--cache-option", "no_such_field=1"])
+    assert e.value.code == 2
+    assert "--cache-option no_such_field=...: not a CacheConfig field" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bo.main(["--cache-option", "block_size=64"])       # the script sets it: refused, not a TypeError
+    assert "block_size=..." in capsys.readouterr().err
