@@ -23,6 +23,7 @@ from rich.console import Console
 from hybridkv import __version__
 from hybridkv.cache.config import HOST_PROBATION
 from hybridkv.replay.args import (
+    add_hybrid_arguments,
     add_swa_recovery_argument,
     add_store_cost_arguments,
     block_tokens,
@@ -30,6 +31,8 @@ from hybridkv.replay.args import (
     clock_seconds,
     finite_positive_float,
     fraction,
+    hybrid_flags_given,
+    hybrid_options,
     non_negative_int,
     max_num_seqs,
     page_tokens,
@@ -148,10 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridkv.fleet.routers import ROUTER_NAMES
     r.add_argument("--router", choices=ROUTER_NAMES, default=None,
                    help="--timed: router (default hybrid with --instances > 1)")
-    r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
-                   help="--timed, hybrid router: share 0..1 of an instance's own waiting count in the weight on "
-                        "its work, the rest the fleet's mean (default 1: lowest median TTFT; lower trades median "
-                        "for tail TTFT under overload, docs/concepts/routing.md)")
+    add_hybrid_arguments(r, "--timed, hybrid router")
     r.add_argument("--cost-model", default=None,
                    help="--timed: step cost model, a built-in name (h200-kimi-linear-48b, the --simulate "
                         "default; h200-deepseek-v4-flash, the default for a DeepSeek-V4 model) or a JSON file "
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
         parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
     if args.command == "replay" and not args.timed:
-        for flag, value in (("--router", args.router), ("--own-waiting", args.own_waiting),
+        for flag, value in (("--router", args.router), *(f.split(" ", 1) for f in hybrid_flags_given(args)),
                             ("--cost-model", args.cost_model),
                             ("--time-scale", None if args.time_scale == 1.0 else args.time_scale),
                             ("--step-log", args.step_log),
@@ -269,11 +269,11 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 shown = " ".join(f"{j}@{at:g}" for j, at in value) if isinstance(value, list) else value
                 parser.error(f"{flag} {shown} needs --timed (untimed replays deal requests round-robin)")
-    if args.command == "replay" and args.own_waiting is not None:
+    if args.command == "replay" and hybrid_flags_given(args):
         router = args.router or ("hybrid" if args.instances > 1 else "round-robin")    # the replay's default
         if router != "hybrid":
             how = "" if args.router else f" (the default with --instances {args.instances})"
-            parser.error(f"--own-waiting {args.own_waiting:g} is an option of the hybrid router, not of {router}{how}")
+            parser.error(f"{hybrid_flags_given(args)[0]} is an option of the hybrid router, not of {router}{how}")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
         parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     if args.command == "replay" and args.checkpoint_probation is not None and args.eviction != "lru":
@@ -442,7 +442,6 @@ def _cache_purge(args, console: Console) -> int:
 def _replay(args, console: Console) -> int:
     from hybridkv.cache.config import ConfigError
     from hybridkv.fleet.costmodel import CostModelError
-    from hybridkv.fleet.routers import HybridOptions
     from hybridkv.replay.report import render_summary
     from hybridkv.replay.runner import ReplayOptions, run_replay
     from hybridkv.replay.timed import DEFAULT_COLD_START_S
@@ -478,7 +477,7 @@ def _replay(args, console: Console) -> int:
         eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,
         checkpoint_probation=args.checkpoint_probation, checkpoint_eviction=args.checkpoint_eviction,
         timed=args.timed, time_scale=args.time_scale, router=args.router,
-        hybrid=HybridOptions() if args.own_waiting is None else HybridOptions(own_waiting=args.own_waiting),
+        hybrid=hybrid_options(args),
         cost_model=args.cost_model, store_gbps=args.store_gbps, store_latency_s=args.store_latency_us * 1e-6,
         step_log=args.step_log, step_clock=args.step_clock,
         store_gib=args.store_gib, restarts=tuple(args.restarts), crashes=tuple(args.crashes),

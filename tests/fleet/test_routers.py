@@ -154,9 +154,10 @@ def test_under_load_a_hit_is_worth_the_queue_it_shortens():
             InstanceLoad(outstanding_tokens=1000, queued_seconds=1.0, waiting=waiting)])
 
     # a fresh router for each decision: one that routed this prompt already counts it as waiting
-    # where it went (RoutedPrompts), which is not the situation tested here
+    # where it went (RoutedPrompts), which is not the situation tested here; each waiting request
+    # counted once (waiting_weight 1)
     def router():
-        return HybridRouter(cost)
+        return HybridRouter(cost, options=HybridOptions(waiting_weight=1.0))
 
     def seed():
         return HybridRouter(cost, options=HybridOptions(weigh_waiting=False))
@@ -168,6 +169,9 @@ def test_under_load_a_hit_is_worth_the_queue_it_shortens():
     s0, _ = router.score(req, state(8), 0, 0)
     s1, _ = router.score(req, state(8), 1, 0)
     assert s0 - s1 == pytest.approx(9 * saved - gap, rel=1e-9)
+    s0, _ = HybridRouter(cost).score(req, state(8), 0, 0)         # the default: each counted 8 times
+    s1, _ = HybridRouter(cost).score(req, state(8), 1, 0)
+    assert s0 - s1 == pytest.approx((1 + 8 * 8) * saved - gap, rel=1e-9)
 
 
 def test_least_loaded_is_the_lightest_key_then_the_lowest_index():
@@ -211,7 +215,7 @@ def test_own_waiting_below_one_keeps_shared_prefix_traffic_off_a_long_queue_of_f
                                  InstanceLoad(outstanding_tokens=60_000, queued_seconds=q_many, waiting=n_many)])
 
     assert w > 0
-    own = HybridRouter(cost, options=HybridOptions())
+    own = HybridRouter(cost, options=HybridOptions(own_waiting=1.0, waiting_weight=1.0))
     assert own.route(req, state()) == 0
     fleet_mean = HybridRouter(cost, options=HybridOptions(own_waiting=0.0))
     assert fleet_mean.route(req, state()) == 1
@@ -219,7 +223,7 @@ def test_own_waiting_below_one_keeps_shared_prefix_traffic_off_a_long_queue_of_f
     s1, hit1 = fleet_mean.score(req, state(), 1, 0)
     assert hit0 == hit1 == 2 * UNIT
     assert s1 - s0 == pytest.approx(q_few - q_many, rel=1e-9)      # equal weights: the queues decide
-    half = HybridRouter(cost, options=HybridOptions(own_waiting=0.5))
+    half = HybridRouter(cost, options=HybridOptions(own_waiting=0.5, waiting_weight=1.0))
     s0, _ = half.score(req, state(), 0, 0)
     s1, _ = half.score(req, state(), 1, 0)
     mean = (n_few + n_many) / 2
@@ -227,11 +231,68 @@ def test_own_waiting_below_one_keeps_shared_prefix_traffic_off_a_long_queue_of_f
                                     rel=1e-9)
 
 
+def test_waiting_weight_counts_each_waiting_request_k_times():
+    """Instance 0 holds the prompt but its queue is longer by five times the prefill the hit
+    saves; two requests wait on each. Counting each waiting request once, the hit is worth
+    (1 + 2) savings, less than the gap, and the request spills to 1; counted 8 times (the
+    default) it is worth (1 + 16) savings and stays on the holder. Hand-computed:
+    cost_j = q_j + (1 + K * n) * W_j."""
+    hashes = chain(*"abcdefghijklmnopqrstuvwxyz0123456789")
+    cost = h200_kimi_linear_48b()
+    req = request(hashes)
+    saved = cost.prefill_seconds(0, req.prompt_tokens) - cost.prefill_seconds(len(hashes) * UNIT, req.prompt_tokens)
+    gap = 5 * saved
+
+    def state() -> FleetState:
+        return FleetState(views=[view(kv=hashes, checkpoints=[hashes[-1]]), view()], loads=[
+            InstanceLoad(outstanding_tokens=9000, queued_seconds=1.0 + gap, waiting=2),
+            InstanceLoad(outstanding_tokens=1000, queued_seconds=1.0, waiting=2)])
+
+    once = HybridOptions(waiting_weight=1.0)
+    assert HybridRouter(cost, options=once).route(req, state()) == 1
+    assert HybridRouter(cost).route(req, state()) == 0
+    assert HybridOptions().waiting_weight == 8.0
+    for k in (1.0, 8.0):
+        r = HybridRouter(cost, options=HybridOptions(waiting_weight=k))
+        s0, _ = r.score(req, state(), 0, 0)
+        s1, _ = r.score(req, state(), 1, 0)
+        assert s0 - s1 == pytest.approx((1 + k * 2) * saved - gap, rel=1e-9)
+
+
+def test_a_tie_goes_to_the_deepest_kv_run_with_a_free_slot():
+    """A tenant's system prompt (8 units) is cached as KV on instance 0, with its checkpoint only
+    at the end of an earlier conversation's prompt: a new conversation's joint hit is 0
+    everywhere, so every instance ties. With ``tie_kv_run`` (the default) it goes where its KV
+    run is (the branch checkpoint made there serves the tenant's next conversations) though that
+    instance is the more loaded; without, to the least loaded. A KV-run holder with no free
+    sequence slot is passed over. With a checkpoint at the system prompt's end the hit is real
+    and the cost alone sends it there."""
+    system = chain(*"abcdefgh")
+    old = system + [hashlib.sha256(system[-1] + p.encode()).digest() for p in "ijkl"]
+    new = system + [hashlib.sha256(system[-1] + p.encode()).digest() for p in "mnop"]
+    cost = h200_kimi_linear_48b()
+    req = request(new)
+
+    def state(in_flight: int, checkpoint=old[-1]) -> FleetState:
+        return FleetState(views=[view(kv=old, checkpoints=[checkpoint]), view()], loads=[
+            InstanceLoad(outstanding_tokens=2000, in_flight=in_flight),
+            InstanceLoad(outstanding_tokens=1000, in_flight=0)])
+
+    r = HybridRouter(cost, max_num_seqs=4)
+    assert r.options.tie_kv_run
+    assert r.route(req, state(3)) == 0                   # a free slot (3 of 4): the KV run wins the tie
+    assert HybridRouter(cost, options=HybridOptions(tie_kv_run=False), max_num_seqs=4).route(req, state(3)) == 1
+    assert HybridRouter(cost, max_num_seqs=4).route(req, state(4)) == 1      # every slot taken: load decides
+    # the checkpoint at the system prompt's end: a real hit on 0, which the cost (not the tie) decides
+    assert HybridRouter(cost, max_num_seqs=4).route(req, state(3, system[-1])) == 0
+
+
 @pytest.mark.parametrize("field, value", [
     ("own_waiting", -0.1), ("own_waiting", 1.5), ("own_waiting", float("nan")), ("own_waiting", True),
     ("own_waiting", False), ("hot_relative", -1.0), ("hot_relative", True), ("hot_absolute_s", float("inf")),
     ("hot_absolute_s", False), ("tie_relative", "0.1"), ("tie_relative", None), ("weigh_waiting", "False"),
-    ("count_decode", 0), ("count_routed", None)])
+    ("count_decode", 0), ("count_routed", None), ("waiting_weight", -1.0), ("waiting_weight", float("inf")),
+    ("waiting_weight", True), ("tie_kv_run", "yes"), ("tie_kv_run", 1)])
 def test_hybrid_options_reject_values_out_of_range_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         HybridOptions(**{field: value})

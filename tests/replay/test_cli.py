@@ -338,6 +338,29 @@ def test_refused_requests_leave_the_oracle_and_a_partial_refusal_is_warned(tmp_p
     assert 0 <= p["oracle_fraction"] <= 1
 
 
+def test_hybrid_flags_reach_the_hybrid_router_and_are_refused_where_they_mean_nothing(tmp_path, capsys, monkeypatch):
+    """--waiting-weight, --tie-kv-run and --price-restore set the built router's HybridOptions
+    (the rest stay at their defaults); each is refused without --timed, for another router,
+    and out of range, naming the value."""
+    import hybridkv.replay.timed as timed
+    from hybridkv.fleet.routers import HybridOptions
+    built, make = [], timed.make_router
+    monkeypatch.setattr(timed, "make_router", lambda cfg: built.append(make(cfg)) or built[-1])
+    out = tmp_path / "hy.json"
+    assert main(["replay", "--no-progress", "--simulate", "--timed", "--instances", "4", "--limit", "30",
+                 "--waiting-weight", "3", "--tie-kv-run", "off", "--price-restore", "off", "--json", str(out)]) == 0
+    assert [r.options for r in built] == [HybridOptions(waiting_weight=3.0, tie_kv_run=False, price_restore=False)]
+    capsys.readouterr()
+    for argv, message in ((["--waiting-weight", "2"], "--waiting-weight 2 needs --timed"),
+                          (["--timed", "--router", "prefix", "--tie-kv-run", "on"],
+                           "--tie-kv-run on is an option of the hybrid router, not of prefix"),
+                          (["--timed", "--price-restore", "maybe"], "invalid choice: 'maybe'"),
+                          (["--timed", "--waiting-weight", "-1"], "'-1' must be a number in [0, 1000]")):
+        with pytest.raises(SystemExit) as exc:
+            main(["replay", "--simulate", "--limit", "5", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_own_waiting_reaches_the_hybrid_router_and_is_refused_where_it_means_nothing(tmp_path, capsys, monkeypatch):
     import hybridkv.replay.timed as timed
     built, make = [], timed.make_router

@@ -498,6 +498,24 @@ def test_a_worker_url_that_is_not_http_is_refused_naming_it(url):
     assert repr(url) in str(info.value)
 
 
+def test_hybrid_flags_reach_the_hybrid_policy_and_its_stats_and_are_refused_for_another():
+    args = argparse.Namespace(worker=["http://127.0.0.1:1"], policy="hybrid", model="tiny", cost_model=None,
+                              poll_interval=0.05, health_every=2, waiting_weight=3.0, tie_kv_run="off",
+                              price_restore="off")
+    service = router_service(args)
+    try:
+        h = service.settings.hybrid
+        assert (h.waiting_weight, h.tie_kv_run, h.price_restore, h.own_waiting) == (3.0, False, False, 0.0)
+        assert service._config(64, 512).hybrid == h
+        stats = asyncio.run(service.stats())
+        assert (stats["waiting_weight"], stats["tie_kv_run"], stats["price_restore"]) == (3.0, False, False)
+    finally:
+        asyncio.run(service.stop())
+    args.policy = "prefix"
+    with pytest.raises(ValueError, match="--waiting-weight 3 is an option of the hybrid policy, not of prefix"):
+        router_service(args)
+
+
 def test_own_waiting_reaches_the_hybrid_policy_and_is_refused_for_another():
     args = argparse.Namespace(worker=["http://127.0.0.1:1"], policy="hybrid", model="tiny", cost_model=None,
                               poll_interval=0.05, health_every=2, own_waiting=0.25)

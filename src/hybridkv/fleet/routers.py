@@ -40,7 +40,7 @@ import numbers
 import random
 from bisect import bisect_left
 from collections.abc import Callable
-from itertools import compress, islice, takewhile
+from itertools import islice, takewhile
 from operator import attrgetter
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
@@ -664,20 +664,39 @@ class HybridOptions:
             events alone (kept for comparison).
         own_waiting: with ``weigh_waiting``, the share (0..1) of the instance's own waiting
             count ``n_j`` in the count that weighs its work; the rest is the mean over the live
-            instances: ``n = own_waiting * n_j + (1 - own_waiting) * mean(n)``. ``1`` (the
-            default) is the Little's-law estimate for that instance and gives the lowest median
-            TTFT; lower values stop an instance whose requests are few but long (a long
-            conversation's turns) from drawing the shared-prefix traffic that would balance its
-            queue, trading median TTFT for tail TTFT under overload (docs/results/routing.md,
-            "The waiting count: own or the fleet's").
+            instances: ``n = own_waiting * n_j + (1 - own_waiting) * mean(n)``. ``0`` (the
+            default): the fleet's mean, so an instance whose requests are few but long (a long
+            conversation's turns) does not draw the shared-prefix traffic that would balance its
+            queue, and an idle instance's extra prefill is priced as the queue it will soon have;
+            ``1``: the instance's own count (the Little's-law estimate for that instance).
+            Chosen on the development traces (docs/results/routing.md, "On other traces").
         price_restore: a hit whose restart point lies below it (DeepSeek-V4's ``periodic=P`` and
             ``recompute``) is worth the prefill it saves less the recompute that restores its
             state (:class:`HybridRouter`'s ``restore``); ``False``: the prefill it saves alone
             (kept for comparison, docs/results/v4.md).
+        waiting_weight: with ``weigh_waiting``, each waiting request counts this many times in the
+            weight on the work: ``1 + waiting_weight * n``. A second of work delays every request
+            that starts on the instance before its queue next drains, not only those waiting now;
+            under sustained load that is about ``n / (1 - rho)`` of them (``rho`` the instance's
+            utilisation; the M/M/1 busy period), so the count of those waiting now understates it
+            by a factor that grows as the fleet nears saturation. ``8`` (the default, ``rho``
+            about 0.9) was chosen on the development traces among 1, 3, 5, 6, 8, 10, 12 and 16;
+            it changes little while queues are short (``n`` near 0) and keeps shared prefixes
+            on their holders under overload, where a spill's extra prefill slows the whole
+            fleet. ``1``: the waiting count alone.
+        tie_kv_run: among the instances tied on cost (``tie_relative``), prefer those with a free
+            sequence slot (fewer than ``max_num_seqs`` requests in flight) whose KV run is the
+            deepest and deeper than every tied joint hit; then the least loaded. A KV run beyond
+            the joint hit saves nothing now (no checkpoint there), but the replay's ``branch``
+            checkpoint policy creates one at that branching boundary when a request runs there,
+            so the next request sharing the prefix (another conversation of a tenant, another
+            question on a document) hits it; sent to the least loaded instead, every such
+            request computes the prefix again. ``False``: the least loaded of the tied.
 
     Raises:
-        ValueError: a guard or tie band that is not a finite number >= 0, ``own_waiting`` not a
-            number in 0..1, or a switch that is not a bool (each named with its value).
+        ValueError: a guard, tie band or ``waiting_weight`` that is not a finite number >= 0,
+            ``own_waiting`` not a number in 0..1, or a switch that is not a bool (each named with
+            its value).
     """
 
     hot_relative: float = 2.0
@@ -686,21 +705,23 @@ class HybridOptions:
     weigh_waiting: bool = True
     count_decode: bool = True
     count_routed: bool = True
-    own_waiting: float = 1.0
+    own_waiting: float = 0.0
     price_restore: bool = True
+    waiting_weight: float = 8.0
+    tie_kv_run: bool = True
 
     def __post_init__(self) -> None:
         def number(v) -> bool:                   # a real number (numpy's too), not a bool
             return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
-        for name in ("hot_relative", "hot_absolute_s", "tie_relative"):
+        for name in ("hot_relative", "hot_absolute_s", "tie_relative", "waiting_weight"):
             v = getattr(self, name)
             if not (number(v) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"HybridOptions.{name}={v!r} must be a finite number >= 0")
         v = self.own_waiting
         if not (number(v) and 0 <= v <= 1):
             raise ValueError(f"HybridOptions.own_waiting={v!r} must be a number in 0..1")
-        for name in ("weigh_waiting", "count_decode", "count_routed", "price_restore"):
+        for name in ("weigh_waiting", "count_decode", "count_routed", "price_restore", "tie_kv_run"):
             v = getattr(self, name)
             if not isinstance(v, (bool, np.bool_)):
                 raise ValueError(f"HybridOptions.{name}={v!r} must be True or False")
@@ -708,7 +729,8 @@ class HybridOptions:
     def waiting_counts(self, loads: list[InstanceLoad], live: list[int]) -> list[float]:
         """``n`` for every instance (indexed as ``loads``): requests waiting for their first
         token, blended with the mean over ``live`` by :attr:`own_waiting`."""
-        own = [ld.waiting for ld in loads]
+        k = self.waiting_weight
+        own = [ld.waiting * k for ld in loads] if k != 1 else [ld.waiting for ld in loads]
         a = self.own_waiting
         if a == 1:
             return own
@@ -1073,7 +1095,13 @@ class HybridRouter(Router):
                 priced = works[pair] = self._work(req, pair, store)
             scores.append(p0 - q[j] - (1 + waiting[j] if waiting is not None else 1) * priced[0])
         floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
-        j = least_loaded(loads, compress(cool, [sc >= floor for sc in scores]))
+        tied = [k for k, sc in enumerate(scores) if sc >= floor]
+        if self.options.tie_kv_run and len(tied) > 1:
+            free = [k for k in tied if loads[cool[k]].in_flight < self.max_num_seqs]
+            deepest = max((pairs[k][0] for k in free), default=0)
+            if deepest > max(pairs[k][1] for k in tied):
+                tied = [k for k in free if pairs[k][0] == deepest]
+        j = least_loaded(loads, [cool[k] for k in tied])
         k = cool.index(j)
         self._expected_s, self._expected = works[pairs[k]]
         if active is self._active:

@@ -296,3 +296,61 @@ def add_store_cost_arguments(parser: argparse.ArgumentParser, gbps_help: str, la
     parser.add_argument("--store-latency-us", type=number_range(0.0, MAX_STORE_LATENCY_US, " microseconds"),
                         default=us,
                         help=f"{latency_help} (default {us:g}, Mooncake measured)")
+
+
+MAX_WAITING_WEIGHT = 1000.0
+"""Largest ``--waiting-weight``: past it the work term swamps every wait (seconds stay finite)."""
+
+HYBRID_FLAGS = (("--own-waiting", "own_waiting"), ("--waiting-weight", "waiting_weight"),
+                ("--tie-kv-run", "tie_kv_run"), ("--price-restore", "price_restore"))
+"""The ``hybrid`` router's command-line options and the :class:`~hybridkv.fleet.routers.HybridOptions`
+field each sets."""
+
+
+def add_hybrid_arguments(parser: argparse.ArgumentParser, scope: str) -> None:
+    """The ``hybrid`` router's options (:data:`HYBRID_FLAGS`), each defaulting to ``None`` (the
+    :class:`~hybridkv.fleet.routers.HybridOptions` default, stated in the help); ``scope`` starts
+    each help text (where the option applies, e.g. ``"--timed, hybrid router"``)."""
+    from hybridkv.fleet.routers import HybridOptions
+
+    d = HybridOptions()
+    on = {True: "on", False: "off"}
+    parser.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
+                        help=f"{scope}: share 0..1 of an instance's own waiting count in the count that weighs its "
+                             f"work, the rest the mean over live instances (default {d.own_waiting:g}; "
+                             "docs/concepts/routing.md)")
+    parser.add_argument("--waiting-weight", type=number_range(0.0, MAX_WAITING_WEIGHT), default=None, metavar="K",
+                        help=f"{scope}: each waiting request counts K times in the weight 1 + K*n on the work a "
+                             f"placement adds: the requests delayed until the queue drains, not only those waiting "
+                             f"now (default {d.waiting_weight:g}; 0..{_show(MAX_WAITING_WEIGHT)})")
+    parser.add_argument("--tie-kv-run", choices=("on", "off"), default=None,
+                        help=f"{scope}: among instances tied on cost, one with a free sequence slot and the "
+                             f"deepest KV run beyond every tied joint hit wins (its next request at that branch "
+                             f"hits a checkpoint there); off: the least loaded (default {on[d.tie_kv_run]})")
+    parser.add_argument("--price-restore", choices=("on", "off"), default=None,
+                        help=f"{scope}: a hit whose state restarts below it is worth the prefill it saves less "
+                             f"the recompute that restores the state (DeepSeek-V4 periodic and recompute); off: "
+                             f"the prefill saved alone (default {on[d.price_restore]})")
+
+
+def hybrid_flags_given(args: argparse.Namespace) -> list[str]:
+    """``"FLAG VALUE"`` of each :data:`HYBRID_FLAGS` option given on the command line (in order)."""
+    out = []
+    for flag, name in HYBRID_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            out.append(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}")
+    return out
+
+
+def hybrid_options(args: argparse.Namespace):
+    """The :class:`~hybridkv.fleet.routers.HybridOptions` of parsed :func:`add_hybrid_arguments`
+    options: the defaults, with each option given set (``on`` / ``off`` as ``True`` / ``False``)."""
+    from hybridkv.fleet.routers import HybridOptions
+
+    given = {}
+    for _, name in HYBRID_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            given[name] = v == "on" if isinstance(v, str) else v
+    return HybridOptions(**given)

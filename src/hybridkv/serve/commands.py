@@ -14,11 +14,14 @@ import sys
 
 from hybridkv.fleet.store import MOONCAKE_GET_LATENCY_S, MOONCAKE_LOAD_BYTES_PER_S
 from hybridkv.replay.args import (
+    add_hybrid_arguments,
     add_store_cost_arguments,
     block_tokens,
     checkpoint_policy,
     finite_positive_float,
     fraction,
+    hybrid_flags_given,
+    hybrid_options,
     non_negative_float,
     non_negative_int,
     poll_seconds,
@@ -142,9 +145,7 @@ def _register_router(sub) -> None:
                    help="port (default 8080; 0: a free one, printed at start); a taken port is an error at start")
     r.add_argument("--cost-model", default=None,
                    help="hybrid: a calibrated cost-model JSON or built-in name (default: flat 4000 prefill tokens/s)")
-    r.add_argument("--own-waiting", type=fraction, default=None, metavar="A",
-                   help="hybrid: share 0..1 of a worker's own waiting requests in the weight on its work, the rest "
-                        "the mean over healthy workers (default 1; docs/concepts/routing.md)")
+    add_hybrid_arguments(r, "hybrid")
     r.add_argument("--poll-interval", type=poll_seconds, default=0.2, help="seconds between event polls")
     r.add_argument("--health-every", type=positive_int, default=5, help="polls between /health checks")
     r.add_argument("--follow-wait", type=_follow_wait, default=2.0,
@@ -176,18 +177,18 @@ def router_service(args):
 
     Raises:
         ValueError / CostModelError / FileNotFoundError: a bad model, cost model or worker list, or
-            ``--own-waiting`` with a policy other than ``hybrid`` (named).
+            a hybrid option (``--own-waiting``, ``--waiting-weight``, ``--tie-kv-run``,
+            ``--price-restore``) with a policy other than ``hybrid`` (named).
     """
     from hybridkv.engine.build import model_config
     from hybridkv.fleet.costmodel import cost_model
-    from hybridkv.fleet.routers import HybridOptions
     from hybridkv.replay.timed import CPU_ESTIMATE
     from hybridkv.serve.router import DEFAULT_MAX_TREE_TOKENS, RouterService, RouterSettings
     from hybridkv.serve.tokenizer import load_codec
 
-    own = getattr(args, "own_waiting", None)
-    if own is not None and args.policy != "hybrid":
-        raise ValueError(f"--own-waiting {own:g} is an option of the hybrid policy, not of {args.policy}")
+    given = hybrid_flags_given(args)
+    if given and args.policy != "hybrid":
+        raise ValueError(f"{given[0]} is an option of the hybrid policy, not of {args.policy}")
     tree = getattr(args, "max_tree_tokens", None)
     if tree is not None and args.policy not in ("prefix", "prefix-smg"):
         raise ValueError(f"--max-tree-tokens {tree} is an option of the prefix and prefix-smg policies, not of "
@@ -198,7 +199,7 @@ def router_service(args):
                               follow_wait_s=getattr(args, "follow_wait", 2.0),
                               store_bytes_per_s=getattr(args, "store_gbps", MOONCAKE_LOAD_BYTES_PER_S / 1e9) * 1e9,
                               store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6,
-                              hybrid=HybridOptions() if own is None else HybridOptions(own_waiting=own),
+                              hybrid=hybrid_options(args),
                               max_tree_tokens=getattr(args, "max_tree_tokens", None) or DEFAULT_MAX_TREE_TOKENS)
     settings = router_auth(settings, args)
     return RouterService(args.worker, codec, settings)

@@ -494,11 +494,14 @@ class RouterService:
                             status_code=200 if n else 503)
 
     async def stats(self) -> dict:
-        """``GET /router/stats``: the policy (and ``own_waiting`` under ``hybrid``; ``max_tree_tokens``
+        """``GET /router/stats``: the policy (and ``own_waiting``, ``waiting_weight``, ``tie_kv_run`` and
+        ``price_restore`` under ``hybrid``; ``max_tree_tokens``
         and each worker's ``tree_nodes`` under ``prefix`` and ``prefix-smg``), per-worker
         counters, retries, batches split, and per shared store the entries its view holds (counts,
         never keys)."""
-        policy = {"own_waiting": self.settings.hybrid.own_waiting} if self.settings.policy == "hybrid" else {}
+        h = self.settings.hybrid
+        policy = ({"own_waiting": h.own_waiting, "waiting_weight": h.waiting_weight, "tie_kv_run": h.tie_kv_run,
+                   "price_restore": h.price_restore} if self.settings.policy == "hybrid" else {})
         if self.settings.policy in ("prefix", "prefix-smg"):
             nodes = [0] * len(self.workers.states)
             for key, router in self._routers.items():
