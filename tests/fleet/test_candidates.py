@@ -122,3 +122,22 @@ def test_lazy_hashes_are_the_hashes_of_the_whole_trace():
         hasher = UnitHasher(units, engine.cache, max_blocks)
         assert [hasher(r) for r in reqs] == want
     assert hasher.emptied > 0
+
+
+def test_the_memo_keeps_a_prefix_in_use_across_generations():
+    """A memo generation that fills up becomes the previous one; a prompt's blocks found there are
+    carried into the new one (not hashed again), and the hashes stay those of the whole trace."""
+    from hybridkv.engine.build import build_engine, model_config
+    from hybridkv.cache.config import CacheConfig
+    from hybridkv.replay.trace import TraceUnits, load_trace
+    from hybridkv.replay.unit_hashes import UnitHasher
+
+    reqs = load_trace(None, limit=300).requests
+    mcfg = model_config("small")
+    engine = build_engine(mcfg, CacheConfig(block_size=512, prefix_match_unit=64, num_kv_pages=64,
+                                            num_checkpoint_slots=16), model_name="small").engine
+    units = TraceUnits(512, 64, mcfg.vocab_size, 0)
+    hasher = UnitHasher(units, engine.cache, max_blocks=200)
+    assert [hasher(r) for r in reqs] == units.hashes_all(reqs, engine.cache)
+    assert hasher.emptied > 2 and hasher.carried > 0
+    assert len(hasher._memo.blocks) <= 200 + max(len(r.hash_ids) for r in reqs)

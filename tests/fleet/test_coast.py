@@ -77,3 +77,54 @@ def test_the_decode_pricer_is_the_cost_models_step():
         price = _decode_pricer(cost, b, 1000)
         for ctx in (0, 1, 999, 123_457, 4_000_000):
             assert math.isclose(price(ctx), cost.step_seconds([], b, ctx), rel_tol=SAME_SECONDS_REL)
+
+
+@pytest.mark.parametrize("router", ["prefix", "prefix-smg"])
+def test_prefix_routers_on_a_large_fleet_decide_as_a_scan_of_every_tree(tmp_path, monkeypatch, router):
+    """Above HOLDER_MAP_ABOVE instances the holder map and the size heap replace the scan of
+    every tree: the same decisions (every figure of the report the same)."""
+    import hybridkv.fleet.routers as routers
+
+    args = ("--instances", "40", "--router", router, "--limit", "400", "--time-scale", "0.15")
+    mapped = _replay(tmp_path, "mapped", *args)
+    monkeypatch.setattr(routers, "HOLDER_MAP_ABOVE", 1 << 30)
+    scanned = _replay(tmp_path, "scanned", *args)
+    _same(mapped, scanned)
+
+
+@pytest.mark.parametrize("cls_name", ["PrefixRouter", "SMGPrefixRouter"])
+def test_holder_map_follows_bounded_trees_and_instances_down(cls_name):
+    """Bounded trees (LRU nodes evicted) and a fleet with instances down: the holder map's
+    decisions are the scan's, request by request, and it forgets what the trees evicted."""
+    import random as _random
+
+    import hybridkv.fleet.routers as routers
+    from hybridkv.fleet.routers import FleetState, InstanceLoad, PrefixOptions, RouteRequest
+
+    cls = getattr(routers, cls_name)
+    opts = PrefixOptions(max_tree_tokens=64 * 40, balance_abs_threshold=6)
+    mapped, scanned = cls(64, opts), cls(64, opts)
+    n, rng = 48, _random.Random(7)
+    loads = [InstanceLoad() for _ in range(n)]
+    stems = [[bytes([s, u]) * 16 for u in range(30)] for s in range(12)]
+    for t in range(600):
+        stem = stems[rng.randrange(len(stems))]
+        hashes = stem[:rng.randrange(1, 20)] + [t.to_bytes(32, "little")] * rng.randrange(0, 2)
+        live = sorted(rng.sample(range(n), n - rng.randrange(0, 4)))
+        for ld in loads:
+            ld.in_flight, ld.routed = rng.randrange(0, 9), rng.randrange(0, 50)
+        req = RouteRequest(hashes=hashes, prompt_tokens=64 * len(hashes) + 10, limit=64 * len(hashes))
+        saved = routers.HOLDER_MAP_ABOVE
+        a = mapped.route(req, FleetState(views=[], loads=loads, live=live))
+        routers.HOLDER_MAP_ABOVE = 1 << 30
+        try:
+            b = scanned.route(req, FleetState(views=[], loads=loads, live=live))
+        finally:
+            routers.HOLDER_MAP_ABOVE = saved
+        assert a == b, t
+    assert mapped._holders is not None and scanned._holders is None
+    held = {k for tree in mapped.trees for k in tree.kv}
+    assert set(mapped._holders) == held                  # evicted nodes left the map
+    for k, have in mapped._holders.items():
+        at = {have} if isinstance(have, int) else have
+        assert at == {j for j, tree in enumerate(mapped.trees) if k in tree.kv}

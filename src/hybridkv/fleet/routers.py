@@ -34,14 +34,15 @@ whole prompt decides, never its first message.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import math
 import numbers
 import random
 from bisect import bisect_left
 from collections.abc import Callable
-from itertools import islice, takewhile
-from operator import attrgetter
+from itertools import islice, repeat, takewhile
+from operator import attrgetter, is_
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -244,11 +245,23 @@ def live_instances(fleet: FleetState) -> list[int]:
 
 _PLAIN_VIEW = {InstanceView}
 _UNIT = attrgetter("unit")
+_FAMILY = attrgetter("family")
+_IN_FLIGHT = attrgetter("in_flight")
+_ROUTED = attrgetter("routed")
+
+HOLDER_MAP_ABOVE = 32
+"""On a fleet of more instances than this, ``prefix`` and ``prefix-smg`` find the longest match
+through a map from each unit key to the trees holding it (a walk down the prompt's units
+intersecting holders) and the smallest tree through a heap, instead of a scan of every tree:
+the same decisions, at a cost that grows with the prompt and its holders, not the fleet."""
 
 
 def _one_family(views: list[InstanceView]) -> bool:
-    """Every view follows one family's rule (a fleet's views share the family object)."""
+    """Every view follows one family's rule (a fleet's views share the family object: checked
+    by identity in C first, by equality only when some view holds another object)."""
     fam = views[0].family
+    if all(map(is_, repeat(fam), map(_FAMILY, views))):
+        return True
     return all(v.family is fam or v.family == fam for v in views)
 
 
@@ -484,6 +497,10 @@ class PrefixRouter(Router):
         cap = options.max_tree_tokens
         self._cap = None if cap is None else max(cap // unit, 1)      # nodes per tree
         self._recency: list[OrderedDict] = []                        # per tree: key -> None, oldest first
+        # on a fleet of more than HOLDER_MAP_ABOVE instances: unit key -> the trees holding it (one
+        # index, or a set of several), and a heap of (tree size, rank, index), stale entries skipped
+        self._holders: dict[bytes, int | set[int]] | None = None
+        self._sizes: list[tuple[int, bytes, int]] = []
 
     def _take(self, j: int, hashes: list[bytes]) -> None:
         """Instance ``j``'s tree takes a prompt's unit ``hashes``; past the bound its least
@@ -491,41 +508,138 @@ class PrefixRouter(Router):
         descendants)."""
         tree = self.trees[j]
         tree.kv.update(hashes)
-        if self._cap is None:
-            return
-        while len(self._recency) <= j:
-            self._recency.append(OrderedDict())
-        recency = self._recency[j]
-        for k in reversed(hashes):
-            recency[k] = None
-            recency.move_to_end(k)
-        while len(recency) > self._cap:
-            tree.kv.discard(recency.popitem(last=False)[0])
+        holders = self._holders
+        if holders is not None:
+            get = holders.get
+            for k in hashes:
+                have = get(k)
+                if have is None:
+                    holders[k] = j
+                elif have.__class__ is int:
+                    if have != j:
+                        holders[k] = {have, j}
+                else:
+                    have.add(j)
+        if self._cap is not None:
+            while len(self._recency) <= j:
+                self._recency.append(OrderedDict())
+            recency = self._recency[j]
+            for k in reversed(hashes):
+                recency[k] = None
+                recency.move_to_end(k)
+            while len(recency) > self._cap:
+                k = recency.popitem(last=False)[0]
+                tree.kv.discard(k)
+                if holders is not None:
+                    have = holders[k]
+                    if have.__class__ is int:
+                        del holders[k]
+                    else:
+                        have.discard(j)
+                        if len(have) == 1:
+                            holders[k] = next(iter(have))
+        if holders is not None:
+            self._push_size(j)
 
-    def route(self, req: RouteRequest, fleet: FleetState) -> int:
-        n, o, live = len(fleet.loads), self.options, live_instances(fleet)
+    def _push_size(self, j: int) -> None:
+        sizes, n = self._sizes, len(self.trees)
+        heapq.heappush(sizes, (len(self.trees[j].kv), self._rank[j], j))
+        if len(sizes) > 4 * n + 64:                 # mostly stale: rebuild from the trees
+            sizes[:] = [(len(t.kv), self._rank[i], i) for i, t in enumerate(self.trees)]
+            heapq.heapify(sizes)
+
+    def _prepare(self, n: int) -> None:
+        """Trees (and ranks) for ``n`` instances; above :data:`HOLDER_MAP_ABOVE` instances the
+        holder map and the size heap, built once from the trees as they are."""
         while len(self.trees) < n:
             self.trees.append(InstanceView(self.unit))
         while len(self._rank) < len(self.trees):
-            self._rank.append(_mix(o.seed, b"tenant-size", len(self._rank)))
+            self._rank.append(_mix(self.options.seed, b"tenant-size", len(self._rank)))
+        if self._holders is None and n > HOLDER_MAP_ABOVE \
+                and all(len(t.family.prefix_names) == 1 for t in self.trees):
+            holders = self._holders = {}
+            for j, t in enumerate(self.trees):
+                for k in t.kv:
+                    have = holders.get(k)
+                    holders[k] = j if have is None else {have, j} if have.__class__ is int else have | {j}
+            self._sizes = [(len(t.kv), self._rank[j], j) for j, t in enumerate(self.trees)]
+            heapq.heapify(self._sizes)
+
+    def _longest(self, hashes: list[bytes], live: list[int]) -> tuple[int, list[int]]:
+        """``(top, holders)``: the longest run of ``hashes`` from the first unit in any live
+        tree (tokens) and the live instances whose tree holds it (ascending; every live one when
+        ``top`` is 0), as a scan of every tree's ``kv_run`` finds them."""
+        holders = self._holders
+        if holders is None:
+            limit = len(hashes) * self.unit
+            matched = {i: self.trees[i].kv_run(hashes, limit) for i in live}
+            top = max(matched.values())
+            return top, [i for i in live if matched[i] == top]
+        have = holders.get(hashes[0]) if hashes else None
+        if have is None:
+            return 0, list(live)
+        everyone = len(live) == len(self.trees)
+        alive = None if everyone else set(live)
+        if have.__class__ is int:
+            at = {have} if everyone or have in alive else set()
+        else:
+            at = set(have) if everyone else have & alive
+        if not at:
+            return 0, list(live)
+        depth, get = 1, holders.get
+        for k in islice(hashes, 1, None):
+            have = get(k)
+            if have is None:
+                break
+            if have.__class__ is int:
+                if have not in at:
+                    break
+                at = {have}
+            else:
+                deeper = at & have
+                if not deeper:
+                    break
+                at = deeper
+            depth += 1
+        return depth * self.unit, sorted(at)
+
+    def _smallest(self, live: list[int]) -> int:
+        """The live instance with the smallest tree, ties in the fixed rank order."""
+        if self._holders is None:
+            return min(live, key=lambda i: (len(self.trees[i].kv), self._rank[i]))
+        sizes, trees, alive = self._sizes, self.trees, None if len(live) == len(self.trees) else set(live)
+        aside, j = [], None
+        while sizes:
+            entry = heapq.heappop(sizes)
+            size, _, i = entry
+            if size != len(trees[i].kv):
+                continue                              # stale: a newer entry of i is in the heap
+            aside.append(entry)
+            if alive is None or i in alive:
+                j = i
+                break
+        for entry in aside:
+            heapq.heappush(sizes, entry)
+        return j
+
+    def route(self, req: RouteRequest, fleet: FleetState) -> int:
+        n, o, live = len(fleet.loads), self.options, live_instances(fleet)
+        self._prepare(n)
         loads = fleet.loads
-        flight = [loads[i].in_flight for i in live]
+        flight = list(map(_IN_FLIGHT, loads if len(live) == n else map(loads.__getitem__, live)))
         hi, lo = max(flight), min(flight)
         if hi - lo > o.balance_abs_threshold and hi > o.balance_rel_threshold * lo:
             j = live[flight.index(lo)]
         else:
-            limit = len(req.hashes) * self.unit
-            matched = {i: self.trees[i].kv_run(req.hashes, limit) for i in live}
-            top = max(matched.values())
+            top, holders = self._longest(req.hashes, live)
             if req.prompt_tokens and top / req.prompt_tokens > o.cache_threshold:
-                holders = [i for i in live if matched[i] == top]
                 if len(holders) == 1:
                     j = holders[0]
                 else:
                     node = req.hashes[top // self.unit - 1]
                     j = min(holders, key=lambda i: _mix(o.seed, node, i))
             else:
-                j = min(live, key=lambda i: (len(self.trees[i].kv), self._rank[i]))
+                j = self._smallest(live)
         self._take(j, req.hashes)
         return j
 
@@ -556,15 +670,13 @@ class SMGPrefixRouter(PrefixRouter):
 
     def route(self, req: RouteRequest, fleet: FleetState) -> int:
         n, o, live, loads = len(fleet.loads), self.options, live_instances(fleet), fleet.loads
-        while len(self.trees) < n:
-            self.trees.append(InstanceView(self.unit))
-        mean = sum(loads[i].in_flight for i in live) / len(live)
-        least = min(live, key=lambda i: (loads[i].in_flight, loads[i].routed, i))
-        limit = len(req.hashes) * self.unit
-        matched = {i: self.trees[i].kv_run(req.hashes, limit) for i in live}
-        top = max(matched.values())
+        self._prepare(n)
+        mine = loads if len(live) == n else [loads[i] for i in live]
+        flight = list(map(_IN_FLIGHT, mine))
+        mean = sum(flight) / len(live)
+        least = min(zip(flight, map(_ROUTED, mine), live))[2]
+        top, holders = self._longest(req.hashes, live)
         if req.prompt_tokens and top / req.prompt_tokens > o.cache_threshold:
-            holders = [i for i in live if matched[i] == top]
             fewest = min(loads[i].in_flight for i in holders)
             holders = [i for i in holders if loads[i].in_flight == fewest]
             j = holders[self._rng.randrange(len(holders))] if len(holders) > 1 else holders[0]

@@ -228,6 +228,9 @@ class Fleet:
                 hs = fr.hashes
                 fr.hashes = [hs[min(k, len(hs)) - 1]] if hs else []
                 fr.request.hashes = None
+                m = fr.request.match                # its lookup's copy of the hashes and the index
+                if m is not None:                   # nodes it matched (kept alive past eviction)
+                    m.hashes, m.path = [], []
         self._events.push(inst.clock, inst.publisher.drain())
         if inst.has_work:
             plan = self._coasts(inst) and inst.coast_plan(self._arrivals)
