@@ -99,6 +99,10 @@ def test_the_routers_worker_key_still_reads_the_whole_workers_load(keyed):
             wait_running(keyed)
             stats = wait_router(lambda s: s["workers"][0]["worker_reqs"] == 1, router)
             assert stats["workers"][0]["others_reqs"] == 1
+        for extra in ({"headers": {"X-Tenant": ""}}, {"tenant": ""}):      # the router refuses an empty tenant
+            r = httpx.post(f"{router.url}/v1/completions", timeout=60, headers=extra.pop("headers", {}),
+                           json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1, **extra})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "empty_tenant", r.text
     finally:
         router.close()
 

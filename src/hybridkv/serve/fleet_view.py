@@ -483,8 +483,8 @@ class Workers:
         the snapshot holds, or is undone by a later one, as the cache did."""
         outs = w.failures
         for _try in range(SNAPSHOT_RESTARTS):
-            kv: list[str] = []
-            checkpoints: list[str] = []
+            kv: list[bytes] = []                               # as bytes: half the size of the hex
+            checkpoints: list[bytes] = []
             params: dict = {"limit": self.snapshot_page}
             first = None                                        # (generation, epoch) of the first page
             while True:
@@ -501,8 +501,8 @@ class Workers:
                     first = mark
                 elif mark != first:
                     break
-                kv.extend(snap["kv"])
-                checkpoints.extend(snap["checkpoints"])
+                kv.extend(map(bytes.fromhex, snap["kv"]))
+                checkpoints.extend(map(bytes.fromhex, snap["checkpoints"]))
                 cursor = snap.get("next_cursor")
                 if not cursor:
                     self._install_snapshot(w, first[1], kv, checkpoints)
@@ -513,14 +513,13 @@ class Workers:
                     w.url, SNAPSHOT_RESTARTS)
         return False
 
-    def _install_snapshot(self, w: WorkerState, epoch: int, kv: list[str], checkpoints: list[str]) -> None:
-        """``w``'s view rebuilt from a whole snapshot (hex keys) of ``epoch``."""
+    def _install_snapshot(self, w: WorkerState, epoch: int, kv: list[bytes], checkpoints: list[bytes]) -> None:
+        """``w``'s view rebuilt from a whole snapshot of ``epoch`` (its units' and checkpoints' keys)."""
         view = self.fleet.view()
         view.epoch = 0                # the epoch _pull's events carry: the first one must not clear the snapshot
-        pages = [bytes.fromhex(k) for k in kv]
         for name in view.family.prefix_names:                   # a page holds every paged group
-            view.held[name].update(pages)
-        view.checkpoints.update(k for k in map(bytes.fromhex, checkpoints) if k in view.kv)
+            view.held[name].update(kv)
+        view.checkpoints.update(k for k in checkpoints if k in view.kv)
         w.view, w.epoch, w.after, w.synced = view, epoch, -1, True
         w.snapshots += 1
 
