@@ -115,7 +115,7 @@ def test_admin_routes_need_the_admin_key(keyed):
         r = httpx.post(url + path, json=body, headers=_bearer("sk-plain-0001"), timeout=30)    # bound to none
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
         assert httpx.post(url + path, json=body, headers=_bearer(ADMIN), timeout=30).status_code == 200
-    for path in ("/v1/cache/events", "/v1/cache/info"):
+    for path in ("/v1/cache/events", "/v1/cache/info", "/v1/cache/snapshot"):
         assert httpx.get(url + path, headers=_bearer("sk-plain-0001"), timeout=30).status_code == 403
         assert httpx.get(url + path, headers=_bearer(ADMIN), timeout=30).status_code == 200
     assert httpx.get(url + "/get_load", timeout=30).status_code == 401

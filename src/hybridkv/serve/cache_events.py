@@ -288,7 +288,8 @@ class EventFeed:
 
 SNAPSHOT_PAGE_MAX = 4096
 """Most entries one ``GET /v1/cache/snapshot`` page answers (about 280 KB of JSON: 64 hex digits
-per entry); also its default ``limit``."""
+and 4 characters of JSON per entry, up to twice that when every entry has a checkpoint); also its
+default ``limit``."""
 SNAPSHOT_KEEP = 4
 """Snapshots a worker holds for readers paging through them at once (the least recently read is
 dropped first)."""
