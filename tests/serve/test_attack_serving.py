@@ -114,3 +114,6 @@ def test_the_router_does_not_claim_an_open_metrics_route_it_lacks():
     assert ring.describe("read /router/stats", "/health is").endswith("; /health is open")
     assert ring.describe().endswith("; /metrics takes the admin key or a key bound to no tenant; /health is open")
     assert KeyRing().describe().endswith("; /health and /metrics are open")
+    assert "no --admin-key was given (a key bound to a tenant may still invalidate that tenant's entries)" in \
+        KeyRing({"sk-key-0001": "x"}).describe()
+    assert KeyRing({"sk-key-0001": None}).describe().count("invalidate") == 0

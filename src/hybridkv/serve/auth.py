@@ -179,7 +179,8 @@ class KeyRing:
         elif self._admin:
             admin = "the admin routes take the admin key"
         else:
-            admin = "the admin routes are refused: no --admin-key was given"
+            admin = "the admin routes are refused: no --admin-key was given" + (
+                " (a key bound to a tenant may still invalidate that tenant's entries)" if self.bound else "")
         return f"{api}; {admin}; {open_routes} open"
 
     def _match(self, key: str) -> tuple[bool, bool, str | None]:
