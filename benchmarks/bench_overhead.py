@@ -6,7 +6,7 @@ Run by hand (not part of the test suite)::
     python benchmarks/bench_overhead.py --workload synthetic --json out.json
     python benchmarks/bench_overhead.py --simulate-trace         # also time `hybridkv replay --simulate` on the whole trace
 
-What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("small")``,
+What is measured. The engine (``TorchBackend`` over ``HybridModel.from_preset("small")``, or ``--preset``,
 ``torch.set_num_threads(1)``) runs every request twice:
 
 * **cached**: the replay's default policy (:func:`hybridkv.replay.runner.default_policy`
@@ -331,6 +331,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache-option", action="append", default=[], type=cache_option, metavar="FIELD=VALUE",
                    help="another CacheConfig field of the cached run (repeatable; e.g. checkpoint_eviction=utility; "
                         "VALUE none, a number or a string)")
+    p.add_argument("--preset", default="small",
+                   help="model preset (default small; tiny prefills far faster, so many more requests fit in a "
+                        "run: the bookkeeping is the same code, the checkpoints it copies are smaller)")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(CacheConfig)} - {
@@ -341,11 +344,11 @@ def main(argv=None) -> int:
             p.error(f"--cache-option {name}=...: not a CacheConfig field this run can set (choose from {sorted(fields)})")
     Timers.clock = staticmethod(CLOCKS[args.clock])
     torch.set_num_threads(1)
-    model = HybridModel.from_preset("small", seed=0).eval()
+    model = HybridModel.from_preset(args.preset, seed=0).eval()
     vocab = model.config.vocab_size
-    namespace = CacheIdentity(model_repo="small", weight_digest=model.weight_digest()).digest()
+    namespace = CacheIdentity(model_repo=args.preset, weight_digest=model.weight_digest()).digest()
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-           f"torch {torch.__version__}, 1 thread", "results": []}
+           f"torch {torch.__version__}, 1 thread", "preset": args.preset, "results": []}
     loads = []
     if args.workload in ("trace", "both"):
         loads.append(("trace", *trace_workload(args.requests, args.block_tokens, vocab, args.max_output_tokens)))
