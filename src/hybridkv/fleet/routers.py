@@ -985,7 +985,7 @@ class RoutedPrompts:
 
 
 class HybridRouter(Router):
-    """Lowest marginal cost wins: ``cost_j = T_queue,j + (1 + n_j) * W_j`` (seconds), with
+    """Lowest marginal cost wins: ``cost_j = T_queue,j + (1 + K * n_j) * W_j`` (seconds), with
     ``W_j = T_prefill,j + T_transfer,j + T_cold,j`` the work the request adds to instance ``j``.
 
     * ``T_prefill,j``: prefill seconds of ``[h_j, T)``, ``h_j`` the joint hit on instance ``j``
@@ -1003,7 +1003,9 @@ class HybridRouter(Router):
       ``T_cold``: the per-object latency of that load (the instance must fetch before it
       computes). Both 0 for a local hit or a miss (:class:`~hybridkv.fleet.store.StoreCost`).
     * ``n_j``: requests waiting on ``j`` for their first token (:attr:`InstanceLoad.waiting`;
-      blended with the fleet's mean when ``options.own_waiting`` is below 1).
+      blended with the fleet's mean when ``options.own_waiting`` is below 1: by default the
+      mean alone); ``K = options.waiting_weight`` (8 by default) counts each of them ``K`` times,
+      as the requests that start before ``j``'s queue drains outnumber those waiting now.
       ``T_queue + W`` is the request's own predicted TTFT; every second of ``W`` also delays
       whatever is queued behind it on ``j`` when it runs. In a steady state as many requests
       join behind it while it waits as are waiting ahead of it now (arrivals match
@@ -1018,7 +1020,9 @@ class HybridRouter(Router):
       everywhere. Their checkpoints are assumed only at each prompt's tail block
       (``tail_tokens``), so a KV run alone still saves nothing.
     * Ties (costs within ``tie_relative`` of the full prefill; misses everywhere) go to the
-      least loaded.
+      tied instance with a free sequence slot and the deepest KV run past every tied joint hit
+      (``options.tie_kv_run``: a ``branch`` checkpoint will be made there), else to the least
+      loaded.
 
     Args:
         cost: prices prefill (:meth:`StepCostModel.prefill_seconds`).
