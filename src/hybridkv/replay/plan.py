@@ -19,7 +19,7 @@ each (:class:`Prices`). It is a search, not a grid:
    To keep this cheap, the device and routing choices (cache share, checkpoint policy, router)
    are first screened in two structures (the baseline's and the dearest) and the best
    :data:`SCREEN_KEEP` of each are tried in every structure.
-4. **Branch and bound on the whole trace.** The best structure's survivor gets the fewest
+4. **Branch and bound on the whole trace.** The cheapest structure's survivor gets the fewest
    instances that meet every target (bisection); every other structure's survivor is simulated
    at the most instances that still cost less than the cheapest plan so far: if it misses, no
    fewer instances meet (monotone) and the structure is done in one simulation (or, when it
@@ -709,8 +709,10 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     chosen = {choice(c) for cs in kept.values() for c in cs}
     tried = {g: [c for c in cs if choice(c) in chosen] or cs[:1] for g, cs in groups.items()}
     best, last = _halve(ev, tried, sizes, keep, 2, "structures", rungs)
-    # 4. branch and bound on the whole trace, the best-ranked structure first
-    order = sorted(best, key=lambda g: (_rank(last[g][0]) if last[g] else (0.0, 0.0, 0.0), g))
+    # 4. branch and bound on the whole trace, the cheapest structure first (a low first plan leaves the
+    #    dearer structures few instances to beat it with: most are then done in one simulation)
+    order = sorted(best, key=lambda g: (best[g][0].cost_per_hour(ev.prices),
+                                        _rank(last[g][0]) if last[g] else (0.0, 0.0, 0.0), g))
     incumbent: Outcome | None = None
     bb: list[dict] = []
 
