@@ -153,7 +153,13 @@ def main() -> None:
     p.add_argument("--json", help="write baseline and rows here")
     p.add_argument("--png", help="draw the frontier here (matplotlib)")
     p.add_argument("--title", default=None, help="title of the --png plot (default: the trace)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: table (and --png) of the rows of earlier --json files of one trace "
+                        "(the baseline of the first; rows of --variants only)")
     args = p.parse_args()
+    if args.from_json:
+        merged(args)
+        return
     console = Console(stderr=True)
     from hybridkv.cache.groups import KDASpec
     from hybridkv.engine.build import model_config
@@ -184,6 +190,23 @@ def main() -> None:
     print(table(rows, base.get("reused_tokens")))
     if args.png:
         plot(rows, base["reused_tokens"], args.png, args.title or (args.trace or "bundled trace"))
+
+
+def merged(args) -> None:
+    """``--from-json``: the rows of ``args.variants`` from earlier ``--json`` files of one trace,
+    one row per variant and cell (a later file's row wins), as a table and ``--png`` plot."""
+    base, rows = None, {}
+    for path in args.from_json:
+        with open(path) as f:
+            data = json.load(f)
+        base = base or data["baseline"]
+        for r in data["rows"]:
+            if r["variant"] in args.variants:
+                rows[(r["variant"], r["device"], r["host"])] = r
+    out = sorted(rows.values(), key=lambda r: (args.variants.index(r["variant"]), r["host"], r["device"]))
+    print(table(out, base.get("reused_tokens")))
+    if args.png:
+        plot(out, base["reused_tokens"], args.png, args.title or (args.trace or "bundled trace"))
 
 
 def plot(rows: list[dict], base_reused: int, path: str, title: str) -> None:
