@@ -239,7 +239,8 @@ def _check_import(side: Side, cwd: Path, package: str) -> str:
 
 def summarise(runs: list[dict], labels: list[str]) -> dict:
     """Per figure: each side's median/min/max, and per variant (every label after the first, the base)
-    ``ratio`` = its median / the base's median with ``pair_min``/``pair_max`` of the per-round ratios."""
+    ``ratio`` = its median / the base's median, with ``pair_min``/``pair_median``/``pair_max`` of the
+    per-round ratios (variant / base of the same round)."""
     names = list(runs[0]["figures"])
     out = {}
     for name in names:
@@ -254,7 +255,7 @@ def summarise(runs: list[dict], labels: list[str]) -> dict:
         for lab in labels[1:]:
             pair = [r["figures"][name] / base_by_round[r["round"]] for r in per[lab]]
             ratios[lab] = {"ratio": sides[lab]["median"] / sides[labels[0]]["median"], "pair_min": min(pair),
-                           "pair_max": max(pair), "pair_ratios": pair}
+                           "pair_median": statistics.median(pair), "pair_max": max(pair), "pair_ratios": pair}
         out[name] = {"sides": sides, "ratios": ratios}
     return out
 
@@ -263,11 +264,13 @@ def print_table(summary: dict, labels: list[str], higher_is_better: bool | None)
     better = {True: "higher is better", False: "lower is better", None: ""}[higher_is_better]
     for name, s in summary.items():
         print(f"\n{name}" + (f"  ({better})" if better else ""))
-        print(f"{'side':<16}{'median':>12}{'min':>12}{'max':>12}{'CPU s':>9}{'ratio':>9}  {'round ratios':<24}")
+        print(f"{'side':<16}{'median':>12}{'min':>12}{'max':>12}{'CPU s':>9}{'ratio':>9}  "
+              "round ratios: min / median / max")
         for lab in labels:
             v = s["sides"][lab]
             r = s["ratios"].get(lab)
-            ratio = f"{r['ratio']:9.3f}  {r['pair_min']:.3f} .. {r['pair_max']:.3f}" if r else f"{'1':>9}"
+            ratio = (f"{r['ratio']:9.3f}  {r['pair_min']:.3f} / {r['pair_median']:.3f} / {r['pair_max']:.3f}" if r
+                     else f"{'1':>9}")
             print(f"{lab:<16}{v['median']:>12.4g}{v['min']:>12.4g}{v['max']:>12.4g}{v['cpu_seconds_median']:>9.1f}"
                   f"{ratio}")
 

@@ -91,6 +91,7 @@ def test_base_and_working_tree_alternate_and_the_ratio_is_theirs(repo, tmp_path)
     assert s["ratios"]["double"]["ratio"] == pytest.approx(3.0, abs=RATIO_TOL)
     assert s["ratios"]["double"]["pair_min"] == pytest.approx(3.0, abs=RATIO_TOL)
     assert s["ratios"]["double"]["pair_max"] == pytest.approx(3.0, abs=RATIO_TOL)
+    assert s["ratios"]["current"]["pair_median"] == pytest.approx(1.5, abs=RATIO_TOL)
     assert all(r["cpu_seconds"] > 0 for r in doc["runs"])
     assert "current" in p.stdout and "1.500" in p.stdout
     # the base worktree is gone; the working tree's checkout and edit are as they were
