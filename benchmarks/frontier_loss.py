@@ -141,8 +141,10 @@ class LossRecorder:
 
         def publish_(alloc, hashes, computed, checkpoints):
             res = publish(alloc, hashes, computed, checkpoints)
-            for b, label in res.created:
-                self._dev[hashes[b // self.g - 1]] = ["resident", label, 0, 0]
+            for b, label in res.created:          # evicted again within this call: by a later one of it
+                gone = alloc.nodes[b // self.g - 1].checkpoint is None
+                self._dev[hashes[b // self.g - 1]] = ["evicted" if gone else "resident",
+                                                      label + (", same publish" if gone else ""), 0, self.admissions]
             for b in res.retired:
                 self._dev[hashes[b // self.g - 1]][0] = "superseded"
             return res
@@ -177,10 +179,10 @@ class LossRecorder:
             finally:
                 self._in_write_back = False
 
-        def save_(entries, owner=None, speculative=()):
+        def save_(entries, owner=None, speculative=(), **kwargs):
             keys = [(e[0], e[2]) for e in entries]
             before = host.exists(keys)
-            out = save(entries, owner=owner, speculative=speculative)
+            out = save(entries, owner=owner, speculative=speculative, **kwargs)
             for (key, grp), was, now in zip(keys, before, out):
                 if grp == state and now and not was:
                     self._host[key] = ("demoted" if self._in_write_back
@@ -225,7 +227,8 @@ class LossRecorder:
             self.classes[f"placement: {shape}, {first}"] += t - (best or h)
         if best is not None:
             bkey = hashes[best // g - 1]
-            self.classes[f"retention: {self._fate(bkey)}"] += best - h
+            node = m.path[best // g - 1]
+            self.classes[f"retention: {self._fate(bkey, node.checkpoint is not None)}"] += best - h
             d = self._dev.get(bkey)
             if d is not None and d[0] == "evicted":
                 self.gaps.append((self.admissions - d[3], best - h))
@@ -242,12 +245,15 @@ class LossRecorder:
             depth += 1
         return "inside a longer prefix" if depth * self.g >= 512 else "prompt end"
 
-    def _fate(self, key: bytes) -> str:
+    def _fate(self, key: bytes, on_path: bool) -> str:
+        """Where the checkpoint ``key`` went (``on_path``: the index node still holds one)."""
         d = self._dev.get(key)
         if d is None:
             dev = "device never"
         elif d[0] == "evicted":
             dev = f"device evicted ({d[1]}, {_uses_bucket(d[2])})"
+        elif d[0] == "resident" and not on_path:     # detached without the eviction callback
+            dev = f"device dropped unannounced ({d[1]})"
         else:
             dev = f"device {d[0]} ({d[1]})"
         if self.host is None:

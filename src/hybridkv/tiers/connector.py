@@ -636,7 +636,12 @@ class TierConnector:
                 if ckpt is not None:
                     entries.append(tier.entry(hashes, b, state, self.backend.state_codec.encode(ckpt)))
             speculative = {tier.chain_hash(hashes, b) for b in aligned if not self._published_at(alloc, b)}
-            visible = iter(tier.save_entries(entries, owner=alloc.owner, speculative=speculative))  # two batched puts
+            if isinstance(tier, HostTier):        # the rest are copies of what the device holds now
+                saved = tier.save_entries(entries, owner=alloc.owner, speculative=speculative,
+                                          on_device={e[0] for e in entries} - speculative)
+            else:
+                saved = tier.save_entries(entries, owner=alloc.owner, speculative=speculative)  # two batched puts
+            visible = iter(saved)
             landed = {b: ok or next(visible) for b, ok in zip(kv, present)}
             for b in kv:                                    # the mark moves over contiguous visible entries
                 if not landed[b]:
@@ -653,8 +658,9 @@ class TierConnector:
 
     def write_back(self, evicted: list[EvictedEntry]) -> None:
         """Save evicted device state into the write-back tiers (page-aligned entries only), batched;
-        entries a tier already holds are skipped before their tensors are read. The coordinator's
-        ``on_evict`` callback."""
+        entries a tier already holds are not saved again (their tensors are not read): a host
+        tier hears of them as demoted (:meth:`HostTier.demoted`). The coordinator's ``on_evict``
+        callback."""
         for tier in self._back:
             a = tier.alignment
             wanted = [(e, grp) for e in evicted if e.end % a == 0
@@ -668,6 +674,8 @@ class TierConnector:
                 found = tier.exists([(e.key, grp) for e, grp in group], owner) or [False] * len(group)
                 held.extend(zip(group, found))
             by_owner: dict[bytes | None, list] = {}
+            if isinstance(tier, HostTier):
+                tier.demoted([(e.key, grp) for (e, grp), ok in held if ok])
             for (e, grp), ok in held:
                 if ok:
                     continue

@@ -50,6 +50,12 @@ from hybridkv.store.eviction import make_order
 from hybridkv.tiers.base import Entry, Tier, TierPurge
 from hybridkv.tiers.layout import torch_dtype
 
+HOST_RETENTION = ("inclusive", "demote", "exclusive")
+"""How a host tier treats entries the device also holds (:class:`HostTier`'s ``retention``)."""
+
+DEFAULT_HOST_RETENTION = "inclusive"
+"""The ``retention`` a host tier gets unless told otherwise."""
+
 
 @dataclass(slots=True)
 class _HostEntry:
@@ -90,18 +96,25 @@ class HostTier(Tier):
             give up room (default :data:`~hybridkv.cache.config.HOST_PROBATION`; ``0``: the
             main order's entries always win; ``1``: speculative entries win until they alone
             fill the tier).
+        retention: how the tier treats entries the device also holds (one of
+            :data:`HOST_RETENTION`; module docstring, "Retention"): ``inclusive`` (a demotion of
+            an entry already held changes nothing), ``demote`` (it makes the entry the most
+            recent and takes it off probation) or ``exclusive`` (``demote``, and entries the
+            device holds a copy of are evicted first).
 
     Raises:
         ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
             does not fit ``unit``, ``eviction`` is unknown, ``groups`` is empty or
-            names an unknown group, or ``probation_share`` is outside ``[0, 1]``.
+            names an unknown group, ``probation_share`` is outside ``[0, 1]``, or
+            ``retention`` is not one of :data:`HOST_RETENTION`.
     """
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
                  name: str = "host", write_through: bool = False, pin_memory: bool | None = None,
                  eviction: str = "lru", quota_bytes: int | None = None, payload: bool = True,
                  groups: tuple[str, ...] | None = None, through_groups: tuple[str, ...] | None = None,
-                 probation_share: float = HOST_PROBATION, family: Family = KIMI_LINEAR) -> None:
+                 probation_share: float = HOST_PROBATION, family: Family = KIMI_LINEAR,
+                 retention: str = DEFAULT_HOST_RETENTION) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True, family=family)
         kinds = (self.page_group, self.state_group)
         groups = kinds if groups is None else tuple(groups)
@@ -134,6 +147,12 @@ class HostTier(Tier):
         self.probation_share = float(share)
         self._probation: dict[tuple[bytes, str], int] = {}     # speculative keys, oldest first -> bytes
         self._probation_bytes = 0
+        if retention not in HOST_RETENTION:
+            raise ValueError(f"host tier retention={retention!r} must be one of {', '.join(HOST_RETENTION)}")
+        self.retention = retention
+        self.demotions_held = 0                   # device evictions of entries already held here
+        # exclusive: main-order keys the device also holds a copy of, oldest first (evicted first)
+        self._on_device: dict[tuple[bytes, str], None] = {}
 
     def holds(self, group: str) -> bool:
         """Whether ``group`` is one of :attr:`groups`."""
@@ -173,20 +192,24 @@ class HostTier(Tier):
                     continue
                 self._order.hit(key)
                 self._confirm(key)                      # used: out of probation
+                if self.retention == "exclusive":       # installed into the device (a promotion)
+                    self._on_device[key] = None
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
                 out.append(dict(e.tensors) if self.payload else dict.fromkeys(self.shapes[grp]))
         return out
 
     def save_entries(self, entries: list[Entry], owner: bytes | None = None,
-                     speculative: Collection[bytes] = ()) -> list[bool]:
+                     speculative: Collection[bytes] = (), on_device: Collection[bytes] = ()) -> list[bool]:
         """Copy each ``(chain_hash, parent_hash, group, boundary, tensors)`` entry, cached under the
         request namespace ``owner``, into host memory (stamped with the wall time, for purges).
 
         An entry already held is left as it is (idempotent; saved again without being
         speculative, it leaves probation). Components must match this model's shapes
         (payload-free: not read; the entry's bytes are the shapes'). Entries whose chained
-        hash is in ``speculative`` are saved on probation (module docstring).
+        hash is in ``speculative`` are saved on probation (module docstring); those whose chained
+        hash is in ``on_device`` are copies of entries the device holds (written through as they
+        are computed), the first victims under ``retention="exclusive"``.
 
         Returns:
             Per entry, whether it is held now (``False``: larger than the capacity or the quota,
@@ -205,6 +228,7 @@ class HostTier(Tier):
                         self._confirm(key)
                     out.append(True)
                     continue
+                on_dev = self.retention == "exclusive" and chain_hash in on_device
                 if group not in self.groups:
                     out.append(False)
                     continue
@@ -224,6 +248,12 @@ class HostTier(Tier):
                     while self._order.owner_bytes.get(owner, 0) + nbytes > quota:
                         self._evict(self._owner_victim(owner))      # over its quota: its own go first
                 on_probation = chain_hash in speculative
+                if on_dev:                              # a device copy takes free room or another copy's
+                    while self._bytes + nbytes > self.capacity_bytes and self._on_device:
+                        self._evict(self._victim(0))
+                    if self._bytes + nbytes > self.capacity_bytes:
+                        out.append(False)
+                        continue
                 while self._bytes + nbytes > self.capacity_bytes:
                     self._evict(self._victim(nbytes if on_probation else 0))
                 self._entries[key] = e = self._copy(tensors, nbytes) if self.payload else _HostEntry({}, nbytes)
@@ -234,11 +264,31 @@ class HostTier(Tier):
                     self._probation_bytes += nbytes
                 else:
                     self._order.add(key)
+                    if on_dev:
+                        self._on_device[key] = None
                 self._bytes += nbytes
                 self.stats.bytes_peak = max(self.stats.bytes_peak, self._bytes)
                 self.stats.bytes_saved += nbytes
                 out.append(True)
         return out
+
+    def demoted(self, keys: list[tuple[bytes, str]]) -> None:
+        """The device evicted these ``(chain_hash, group)`` entries, which this tier already holds
+        (the write-back found them: written through, or promoted earlier). Under ``retention``
+        ``demote`` or ``exclusive`` each becomes the main order's most recent entry (off probation,
+        no longer a device copy); under ``inclusive`` nothing changes. Keys not held are ignored."""
+        with self._lock:
+            for key in keys:
+                if key not in self._entries:
+                    continue
+                self.demotions_held += 1
+                if self.retention == "inclusive":
+                    continue
+                self._on_device.pop(key, None)
+                if key in self._probation:
+                    self._confirm(key)
+                else:
+                    self._order.add(key)
 
     def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:
         """Drop one entry if held (``owner`` not needed: see :meth:`exists`)."""
@@ -263,7 +313,12 @@ class HostTier(Tier):
     def _victim(self, incoming: int) -> tuple[bytes, str]:
         """The next entry to evict for a save of ``incoming`` probation bytes (0: a main entry):
         the oldest probation entry while probation would hold more than its share or the main
-        order is empty, else the main order's next victim (removed from the order)."""
+        order is empty, else the main order's next victim (removed from the order). Under
+        ``retention="exclusive"`` the oldest entry the device also holds goes before any of these."""
+        if self._on_device:
+            key = next(iter(self._on_device))
+            self._order.evicted(key)
+            return key
         if self._probation and (self._probation_bytes + incoming > self.probation_share * self.capacity_bytes
                                 or not len(self._order)):
             return next(iter(self._probation))
@@ -291,6 +346,7 @@ class HostTier(Tier):
     def _drop(self, key: tuple[bytes, str]) -> _HostEntry:
         """Remove a held entry (its async copy is waited first); returns it."""
         e = self._entries.pop(key)
+        self._on_device.pop(key, None)
         nbytes = self._probation.pop(key, None)
         if nbytes is not None:
             self._probation_bytes -= nbytes
