@@ -8,7 +8,8 @@ the same benchmark command against each side in turn, with ``PYTHONPATH`` set to
 ``src``, and compares the figure each run reports.
 
 Sides: ``base`` (the ``--base`` revision) and one or more variants of the working tree
-(``--variant LABEL=ARGS``; default one, ``current``, with no extra arguments). With
+(``--variant LABEL=ARGS``; default one, ``current``, with no extra arguments), and with
+``--control`` a side ``control`` that runs the base again (an A/A check of the run's noise). With
 ``--current REV`` the variants run a second detached worktree of ``REV`` instead (also removed
 at the end): edits others make to the working tree during the comparison then do not reach it. Each round runs
 every side once, in the order base, variants ... in even rounds and reversed in odd ones
@@ -278,8 +279,9 @@ def print_table(summary: dict, labels: list[str], higher_is_better: bool | None)
 def parse_variant(spec: str) -> tuple[str, list[str]]:
     """``LABEL=ARGS`` -> ``(LABEL, shlex.split(ARGS))``; raises :class:`ABError` on a bad spec."""
     label, sep, rest = spec.partition("=")
-    if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", label) or label == "base":
-        raise ABError(f"--variant {spec!r}: give LABEL=ARGS with a label of letters, digits, _.+- (not 'base')")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", label) or label in ("base", "control"):
+        raise ABError(f"--variant {spec!r}: give LABEL=ARGS with a label of letters, digits, _.+- "
+                      "(not 'base' or 'control')")
     try:
         return label, shlex.split(rest)
     except ValueError as e:
@@ -302,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
                     help="a working-tree side with extra arguments (repeatable; default: current=)")
     ap.add_argument("--base-args", default="", help="extra arguments of the base side's runs")
+    ap.add_argument("--control", action="store_true",
+                    help="add a side 'control': the base revision again with the base's arguments (an A/A check: "
+                         "its ratio to the base shows the run's noise)")
     ap.add_argument("--script-tree", choices=("working", "current", "each"), default="working",
                     help="run the command in the working tree's root for every side (default), in the current "
                          "side's root (with --current: that revision's scripts) or in each side's own root")
@@ -335,7 +340,7 @@ def _run(args) -> int:
     except ValueError as e:
         raise ABError(f"--base-args {args.base_args!r}: {e}") from None
     variants = [parse_variant(v) for v in (args.variant or ["current="])]
-    labels = ["base"] + [lab for lab, _ in variants]
+    labels = ["base"] + [lab for lab, _ in variants] + (["control"] if args.control else [])
     if len(set(labels)) != len(labels):
         raise ABError(f"--variant labels repeat: {labels[1:]}")
     repo = Path(_git(args.repo, "rev-parse", "--show-toplevel"))
@@ -366,6 +371,8 @@ def _run(args) -> int:
                 made.append(path)
         cur_root = cur_wt or repo
         sides = [Side("base", wt, base_args)] + [Side(lab, cur_root, a) for lab, a in variants]
+        if args.control:                # the base again: its ratio to the base is the run's own noise
+            sides.append(Side("control", wt, base_args))
         cwd_of = {s.label: {"working": repo, "current": cur_root, "each": s.root}[args.script_tree] for s in sides}
         for root in {cur_root, wt}:        # compile first, so no run pays for writing .pyc files
             subprocess.run([sys.executable, "-m", "compileall", "-q", str(root / "src")], check=False,

@@ -77,12 +77,16 @@ def test_base_and_working_tree_alternate_and_the_ratio_is_theirs(repo, tmp_path)
     log, out = tmp_path / "order.log", tmp_path / "ab.json"
     head = _git(repo, "rev-parse", "HEAD")
     p = _run(repo, tmp_path, "--figure", "json:result.value", "--rounds", "3", "--variant", "current=",
-             "--variant", "double=--mult 2", "--json", str(out), "--", "{python}", "fig.py", str(log), "{out}")
+             "--variant", "double=--mult 2", "--control", "--json", str(out), "--", "{python}", "fig.py", str(log),
+             "{out}")
     assert p.returncode == 0, p.stderr
-    # each run imported its side's src: base 2.0, the working tree 3.0, its variant 6.0; order A B C C B A A B C
-    assert [float(x) for x in log.read_text().split()] == [2.0, 3.0, 6.0, 6.0, 3.0, 2.0, 2.0, 3.0, 6.0]
+    # each run imported its side's src: base 2.0, the working tree 3.0, its variant 6.0, the control (the
+    # base again) 2.0; order A B C D D C B A A B C D
+    assert [float(x) for x in log.read_text().split()] == [2.0, 3.0, 6.0, 2.0, 2.0, 6.0, 3.0, 2.0, 2.0, 3.0, 6.0, 2.0]
     doc = json.loads(out.read_text())
-    assert doc["order"] == ["base", "current", "double", "double", "current", "base", "base", "current", "double"]
+    assert doc["order"] == ["base", "current", "double", "control", "control", "double", "current", "base",
+                            "base", "current", "double", "control"]
+    assert doc["summary"]["result.value"]["ratios"]["control"]["ratio"] == pytest.approx(1.0, abs=RATIO_TOL)
     assert doc["sides"]["base"]["imports_from"].startswith(str(tmp_path / "wt"))
     assert doc["sides"]["current"]["imports_from"].startswith(str(repo))
     s = doc["summary"]["result.value"]
@@ -107,9 +111,9 @@ def test_current_revision_and_stdout_regex(repo, tmp_path):
     log = tmp_path / "order.log"
     (repo / "fig.py").write_text('print("figure: 99")\n' + FIG)
     p = _run(repo, tmp_path, "--current", "HEAD", "--script-tree", "current", "--figure",
-             r"regex:figure: ([0-9.]+)", "--rounds", "1", "--", "{python}", "fig.py", str(log), "{out}")
+             r"regex:figure: ([0-9.]+)", "--rounds", "1", "--control", "--", "{python}", "fig.py", str(log), "{out}")
     assert p.returncode == 0, p.stderr
-    assert [float(x) for x in log.read_text().split()] == [2.0, 2.0]
+    assert [float(x) for x in log.read_text().split()] == [2.0, 2.0, 2.0]     # base, current, control
     assert "99" not in p.stdout
     assert not (tmp_path / "wt").exists() and not (tmp_path / "wt_current").exists()
     assert "1.000" in p.stdout
