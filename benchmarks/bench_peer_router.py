@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,17 @@ def sglang_available(python: str) -> bool:
         return False
 
 
+def hybridkv_router_command(args, policy: str, port: int, urls: list[str]) -> list[str]:
+    """``hybridkv router`` on ``port`` in front of ``urls`` with routing ``policy`` and the options
+    of ``args.router_args`` (split as a shell would).
+
+    Raises:
+        ValueError: ``args.router_args`` does not split (an unclosed quote).
+    """
+    return [sys.executable, "-m", "hybridkv.cli", "router", "--model", args.model, "--port", str(port),
+            "--policy", policy, *shlex.split(args.router_args)] + [a for u in urls for a in ("--worker", u)]
+
+
 def run_config(name: str, args, root: Path) -> dict:
     """Workers, router, replay, figures; every process stopped before returning."""
     kind, policy = CONFIGS[name]
@@ -108,8 +120,7 @@ def run_config(name: str, args, root: Path) -> dict:
         _wait(lambda: all(httpx.get(f"{u}/health", timeout=5).status_code == 200 for u in urls), "workers", 300, procs)
         rport = args.base_port + 50
         if kind == "hybridkv":
-            cmd = [sys.executable, "-m", "hybridkv.cli", "router", "--model", args.model, "--port", str(rport),
-                   "--policy", policy] + [a for u in urls for a in ("--worker", u)]
+            cmd = hybridkv_router_command(args, policy, rport, urls)
             def ready() -> bool:
                 return httpx.get(f"http://127.0.0.1:{rport}/health", timeout=5).json().get(
                     "workers_in_rotation") == len(urls)
@@ -154,11 +165,18 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=300.0)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--base-port", type=int, default=18300)
+    p.add_argument("--router-args", default="",
+                   help="more options of every hybridkv router, e.g. the hybrid policy's previous settings: "
+                        "--router-args='--own-waiting 1 --waiting-weight 1 --tie-kv-run off'")
     p.add_argument("--sglang-python", default="/tmp/sgr/bin/python", help="a python that imports sglang_router")
     p.add_argument("--json", dest="json_path", help="write the results here")
     p.add_argument("--logs", default=None, help="keep the workers' and routers' logs and stores in this "
                                                 "directory (default: a temporary one, removed)")
     args = p.parse_args()
+    try:
+        shlex.split(args.router_args)
+    except ValueError as e:
+        p.error(f"--router-args {args.router_args!r}: {e}")
     configs = list(args.configs)
     if any(CONFIGS[c][0] == "sglang" for c in configs) and not sglang_available(args.sglang_python):
         print(f"sglang-router is not importable by {args.sglang_python}: skipping the sglang configurations")
@@ -174,7 +192,7 @@ def main() -> None:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"limit": args.limit, "time_scale": args.time_scale,
                                                     "model": args.model, "workers": args.workers,
-                                                    "results": results}, indent=2) + "\n")
+                                                    "router_args": args.router_args, "results": results}, indent=2) + "\n")
     print(f"{'config':24} {'sent':>5} {'done':>5} {'errors':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'cached':>8} {'prompt':>8}  per worker")
     for r in results:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -54,6 +55,17 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def router_command(args: argparse.Namespace, workers: list[str]) -> list[str]:
+    """``hybridkv router`` (without ``--port``) in front of ``workers`` with ``args.policy`` and the
+    options of ``args.router_args`` (split as a shell would).
+
+    Raises:
+        ValueError: ``args.router_args`` does not split (an unclosed quote).
+    """
+    return ["router", "--model", "tiny", "--policy", args.policy, *shlex.split(args.router_args),
+            *[f"--worker={u}" for u in workers]]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=100, help="trace requests each bench-serve sends")
@@ -61,8 +73,15 @@ def main() -> int:
     ap.add_argument("--kill-after", type=float, default=20.0,
                     help="seconds into the run the first router dies (SIGKILL); 0: neither dies (the baseline)")
     ap.add_argument("--policy", default="hybrid")
+    ap.add_argument("--router-args", default="",
+                    help="more options of both routers, e.g. the hybrid policy's previous settings: "
+                         "--router-args='--own-waiting 1 --waiting-weight 1 --tie-kv-run off'")
     ap.add_argument("--json", default=None, help="write the summary here")
     args = ap.parse_args()
+    try:
+        shlex.split(args.router_args)
+    except ValueError as e:
+        ap.error(f"--router-args {args.router_args!r}: {e}")
 
     work = Path(tempfile.mkdtemp(prefix="hkv-replicas-"))
     store = f"disk://{work / 'store'}"
@@ -75,8 +94,7 @@ def main() -> int:
             workers.append(url)
         routers = []
         for i in range(2):
-            p, url = start(["router", "--model", "tiny", "--policy", args.policy,
-                            *[f"--worker={u}" for u in workers]], work / f"r{i}.log")
+            p, url = start(router_command(args, workers), work / f"r{i}.log")
             procs.append(p)
             routers.append((p, url))
         for _p, url in routers:
@@ -104,6 +122,7 @@ def main() -> int:
         for b, _out in benches:
             b.wait(timeout=900)
         summary = {"limit": args.limit, "time_scale": args.time_scale, "policy": args.policy,
+                   "router_args": args.router_args,
                    "killed_router_after_s": killed_at, "load_average": os.getloadavg()}
         for i, (b, out) in enumerate(benches):
             summary[f"router{i}"] = json.loads(out.read_text()) if out.exists() else {"exit": b.returncode}

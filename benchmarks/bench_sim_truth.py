@@ -109,6 +109,18 @@ def table(real: dict, sim: dict, real_steps: dict, sim_steps: dict) -> tuple[str
     return "\n".join(out), data
 
 
+def common_options(args: argparse.Namespace) -> list[str]:
+    """The ``hybridkv replay`` options every phase shares: fleet, router (with ``--router-args``
+    split as a shell would), block and output tokens, checkpoint slots.
+
+    Raises:
+        ValueError: ``args.router_args`` does not split (an unclosed quote).
+    """
+    return ["--instances", str(args.instances), "--time-scale", str(args.time_scale), "--router", args.router,
+            *shlex.split(args.router_args), "--block-tokens", "64", "--max-output-tokens", "4",
+            "--checkpoint-slots", str(args.checkpoint_slots), "--no-progress"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the phases and print / write the comparison; 0 when the tolerance held, 1 when not."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -116,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--time-scale", type=float, default=2.0)
     ap.add_argument("--router", default="least-load")
+    ap.add_argument("--router-args", default="",
+                    help="more options of the router for every replay, e.g. the hybrid router's previous settings: "
+                         "--router-args='--own-waiting 1 --waiting-weight 1 --tie-kv-run off'")
     ap.add_argument("--verify", type=int, default=4, help="requests of the real run checked against a cache-free run")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="how real steps are timed")
     ap.add_argument("--calibrate", choices=("steps", "forward", "none"), default="steps")
@@ -136,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="sim-truth-"))
     work.mkdir(parents=True, exist_ok=True)
     phases: list[dict] = []
-    common = ["--instances", str(args.instances), "--time-scale", str(args.time_scale), "--router", args.router,
-              "--block-tokens", "64", "--max-output-tokens", "4", "--checkpoint-slots", str(args.checkpoint_slots),
-              "--no-progress"]
+    try:
+        common = common_options(args)
+    except ValueError as e:
+        ap.error(f"--router-args {args.router_args!r}: {e}")
     real_opts = ["--step-clock", args.clock, "--threads", "1"]
     cost = work / "cost_model.json"
     if args.calibrate == "steps":
