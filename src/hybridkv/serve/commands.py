@@ -73,7 +73,7 @@ def register_cli(sub) -> None:
                    help="share of requests, in [0, 1], whose cache hits are recomputed without the cache in the "
                         "engine's idle time and compared (logits within 1e-4, same greedy tokens, ties apart); a "
                         "mismatch quarantines the entries the request reused in every tier (default 0.01; 0: off; "
-                        "1: every hit; Kimi Linear models)")
+                        "1: every hit; Kimi Linear and DeepSeek-V4 models, every --swa-recovery)")
     add_auth_arguments(s, router=False)
     s.set_defaults(func=_serve)
 

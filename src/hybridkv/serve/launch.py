@@ -177,7 +177,7 @@ class ServeOptions:
             (:class:`~hybridkv.cache.swa.SwaRecovery`); refused for a Kimi Linear model.
         shadow_verify: share of requests whose cache hits are recomputed without the cache and
             compared, in [0, 1] (:mod:`hybridkv.serve.shadow`); ``None``: the default
-            (:data:`~hybridkv.serve.shadow.DEFAULT_SHADOW_RATE`, off on a DeepSeek-V4 model); 0: off.
+            (:data:`~hybridkv.serve.shadow.DEFAULT_SHADOW_RATE`, Kimi Linear and DeepSeek-V4 alike); 0: off.
         auth: the API and admin keys (:class:`~hybridkv.serve.auth.KeyRing`); ``None``: every
             route open, as with an empty ring (never shown by ``repr``).
         Others: as ``hybridkv replay`` names them.

@@ -8,21 +8,30 @@ bounded queue (:data:`SHADOW_QUEUE` checks and :data:`SHADOW_QUEUE_BYTES` of rec
 check that finds it full is dropped and counted).
 The engine thread works the queue only in its idle slot: when no request runs or waits and no
 invalidation is pending, it runs one chunk of :data:`SHADOW_CHUNK_TOKENS` tokens of a no-cache
-prefill of ``prompt + output[:-1]`` (a private KV page and state, nothing read from or written to
-any cache tier), then looks at its inbox again. So a foreground request that arrives while a
+prefill of ``prompt + output[:-1]`` with the model's own forward (nothing read from or written to
+any cache tier), then looks at its inbox again: for Kimi Linear a private KV page and KDA state
+(:meth:`HybridModel.forward_paged`); for DeepSeek-V4 the model's own chunked prefill from the
+empty state (:meth:`~hybridkv.model.v4.model.V4Model.prefill`: compressed entries, windows and
+compressor tails of the chunk before, never the cache's pages or ``swa`` states), whichever
+``--swa-recovery`` strategy restored the served hit. So a foreground request that arrives while a
 check runs waits at most one chunk's forward; a busy engine never runs a check (they wait or are
 dropped).
 
 The last chunk's logits are compared with the request's by
 :func:`~hybridkv.replay.soak_check.compare_logits`, the soak's comparison: every computed row
-within :data:`~hybridkv.replay.soak_check.TOLERANCE` and the same greedy tokens, with the routing
+within the family's tolerance (:data:`~hybridkv.replay.soak_check.TOLERANCE` for Kimi Linear,
+:data:`V4_TOLERANCE` for DeepSeek-V4) and the same greedy tokens, with the routing
 and argmax tie rules (a tie is counted, never quarantined). On a mismatch :func:`quarantine`
-removes the entries the request reused and everything derived from them, in every tier
-(manifest first in a store), emits their removals on the cache event feed (routers drop them),
-one log line (figures only: no prompt text, token ids or keys) is written, and serving goes on.
+removes the entries the request reused and everything derived from them, in every cache group
+(Kimi Linear's ``full`` pages and ``kda`` checkpoints; DeepSeek-V4's ``csa``/``hca`` pages and
+``swa`` states) and every tier (manifest first in a store), emits their removals on the cache
+event feed with their ``group`` (routers drop them), one log line (figures only: no prompt text,
+token ids or keys) is written, and serving goes on.
 
 Only on a row that differs by more than the tolerance does a check run one more forward, up to
-the first differing position, for the routing margin there (:meth:`HybridModel.routing_margins`).
+the first differing position, for the routing margin there (:meth:`HybridModel.routing_margins`;
+for DeepSeek-V4 :meth:`~hybridkv.model.v4.model.V4Model.routing_margins`, which also counts the
+CSA indexer's top-k).
 """
 
 from __future__ import annotations
@@ -52,6 +61,14 @@ SHADOW_QUEUE_BYTES = 256 << 20
 """Bytes of recorded logits the waiting checks hold at most (positions x vocabulary x 4 bytes
 each); a sampled hit that would pass it is dropped and counted, as when the queue is full."""
 
+V4_TOLERANCE = TOLERANCE
+"""Largest accepted absolute logit difference between a DeepSeek-V4 request's recorded logits and
+the check's recomputation (logit units): the soak's 1e-4. Both sides run the float32 model in
+different chunkings (the engine's steps over paged entries and a restored boundary state; the
+check's :data:`SHADOW_CHUNK_TOKENS`-token chunks from the empty state); on ``v4-tiny`` 64-token
+chunks against one whole prefill of 301 tokens differ by at most 2.4e-6
+(tests/serve/test_shadow_v4.py checks chunks against the whole forward within this)."""
+
 SHADOW_CHUNK_TOKENS = 64
 """Tokens of the no-cache recomputation run in one idle slot: the most a foreground request that
 arrives during a check waits for is one forward of this many tokens."""
@@ -74,8 +91,9 @@ class ShadowCheck:
         nbytes: bytes of ``logits``.
         enqueued: ``time.monotonic()`` when the request ended (seconds).
         done: tokens recomputed so far; parts: their logits, ``float32[k, vocab]`` per chunk;
-            pool, state: the recomputation's private KV pool and KDA state at ``done`` (``None``
-            before the first chunk and after the last).
+            pool, state: the recomputation's private state at ``done`` (``None`` before the first
+            chunk and after the last): Kimi Linear's KV pool and KDA state; DeepSeek-V4's
+            :class:`~hybridkv.model.v4.state.V4State` (``pool`` unused).
     """
 
     ids: np.ndarray
@@ -111,8 +129,9 @@ def quarantine(handle: EngineHandle, hashes: list[bytes], owner: bytes | None) -
     one (a running reader keeps its private copy, as in :func:`~hybridkv.cache.purge.purge_device`).
     Their removals go to the engine's cache listener (``blocks_removed`` events: routers forget
     them). Host tier and store: the entries at every boundary of the prompt and of the removed
-    nodes, manifest first (:meth:`~hybridkv.tiers.base.Tier.purge_chains`; the store tier reports
-    its removals to its observer, the event feed). Prefetches in flight and queued store writes
+    nodes, manifest first (:meth:`~hybridkv.tiers.base.Tier.purge_chains`: the tier's page entry and
+    state entry at each, ``full`` / ``kda`` for Kimi Linear, ``csa-hca`` / ``swa`` for DeepSeek-V4;
+    the store tier reports its removals to its observer, the event feed). Prefetches in flight and queued store writes
     land first, so nothing removed is written back afterwards.
 
     Args:
@@ -164,7 +183,8 @@ class ShadowVerifier:
         queue_bytes: bytes of recorded logits the waiting checks hold at most (default
             :data:`SHADOW_QUEUE_BYTES`).
         chunk_tokens: tokens recomputed per idle slot (default :data:`SHADOW_CHUNK_TOKENS`).
-        tol: logit tolerance (default the soak's :data:`~hybridkv.replay.soak_check.TOLERANCE`).
+        tol: logit tolerance (``None``: the family's, :data:`~hybridkv.replay.soak_check.TOLERANCE`
+            for Kimi Linear, :data:`V4_TOLERANCE` for DeepSeek-V4).
         seed: seed of the sampling (``None``: from the system).
 
     Attributes:
@@ -173,19 +193,23 @@ class ShadowVerifier:
 
     Raises:
         ValueError: ``rate`` outside [0, 1], ``queue_size`` or ``chunk_tokens`` < 1, or a handle
-            without a model (named).
+            without a model (a simulation; named).
     """
 
     def __init__(self, handle: EngineHandle, rate: float, metrics=None, queue_size: int = SHADOW_QUEUE,
-                 chunk_tokens: int = SHADOW_CHUNK_TOKENS, tol: float = TOLERANCE, seed: int | None = None,
+                 chunk_tokens: int = SHADOW_CHUNK_TOKENS, tol: float | None = None, seed: int | None = None,
                  queue_bytes: int = SHADOW_QUEUE_BYTES) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"--shadow-verify {rate!r} must be a fraction in [0, 1]")
         if queue_size < 1 or chunk_tokens < 1:
             raise ValueError(f"shadow queue_size={queue_size} and chunk_tokens={chunk_tokens} must be >= 1")
-        if not _recomputes(handle):
-            raise ValueError(f"--shadow-verify {rate:g}: shadow verification recomputes Kimi Linear models only "
-                             "(this engine's model is a DeepSeek-V4 model or a simulation); pass --shadow-verify 0")
+        family = _family(handle)
+        if family is None:
+            raise ValueError(f"--shadow-verify {rate:g}: shadow verification recomputes with the model's weights "
+                             "(this engine is a simulation, without a model); pass --shadow-verify 0")
+        self.v4 = family == "v4"
+        if tol is None:
+            tol = V4_TOLERANCE if self.v4 else TOLERANCE
         self.handle, self.rate, self.metrics = handle, rate, metrics
         self.queue_size, self.chunk_tokens, self.tol = queue_size, chunk_tokens, tol
         self.queue_bytes = queue_bytes
@@ -247,16 +271,11 @@ class ShadowVerifier:
         c = self._queue[0]
         model = self.handle.model
         n = int(c.ids.shape[0])
-        if c.pool is None:
-            c.pool = model.new_kv_pool(1, n)                  # one page of n tokens: private, no cache
-        from hybridkv.model.state import ForwardRequest
         end = min(c.done + self.chunk_tokens, n)
-        req = ForwardRequest(torch.from_numpy(c.ids[c.done:end].copy()), c.done, torch.tensor([0]),
-                             initial_state=c.state, all_logits=True)
-        res = model.forward_paged([req], c.pool)[0]
+        logits, c.state = (recompute_v4_chunk if self.v4 else self._kimi_chunk)(model, c, end)
         self.chunks += 1
-        c.parts.append(res.logits)
-        c.state, c.done = res.end_state, end
+        c.parts.append(logits)
+        c.done = end
         if c.done < n:
             return None
         self._pop()
@@ -269,6 +288,18 @@ class ShadowVerifier:
         check = compare_logits(full, c.logits, c.reused, c.prompt_len, c.served, margin, self.tol)
         self._count(c, check)
         return check
+
+    @staticmethod
+    def _kimi_chunk(model, c: ShadowCheck, end: int):
+        """Kimi Linear: positions ``[c.done, end)`` through a private KV page of ``n`` tokens and the
+        KDA state at ``c.done``; returns ``(float32[end − done, vocab], state at end)``."""
+        if c.pool is None:
+            c.pool = model.new_kv_pool(1, int(c.ids.shape[0]))     # one page of n tokens: private, no cache
+        from hybridkv.model.state import ForwardRequest
+        req = ForwardRequest(torch.from_numpy(c.ids[c.done:end].copy()), c.done, torch.tensor([0]),
+                             initial_state=c.state, all_logits=True)
+        res = model.forward_paged([req], c.pool)[0]
+        return res.logits, res.end_state
 
     def _pop(self) -> ShadowCheck:
         c = self._queue.popleft()
@@ -298,21 +329,43 @@ class ShadowVerifier:
                     check.diff, self.tol, counts.device_nodes, counts.tier_entries)
 
 
-def _recomputes(handle: EngineHandle) -> bool:
-    """Whether the engine's model is one a check can recompute with (Kimi Linear, real weights)."""
-    from hybridkv.model.model import HybridModel           # here: it imports torch
-    return isinstance(handle.model, HybridModel)
+def recompute_v4_chunk(model, c: ShadowCheck, end: int):
+    """DeepSeek-V4: positions ``[c.done, end)`` of ``c.ids`` by the model's own chunked prefill
+    (:meth:`~hybridkv.model.v4.model.V4Model.prefill`) from ``c.state``, the
+    :class:`~hybridkv.model.v4.state.V4State` at ``c.done`` the previous chunk returned (``None``:
+    the empty state at 0). Nothing comes from the cache: the compressed entries, windows and
+    compressor tails are the recomputation's own, the same under every ``--swa-recovery`` strategy.
+
+    Returns:
+        ``(logits float32[end − c.done, vocab], V4State at end)``.
+    """
+    ids = torch.from_numpy(np.ascontiguousarray(c.ids[c.done:end], dtype=np.int64))
+    with torch.no_grad():
+        return model.prefill(ids, c.state)
+
+
+def _family(handle: EngineHandle) -> str | None:
+    """The family a check recomputes with: ``"kimi"`` (a Kimi Linear model), ``"v4"`` (a
+    DeepSeek-V4 model) or ``None`` (no model: a simulation)."""
+    from hybridkv.model.model import HybridModel           # here: they import torch
+    from hybridkv.model.v4.model import V4Model
+    if isinstance(handle.model, HybridModel):
+        return "kimi"
+    if isinstance(handle.model, V4Model):
+        return "v4"
+    return None
 
 
 def make_verifier(handle: EngineHandle, rate: float | None, metrics=None) -> ShadowVerifier | None:
     """The verifier ``hybridkv serve`` runs: ``rate`` ``None`` means :data:`DEFAULT_SHADOW_RATE` on a
-    model it can recompute with (off on a DeepSeek-V4 model); 0 means off (``None`` returned).
+    model it can recompute with (Kimi Linear or DeepSeek-V4; off on a simulation); 0 means off
+    (``None`` returned).
 
     Raises:
         ValueError: ``rate`` outside [0, 1], or > 0 given for a model it cannot recompute with (named).
     """
     if rate is None:
-        if not _recomputes(handle):
+        if _family(handle) is None:
             return None
         rate = DEFAULT_SHADOW_RATE
     if rate == 0.0:
