@@ -531,8 +531,10 @@ class HybridCacheCoordinator:
         return result
 
     def _below_start(self, alloc: Allocation, checkpoints: dict) -> int:
-        """The boundary of the checkpoint below the request's new ones: its start (the checkpoint
-        it resumed from), or, when ``supersede`` will retire that tail, the one below the tail."""
+        """The boundary (tokens) of the checkpoint below the request's new ones, for the ``utility``
+        order's saving: its start (the checkpoint it resumed from), or, when that is a tail and the
+        request places a tail under ``supersede`` (which retires the start unless another request
+        holds it), the boundary that was below the start when it was placed."""
         start = alloc.start
         if start <= 0 or not self.config.policy.supersede:
             return start
