@@ -94,14 +94,15 @@ def sglang_available(python: str) -> bool:
 
 
 def hybridkv_router_command(args, policy: str, port: int, urls: list[str]) -> list[str]:
-    """``hybridkv router`` on ``port`` in front of ``urls`` with routing ``policy`` and the options
-    of ``args.router_args`` (split as a shell would).
+    """``hybridkv router`` on ``port`` in front of ``urls`` with routing ``policy``; with policy
+    ``hybrid``, the options of ``args.hybrid_args`` too (split as a shell would).
 
     Raises:
-        ValueError: ``args.router_args`` does not split (an unclosed quote).
+        ValueError: ``args.hybrid_args`` does not split (an unclosed quote).
     """
+    extra = shlex.split(args.hybrid_args) if policy == "hybrid" else []
     return [sys.executable, "-m", "hybridkv.cli", "router", "--model", args.model, "--port", str(port),
-            "--policy", policy, *shlex.split(args.router_args)] + [a for u in urls for a in ("--worker", u)]
+            "--policy", policy, *extra] + [a for u in urls for a in ("--worker", u)]
 
 
 def run_config(name: str, args, root: Path) -> dict:
@@ -165,18 +166,18 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=300.0)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--base-port", type=int, default=18300)
-    p.add_argument("--router-args", default="",
-                   help="more options of every hybridkv router, e.g. the hybrid policy's previous settings: "
-                        "--router-args='--own-waiting 1 --waiting-weight 1 --tie-kv-run off'")
+    p.add_argument("--hybrid-args", default="",
+                   help="more options of the hybridkv-hybrid router, e.g. the hybrid policy's previous settings: "
+                        "--hybrid-args='--own-waiting 1 --waiting-weight 1 --tie-kv-run off'")
     p.add_argument("--sglang-python", default="/tmp/sgr/bin/python", help="a python that imports sglang_router")
     p.add_argument("--json", dest="json_path", help="write the results here")
     p.add_argument("--logs", default=None, help="keep the workers' and routers' logs and stores in this "
                                                 "directory (default: a temporary one, removed)")
     args = p.parse_args()
     try:
-        shlex.split(args.router_args)
+        shlex.split(args.hybrid_args)
     except ValueError as e:
-        p.error(f"--router-args {args.router_args!r}: {e}")
+        p.error(f"--hybrid-args {args.hybrid_args!r}: {e}")
     configs = list(args.configs)
     if any(CONFIGS[c][0] == "sglang" for c in configs) and not sglang_available(args.sglang_python):
         print(f"sglang-router is not importable by {args.sglang_python}: skipping the sglang configurations")
@@ -192,7 +193,7 @@ def main() -> None:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"limit": args.limit, "time_scale": args.time_scale,
                                                     "model": args.model, "workers": args.workers,
-                                                    "router_args": args.router_args, "results": results}, indent=2) + "\n")
+                                                    "hybrid_args": args.hybrid_args, "results": results}, indent=2) + "\n")
     print(f"{'config':24} {'sent':>5} {'done':>5} {'errors':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'cached':>8} {'prompt':>8}  per worker")
     for r in results:

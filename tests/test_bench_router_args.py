@@ -1,5 +1,5 @@
-"""``--router-args`` of benchmarks/bench_sim_truth.py, bench_peer_router.py and
-bench_router_replicas.py: the options reach every ``hybridkv replay`` / ``hybridkv router`` the
+"""``--router-args`` of benchmarks/bench_sim_truth.py and bench_router_replicas.py, and
+``--hybrid-args`` of bench_peer_router.py (its ``hybridkv-hybrid`` router only): the options reach every ``hybridkv replay`` / ``hybridkv router`` the
 script starts, as options that command's own parser reads (the hybrid router's previous settings
 restore the figures published with them); a string that does not split is refused."""
 
@@ -50,13 +50,15 @@ def test_sim_truth_without_router_args_keeps_the_defaults():
     assert hybrid_options(parsed) == hybrid_options(argparse.Namespace())
 
 
-def test_peer_router_router_args_reach_the_router():
-    cmd = peer.hybridkv_router_command(argparse.Namespace(model="tiny", router_args=OLD), "hybrid", 18350,
+def test_peer_router_hybrid_args_reach_the_hybrid_router_only():
+    cmd = peer.hybridkv_router_command(argparse.Namespace(model="tiny", hybrid_args=OLD), "hybrid", 18350,
                                        ["http://127.0.0.1:1", "http://127.0.0.1:2"])
     i = cmd.index("router")
     parsed = build_parser().parse_args(cmd[i:])
     assert parsed.policy == "hybrid" and _old(parsed) == (1.0, 1.0, False) and parsed.port == 18350
     assert parsed.worker == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    rr = peer.hybridkv_router_command(argparse.Namespace(model="tiny", hybrid_args=OLD), "round-robin", 1, [])
+    assert not {f for f in OLD.split() if f.startswith("--")} & set(rr)   # refused on round-robin
 
 
 def test_replicas_router_args_reach_the_router():
@@ -67,7 +69,7 @@ def test_replicas_router_args_reach_the_router():
 
 @pytest.mark.parametrize("build", [
     lambda a: bst.common_options(_sim_truth_args(router_args=a)),
-    lambda a: peer.hybridkv_router_command(argparse.Namespace(model="tiny", router_args=a), "hybrid", 1, []),
+    lambda a: peer.hybridkv_router_command(argparse.Namespace(model="tiny", hybrid_args=a), "hybrid", 1, []),
     lambda a: replicas.router_command(argparse.Namespace(policy="hybrid", router_args=a), []),
 ])
 def test_router_args_that_do_not_split_are_refused(build):
