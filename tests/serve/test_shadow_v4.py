@@ -211,3 +211,30 @@ def test_a_wrong_v4_entry_with_a_valid_checksum_is_found_and_quarantined(tmp_pat
         again, cached = _ask(s.url, prompt)                             # exact: as a cache-off server answers
         assert cached == 0 and again == exact
         assert _wait_checks(s.url, 1)["hybridkv_shadow_mismatches_total"] == 1
+
+
+@pytest.mark.parametrize("recovery,group", [("window", "swa"), ("recompute", "csa-hca")])
+def test_a_wrong_v4_host_entry_is_quarantined_in_the_host_tier_and_the_store(tmp_path, v4_off, caplog, recovery,
+                                                                              group):
+    """The host tier writes wrong ``group`` entries when the device demotes a prefix to it (an
+    unrelated long prompt evicts it); the hit restored from the host tier is found wrong, and the
+    quarantine removes the prefix from the device, the host tier and the store (which holds honest
+    copies: they go too)."""
+    first, second = _prompts(41)
+    other = np.random.default_rng(42).integers(3, VOCAB, 400).tolist()
+    exact = _ask(v4_off.url, second)[0]
+    opts = ServeOptions(model="v4-tiny", port=0, threads=1, kv_pages=8, checkpoint_slots=8, swa_recovery=recovery,
+                        host_mib=16, max_model_len=512, store=f"disk://{tmp_path}", shadow_verify=1.0)
+    with RunningServer(opts) as s, caplog.at_level(logging.WARNING, logger="hybridkv.serve.shadow"):
+        _perturb(s.server.handle.host_tier, group)
+        assert _ask(s.url, first)[1] == 0 and _ask(s.url, other)[1] == 0      # the first prefix goes to the host
+        assert _manifests(s, "csa-hca") > 0
+        _, cached = _ask(s.url, second)                                 # restored from the host tier
+        assert cached >= 128 and s.server.handle.host_tier.stats.hit_tokens >= 128
+        m = _wait_checks(s.url, 1)
+        assert m["hybridkv_shadow_checks_total"] == 1 and m["hybridkv_shadow_mismatches_total"] == 1, m
+        lines = [r.getMessage() for r in caplog.records if "shadow check: mismatch" in r.getMessage()]
+        assert len(lines) == 1 and "'host': " in lines[0] and "'store': " in lines[0], lines
+        assert "'host': 0" not in lines[0] and "'store': 0" not in lines[0], lines
+        again, cached = _ask(s.url, second)                             # nothing of the prefix is reused
+        assert cached == 0 and again == exact
