@@ -15,7 +15,7 @@ each (:class:`Prices`). It is a search, not a grid:
    on each. Candidates are grouped by their *structure*: what they pay for besides GPUs (store
    size and bandwidth, host tier size). Candidates of one structure cost the same at every
    instance count and compete on latency alone (ranked by the worst target's value over the
-   target, then mean TTFT); every structure keeps its best survivor, whatever the others do.
+   target, then mean TTFT); every structure keeps its best two, whatever the others do.
    To keep this cheap, the device and routing choices (cache share, checkpoint policy, router)
    are first screened in two structures (the baseline's and the dearest) and the best
    :data:`SCREEN_KEEP` of each are tried in every structure.
@@ -527,7 +527,9 @@ class PlanResult:
     whole-trace outcomes: cost, TTFT p99, goodput), ``next_cheaper`` (the most expensive whole-trace
     outcome cheaper than the plan, which misses), ``bound`` (:func:`prefill_bound`), ``why``
     (sentences: why infeasible, or why the next cheaper point fails), ``rungs`` (per rung of the
-    halving: requests and candidates), ``runs`` / ``cache_hits`` (simulations run / answered by the
+    screening and of the halving: stage, requests, candidates, structures, instances; last, the
+    whole-trace stage: per structure whether it was bisected, the instances it was checked at,
+    its worst ratio there and the instances it needs), ``runs`` / ``cache_hits`` (simulations run / answered by the
     cache), ``planned_slo`` (the targets searched: those asked, or the nearest reachable ones when a
     TTFT target is below the bound, :data:`RELAX`)."""
 
