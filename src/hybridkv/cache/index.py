@@ -8,7 +8,11 @@ missing block; it never skips a hole.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from hybridkv.cache.pools import CheckpointPool, PagePool
+
+_END = attrgetter("end")
 
 
 class BlockNode:
@@ -322,15 +326,25 @@ class PrefixIndex:
             raise RuntimeError("the root cannot be removed")
         node.parent._remove_child(node.key)
         stack, removed = [node], 0
-        while stack:
+        by_page, remove_node = self.by_page, self.pages.remove_node
+        while stack:                                 # the simulator's eviction loop: calls inlined
             n = stack.pop()
-            stack.extend(n._drop_children())
-            self.detach_checkpoint(n)
-            nodes = self.by_page[n.page]
+            one = n.one                              # n._drop_children()
+            if one is not None:
+                stack.append(one)
+                n.one_key = n.one = None
+            else:
+                many, n.many = n.many, None
+                if many:
+                    stack.extend(many.values())
+            if n.checkpoint is not None:
+                self.detach_checkpoint(n)
+            page = n.page
+            nodes = by_page[page]
             nodes.remove(n)                          # by identity (nodes compare by identity)
             if not nodes:
-                del self.by_page[n.page]
-            self.pages.remove_node(n.page)
+                del by_page[page]
+            remove_node(page)
             n.parent = None
             removed += 1
         self.num_nodes -= removed
@@ -339,14 +353,17 @@ class PrefixIndex:
     def subtree_nodes(self, page: int) -> list[BlockNode]:
         """Every node that :meth:`evict_page` would remove, shallowest first."""
         out, seen = [], set()
-        stack = sorted(self.by_page.get(page, ()), key=lambda n: -n.end)
+        stack = sorted(self.by_page.get(page, ()), key=_END, reverse=True)    # deepest first, stable
         while stack:
             n = stack.pop()
             if id(n) in seen:
                 continue
             seen.add(id(n))
             out.append(n)
-            stack.extend(n.children.values())
+            if n.one is not None:                    # n.children.values(), without the dict made
+                stack.append(n.one)
+            elif n.many:
+                stack.extend(n.many.values())
         return out
 
     def evict_page(self, page: int) -> int:

@@ -154,4 +154,6 @@ def _least_load_key(ld) -> tuple[int, int, int]:
 NARROWED_ROUTERS = ("hybrid", "least-load", "kv-overlap")
 """Routers a large fleet narrows to candidates. ``least-load`` loses nothing (the lightest instance
 is always among them); ``round-robin`` needs no scan; ``prefix`` and ``prefix-smg`` keep every
-instance, since their fleet-wide balance tests (SGLang's) read every instance's load."""
+instance, since their fleet-wide balance tests (SGLang's) read every instance's load (one pass in
+C over the loads), and find their longest match through a map from unit keys to the trees holding
+them above :data:`~hybridkv.fleet.routers.HOLDER_MAP_ABOVE` instances, never a scan of every tree."""
