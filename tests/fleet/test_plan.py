@@ -311,7 +311,8 @@ def test_host_tier_is_priced_per_instance():
 
 
 def test_parallel_workers_give_the_serial_results():
-    cfgs = [FleetConfig(2, 0.2, 0.0, 0.0, POLICY, "least-load"), FleetConfig(2, 0.5, 256.0, 1.1, POLICY, "hybrid", 64.0)]
+    cfgs = [FleetConfig(2, 0.2, 0.0, 0.0, POLICY, "least-load"),
+            FleetConfig(2, 0.5, 256.0, 1.1, POLICY, "hybrid", 64.0)]
     serial = _evaluator("ttft_p99=30").evaluate_many([(c, None, 0) for c in cfgs])
     ev = _evaluator("ttft_p99=30")
     ev.jobs = 2

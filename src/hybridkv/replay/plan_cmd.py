@@ -182,8 +182,8 @@ def _row(o) -> list[str]:
             f"{o.stats['ttft_p50']:.3f}", f"{o.stats['ttft_p99']:.3f}", g, "yes" if o.meets else "no"]
 
 
-HEADER = ["USD/h", "instances", "cache share", "host (GiB each)", "store (GiB @ GB/s)", "policy", "router", "TTFT p50 (s)",
-          "TTFT p99 (s)", "goodput (req/s)", "meets"]
+HEADER = ["USD/h", "instances", "cache share", "host (GiB each)", "store (GiB @ GB/s)", "policy", "router",
+          "TTFT p50 (s)", "TTFT p99 (s)", "goodput (req/s)", "meets"]
 """Columns of the Pareto table."""
 
 
