@@ -12,9 +12,10 @@ fall in three groups (:func:`serve_route_kind`, :func:`router_route_kind`):
 * **api**: ``/v1/*`` (completions, chat, models) and SGLang's metadata and load routes: an API key
   or the admin key;
 * **admin**: ``/admin/*``, ``/flush_cache`` and ``/v1/cache/*`` (the event feed holds every
-  tenant's entry keys), and the router's ``/router/stats``: the admin key only; except
-  ``POST /admin/cache/invalidate`` (**scoped**), which a key bound to a tenant may also use for
-  its own tenant's entries (the route refuses any other scope with a 403).
+  tenant's entry keys), and the router's ``/router/stats`` and ``/flush_cache``: the admin key
+  only; except ``POST /admin/cache/invalidate`` (**scoped**, on a worker and on the router), which
+  a key bound to a tenant may also use for its own tenant's entries (the route refuses any other
+  scope with a 403).
 
 A :class:`KeyRing` with no API key leaves the api routes open; with no admin key, the admin
 routes are open only when there is no API key either (a server given API keys but no admin key
@@ -69,10 +70,14 @@ def serve_route_kind(path: str) -> str | None:
 
 
 def router_route_kind(path: str) -> str | None:
-    """The group of a ``hybridkv router`` route ``path`` (``None``: no route of the router)."""
+    """The group of a ``hybridkv router`` route ``path`` (``None``: no route of the router):
+    ``POST /admin/cache/invalidate`` is scoped as on a worker, ``/flush_cache`` and
+    ``/router/stats`` are admin routes."""
     if path in ("/health", "/metrics"):
         return OPEN
-    if path == "/router/stats":
+    if path in _SCOPED_PATHS:
+        return SCOPED
+    if path in ("/router/stats", "/flush_cache"):
         return ADMIN
     if path.startswith("/v1/"):
         return API
@@ -267,6 +272,66 @@ def request_tenant(principal: Principal | None, headers, body: dict | None) -> s
     return principal.tenant
 
 
+INVALIDATE_FIELDS = ("tenant", "cache_salt", "all", "abi_version")
+"""The fields of a ``POST /admin/cache/invalidate`` body (any other is refused)."""
+
+
+def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[dict, str | None]:
+    """The scope of a ``POST /admin/cache/invalidate`` body as ``hybridkv router`` checks it before
+    sending it to its workers, by the workers' own rules (``hybridkv serve``'s route): the body to
+    send (its scope fields only) and the tenant it is confined to (to send as ``X-Tenant``;
+    ``None``: not confined).
+
+    Args:
+        body: the decoded JSON object.
+        principal: the caller (:func:`principal_of`; ``None``: no keys checked).
+        headers: the request's headers (a bound key's ``X-Tenant`` must name its own tenant; without
+            a bound key, an ``X-Tenant`` header confines the purge to that tenant).
+
+    Raises:
+        APIError: 400 for an unknown field, a field of the wrong type, an empty ``tenant`` or not
+            exactly one scope; 403 when a bound key (or an ``X-Tenant`` request) names another
+            tenant, ``all`` or ``abi_version``.
+    """
+    from hybridkv.cache.abi import ABI_VERSION as abi_current
+
+    unknown = next((name for name in body if name not in INVALIDATE_FIELDS), None)
+    if unknown is not None:           # a misspelt scope field would widen the purge
+        raise APIError(400, f"unknown field {_shown(unknown)} in a /admin/cache/invalidate request (fields: "
+                            f"{', '.join(INVALIDATE_FIELDS)})", unknown, "unknown_field")
+    everything = body.get("all", False)
+    tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
+    if not isinstance(everything, bool):
+        raise APIError(400, f"all={everything!r} must be a boolean", "all")
+    for name, value in (("tenant", tenant), ("cache_salt", salt)):
+        if value is not None and not isinstance(value, str):
+            raise APIError(400, f"{name}={_shown(value)} must be a string", name)
+    check_tenant(tenant, "the tenant field")
+    if abi is not None and (isinstance(abi, bool) or not isinstance(abi, int) or not 1 <= abi < abi_current):
+        raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
+                            f"{abi_current - 1} (v{abi_current}, the current one, is purged by tenant, cache_salt "
+                            "or all)", "abi_version")
+    bound = principal.tenant if principal is not None else None
+    confined = request_tenant(principal, headers, None)      # a bound key's tenant, else X-Tenant
+    if confined is not None:
+        if everything or abi is not None or (tenant is not None and tenant != confined):
+            who = "a key bound to a tenant" if bound is not None else \
+                f"a request with the X-Tenant header {_shown(confined)}"
+            raise APIError(403, f"{who} may invalidate only that tenant's entries (no other tenant, all or "
+                                "abi_version)", "tenant", "tenant_scope", "permission_error")
+        tenant = confined
+    if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
+        raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
+    scope = {k: v for k, v in (("tenant", tenant), ("cache_salt", salt), ("abi_version", abi)) if v is not None}
+    return (scope | ({"all": True} if everything else {})), confined
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened to 60 characters (a huge field is not echoed whole)."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
 def principal_of(request) -> Principal | None:
     """The :class:`Principal` :class:`AuthMiddleware` set on a Starlette ``request`` (``None``
     on an app without the middleware)."""
@@ -435,14 +500,17 @@ def add_auth_arguments(parser, router: bool) -> None:
                         help="a JSON or YAML file mapping each API key to the tenant it is bound to (null: none; a "
                              "list: keys bound to none); a bound key's requests are its tenant's, and a request "
                              "naming another tenant (X-Tenant header or tenant field) is refused with 403"
-                             + ("" if router else "; such a key reads its own tenant's /get_load figures only "
-                                                  "and may invalidate its own tenant's entries"))
-    admin_routes = "/router/stats" if router else "/admin/*, /flush_cache and /v1/cache/* (the event feed)"
+                             + ("; such a key may invalidate its own tenant's entries on every worker "
+                                "(POST /admin/cache/invalidate)" if router else
+                                "; such a key reads its own tenant's /get_load figures only and may invalidate its "
+                                "own tenant's entries"))
+    admin_routes = "/router/stats, /flush_cache and /admin/cache/invalidate (sent to every worker)" if router \
+        else "/admin/*, /flush_cache and /v1/cache/* (the event feed)"
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help=f"the key for {admin_routes}, also accepted on the API with any tenant; without it "
                              "these routes are open when no API key is given either, else refused"
-                             + ("" if router else " (a key bound to a tenant may still POST /admin/cache/invalidate "
-                                                  "for its own tenant's entries)") + ". "
+                             + " (a key bound to a tenant may still POST /admin/cache/invalidate for its own "
+                               "tenant's entries). "
                              + ("/health never needs a key" if router else
                                 "/health never needs a key; /metrics needs one once API keys are given (the admin "
                                 "key or a key bound to no tenant)") +

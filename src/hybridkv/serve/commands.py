@@ -241,7 +241,7 @@ def _router(args) -> int:
     keys, rlog = service.settings.keys, logging.getLogger("hybridkv.serve.router")
     if keys is not None:                                   # what is open, in counts (never a key)
         (rlog.warning if keys.api_open or keys.admin_open else rlog.info)(
-            "%s", keys.describe("read /router/stats", "/health is"))        # the router has no /metrics
+            "%s", keys.describe("purge or flush every worker's cache, or read /router/stats", "/health is"))        # the router has no /metrics
     server = run_foreground(create_router_app(service), sock, f"routing to {len(args.worker)} worker(s)",
                             lifespan="on", end_running=service.end_running)
     logging.getLogger("hybridkv.serve.router").info(

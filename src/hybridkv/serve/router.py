@@ -13,8 +13,16 @@ one-prompt request, and the answers are put back together in order (``choices[i]
 ``usage`` summed; streamed chunks are merged as they come, indexes rewritten). A request whose
 connection to a worker fails is retried once on another worker (that worker leaves rotation).
 
+A purge (``POST /admin/cache/invalidate``, ``POST /flush_cache``) is checked by the workers'
+rules (a key bound to a tenant purges that tenant's entries only), sent to every worker, and
+answered with the counts summed and each worker's own answer; a worker that cannot be reached or
+refuses makes it a 502 naming that worker. Each worker that purged has its view read again (its
+new epoch, from its ``/v1/cache/snapshot``) before the answer, so no later request is routed for
+entries it no longer holds.
+
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (passed
-through), ``GET /health`` (200 while a worker is in rotation), ``GET /router/stats``.
+through), ``GET /health`` (200 while a worker is in rotation), ``GET /router/stats``,
+``POST /admin/cache/invalidate``, ``POST /flush_cache``.
 """
 
 from __future__ import annotations
@@ -49,7 +57,14 @@ from hybridkv.fleet.store import (
     MOONCAKE_LOAD_BYTES_PER_S,
     StoreCost,
 )
-from hybridkv.serve.auth import AuthMiddleware, KeyRing, forwarded_headers, router_route_kind
+from hybridkv.serve.auth import (
+    AuthMiddleware,
+    KeyRing,
+    forwarded_headers,
+    invalidate_scope,
+    principal_of,
+    router_route_kind,
+)
 from hybridkv.serve.cache_events import SNAPSHOT_PAGE_MAX
 from hybridkv.serve.fleet_view import Workers, WorkerState
 from hybridkv.serve.protocol import (
@@ -72,6 +87,10 @@ DEFAULT_MAX_TREE_TOKENS = 1 << 22
 PROXY_KEEPALIVE_S = 2.0
 """Seconds an idle connection to a worker stays pooled: below uvicorn's default keep-alive
 timeout (5 s) that ``hybridkv serve`` runs with, so the router drops it before the worker does."""
+
+PURGE_TIMEOUT_S = 60.0
+"""Seconds the router waits for each worker's purge answer (a purge first lets prefetches in
+flight end, up to 30 s on the worker, and queued store writes land)."""
 
 FORWARDED_HEADERS = ("content-type", "x-tenant", "authorization", "accept")
 """Request headers passed to the worker (the rest, Host and Content-Length included, are not)."""
@@ -475,6 +494,101 @@ class RouterService:
         choices = [{**c, "index": i} for i, a in enumerate(answers) for c in a["choices"]]
         return JSONResponse({**answers[0], "choices": choices, "usage": _sum_usage([a.get("usage") for a in answers])})
 
+    async def invalidate(self, request: Request):
+        """``POST /admin/cache/invalidate`` on every worker: the body and scope rules of a worker's
+        route (:func:`~hybridkv.serve.auth.invalidate_scope`: ``tenant`` and/or ``cache_salt``,
+        ``all`` or ``abi_version``; a key bound to a tenant, or an ``X-Tenant`` header, confines
+        it to that tenant), checked here before any worker is asked; see :meth:`_fan_out` for
+        the answer."""
+        try:
+            tenant_header(request.headers)
+            raw = await read_body(request)
+            body = _json_object(raw or b"{}")
+            scope, tenant = invalidate_scope(body, principal_of(request), request.headers)
+            content = json.dumps(scope, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return JSONResponse(APIError(400, "the request body has a string with a lone surrogate, which is not "
+                                              "Unicode text").body(), status_code=400)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"content-type": "application/json"}
+        if tenant is not None:
+            headers["x-tenant"] = tenant                   # the workers confine it too
+        return await self._fan_out(request, "/admin/cache/invalidate", content, headers)
+
+    async def flush_cache(self, request: Request):
+        """``POST /flush_cache`` on every worker (each drops its device entries; admin only, never
+        with an ``X-Tenant`` header, as on a worker); see :meth:`_fan_out` for the answer."""
+        try:
+            if tenant_header(request.headers) is not None:
+                raise APIError(403, "a request with the X-Tenant header may not flush every tenant's entries; "
+                                    "POST /admin/cache/invalidate purges that tenant's", None, "tenant_scope",
+                               "permission_error")
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return await self._fan_out(request, "/flush_cache", b"", {})
+
+    async def _fan_out(self, request: Request, path: str, content: bytes, headers: dict) -> JSONResponse:
+        """POST ``content`` to ``path`` on every worker (in rotation or not: one out of rotation
+        may still hold entries), wait for all, then read again the view of each that answered
+        200 (:meth:`_resync`).
+
+        Returns:
+            200 with the workers' counts summed (:func:`_sum_counts`) and ``workers``: per worker
+            its ``url`` and ``status`` and its own counts; or, when any worker could not be reached
+            or did not answer 200, a 502 (code ``purge_incomplete``) whose message names each such
+            worker URL and why, with the same counts of those that did.
+        """
+        if self.settings.worker_key is None and "authorization" in request.headers:
+            headers = {**headers, "authorization": request.headers["authorization"]}
+
+        async def one(w: WorkerState) -> dict:
+            try:
+                r = await self.control.post(w.url + path, content=content, headers=headers,
+                                            timeout=httpx.Timeout(PURGE_TIMEOUT_S,
+                                                                  connect=self.settings.connect_timeout_s))
+            except httpx.HTTPError as exc:
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    self.workers.take_out(w, f"connection failed: {type(exc).__name__}")
+                return {"url": w.url, "status": None, "error": f"{type(exc).__name__}: cannot be reached"}
+            try:
+                answer = r.json()
+            except ValueError:
+                answer = None
+            if r.status_code != 200 or not isinstance(answer, dict):
+                message = answer.get("error", {}).get("message") if isinstance(answer, dict) and \
+                    isinstance(answer.get("error"), dict) else None
+                return {"url": w.url, "status": r.status_code,
+                        "error": f"answered {r.status_code}" + (f": {message}" if message else "")}
+            return {"url": w.url, "status": 200, **answer}
+
+        results = await asyncio.gather(*(one(w) for w in self.workers.states))
+        await asyncio.gather(*(self._resync(w) for w, res in zip(self.workers.states, results, strict=True)
+                               if res["status"] == 200))
+        done = [r for r in results if r["status"] == 200]
+        totals = _sum_counts([{k: v for k, v in r.items() if k not in ("url", "status")} for r in done])
+        failed = [r for r in results if r["status"] != 200]
+        if not failed:
+            return JSONResponse({**totals, "workers": results})
+        why = "; ".join(f"worker {r['url']} {r['error']}" for r in failed)
+        for r in failed:
+            log.warning("%s on worker %s failed: %s", path, r["url"], r["error"])
+        err = APIError(502, f"{path} reached {len(done)} of {len(results)} workers; {why}. Those not reached "
+                            "still hold the entries: retry", None, "purge_incomplete", "server_error").body()
+        return JSONResponse({**err, **totals, "workers": results}, status_code=502)
+
+    async def _resync(self, w: WorkerState) -> None:
+        """Read ``w``'s events now: a purge started a new epoch there, so its view is rebuilt from
+        its ``/v1/cache/snapshot`` (or, failing that, starts empty), without the purged entries,
+        before the purge is answered. A worker that fails this leaves rotation (its view
+        cleared)."""
+        if not w.healthy:
+            return
+        try:
+            await self.workers._pull(w)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self.workers.take_out(w, f"resync after a purge failed: {type(exc).__name__}")
+
     async def models(self):
         """``GET /v1/models`` from a worker in rotation (the next one if it cannot be reached)."""
         for i in self.workers.healthy():
@@ -785,6 +899,45 @@ def _sum_usage(usages: list[dict | None]) -> dict | None:
     return out
 
 
+def _sum_counts(answers: list[dict]) -> dict:
+    """The purge counts of several workers summed key by key (nested ``tier_entries`` /
+    ``tier_bytes`` per tier too): integers added, ``None`` (not known) if any worker's is, ``-1``
+    (a tier unreachable) if any worker's is; booleans (``success``) true only if all are."""
+    out: dict = {}
+    for a in answers:
+        for k, v in a.items():
+            if k not in out:
+                out[k] = _sum_counts([v]) if isinstance(v, dict) else v
+                continue
+            have = out[k]
+            if isinstance(v, dict) and isinstance(have, dict):
+                out[k] = _sum_counts([have, v])
+            elif isinstance(v, bool) or isinstance(have, bool):
+                out[k] = bool(have) and bool(v)
+            elif have is None or v is None:
+                out[k] = None
+            elif isinstance(v, int) and isinstance(have, int):
+                out[k] = -1 if have < 0 or v < 0 else have + v
+    return out
+
+
+def _json_object(raw: bytes) -> dict:
+    """A request body as a JSON object.
+
+    Raises:
+        APIError: 400 for a body that is not JSON, or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 def _error(status: int, message: str, code: str) -> JSONResponse:
     body = APIError(status, message, None, code, "server_error").body()
     return JSONResponse(body, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
@@ -808,4 +961,6 @@ def create_router_app(service: RouterService) -> FastAPI:
     app.get("/v1/models")(service.models)
     app.get("/health")(service.health)
     app.get("/router/stats")(service.stats)
+    app.post("/admin/cache/invalidate")(service.invalidate)
+    app.post("/flush_cache")(service.flush_cache)
     return app
