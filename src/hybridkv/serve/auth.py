@@ -518,8 +518,8 @@ def add_auth_arguments(parser, router: bool) -> None:
     if router:
         parser.add_argument("--worker-key", default=None, metavar="KEY",
                             help="the key the router sends to every worker (their --admin-key): it reads their "
-                                 "event feeds with it and forwards each request with it, naming the client's tenant "
-                                 f"in X-Tenant. Default: ${WORKER_KEY_ENV} if set; none: a client's own "
+                                 "event feeds with it and forwards each request and purge with it, naming the "
+                                 f"client's tenant in X-Tenant. Default: ${WORKER_KEY_ENV} if set; none: a client's own "
                                  "Authorization header is forwarded")
 
 

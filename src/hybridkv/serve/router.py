@@ -550,7 +550,7 @@ class RouterService:
             except httpx.HTTPError as exc:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                     self.workers.take_out(w, f"connection failed: {type(exc).__name__}")
-                return {"url": w.url, "status": None, "error": f"{type(exc).__name__}: cannot be reached"}
+                return {"url": w.url, "status": None, "error": f"cannot be reached ({type(exc).__name__})"}
             try:
                 answer = r.json()
             except ValueError:
@@ -570,11 +570,12 @@ class RouterService:
         failed = [r for r in results if r["status"] != 200]
         if not failed:
             return JSONResponse({**totals, "workers": results})
-        why = "; ".join(f"worker {r['url']} {r['error']}" for r in failed)
+        why = "; ".join(f"worker {r['url']}: {r['error']}" for r in failed)
         for r in failed:
             log.warning("%s on worker %s failed: %s", path, r["url"], r["error"])
-        err = APIError(502, f"{path} reached {len(done)} of {len(results)} workers; {why}. Those not reached "
-                            "still hold the entries: retry", None, "purge_incomplete", "server_error").body()
+        err = APIError(502, f"{path} done on {len(done)} of {len(results)} workers; {why}. The workers named "
+                            "may still hold the entries: send it again once they are back", None, "purge_incomplete",
+                       "server_error").body()
         return JSONResponse({**err, **totals, "workers": results}, status_code=502)
 
     async def _resync(self, w: WorkerState) -> None:
