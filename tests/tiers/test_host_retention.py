@@ -116,3 +116,32 @@ def test_engine_keeps_what_the_device_gave_up(retention, held_at_demotion, reuse
     assert host.demotions_held == held_at_demotion       # A's were held; B's too unless the host let them go
     turn = np.concatenate([prompts[0], np.full(B, 99, dtype=np.int64)])
     assert _run(engine, 9, turn) == reused
+
+
+def test_protected_segment_keeps_entries_loaded_before():
+    """Entry 0 was loaded once: demoted again later, it outlives the one-off demotions that
+    would push it out of one LRU order, until protected entries exceed their share."""
+    def fill(t: HostTier) -> None:
+        _save(t, 0)
+        t.load_many([KEYS[0]], [(B, KDA)])           # a host hit (promotion): remembered
+        t.demoted([(KEYS[0], KDA)])                  # the device let it go again
+        for i in (1, 2, 3, 4):                       # one-off demotions
+            _save(t, i)
+
+    plain = _tier("demote", entries=3)
+    fill(plain)
+    assert _held(plain) == [2, 3, 4]
+    t = HostTier(3 * CK, NS, B, B, SHAPES, payload=False, groups=(KDA,), retention="demote", protected_share=0.5)
+    fill(t)
+    assert _held(t) == [0, 3, 4]
+    t.load_many([KEYS[3]], [(B, KDA)])               # a second protected entry: 2 of 3 > half
+    _save(t, 5)
+    assert _held(t) == [3, 4, 5]                     # the oldest protected one gave way
+
+
+def test_protected_share_bad_values_are_named():
+    for bad in (0.0, 1.5, "x", True):
+        with pytest.raises(ValueError, match="protected_share"):
+            HostTier(CK, NS, B, B, SHAPES, payload=False, groups=(KDA,), protected_share=bad)
+    with pytest.raises(ValueError, match="eviction='value'"):
+        HostTier(CK, NS, B, B, SHAPES, payload=False, groups=(KDA,), eviction="value", protected_share=0.5)

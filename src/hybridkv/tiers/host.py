@@ -29,6 +29,16 @@ Replacement Algorithm", VLDB 1994, whose recommended A1in share is 25%): a flood
 speculative checkpoints cannot push out the demoted entries that requests come back for,
 and still fills whatever room the main order leaves.
 
+Retention (``retention``). Checkpoints written through as the device publishes them are copies
+of entries the device still holds; when the device evicts one, the write-back finds it held and
+saves nothing. ``inclusive`` leaves such an entry where it was, so the host's order is by
+creation time and it spends its room on copies of what the device holds. ``demote`` makes a
+device eviction of a held entry a use: it becomes the most recent (and leaves probation).
+``exclusive`` also marks the copies (``save_entries(..., on_device=...)``, and entries handed
+out by a load, which the device installs) and evicts them before anything else; a copy takes
+only free room or another copy's, since the write-back saves it again when the device lets it go.
+The host then holds, in recency order, what the device gave up: a victim cache of the device.
+
 Payload-free (``payload=False``, what ``replay --simulate`` builds: simulation has no
 tensors): the same keys, capacity, eviction order, demotion and promotion, with each
 entry's bytes taken from this model's entry shapes and no tensors held; a load hands out
@@ -40,6 +50,7 @@ lookups find none, so a hit needs the device's own KV.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -96,6 +107,11 @@ class HostTier(Tier):
             give up room (default :data:`~hybridkv.cache.config.HOST_PROBATION`; ``0``: the
             main order's entries always win; ``1``: speculative entries win until they alone
             fill the tier).
+        protected_share: ``None`` (default): one main order. A fraction in ``(0, 1]``: a protected
+            segment (segmented LRU) for entries whose content was loaded from this tier before
+            (a ghost of recently loaded keys remembers them across evictions): the other main
+            entries are evicted first while the protected ones hold at most this share of
+            ``capacity_bytes``. Only with ``eviction="lru"``.
         retention: how the tier treats entries the device also holds (one of
             :data:`HOST_RETENTION`; module docstring, "Retention"): ``inclusive`` (a demotion of
             an entry already held changes nothing), ``demote`` (it makes the entry the most
@@ -105,8 +121,9 @@ class HostTier(Tier):
     Raises:
         ValueError: ``capacity_bytes`` is not a positive integer, ``alignment``
             does not fit ``unit``, ``eviction`` is unknown, ``groups`` is empty or
-            names an unknown group, ``probation_share`` is outside ``[0, 1]``, or
-            ``retention`` is not one of :data:`HOST_RETENTION`.
+            names an unknown group, ``probation_share`` is outside ``[0, 1]``,
+            ``retention`` is not one of :data:`HOST_RETENTION`, or ``protected_share`` is not
+            ``None`` or a fraction in ``(0, 1]`` with ``eviction="lru"``.
     """
 
     def __init__(self, capacity_bytes: int, namespace: bytes, unit: int, alignment: int, shapes: dict[str, dict],
@@ -114,7 +131,7 @@ class HostTier(Tier):
                  eviction: str = "lru", quota_bytes: int | None = None, payload: bool = True,
                  groups: tuple[str, ...] | None = None, through_groups: tuple[str, ...] | None = None,
                  probation_share: float = HOST_PROBATION, family: Family = KIMI_LINEAR,
-                 retention: str = DEFAULT_HOST_RETENTION) -> None:
+                 retention: str = DEFAULT_HOST_RETENTION, protected_share: float | None = None) -> None:
         super().__init__(namespace, unit, alignment, shapes, name, write_through, write_back=True, family=family)
         kinds = (self.page_group, self.state_group)
         groups = kinds if groups is None else tuple(groups)
@@ -153,6 +170,15 @@ class HostTier(Tier):
         self.demotions_held = 0                   # device evictions of entries already held here
         # exclusive: main-order keys the device also holds a copy of, oldest first (evicted first)
         self._on_device: dict[tuple[bytes, str], None] = {}
+        ps = protected_share
+        if ps is not None and (isinstance(ps, bool) or not isinstance(ps, (int, float)) or not 0.0 < ps <= 1.0
+                               or eviction != "lru"):
+            raise ValueError(f"host tier protected_share={protected_share!r} must be None or a fraction in (0, 1] "
+                             f"with eviction='lru' (eviction={eviction!r})")
+        self.protected_share = None if ps is None else float(ps)
+        self._protected: OrderedDict[tuple[bytes, str], int] = OrderedDict()   # least recent first -> bytes
+        self._protected_bytes = 0
+        self._loaded: OrderedDict[tuple[bytes, str], None] = OrderedDict()     # ghost: keys loaded lately
 
     def holds(self, group: str) -> bool:
         """Whether ``group`` is one of :attr:`groups`."""
@@ -192,8 +218,13 @@ class HostTier(Tier):
                     continue
                 self._order.hit(key)
                 self._confirm(key)                      # used: out of probation
+                if self.protected_share is not None:
+                    self._remember_load(key)
                 if self.retention == "exclusive":       # installed into the device (a promotion)
+                    self._unprotect(key)
                     self._on_device[key] = None
+                elif self.protected_share is not None:
+                    self._protect(key)
                 e.wait()
                 self.stats.bytes_loaded += e.nbytes
                 out.append(dict(e.tensors) if self.payload else dict.fromkeys(self.shapes[grp]))
@@ -267,6 +298,8 @@ class HostTier(Tier):
                     if on_dev:
                         self._on_device[key] = None
                 self._bytes += nbytes
+                if not on_probation and not on_dev and self.protected_share is not None:
+                    self._protect(key)
                 self.stats.bytes_peak = max(self.stats.bytes_peak, self._bytes)
                 self.stats.bytes_saved += nbytes
                 out.append(True)
@@ -287,8 +320,12 @@ class HostTier(Tier):
                 self._on_device.pop(key, None)
                 if key in self._probation:
                     self._confirm(key)
+                elif key in self._protected:
+                    self._protected.move_to_end(key)
                 else:
                     self._order.add(key)
+                if self.protected_share is not None:
+                    self._protect(key)
 
     def invalidate_chain(self, chain_hash: bytes, group: str, owner: bytes | None = None) -> None:
         """Drop one entry if held (``owner`` not needed: see :meth:`exists`)."""
@@ -320,8 +357,11 @@ class HostTier(Tier):
             self._order.evicted(key)
             return key
         if self._probation and (self._probation_bytes + incoming > self.probation_share * self.capacity_bytes
-                                or not len(self._order)):
+                                or not (len(self._order) or self._protected)):
             return next(iter(self._probation))
+        if self._protected and (not len(self._order)
+                                or self._protected_bytes > self.protected_share * self.capacity_bytes):
+            return next(iter(self._protected))
         return self._order.pop()
 
     def _owner_victim(self, owner: bytes) -> tuple[bytes, str] | None:
@@ -330,7 +370,35 @@ class HostTier(Tier):
         for key in self._probation:
             if self._entries[key].owner == owner:
                 return key
-        return self._order.pop(owner)
+        key = self._order.pop(owner)
+        if key is None:
+            key = next((k for k in self._protected if self._entries[k].owner == owner), None)
+        return key
+
+    def _remember_load(self, key: tuple[bytes, str]) -> None:
+        """Note a load of ``key`` in the ghost (bounded to 4 keys per held entry, oldest dropped)."""
+        loaded = self._loaded
+        loaded[key] = None
+        loaded.move_to_end(key)
+        while len(loaded) > 4 * max(1, len(self._entries)):
+            loaded.popitem(last=False)
+
+    def _protect(self, key: tuple[bytes, str]) -> None:
+        """Move a main-order entry whose content was loaded before into the protected segment
+        (most recent there)."""
+        if key in self._protected:
+            self._protected.move_to_end(key)
+        elif key in self._loaded and key in self._order:
+            self._order.discard(key)                # still described: its bytes count for quotas
+            nbytes = self._protected[key] = self._entries[key].nbytes
+            self._protected_bytes += nbytes
+
+    def _unprotect(self, key: tuple[bytes, str]) -> None:
+        """Move a protected entry back into the main order (most recent)."""
+        nbytes = self._protected.pop(key, None)
+        if nbytes is not None:
+            self._protected_bytes -= nbytes
+            self._order.add(key)
 
     def _confirm(self, key: tuple[bytes, str]) -> None:
         """Take ``key`` off probation into the main order (used, or saved again as a main entry)."""
@@ -347,6 +415,9 @@ class HostTier(Tier):
         """Remove a held entry (its async copy is waited first); returns it."""
         e = self._entries.pop(key)
         self._on_device.pop(key, None)
+        pbytes = self._protected.pop(key, None)
+        if pbytes is not None:
+            self._protected_bytes -= pbytes
         nbytes = self._probation.pop(key, None)
         if nbytes is not None:
             self._probation_bytes -= nbytes
