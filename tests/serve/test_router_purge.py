@@ -193,3 +193,26 @@ def test_a_dead_worker_is_named_and_the_live_one_is_purged(workers, tmp_path):
     finally:
         router.close()
         doomed.close()
+
+
+def test_a_worker_refusing_the_purge_is_named_even_out_of_rotation(workers, tmp_path):
+    """A router with a wrong ``--worker-key``: no worker enters rotation, yet a purge is still sent
+    to each (one out of rotation may hold entries), and their 401s make it a 502 naming them."""
+    urls = [w.url for w in workers]
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({KEY_X: "x"}))
+    args = argparse.Namespace(worker=urls, policy="hybrid", model="tiny", cost_model=None, poll_interval=0.05,
+                              health_every=1, follow_wait=0.0, store_gbps=1.1, store_latency_us=194.0, api_key=None,
+                              api_keys_file=str(keys), admin_key=ROUTER_ADMIN, worker_key="sk-test-not-the-workers")
+    router = BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
+    try:
+        _wait(lambda s: all("401" in w["last_error"] for w in s["workers"]), router)
+        r = httpx.post(f"{router.url}/admin/cache/invalidate", json={}, headers=_bearer(KEY_X), timeout=60)
+        assert r.status_code == 502, r.text
+        got = r.json()
+        assert got["error"]["code"] == "purge_incomplete"
+        assert all(f"worker {url}: answered 401" in got["error"]["message"] for url in urls)
+        assert [w["status"] for w in got["workers"]] == [401, 401]
+        assert "device_nodes" not in got                   # no worker purged: no counts
+    finally:
+        router.close()
