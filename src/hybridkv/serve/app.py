@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.build import EngineHandle
-from hybridkv.serve.auth import AuthMiddleware, KeyRing, principal_of, request_tenant, serve_route_kind
+from hybridkv.serve.auth import AuthMiddleware, KeyRing, invalidate_scope, principal_of, request_tenant, serve_route_kind
 from hybridkv.serve.cache_events import (
     EVENT_PAGE_MAX,
     SNAPSHOT_PAGE_MAX,
@@ -40,7 +40,6 @@ from hybridkv.serve.metrics import ServeMetrics, engine_snapshot
 from hybridkv.serve.protocol import (
     APIError,
     check_fields,
-    check_tenant,
     check_ids,
     parse_generation,
     parse_prompts,
@@ -254,41 +253,10 @@ class Server:
                 exactly one scope; 403 when a bound key's or an ``X-Tenant`` request names another
                 tenant, ``all`` or ``abi_version``, or a bound key's ``X-Tenant`` header names another.
         """
-        from hybridkv.cache.abi import ABI_VERSION
-
         body = _json_object(await read_body(request) or b"{}")
-        unknown = next((name for name in body if name not in INVALIDATE_FIELDS), None)
-        if unknown is not None:           # a misspelt scope field would widen the purge
-            raise APIError(400, f"unknown field {_shown(unknown)} in a /admin/cache/invalidate request (fields: "
-                                f"{', '.join(INVALIDATE_FIELDS)})", unknown, "unknown_field")
-        everything = body.get("all", False)
-        tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
-        if not isinstance(everything, bool):
-            raise APIError(400, f"all={everything!r} must be a boolean", "all")
-        for name, value in (("tenant", tenant), ("cache_salt", salt)):
-            if value is not None and not isinstance(value, str):
-                raise APIError(400, f"{name}={_shown(value)} must be a string", name)
-        check_tenant(tenant, "the tenant field")
-        if abi is not None and (isinstance(abi, bool) or not isinstance(abi, int) or not 1 <= abi < ABI_VERSION):
-            raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
-                           f"{ABI_VERSION - 1} (v{ABI_VERSION}, the current one, is purged by tenant, cache_salt "
-                           "or all)", "abi_version")
-        principal = principal_of(request)
-        bound = principal.tenant if principal is not None else None
-        header = request_tenant(principal, request.headers, None)    # a bound key's tenant, else X-Tenant
-        if bound is not None:         # a key bound to a tenant: that tenant's entries and counts only
-            if everything or abi is not None or (tenant is not None and tenant != bound):
-                raise APIError(403, "a key bound to a tenant may invalidate only that tenant's entries (no other "
-                                    "tenant, all or abi_version)", "tenant", "tenant_scope", "permission_error")
-            tenant = bound
-        elif header is not None:      # a gateway's tenant identity: that tenant's entries and counts only
-            if everything or abi is not None or (tenant is not None and tenant != header):
-                raise APIError(403, f"a request with the X-Tenant header {_shown(header)} may invalidate only "
-                                    "that tenant's entries (no other tenant, all or abi_version)", "tenant",
-                               "tenant_scope", "permission_error")
-            tenant = header
-        if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
-            raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
+        scope, _ = invalidate_scope(body, principal_of(request), request.headers)
+        tenant, salt, abi = scope.get("tenant"), scope.get("cache_salt"), scope.get("abi_version")
+        everything = scope.get("all", False)
         self._check_alive()
         # The scope's own namespace (no adapter), which a restarted server's ledger does not know yet.
         known = frozenset({self.namespace(tenant, salt or "")}) if tenant is not None else frozenset()
@@ -402,9 +370,6 @@ async def _collect_while_connected(run: Run, request: Request):
     await asyncio.gather(collect, return_exceptions=True)
     raise APIError(499, "the client closed the connection", None, "client_closed")
 
-
-INVALIDATE_FIELDS = ("tenant", "cache_salt", "all", "abi_version")
-"""The fields of a ``POST /admin/cache/invalidate`` body (any other is refused)."""
 
 #: A ``\\u`` escape of a UTF-16 surrogate: the only way a lone surrogate enters a decoded body.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
