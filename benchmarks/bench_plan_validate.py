@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", default=",".join(f"{x:g}" for x in SHARES), help="cache shares of the grid")
     p.add_argument("--stores", default="256@1.1",
                    help="stores GIB@GBPS of the grid besides none and the plan's (default 256@1.1)")
-    p.add_argument("--hosts", default="64", help="host tiers (GiB) of the grid besides none and the plan's (default 64)")
+    p.add_argument("--hosts", default="64",
+                   help="host tiers (GiB) of the grid besides none and the plan's (default 64)")
     args = p.parse_args(argv)
     data = json.loads(Path(args.plan).read_text())
     if data["plan"] is None:
