@@ -193,7 +193,8 @@ def main() -> None:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"limit": args.limit, "time_scale": args.time_scale,
                                                     "model": args.model, "workers": args.workers,
-                                                    "hybrid_args": args.hybrid_args, "results": results}, indent=2) + "\n")
+                                                    "hybrid_args": args.hybrid_args, "results": results},
+                                                   indent=2) + "\n")
     print(f"{'config':24} {'sent':>5} {'done':>5} {'errors':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'cached':>8} {'prompt':>8}  per worker")
     for r in results:

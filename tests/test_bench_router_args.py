@@ -1,7 +1,8 @@
 """``--router-args`` of benchmarks/bench_sim_truth.py and bench_router_replicas.py, and
-``--hybrid-args`` of bench_peer_router.py (its ``hybridkv-hybrid`` router only): the options reach every ``hybridkv replay`` / ``hybridkv router`` the
-script starts, as options that command's own parser reads (the hybrid router's previous settings
-restore the figures published with them); a string that does not split is refused."""
+``--hybrid-args`` of bench_peer_router.py (its ``hybridkv-hybrid`` router only): the options reach
+every ``hybridkv replay`` / ``hybridkv router`` the script starts, as options that command's own
+parser reads (the hybrid router's previous settings restore the figures published with them); a
+string that does not split is refused."""
 
 import argparse
 import importlib.util
