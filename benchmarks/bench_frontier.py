@@ -35,6 +35,9 @@ Variants (``VARIANTS``; the device policy is the replay default unless named):
 * ``utility``: ``default`` with ``checkpoint_eviction="utility"``: the device checkpoint pool
   evicts by expected saving (``--checkpoint-eviction utility``,
   :class:`hybridkv.cache.pools.UtilityOrder`).
+* ``utility7``: ``utility`` with the device policy's ``interval`` term at 7 blocks instead of
+  the replay default's 14 (``--policy branch+tail=B+interval=7B+supersede``): denser speculative
+  checkpoints, which the order evicts first where they are seldom used.
 
 Each row also gives ``share``: its reused tokens as a fraction of the every-block run's (the
 frontier's headline figure; ``oracle_fraction`` divides by the every-unit oracle instead).
@@ -68,8 +71,10 @@ VARIANTS = {
     "value": {"eviction": "value"},
     "probation": {"checkpoint_probation": 0.0},
     "utility": {"checkpoint_eviction": "utility"},
+    "utility7": {"checkpoint_eviction": "utility", "interval_blocks": 7},
 }
-"""Variant name -> replay options (``host_interval`` in blocks)."""
+"""Variant name -> replay options (``host_interval`` in blocks; ``interval_blocks``: the device
+policy's ``interval`` term in blocks, the rest of the policy the replay default's)."""
 
 
 def baseline(trace: str | None, limit: int | None, block: int, console: Console) -> dict:
@@ -94,6 +99,9 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
         v["host_eviction"] = host_eviction
     if "host_interval" in v:
         v["host_interval"] *= block
+    interval_blocks = v.pop("interval_blocks", None)
+    if interval_blocks and policy is None:
+        policy = f"branch+tail={block}+interval={interval_blocks * block}+supersede"
     host_bytes = int(host * peak)
     if not host_bytes:            # no host tier: the write-through options have nowhere to go
         v = {k: x for k, x in v.items() if k in ("eviction", "host_eviction", "checkpoint_probation",
@@ -176,7 +184,7 @@ def main() -> None:
             if True:
                 dev_order = VARIANTS[variant].get("eviction", args.eviction)
                 key = (("device only", d, dev_order, VARIANTS[variant].get("checkpoint_probation"),
-                        VARIANTS[variant].get("checkpoint_eviction"))
+                        VARIANTS[variant].get("checkpoint_eviction"), VARIANTS[variant].get("interval_blocks"))
                        if h == 0 else None)
                 if key is not None and key in seen:
                     continue                  # no host: every lru variant is the same run
@@ -223,11 +231,13 @@ def plot(rows: list[dict], base_reused: int, path: str, title: str) -> None:
     for vi, variant in enumerate(variants):
         probation = VARIANTS[variant].get("checkpoint_probation")
         order = VARIANTS[variant].get("checkpoint_eviction")
+        blocks = VARIANTS[variant].get("interval_blocks")
         for hi, h in enumerate(hosts):
             pts = sorted((r["device"], 100 * r["reused_tokens"] / base_reused) for r in rows
                          if r["host"] == h and (r["variant"] == variant
                                                 or (h == 0 and r.get("checkpoint_probation") == probation
-                                                    and r.get("checkpoint_eviction") == order)))
+                                                    and r.get("checkpoint_eviction") == order
+                                                    and VARIANTS.get(r["variant"], {}).get("interval_blocks") == blocks)))
             if pts:
                 ax.plot([100 * x for x, _ in pts], [y for _, y in pts], styles[vi % len(styles)], marker="o",
                         color=f"C{hi}", label=f"{variant}, host {100 * h:g}%")

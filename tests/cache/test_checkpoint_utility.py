@@ -199,3 +199,31 @@ def test_cli_refuses_utility_with_probation(capsys):
         main(["replay", "--simulate", "--checkpoint-eviction", "utility", "--checkpoint-probation", "0"])
     assert exc.value.code == 2
     assert "--checkpoint-eviction utility and --checkpoint-probation 0 exclude each other" in capsys.readouterr().err
+
+
+def test_bench_frontier_utility7_places_interval_checkpoints_every_7_blocks(tmp_path):
+    """bench_frontier's ``utility7`` variant: ``utility`` with the policy's interval term at 7
+    blocks. A prompt of 16 blocks, then (after three one-block fillers) one branching after 10:
+    with interval checkpoints every 14 blocks nothing lies below the branch; every 7, the second
+    request resumes from 7 blocks."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    spec = importlib.util.spec_from_file_location(
+        "bench_frontier", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_frontier.py")
+    bf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bf)
+    prompts = [list(range(1, 17)), [90_001], [90_002], [90_003], list(range(1, 11)) + [99]]
+    trace = tmp_path / "t.jsonl"
+    with open(trace, "w") as f:
+        for k, ids in enumerate(prompts):
+            f.write(json.dumps({"timestamp": 10_000 * k, "input_length": 512 * len(ids), "output_length": 1,
+                                "hash_ids": ids}) + "\n")
+    console = Console(stderr=True, quiet=True)
+    rows = {v: bf.cell(str(trace), None, 512, 64 << 20, 1 << 20, v, 1.0, 0.0, None, console)
+            for v in ("utility", "utility7")}
+    assert "interval=3584" in rows["utility7"]["policy"] and "interval=7168" in rows["utility"]["policy"]
+    assert rows["utility7"]["checkpoint_eviction"] == rows["utility"]["checkpoint_eviction"] == "utility"
+    assert rows["utility7"]["reused_tokens"] - rows["utility"]["reused_tokens"] == 7 * 512
