@@ -22,9 +22,9 @@ each (:class:`Prices`). It is a search, not a grid:
 4. **Branch and bound on the whole trace.** The cheapest structure's survivor gets the fewest
    instances that meet every target (bisection); every other structure's survivor is simulated
    at the most instances that still cost less than the cheapest plan so far: if it misses, no
-   fewer instances meet (monotone) and the structure is done in one simulation (or, when it
-   misses by at most :data:`NEAR`, two: its second survivor is tried the same way); if it meets,
-   its own bisection gives a cheaper plan.
+   fewer instances meet (monotone) and the structure is done in one simulation; if it meets,
+   its own bisection gives a cheaper plan. A structure's second survivor is tried the same way
+   when its best met (was bisected) or missed by at most :data:`NEAR`.
 
 Every simulation is cached by its configuration, prefix, seed and targets (in memory and, with a
 cache file, across runs). The device memory of an instance is split between checkpoint slots and
@@ -733,6 +733,9 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
             bb.append({"structure": list(cfg.structure), "bisected": True,
                        "instances": found.config.instances if found else None})
             cheapest(found)
+            second = runner_up.pop(cfg.structure, None)
+            if second is not None and found is not None:     # a structure that met: its second choice too
+                pending.append(second)
             continue
         batch, checks = [], []
         while pending and len(batch) < ev.jobs:
@@ -760,6 +763,9 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
             bb.append({"structure": list(c.structure), "bisected": True, "checked_at": c.instances,
                        "instances": found.config.instances if found else None})
             cheapest(found)
+            second = runner_up.pop(c.structure, None)
+            if second is not None:                           # a structure that met: its second choice too
+                pending.append(second)
     ev.stage = ""
     rungs.append({"stage": "whole trace", "requests": ev.total, "structures": bb})
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
