@@ -46,7 +46,9 @@ def test_save_load_roundtrip_and_private_copy():
 
 
 def test_lru_eviction_by_bytes_and_idempotent_save():
-    t = HostTier(3 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES)
+    # inclusive: a load is a use here (the default, exclusive, evicts a loaded entry first: the
+    # device installs it; tests/tiers/test_host_retention.py)
+    t = HostTier(3 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, retention="inclusive")
     for i in range(1, 4):
         assert t.save_entries([t.entry(HASHES, i * ALIGN, "full", kv(i))]) == [True]
     t.load_many(HASHES, [(ALIGN, "full")])                     # touch the first: the second is now oldest
@@ -125,7 +127,9 @@ def test_speculative_flood_cannot_push_out_demoted_entries(eviction):
 
 
 def test_probation_fills_free_room_and_a_hit_promotes():
-    t = HostTier(4 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, probation_share=0.25)
+    # inclusive: the hit entry stays a main entry here (exclusive makes it a device copy, the
+    # first victim: tests/tiers/test_host_retention.py)
+    t = HostTier(4 * KV_BYTES, b"ns", UNIT, ALIGN, SHAPES, probation_share=0.25, retention="inclusive")
     spec = [ALIGN, 2 * ALIGN, 3 * ALIGN, 4 * ALIGN]
     assert t.save_entries([t.entry(LONG, b, "full", kv(b)) for b in spec],
                           speculative={_chain(t, b) for b in spec}) == [True] * 4   # room: all held

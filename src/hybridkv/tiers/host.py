@@ -64,7 +64,7 @@ from hybridkv.tiers.layout import torch_dtype
 HOST_RETENTION = ("inclusive", "demote", "exclusive")
 """How a host tier treats entries the device also holds (:class:`HostTier`'s ``retention``)."""
 
-DEFAULT_HOST_RETENTION = "inclusive"
+DEFAULT_HOST_RETENTION = "exclusive"
 """The ``retention`` a host tier gets unless told otherwise."""
 
 
