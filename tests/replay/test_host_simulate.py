@@ -40,7 +40,7 @@ def _shapes():
 def test_payload_free_host_tier_accounts_bytes_evicts_in_order_and_refuses_groups_it_does_not_hold():
     shapes = _shapes()
     ck = KDASpec.for_model(model_config("small")).page_size_bytes
-    tier = HostTier(2 * ck, NS, B, B, shapes, payload=False, groups=(KDA,))
+    tier = HostTier(2 * ck, NS, B, B, shapes, payload=False, groups=(KDA,), retention="inclusive")  # a load is a use
     keys = [bytes([i]) * 32 for i in range(3)]
     assert tier.save_entries([(keys[0], None, KDA, B, None), (keys[1], None, KDA, 2 * B, None)]) == [True, True]
     assert tier.used_bytes == 2 * ck and tier.stats.bytes_peak == 2 * ck
