@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import time
 import weakref
@@ -41,6 +40,7 @@ from hybridkv.serve.protocol import (
     APIError,
     check_fields,
     check_ids,
+    json_object,
     parse_generation,
     parse_prompts,
     read_body,
@@ -109,7 +109,7 @@ class Server:
         Raises:
             APIError: 400 for a bad body or field (named), 404 for another model.
         """
-        body = _json_object(await read_body(request))
+        body = json_object(await read_body(request))
         check_fields(body, route)
         model = body["model"]
         if model != self.settings.model_name:
@@ -253,7 +253,7 @@ class Server:
                 exactly one scope; 403 when a bound key's or an ``X-Tenant`` request names another
                 tenant, ``all`` or ``abi_version``, or a bound key's ``X-Tenant`` header names another.
         """
-        body = _json_object(await read_body(request) or b"{}")
+        body = json_object(await read_body(request) or b"{}")
         scope, _ = invalidate_scope(body, principal_of(request), request.headers)
         tenant, salt, abi = scope.get("tenant"), scope.get("cache_salt"), scope.get("abi_version")
         everything = scope.get("all", False)
@@ -369,32 +369,6 @@ async def _collect_while_connected(run: Run, request: Request):
     collect.cancel()
     await asyncio.gather(collect, return_exceptions=True)
     raise APIError(499, "the client closed the connection", None, "client_closed")
-
-
-#: A ``\\u`` escape of a UTF-16 surrogate: the only way a lone surrogate enters a decoded body.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _json_object(raw: bytes) -> dict:
-    """The request body as a JSON object; a 400 :class:`APIError` for bad JSON (nesting too deep
-    for the decoder included), a string holding a lone surrogate escape (valid JSON, but no
-    Unicode text: no tokenizer or namespace digest can encode it), or another type."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
-    if _SURROGATE_ESCAPE.search(raw):          # pairs decode to one character; a lone one stays
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
-            raise APIError(400, f"the request body has a string with a lone surrogate {bad}, "
-                                "which is not Unicode text") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def _shown(value: object) -> str:

@@ -7,6 +7,7 @@ so nothing cached changes.
 from __future__ import annotations
 
 import json
+import re
 import math
 from dataclasses import dataclass
 
@@ -382,3 +383,29 @@ def make_sampler(gen: Generation, seed: int):
         return int(torch.multinomial(probs, 1, generator=rng))
 
     return sample
+
+
+#: A ``\\u`` escape of a UTF-16 surrogate: the only way a lone surrogate enters a decoded body.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; a 400 :class:`APIError` for bad JSON (nesting too deep
+    for the decoder included), a string holding a lone surrogate escape (valid JSON, but no
+    Unicode text: no tokenizer or namespace digest can encode it), or another type."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw):          # pairs decode to one character; a lone one stays
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode("ascii")
+            raise APIError(400, f"the request body has a string with a lone surrogate {bad}, "
+                                "which is not Unicode text") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body

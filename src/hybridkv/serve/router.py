@@ -70,6 +70,7 @@ from hybridkv.serve.fleet_view import Workers, WorkerState
 from hybridkv.serve.protocol import (
     APIError,
     check_fields,
+    json_object,
     parse_generation,
     parse_prompts,
     read_body,
@@ -503,7 +504,7 @@ class RouterService:
         try:
             tenant_header(request.headers)
             raw = await read_body(request)
-            body = _json_object(raw or b"{}")
+            body = json_object(raw or b"{}")
             scope, tenant = invalidate_scope(body, principal_of(request), request.headers)
             content = json.dumps(scope, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
@@ -920,23 +921,6 @@ def _sum_counts(answers: list[dict]) -> dict:
             elif isinstance(v, int) and isinstance(have, int):
                 out[k] = -1 if have < 0 or v < 0 else have + v
     return out
-
-
-def _json_object(raw: bytes) -> dict:
-    """A request body as a JSON object.
-
-    Raises:
-        APIError: 400 for a body that is not JSON, or not an object.
-    """
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
