@@ -99,3 +99,20 @@ def wait_running(s: RunningServer, polls: int = 400) -> None:
         if engine_idle(s)["running"]:
             return
         time.sleep(0.025)
+
+
+def perturb_writes(tier, group: str):
+    """Make ``tier`` a writer whose ``group`` entries (KDA checkpoints, ``swa`` states or
+    ``csa-hca`` pages) are wrong before they are published: each floating-point component
+    multiplied by -3, then checksummed and written as usual (the manifest's checksums match the
+    wrong bytes). Returns the honest ``save_entries``."""
+    honest = tier.save_entries
+
+    def save(entries, owner=None, speculative=()):
+        wrong = [(h, parent, grp, b, {k: t * -3.0 if grp == group and t.is_floating_point() else t
+                                      for k, t in tensors.items()})
+                 for h, parent, grp, b, tensors in entries]
+        return honest(wrong, owner=owner, speculative=speculative)
+
+    tier.save_entries = save
+    return honest

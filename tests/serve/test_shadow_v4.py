@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import EXIT_BOUND_S, running_cli
+from serve_helpers import EXIT_BOUND_S, perturb_writes, running_cli
 
 from hybridkv.engine.build import load_model
 from hybridkv.engine.request import Request
@@ -150,22 +150,6 @@ def v4_off():
         yield s
 
 
-def _perturb(tier, group: str):
-    """Make ``tier`` a writer whose ``group`` entries (``swa`` states or ``csa-hca`` pages) are
-    wrong before they are published: each floating-point component multiplied by -3, then
-    checksummed and written as usual. Returns the honest ``save_entries``."""
-    honest = tier.save_entries
-
-    def save(entries, owner=None, speculative=()):
-        wrong = [(h, parent, grp, b, {k: t * -3.0 if grp == group and t.is_floating_point() else t
-                                      for k, t in tensors.items()})
-                 for h, parent, grp, b, tensors in entries]
-        return honest(wrong, owner=owner, speculative=speculative)
-
-    tier.save_entries = save
-    return honest
-
-
 def _manifests(s: RunningServer, group: str) -> int:
     """``group`` entries the server's store holds (manifests), listed on the engine thread."""
     def count(h):
@@ -181,7 +165,7 @@ def test_a_wrong_v4_entry_with_a_valid_checksum_is_found_and_quarantined(tmp_pat
                         store=f"disk://{tmp_path}", shadow_verify=1.0)
     with RunningServer(opts) as s, caplog.at_level(logging.WARNING, logger="hybridkv.serve.shadow"):
         tier = s.server.handle.store_tier
-        honest = _perturb(tier, group)
+        honest = perturb_writes(tier, group)
         assert _ask(s.url, prompt)[1] == 0                              # computes; the store gets wrong entries
         s.server.worker.call(lambda h: h.store_tier.submit(lambda: None).result()).result(timeout=30)
         tier.save_entries = honest                                      # later writers are honest
@@ -226,7 +210,7 @@ def test_a_wrong_v4_host_entry_is_quarantined_in_the_host_tier_and_the_store(tmp
     opts = ServeOptions(model="v4-tiny", port=0, threads=1, kv_pages=8, checkpoint_slots=8, swa_recovery=recovery,
                         host_mib=16, max_model_len=512, store=f"disk://{tmp_path}", shadow_verify=1.0)
     with RunningServer(opts) as s, caplog.at_level(logging.WARNING, logger="hybridkv.serve.shadow"):
-        _perturb(s.server.handle.host_tier, group)
+        perturb_writes(s.server.handle.host_tier, group)
         assert _ask(s.url, first)[1] == 0 and _ask(s.url, other)[1] == 0      # the first prefix goes to the host
         assert _manifests(s, "csa-hca") > 0
         _, cached = _ask(s.url, second)                                 # restored from the host tier

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import prompt_ids
+from serve_helpers import perturb_writes, prompt_ids
 
 from hybridkv.cache.groups import KDA
 from hybridkv.cli import main
@@ -61,27 +61,11 @@ def _checkpoint_manifests(s: RunningServer) -> int:
     return s.server.worker.call(count).result(timeout=30)
 
 
-def _perturb_checkpoints(tier):
-    """Make ``tier`` a writer whose KDA checkpoints are wrong before they are published: each
-    floating-point component is multiplied by -3, then checksummed and written as usual (the
-    manifest's checksums match the wrong bytes). Returns the honest ``save_entries``."""
-    honest = tier.save_entries
-
-    def save(entries, owner=None, speculative=()):
-        wrong = [(h, parent, group, b, {k: t * -3.0 if group == KDA and t.is_floating_point() else t
-                                        for k, t in tensors.items()})
-                 for h, parent, group, b, tensors in entries]
-        return honest(wrong, owner=owner, speculative=speculative)
-
-    tier.save_entries = save
-    return honest
-
-
 def test_a_perturbed_checkpoint_with_a_valid_checksum_is_found_and_quarantined(tmp_path, server_off):
     prompt = prompt_ids(31, 300)
     with RunningServer(ServeOptions(port=0, threads=1, store=f"disk://{tmp_path}", shadow_verify=1.0)) as s:
         tier = s.server.handle.store_tier
-        honest = _perturb_checkpoints(tier)
+        honest = perturb_writes(tier, KDA)
         first = _complete(s.url, prompt)                                   # computes; the store gets wrong checkpoints
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         s.server.worker.call(lambda h: h.store_tier.submit(lambda: None).result()).result(timeout=30)
