@@ -99,22 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         grid = check.startswith("grid")
         rows.append({"check": check, "config": cfg.label(), "cost_per_hour": o.cost_per_hour,
                      "ttft_p99": o.stats["ttft_p99"], "meets": o.meets, "ok": (not o.meets) if grid else o.meets})
-    if args.tighter:
-        tight = json.loads(Path(args.tighter).read_text())
-        t = tight["plan"]
-        rows.append({"check": f"tighter targets {tight['planned_slo']}",
+    for other, word in ((args.tighter, "tighter"), (args.looser, "looser")):
+        if not other:
+            continue
+        other_plan = json.loads(Path(other).read_text())
+        t = other_plan["plan"]
+        cost = t["cost_per_hour"] if t else math.inf
+        # a tighter target never costs less; a looser one never costs more (within TOL)
+        ok = cost >= plan_cost - TOL if word == "tighter" else (bool(t) and cost <= plan_cost + TOL)
+        rows.append({"check": f"{word} targets {other_plan['planned_slo']}",
                      "config": FleetConfig(**t["config"]).label() if t else "no plan",
-                     "cost_per_hour": t["cost_per_hour"] if t else math.inf,
-                     "ttft_p99": t["stats"]["ttft_p99"] if t else None, "meets": bool(t and t["meets"]),
-                     "ok": (t["cost_per_hour"] if t else math.inf) >= plan_cost - TOL})
-    if args.looser:
-        loose = json.loads(Path(args.looser).read_text())
-        t = loose["plan"]
-        rows.append({"check": f"looser targets {loose['planned_slo']}",
-                     "config": FleetConfig(**t["config"]).label() if t else "no plan",
-                     "cost_per_hour": t["cost_per_hour"] if t else math.inf,
-                     "ttft_p99": t["stats"]["ttft_p99"] if t else None, "meets": bool(t and t["meets"]),
-                     "ok": bool(t) and t["cost_per_hour"] <= plan_cost + TOL})
+                     "cost_per_hour": cost, "ttft_p99": t["stats"]["ttft_p99"] if t else None,
+                     "meets": bool(t and t["meets"]), "ok": ok})
     out = {"plan": args.plan, "planned_slo": slo, "plan_cost_per_hour": plan_cost, "rows": rows,
            "all_ok": all(r.get("ok", False) for r in rows), "not_run": sum(r.get("not_run", False) for r in rows), "wall_seconds": round(time.perf_counter() - t0, 1),
            "simulations": ev.runs, "cache_hits": ev.hits}
