@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from small_checkpoint_cache import BLOCK, UNIT, serve_once, small_cache
 
-from hybridkv.cache.config import CacheConfig, CheckpointPolicy, ConfigError
-from hybridkv.cache.coordinator import HybridCacheCoordinator
-from hybridkv.cache.pools import CheckpointPool
+from hybridkv.cache.config import CacheConfig, ConfigError
 from hybridkv.store.eviction import ProbationOrder
 
-NS = b"n" * 32
-UNIT, BLOCK = 64, 64
-SLOTS = 4
 
 
 def test_probation_goes_first_at_its_share_and_a_hit_promotes():
@@ -72,21 +68,6 @@ def test_config_refuses(value, eviction):
         CacheConfig(block_size=BLOCK, prefix_match_unit=UNIT, checkpoint_probation=value, eviction=eviction)
 
 
-def _cache(probation):
-    cfg = CacheConfig(block_size=BLOCK, prefix_match_unit=UNIT, num_kv_pages=400, num_checkpoint_slots=SLOTS,
-                      policy=CheckpointPolicy.parse("tail+interval=64"), checkpoint_probation=probation)
-    return HybridCacheCoordinator(cfg, NS, CheckpointPool(SLOTS, slot_bytes=1000), page_bytes=4096)
-
-
-def _serve(cache, prompt, labels):
-    match = cache.lookup(prompt)
-    alloc = cache.acquire(match, len(prompt) + 8)
-    cache.publish(alloc, match.hashes, len(prompt), {b: (None, lab) for b, lab in labels.items()})
-    cache.release(alloc)
-    cache.check_invariants()
-    return match.hit
-
-
 def _tokens(seed, n):
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64)
 
@@ -95,12 +76,12 @@ def _tokens(seed, n):
 def test_interval_checkpoints_do_not_push_out_a_tail(probation, kept):
     """A conversation's tail, then a one-off prompt whose prefill places 4 interval checkpoints in
     a 4-slot pool: under one lru order they push the tail out; on probation they evict each other."""
-    cache = _cache(probation)
+    cache = small_cache(checkpoint_probation=probation)
     conv = _tokens(1, 4 * UNIT + 1)
-    _serve(cache, conv, {4 * UNIT: "tail"})
-    _serve(cache, _tokens(2, 5 * UNIT), {b * UNIT: "interval" for b in range(1, 5)})
+    serve_once(cache, conv, {4 * UNIT: "tail"})
+    serve_once(cache, _tokens(2, 5 * UNIT), {b * UNIT: "interval" for b in range(1, 5)})
     turn = np.concatenate([conv[:4 * UNIT], _tokens(3, 2 * UNIT)])
-    hit = _serve(cache, turn, {})
+    hit, _ = serve_once(cache, turn, {})
     assert (hit == 4 * UNIT) is kept
 
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from small_checkpoint_cache import BLOCK, UNIT, serve_once, small_cache
 
-from hybridkv.cache.config import CacheConfig, CheckpointPolicy, ConfigError
-from hybridkv.cache.coordinator import HybridCacheCoordinator
-from hybridkv.cache.pools import CheckpointPool, UtilityOrder
+from hybridkv.cache.config import CacheConfig, ConfigError
+from hybridkv.cache.pools import UtilityOrder
 
-NS = b"n" * 32
-UNIT = BLOCK = 64
-SLOTS = 4
 TOL = 1e-9          # priorities are sums of a few products of small integers and shares
 
 
@@ -98,21 +95,6 @@ def test_config_refuses(kw, match):
         CacheConfig(block_size=BLOCK, prefix_match_unit=UNIT, **kw)
 
 
-def _cache(policy="tail+interval=64", utility=True):
-    cfg = CacheConfig(block_size=BLOCK, prefix_match_unit=UNIT, num_kv_pages=400, num_checkpoint_slots=SLOTS,
-                      policy=CheckpointPolicy.parse(policy), checkpoint_eviction="utility" if utility else None)
-    return HybridCacheCoordinator(cfg, NS, CheckpointPool(SLOTS, slot_bytes=1000), page_bytes=4096)
-
-
-def _serve(cache, prompt, labels):
-    match = cache.lookup(prompt)
-    alloc = cache.acquire(match, len(prompt) + 8)
-    cache.publish(alloc, match.hashes, len(prompt), {b: (None, lab) for b, lab in labels.items()})
-    cache.release(alloc)
-    cache.check_invariants()
-    return match.hit, alloc
-
-
 def _tokens(seed, n):
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64)
 
@@ -122,12 +104,12 @@ def test_interval_checkpoints_do_not_push_out_a_deep_tail(utility, kept):
     """A conversation's tail 4 units deep, then a one-off prompt whose prefill places 4 interval
     checkpoints (one unit apart) in a 4-slot pool: under lru they push the tail out; by expected
     saving each saves one unit over the one below it, the tail four, so they evict each other."""
-    cache = _cache(utility=utility)
+    cache = small_cache(checkpoint_eviction="utility" if utility else None)
     conv = _tokens(1, 4 * UNIT + 1)
-    _serve(cache, conv, {4 * UNIT: "tail"})
-    _serve(cache, _tokens(2, 5 * UNIT), {b * UNIT: "interval" for b in range(1, 5)})
+    serve_once(cache, conv, {4 * UNIT: "tail"})
+    serve_once(cache, _tokens(2, 5 * UNIT), {b * UNIT: "interval" for b in range(1, 5)})
     turn = np.concatenate([conv[:4 * UNIT], _tokens(3, 2 * UNIT)])
-    hit, _ = _serve(cache, turn, {})
+    hit, _ = serve_once(cache, turn, {})
     assert (hit == 4 * UNIT) is kept
 
 
@@ -136,11 +118,11 @@ def test_saving_is_counted_from_the_checkpoint_left_below(policy, saving):
     """A conversation's next turn resumes from its tail at 4 units and places a tail at 6: the new
     tail saves 2 units over the old one, or, when ``supersede`` retires the old one, 6 units over
     nothing (no checkpoint is left below it)."""
-    cache = _cache(policy)
+    cache = small_cache(policy, checkpoint_eviction="utility")
     conv = _tokens(1, 4 * UNIT + 1)
-    _serve(cache, conv, {4 * UNIT: "tail"})
+    serve_once(cache, conv, {4 * UNIT: "tail"})
     turn = np.concatenate([conv[:4 * UNIT], _tokens(3, 2 * UNIT + 1)])
-    hit, alloc = _serve(cache, turn, {6 * UNIT: "tail"})
+    hit, alloc = serve_once(cache, turn, {6 * UNIT: "tail"})
     assert hit == 4 * UNIT
     slot = cache.index.walk(cache.hash_prompt(turn)[:6])[-1].checkpoint
     order = cache.checkpoints.order
@@ -152,10 +134,10 @@ def test_saving_is_counted_from_the_checkpoint_left_below(policy, saving):
 def test_an_installed_checkpoint_saves_over_the_deepest_one_below():
     """A checkpoint installed from a lower tier (a promotion) at 5 units, on a path with a tail at
     2 units: labelled ``installed``, it saves 3 units."""
-    cache = _cache("tail")
+    cache = small_cache("tail", checkpoint_eviction="utility")
     prompt = _tokens(4, 6 * UNIT + 1)
-    _serve(cache, prompt[: 2 * UNIT + 1], {2 * UNIT: "tail"})
-    _serve(cache, prompt, {})                      # publishes the KV of all 6 units
+    serve_once(cache, prompt[: 2 * UNIT + 1], {2 * UNIT: "tail"})
+    serve_once(cache, prompt, {})                      # publishes the KV of all 6 units
     hashes = cache.hash_prompt(prompt)
     assert cache.install_checkpoint(hashes, None, 5 * UNIT)
     cache.check_invariants()
