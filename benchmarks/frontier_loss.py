@@ -53,6 +53,7 @@ import math
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -312,13 +313,16 @@ def attribute(trace: str | None, limit: int | None, block: int, base: dict, base
         raise AssertionError(f"attribution does not add up: every-block {base['reused_tokens']} - cell "
                              f"{row['reused_tokens']} != loss {loss} - gain {rec.gain}")
     den = base["reused_tokens"]
+    # an every-block run that reuses nothing (e.g. a one-request trace) has nothing to lose: every
+    # share is 0 of 0 tokens, reported as 0.0 (the token counts above stay exact)
+    scale = 1 / den if den else 0.0
     return {"trace": trace or "bundled", "variant": variant, "device": device, "host": host,
-            "share": row["reused_tokens"] / den, "every_block_reused": den, "loss_tokens": loss,
+            "share": row["reused_tokens"] * scale, "every_block_reused": den, "loss_tokens": loss,
             "gain_tokens": rec.gain,
             "classes": dict(rec.classes.most_common()),
-            "by_target_shape": {k: v / den for k, v in rec.shapes.most_common()},
+            "by_target_shape": {k: v * scale for k, v in rec.shapes.most_common()},
             "retention_gap_quartiles": _weighted_quartiles(rec.gaps),
-            "class_shares": {k: v / den for k, v in rec.classes.most_common()},
+            "class_shares": {k: v * scale for k, v in rec.classes.most_common()},
             "row": row}
 
 
@@ -343,6 +347,10 @@ def summary(rows: list[dict], top: int = 12) -> str:
         out.append(f"### {Path(r['trace']).stem}, device {100 * r['device']:g}% + host {100 * r['host']:g}% "
                    f"({r['variant']})\n")
         den = r["every_block_reused"]
+        if not den:
+            out.append(f"the every-block run reuses 0 tokens ({r['row']['reused_tokens']} reused here, "
+                       f"{r['loss_tokens']} lost): no share to attribute\n")
+            continue
         out.append(f"share {100 * r['share']:.2f}%: lost {100 * r['loss_tokens'] / den:.2f} points, "
                    f"gained {100 * r['gain_tokens'] / den:.2f}\n")
         groups = Counter()
@@ -376,22 +384,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--md", help="write the markdown summary here")
     args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        _fail(f"--limit {args.limit}: must be at least 1 (leave it out for the whole trace)")
+    if args.block < 1:
+        _fail(f"--block {args.block}: must be a positive number of tokens")
     cells = []
     for c in args.cells:
         try:
             d, h = (float(x) for x in c.split(":"))
         except ValueError:
-            p.error(f"--cells {c!r}: expected DEVICE:HOST, two fractions such as 0.02:0.1")
+            _fail(f"--cells {c!r}: expected DEVICE:HOST, two fractions such as 0.02:0.1")
         if not (0 < d <= 1 and 0 <= h <= 1) or math.isnan(d) or math.isnan(h):
-            p.error(f"--cells {c!r}: the device share must be in (0, 1] and the host share in [0, 1]")
+            _fail(f"--cells {c!r}: the device share must be in (0, 1] and the host share in [0, 1]")
         cells.append((d, h))
+    for opt, path in (("--json", args.json), ("--md", args.md)):
+        if path is not None:
+            _check_writable(opt, path)
+    from hybridkv.cache.config import ConfigError
+    from hybridkv.replay.trace import TraceError, load_trace
+    for trace in args.trace:            # every trace read before any run: a bad one fails in seconds
+        try:
+            load_trace(trace, limit=args.limit)     # as run_replay reads it
+        except TraceError as e:         # its message starts with the file (and line)
+            _fail(f"--trace {e}")
     console = Console(stderr=True)
     from hybridkv.cache.groups import KDASpec
     from hybridkv.engine.build import model_config
     slot_bytes = KDASpec.for_model(model_config("small")).page_size_bytes
     rows = []
     for trace in args.trace:
-        base, base_rec = every_block(trace, args.limit, args.block, console)
+        try:
+            base, base_rec = every_block(trace, args.limit, args.block, console)
+        except ConfigError as e:        # the block is checked by the cache config the run builds
+            _fail(f"--block {args.block}: {e}")
         for d, h in cells:
             rows.append(attribute(trace, args.limit, args.block, base, base_rec, d, h, args.variant, console,
                                   slot_bytes))
@@ -405,6 +430,27 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.md).write_text(text)
     return 0
 
+
+def _fail(message: str) -> NoReturn:
+    """Print ``error: <message>`` (one line, no traceback) and exit 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_writable(option: str, path: str) -> None:
+    """Exit 2 (via :func:`_fail`) unless ``path`` can be written, before any run: it is opened for
+    append (nothing in an existing file changes) and removed again if it did not exist."""
+    target = Path(path)
+    if target.is_dir():
+        _fail(f"{option} {path}: is a directory")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as e:
+        _fail(f"{option} {path}: cannot write there ({e.strerror or e})")
+    if not existed:
+        target.unlink(missing_ok=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -65,3 +65,43 @@ def test_bad_cells_are_refused(capsys) -> None:
         fl.main(["--cells", "0.05"])
     assert e.value.code == 2
     assert "--cells '0.05'" in capsys.readouterr().err
+
+
+def test_one_request_trace_reports_zero_reuse(tmp_path: Path) -> None:
+    # the every-block run reuses nothing: the shares are 0 of 0, not a ZeroDivisionError
+    trace = _trace(tmp_path / "t.jsonl", [[1, 2]])
+    row = _run(trace, 0.5, 0.0)
+    assert row["every_block_reused"] == 0
+    assert row["share"] == 0.0 and row["loss_tokens"] == 0 and row["class_shares"] == {}
+    assert "reuses 0 tokens" in fl.summary([row])
+
+
+def _bad(tmp_path: Path) -> dict[str, str]:
+    good = _trace(tmp_path / "good.jsonl", [[1, 2], [1, 3]])
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    return {"good": good, "empty": str(tmp_path / "empty.jsonl"), "bad": str(tmp_path / "bad.jsonl")}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--limit", "0"], "--limit 0: must be at least 1"),
+    (["--limit", "-5"], "--limit -5: must be at least 1"),
+    (["--block", "0"], "--block 0: must be a positive"),
+    (["--block", "100"], "--block 100: policy interval=100 must be a multiple of prefix_match_unit"),
+    (["--trace", "{tmp}/nonexistent.jsonl"], "--trace {tmp}/nonexistent.jsonl: cannot open trace file"),
+    (["--trace", "{empty}"], "--trace {empty}: no valid requests"),
+    (["--trace", "{good}", "{bad}"], "--trace {bad}:1: not valid JSON"),
+    (["--json", "{tmp}/no/dir/x.json"], "--json {tmp}/no/dir/x.json: cannot write there"),
+    (["--md", "/proc/x.md"], "--md /proc/x.md: cannot write there"),
+    (["--md", "{tmp}"], "--md {tmp}: is a directory"),
+])
+def test_bad_options_are_one_line_before_the_run(tmp_path: Path, capsys, args, message) -> None:
+    names = {"tmp": str(tmp_path), **_bad(tmp_path)}
+    argv = ["--trace", names["good"], "--cells", "0.5:0", *[a.format(**names) for a in args]]
+    with pytest.raises(SystemExit) as e:
+        fl.main(argv)
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: " + message.format(**names)) and captured.err.count("\n") == 1
+    assert captured.out == ""       # nothing ran: no summary printed
+    assert not (tmp_path / "x.json").exists()
