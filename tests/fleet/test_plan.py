@@ -322,3 +322,95 @@ def test_parallel_workers_give_the_serial_results():
         assert a.config == b.config
         for k, v in a.stats.items():
             assert math.isclose(v, b.stats[k], rel_tol=1e-9, abs_tol=1e-9), k
+
+
+FAST = ["--limit", "16", "--max-instances", "2", "--jobs", "1", "--shares", "0.2", "--hosts", "0",
+        "--stores", "none", "--routers", "least-load"]
+"""Options of a small plan (a second or so), so a bad path found only after the search stays cheap."""
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing-dir", "--cache {d}/nope/c.json: no directory {d}/nope"),
+    ("directory", "--cache {d}/somedir: is a directory"),
+    ("list", "--cache {d}/list.json: not a planner cache (a JSON list"),
+    ("not-json", "--cache {d}/bad.json: not a planner cache (not JSON"),
+    ("ill-typed", "--cache {d}/typed.json: not a planner cache (an entry"),
+    ("png-format", "--png {d}/out.txt: format 'txt'"),
+    ("trace-dir", "--trace {d}/somedir: is a directory"),
+])
+def test_cli_bad_cache_png_and_trace_paths_exit_2_before_any_simulation(case, needle, tmp_path, capsys):
+    (tmp_path / "somedir").mkdir()
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "bad.json").write_text("{x")
+    (tmp_path / "typed.json").write_text('{"k": [1, 2]}')
+    stored = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    flag, value = {"missing-dir": ("--cache", "nope/c.json"), "directory": ("--cache", "somedir"),
+                   "list": ("--cache", "list.json"), "not-json": ("--cache", "bad.json"),
+                   "ill-typed": ("--cache", "typed.json"), "png-format": ("--png", "out.txt"),
+                   "trace-dir": ("--trace", "somedir")}[case]
+    code = main(["plan", "--slo", "ttft_p99=60", *FAST, flag, str(tmp_path / value)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.startswith("error: ")
+    assert needle.format(d=tmp_path) in captured.err
+    assert captured.err.strip().count("\n") == 0 and "Traceback" not in captured.err
+    assert captured.out == ""                                      # no simulation ran, nothing printed
+    # nothing stored is lost or overwritten, and no stray file is left beside the path
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == stored
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_deploy_commands_are_each_printed_once_for_one_instance_and_no_store(capsys):
+    from hybridkv.replay.plan_cmd import deploy_lines
+    cfg = FleetConfig(1, 0.2, 0.0, 0.0, POLICY, "least-load")
+    cmds = deploy_commands(cfg, h200_budget(MODEL, 4), MODEL, 4)
+    assert len(cmds) == 2
+    assert deploy_lines(cmds) == [" ".join(c) for c in cmds]
+    many = deploy_commands(FleetConfig(3, 0.2, 256.0, 1.1, POLICY, "hybrid"), h200_budget(MODEL, 4), MODEL, 4)
+    lines = deploy_lines(many)                                     # store, 3 serve, router
+    assert lines[2] == "..." and len(lines) == 4 and lines[-1].startswith("hybridkv router")
+    code = main(["plan", "--slo", "ttft_p99=60", *FAST[:2], "--max-instances", "1", *FAST[4:]])
+    assert code == 0
+    out = capsys.readouterr().out
+    deploy = out[out.index("deploy:"):].splitlines()[1:]
+    assert sum(line.strip().startswith("hybridkv router") for line in deploy) == 1
+    assert sum(line.strip().startswith("hybridkv serve") for line in deploy) == 1
+
+
+def test_ctrl_c_during_plan_prints_one_line_keeps_the_cache_and_ends_the_workers(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    cache = tmp_path / "cache.json"
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "plan", "--slo", "ttft_p99=60", "--limit", "48",
+                             "--jobs", "2", "--cache", str(cache)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def stored() -> int:
+        try:
+            return len(json.loads(cache.read_text()))
+        except (OSError, ValueError):
+            return 0
+
+    try:
+        deadline = time.monotonic() + 60
+        while stored() < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)                     # past the first (serial) runs: the worker pool is at work
+        assert proc.poll() is None, "the plan ended before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)       # Ctrl-C reaches the whole foreground group, workers too
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    last = err.strip().splitlines()[-1]
+    kept = stored()
+    assert kept >= 3
+    assert last == f"interrupted; {kept} simulations kept in the cache {cache}"
+    with pytest.raises(ProcessLookupError):      # no worker outlives the plan
+        os.killpg(proc.pid, 0)
+    assert not list(tmp_path.glob("*.tmp"))

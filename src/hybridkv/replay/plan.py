@@ -282,11 +282,8 @@ class Evaluator:
         self._trace_id = hashlib.sha256(raw).hexdigest()[:16] if raw is not None else "bundled"
         self.cache: dict[str, dict] = {}
         self.cache_file = cache_file
-        if cache_file and Path(cache_file).is_file():
-            try:
-                self.cache = json.loads(Path(cache_file).read_text(encoding="utf-8"))
-            except ValueError as exc:
-                raise PlanError(f"--cache {cache_file}: not a planner cache ({exc})") from None
+        if cache_file:
+            self.cache = read_cache(cache_file)
         self.log = log or (lambda line: None)
         self.runs = self.hits = 0
         self.jobs = max(1, int(jobs))
@@ -362,7 +359,7 @@ class Evaluator:
             ctx = multiprocessing.get_context("fork")
             items = list(todo.items())
             try:     # a fresh process per simulation: each leaves nothing behind for the next
-                with ctx.Pool(min(self.jobs, len(todo)), maxtasksperchild=1) as pool:
+                with ctx.Pool(min(self.jobs, len(todo)), maxtasksperchild=1, initializer=_ignore_sigint) as pool:
                     for i, data in pool.imap_unordered(_simulate_job, list(enumerate(j for _, j in items))):
                         finished(items[i][0], data)
             finally:
@@ -394,8 +391,12 @@ class Evaluator:
         if not self.cache_file:
             return
         tmp = Path(f"{self.cache_file}.{os.getpid()}.tmp")       # one writer's file: replaced whole
-        tmp.write_text(json.dumps(self.cache), encoding="utf-8")
-        tmp.replace(self.cache_file)
+        try:
+            tmp.write_text(json.dumps(self.cache), encoding="utf-8")
+            tmp.replace(self.cache_file)
+        except BaseException:                   # a failed or interrupted write: the old file stays whole
+            tmp.unlink(missing_ok=True)
+            raise
 
     def _simulate(self, cfg: FleetConfig, n: int, seed: int) -> dict:
         import time
@@ -460,6 +461,61 @@ class Evaluator:
 
 _WORKER: Evaluator | None = None
 """The evaluator whose simulations a forked worker runs (set before the workers are forked)."""
+
+_CACHE_FIELDS = frozenset({"stats", "goodput", "goodput_fraction", "rejected", "token_hit_rate", "wall_seconds"})
+"""Fields of one cached simulation (what :meth:`Evaluator._simulate` returns)."""
+
+
+def cache_problem(path: str) -> str | None:
+    """Why ``path`` cannot serve as the planner's cache file, or ``None``: checked before any
+    simulation runs, so that no run's results are lost to a path found bad after it. A missing file
+    is fine when its directory exists and is writable (the file is made on the first save)."""
+    p = Path(path)
+    if p.is_dir():
+        return "is a directory"
+    if not p.parent.is_dir():
+        return f"no directory {p.parent}"
+    if not os.access(p.parent, os.W_OK | os.X_OK):
+        return f"directory {p.parent} is not writable"
+    if p.exists():
+        try:
+            read_cache(path)
+        except PlanError as exc:
+            return str(exc).removeprefix(f"--cache {path}: ")
+    return None
+
+
+def read_cache(path: str) -> dict[str, dict]:
+    """The planner cache in ``path`` (a JSON object: simulation key -> result with the fields of
+    :data:`_CACHE_FIELDS`); ``{}`` when there is no such file yet.
+
+    Raises:
+        PlanError: the file cannot be read, is not JSON, or is not a planner cache (naming ``--cache``
+            and ``path``); the file is left as it is.
+    """
+    p = Path(path)
+    if not p.exists():
+        return {}
+    if p.is_dir():
+        raise PlanError(f"--cache {path}: is a directory")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PlanError(f"--cache {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise PlanError(f"--cache {path}: not a planner cache (not JSON: {exc})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"--cache {path}: not a planner cache (a JSON {type(data).__name__}, not an object)")
+    for value in data.values():
+        if not isinstance(value, dict) or not _CACHE_FIELDS <= value.keys() or not isinstance(value["stats"], dict):
+            raise PlanError(f"--cache {path}: not a planner cache (an entry is not a simulation result)")
+    return data
+
+
+def _ignore_sigint() -> None:
+    """A pool worker's start: Ctrl-C is the parent's to handle (it terminates the pool)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _simulate_job(job: tuple[int, tuple[FleetConfig, int, int]]) -> tuple[int, dict]:

@@ -29,6 +29,7 @@ from hybridkv.replay.plan import (
     PlanError,
     PlanResult,
     Prices,
+    cache_problem,
     deploy_commands,
     h200_budget,
     parse_slo_option,
@@ -211,8 +212,30 @@ def render(result: PlanResult, commands: list[list[str]], console: Console, wall
                   f"{cpu:.1f} s CPU (this process and its simulation workers)", highlight=False)
     if commands:
         console.print("[bold]deploy:[/bold]")
-        for cmd in commands[:2] + (["..."] if len(commands) > 3 else []) + commands[-1:]:
-            console.print("  " + (cmd if isinstance(cmd, str) else shlex.join(cmd)), highlight=False, soft_wrap=True)
+        for line in deploy_lines(commands):
+            console.print("  " + line, highlight=False, soft_wrap=True)
+
+
+def deploy_lines(commands: list[list[str]]) -> list[str]:
+    """The deploy commands as printed, each once: all of them when there are at most three, else the
+    first two, ``...`` and the last (the router)."""
+    lines = [shlex.join(c) for c in commands]
+    return lines if len(lines) <= 3 else lines[:2] + ["..."] + lines[-1:]
+
+
+def png_problem(path: str) -> str | None:
+    """Why the plot cannot be saved as ``path`` (an unwritable path, or a file name ending that names
+    no image format matplotlib writes), or ``None``; a name with no ending is written as PNG."""
+    problem = unwritable(path)
+    if problem:
+        return problem
+    fmt = Path(path).suffix[1:].lower()
+    if fmt:
+        from matplotlib.backend_bases import FigureCanvasBase
+        known = FigureCanvasBase.get_supported_filetypes()
+        if fmt not in known:
+            return f"format {fmt!r} is not an image format written ({', '.join(sorted(known))})"
+    return None
 
 
 def plot(result: PlanResult, path: str) -> None:
@@ -246,6 +269,15 @@ def plot(result: PlanResult, path: str) -> None:
     plt.close(fig)
 
 
+def interrupted_line(ev: Evaluator | None, cache: str | None) -> str:
+    """The one line printed when Ctrl-C stops ``plan``: how many simulations the cache file keeps
+    (every one finished is saved as it finishes), or, with no cache file, that they are not kept."""
+    if cache:
+        return f"interrupted; {0 if ev is None else len(ev.cache)} simulations kept in the cache {cache}"
+    return (f"interrupted; {0 if ev is None else ev.runs} simulations run, not kept (give --cache FILE to keep "
+            "them)")
+
+
 def _cpu_seconds() -> float:
     """CPU seconds (user + system) of this process and of its finished children (the workers)."""
     t = os.times()
@@ -265,15 +297,18 @@ def cmd_plan(args, console: Console | None = None) -> int:
     nearest reachable targets may still be printed), 2 on bad input."""
     console = console or Console(stderr=True)
     out = Console(width=max(Console().width, 150))
-    for flag, path in (("--json", args.json), ("--png", args.png)):
-        problem = unwritable(path) if path else None
+    for flag, path, check in (("--json", args.json, unwritable), ("--png", args.png, png_problem),
+                              ("--cache", args.cache, cache_problem)):
+        problem = check(path) if path else None
         if problem:
-            console.print(f"[red]error:[/red] {flag} {path}: {problem}", markup=True, highlight=False)
+            console.print(f"[red]error:[/red] {flag} {escape(path)}: {escape(problem)}", markup=True, highlight=False, soft_wrap=True)
             return 2
     if args.trace is not None and not Path(args.trace).is_file():
-        console.print(f"[red]error:[/red] --trace {args.trace}: no such file", markup=True, highlight=False)
+        why = "is a directory" if Path(args.trace).is_dir() else "no such file"
+        console.print(f"[red]error:[/red] --trace {escape(args.trace)}: {why}", markup=True, highlight=False, soft_wrap=True)
         return 2
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    ev = None
     try:
         slo = parse_slo_option(args.slo)
         prices = Prices(args.gpu_hour_usd, args.host_gb_month_usd, args.store_gb_month_usd, args.store_gbps_month_usd)
@@ -288,8 +323,11 @@ def cmd_plan(args, console: Console | None = None) -> int:
         finally:
             ev.close()
     except (PlanError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", markup=True, highlight=False, soft_wrap=True)
         return 2
+    except KeyboardInterrupt:       # Ctrl-C: the workers are gone (the pool terminated), the cache saved
+        console.print(interrupted_line(ev, args.cache), markup=False, highlight=False, soft_wrap=True)
+        return 130
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     whole = [o for o in ev.outcomes if o.requests == ev.total and o.seed == 0]
     _POINTS[id(result)] = whole
