@@ -44,6 +44,10 @@ the current side's root (``--script-tree current``: with ``--current REV``, that
 script, which edits made during the run do not reach) or in each side's own root
 (``--script-tree each``: each side's own copy of the script).
 
+Ctrl-C (exit 130) and SIGTERM (exit 143) remove the worktrees before exiting. A worktree of the
+repository still registered at ``--worktree`` from a killed run is pruned when its directory is
+gone; when the directory is still there the run stops with the command that removes it.
+
 Run by hand (from the repository root)::
 
     .venv/bin/python benchmarks/ab_compare.py --figure simspeed --rounds 3 \\
@@ -61,6 +65,7 @@ import os
 import re
 import resource
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -149,7 +154,7 @@ def parse_figures(figure: str, stdout: str, out_path: Path) -> dict[str, float]:
         try:
             data = json.loads(out_path.read_text())
         except (OSError, ValueError) as e:
-            raise ABError(f"the run wrote no readable JSON to {{out}} ({e})") from None
+            raise ABError(f"the run wrote no readable JSON to {out_path} ({e})") from None
         if figure == "overhead":
             return {f"overhead_us_per_request[{r['workload']}]": float(r["overhead_us_per_request"])
                     for r in data["results"]}
@@ -208,7 +213,11 @@ def run_once(template: list[str], side: Side, figure: str, cwd: Path, tmp: Path,
     cmd = expand(template, side, out)
     load0 = os.getloadavg()[0]
     cpu0, t0 = _children_cpu(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, env=side_env(side), capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=side_env(side), capture_output=True, text=True, check=False)
+    except OSError as e:                 # no such program, not executable, ...
+        raise ABError(f"the {side.label} run could not start: {shlex.join(cmd)}: "
+                      f"{e.strerror or e}: {e.filename or cmd[0]}") from None
     wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or ["(no stderr)"]
@@ -232,9 +241,12 @@ def _check_import(side: Side, cwd: Path, package: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=side_env(side), capture_output=True,
                           text=True, check=False)
     where = proc.stdout.strip()
-    if proc.returncode != 0 or not Path(where).resolve().is_relative_to((side.root / "src").resolve()):
-        raise ABError(f"the {side.label} side imports {package} from {where or proc.stderr.strip()!r}, "
-                      f"not from {side.root / 'src'}")
+    if proc.returncode != 0:            # the import failed: its last stderr line (the exception), not the traceback
+        why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise ABError(f"--package {package}: the {side.label} side cannot import it from "
+                      f"{side.root / 'src'}: {why}")
+    if not Path(where).resolve().is_relative_to((side.root / "src").resolve()):
+        raise ABError(f"the {side.label} side imports {package} from {where!r}, not from {side.root / 'src'}")
     return where
 
 
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", type=Path, help="write the runs and the summary here")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the benchmark command (after --)")
     args = ap.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _run(args)
     except ABError as e:
@@ -322,14 +335,86 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ab_compare: interrupted (its worktrees were removed)", file=sys.stderr)
         return 130
+    except Terminated:
+        print("ab_compare: terminated (its worktrees were removed)", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so the run unwinds as on Ctrl-C: the running benchmark
+    is killed and the worktrees are removed (a ``BaseException``: no ``except Exception`` swallows it)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated
+
+
+def check_figure(figure: str) -> None:
+    """Raises :class:`ABError` unless ``figure`` can be read: a preset, ``json:`` with a dotted path of
+    non-empty parts, or ``regex:`` with a pattern that compiles and has a group."""
+    if figure in PRESETS:
+        return
+    if figure.startswith("json:"):
+        path = figure[len("json:"):]
+        if not path or "" in path.split("."):
+            raise ABError(f"--figure {figure!r}: give json:KEY.PATH, dotted non-empty keys such as result.value")
+        return
+    if figure.startswith("regex:"):
+        try:
+            groups = re.compile(figure[len("regex:"):]).groups
+        except re.error as e:
+            raise ABError(f"--figure {figure!r}: not a regular expression ({e})") from None
+        if not groups:
+            raise ABError(f"--figure {figure!r}: the pattern needs a group, (...), around the number")
+        return
+    raise ABError(f"--figure {figure!r}: choose overhead, simspeed, json:KEY.PATH or regex:PATTERN")
+
+
+def check_writable(option: str, path: Path) -> None:
+    """Raises :class:`ABError` unless ``path`` can be written (checked before any run): it is opened
+    for append, which changes nothing in an existing file, and removed again if it did not exist."""
+    if path.is_dir():
+        raise ABError(f"{option} {path}: is a directory")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ABError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def _registered_worktrees(repo: Path) -> set[Path]:
+    """The resolved paths of ``repo``'s linked worktrees (``git worktree list --porcelain``)."""
+    lines = _git(repo, "worktree", "list", "--porcelain").splitlines()
+    return {Path(ln[len("worktree "):]).resolve() for ln in lines if ln.startswith("worktree ")}
+
+
+def check_worktree_path(repo: Path, path: Path) -> None:
+    """Make ``path`` free for ``git worktree add``: a registered worktree of ``repo`` whose directory
+    is gone (an earlier run was killed and its directory removed) is pruned (``git worktree
+    prune``); an existing path raises :class:`ABError` saying how to remove it."""
+    registered = path.resolve() in _registered_worktrees(repo)
+    if registered and not path.exists():
+        _git(repo, "worktree", "prune")
+        return
+    if registered:
+        raise ABError(f"worktree path {path} is a worktree of {repo} left by an earlier run (or one still "
+                      f"running): remove it (git -C {repo} worktree remove --force {path}) or give another --worktree")
+    if path.exists():
+        raise ABError(f"worktree path {path} exists: remove it or give another --worktree")
 
 
 def _run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     preset = PRESETS.get(args.figure)
+    check_figure(args.figure)
+    if args.json_path is not None:
+        check_writable("--json", args.json_path)
     if preset is None:
-        if not args.figure.startswith(("json:", "regex:")):
-            raise ABError(f"--figure {args.figure!r}: choose overhead, simspeed, json:KEY.PATH or regex:PATTERN")
         if not command:
             raise ABError(f"--figure {args.figure!r} has no default command: give one after --")
     template = command or list(preset.command)
@@ -360,15 +445,14 @@ def _run(args) -> int:
     wt = args.worktree.resolve()
     cur_wt = wt.with_name(wt.name + "_current") if args.current is not None else None
     for path in (wt, cur_wt):
-        if path is not None and path.exists():
-            raise ABError(f"worktree path {path} exists: remove it (git worktree remove --force {path}) "
-                          "or give another --worktree")
+        if path is not None:
+            check_worktree_path(repo, path)
     made = []
     try:
         for path, commit in ((wt, base_commit), (cur_wt, head)):
             if path is not None:
+                made.append(path)       # first: a signal right after the add still removes it
                 _git(repo, "worktree", "add", "--detach", str(path), commit)
-                made.append(path)
         cur_root = cur_wt or repo
         sides = [Side("base", wt, base_args)] + [Side(lab, cur_root, a) for lab, a in variants]
         if args.control:                # the base again: its ratio to the base is the run's own noise

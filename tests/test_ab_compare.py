@@ -156,3 +156,63 @@ def test_bench_overhead_cache_option(capsys):
     with pytest.raises(SystemExit):
         bo.main(["--cache-option", "block_size=64"])       # the script sets it: refused, not a TypeError
     assert "block_size=..." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--figure", "regex:(", "--", "{python}", "fig.py", "L", "{out}"], "--figure 'regex:(': not a regular expression"),
+    (["--figure", "regex:figure", "--", "{python}", "fig.py", "L", "{out}"], "the pattern needs a group"),
+    (["--figure", "json:", "--", "{python}", "fig.py", "L", "{out}"], "--figure 'json:': give json:KEY.PATH"),
+    (["--figure", "json:result..value", "--", "{python}", "fig.py", "L", "{out}"], "'json:result..value'"),
+    (["--figure", "json:result.value", "--json", "{tmp}/no/dir/ab.json", "--", "{python}", "fig.py", "L", "{out}"],
+     "--json {tmp}/no/dir/ab.json: cannot write there"),
+    (["--figure", "json:result.value", "--", "{tmp}/no-such-cmd", "{out}"],
+     "the base run could not start: {tmp}/no-such-cmd {tmp_out}: No such file or directory"),
+    (["--figure", "json:result.value", "--", "{python}", "-c", "pass"], "the run wrote no readable JSON to /"),
+    (["--package", "nosuchpkg", "--figure", "json:result.value", "--", "{python}", "fig.py", "L", "{out}"],
+     "--package nosuchpkg: the base side cannot import it from {tmp}/wt/src: ModuleNotFoundError: No module named"),
+])
+def test_more_bad_input_is_one_line(repo, tmp_path, args, message):
+    p = _run(repo, tmp_path, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert p.returncode == 1
+    want = message.replace("{tmp}", str(tmp_path)).partition(" {tmp_out}")
+    assert p.stderr.startswith("ab_compare: error: ") and want[0] in p.stderr and want[2] in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "{out}" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "wt").exists() and _git(repo, "worktree", "list").count("\n") == 0
+    assert not (tmp_path / "no").exists()
+
+
+def test_sigterm_removes_the_worktrees(repo, tmp_path):
+    """SIGTERM (what `timeout` and schedulers send) unwinds like Ctrl-C: the running benchmark is
+    killed, both worktrees are removed, exit 143, and the next run starts cleanly."""
+    cmd = [sys.executable, str(SCRIPT), "--repo", str(repo), "--base", "HEAD", "--current", "HEAD", "--worktree",
+           str(tmp_path / "wt"), "--package", "abpkg", "--figure", "regex:(x)", "--",
+           "{python}", "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("base HEAD = ")      # printed just before the first run
+        assert (tmp_path / "wt").exists() and (tmp_path / "wt_current").exists()
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err == "ab_compare: terminated (its worktrees were removed)\n"
+    assert not (tmp_path / "wt").exists() and not (tmp_path / "wt_current").exists()
+    assert _git(repo, "worktree", "list").count("\n") == 0
+
+
+def test_stale_worktree_is_pruned_or_named(repo, tmp_path):
+    """A worktree left registered at --worktree: pruned when its directory is gone; a one-line error
+    with the command that removes it when it is still there."""
+    wt = tmp_path / "wt"
+    _git(repo, "worktree", "add", "--detach", str(wt), "HEAD")
+    p = _run(repo, tmp_path, "--figure", "json:result.value", "--", "{python}", "fig.py", "L", "{out}")
+    assert p.returncode == 1 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+    assert f"is a worktree of {repo} left by an earlier run" in p.stderr
+    assert f"git -C {repo} worktree remove --force {wt}" in p.stderr
+    assert wt.exists()                       # not removed: a run still using it is not disturbed
+    subprocess.run(["rm", "-rf", str(wt)], check=True)    # its directory gone, still registered
+    p = _run(repo, tmp_path, "--figure", "json:result.value", "--rounds", "1", "--", "{python}", "fig.py",
+             str(tmp_path / "log"), "{out}")
+    assert p.returncode == 0, p.stderr
+    assert not wt.exists() and _git(repo, "worktree", "list").count("\n") == 0
