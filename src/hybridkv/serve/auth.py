@@ -289,9 +289,12 @@ def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[
             a bound key, an ``X-Tenant`` header confines the purge to that tenant).
 
     Raises:
-        APIError: 400 for an unknown field, a field of the wrong type, an empty ``tenant`` or not
-            exactly one scope; 403 when a bound key (or an ``X-Tenant`` request) names another
-            tenant, ``all`` or ``abi_version``.
+        APIError: 400 for an unknown field, a field of the wrong type, an empty ``tenant`` or
+            ``cache_salt`` (``empty_tenant``, ``empty_cache_salt``), a ``tenant`` or ``cache_salt``
+            over 256 characters, a ``cache_salt`` without a tenant (``salt_needs_tenant``: its
+            namespaces are digests of tenant and salt, so no store listing reaches them by salt)
+            or not exactly one scope; 403 when a bound key (or an ``X-Tenant`` request) names
+            another tenant, ``all`` or ``abi_version``.
     """
     from hybridkv.cache.abi import ABI_VERSION as abi_current
 
@@ -306,6 +309,8 @@ def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[
     for name, value in (("tenant", tenant), ("cache_salt", salt)):
         if value is not None and not isinstance(value, str):
             raise APIError(400, f"{name}={_shown(value)} must be a string", name)
+        if value is not None and len(value) > MAX_ID_LEN:      # the cap of a completion request's fields
+            raise APIError(400, f"{name} has {len(value)} characters; at most {MAX_ID_LEN} are allowed", name)
     check_tenant(tenant, "the tenant field")
     if abi is not None and (isinstance(abi, bool) or not isinstance(abi, int) or not 1 <= abi < abi_current):
         raise APIError(400, f"abi_version={abi!r} must be an older cache ABI version: an integer from 1 to "
@@ -320,8 +325,17 @@ def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[
             raise APIError(403, f"{who} may invalidate only that tenant's entries (no other tenant, all or "
                                 "abi_version)", "tenant", "tenant_scope", "permission_error")
         tenant = confined
+    if salt == "":                    # "" is every unsalted entry of every tenant, not a salt
+        raise APIError(400, f"cache_salt is empty (''); name a salt of 1 to {MAX_ID_LEN} characters, or leave "
+                            "it out", "cache_salt", "empty_cache_salt")
     if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
         raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
+    if salt is not None and tenant is None:   # a salted namespace is a digest of tenant and salt: no
+        # store listing finds it by salt, so only this process's own namespaces would be purged
+        raise APIError(400, f"cache_salt={_shown(salt)} needs a tenant: salted entries are found by the digest of "
+                            "tenant and salt, so a salt alone misses those other or earlier processes stored; give "
+                            "the tenant with it ({\"tenant\": T, \"cache_salt\": S}) or use all=true",
+                       "cache_salt", "salt_needs_tenant")
     scope = {k: v for k, v in (("tenant", tenant), ("cache_salt", salt), ("abi_version", abi)) if v is not None}
     return (scope | ({"all": True} if everything else {})), confined
 
