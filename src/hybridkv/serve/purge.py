@@ -67,7 +67,10 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
 
     ``known``: namespaces of the scope computed from its names (the tenant's with the given salt,
     ``""`` when none, and no adapter), selected too: a restarted server's ledger has not seen
-    them, yet an earlier process stored their entries in a persistent store.
+    them, yet an earlier process stored their entries in a persistent store. A tenant's other
+    salts and its adapters' namespaces are reached only through the ledger (this process's own):
+    a digest cannot be searched for by salt or adapter, which is why a ``cache_salt`` without a
+    tenant is refused before it gets here (:func:`~hybridkv.serve.auth.invalidate_scope`).
 
     Raises:
         ValueError: ``abi_version`` is not an older cache ABI version (:class:`PurgeSelector`).
