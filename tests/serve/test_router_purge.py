@@ -47,15 +47,21 @@ def _bearer(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
+WAIT_S = 60.0
+"""The longest wait for the router to see a worker's state (seconds)."""
+
+
 def _stats(router) -> dict:
     return httpx.get(f"{router.url}/router/stats", headers=_bearer(ROUTER_ADMIN), timeout=10).json()
 
 
 def _wait(pred, router) -> dict:
-    """Poll the router's stats (with its admin key) until ``pred(stats)``, at most 400 polls 25 ms
-    apart; fails the test with the last stats otherwise."""
+    """Poll the router's stats (with its admin key) until ``pred(stats)``, 25 ms apart for at most
+    :data:`WAIT_S` seconds (a loaded machine polls its workers late); fails the test with the last
+    stats otherwise."""
     s: dict = {}
-    for _ in range(400):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
         s = _stats(router)
         if pred(s):
             return s
