@@ -173,6 +173,13 @@ def test_bad_prices_and_models_are_named():
         h200_budget("small", 4)
 
 
+def test_hosts_accepts_none_as_no_host_tier():
+    args = build_parser().parse_args(["plan", "--slo", "ttft_p99=1", "--hosts", "none,64,256"])
+    assert args.hosts == (0.0, 64.0, 256.0)
+    with pytest.raises(SystemExit):            # none and 0 are the same size
+        build_parser().parse_args(["plan", "--slo", "ttft_p99=1", "--hosts", "none,0"])
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["plan", "--slo", "ttft_p97=1"], "unknown SLO key 'ttft_p97'"),
     (["plan", "--slo", "ttft_p99=1", "--gpu-hour-usd", "-3"], "--gpu-hour-usd"),

@@ -76,6 +76,8 @@ def _share(t: str) -> float:
 
 
 def _host(t: str) -> float:
+    if t == "none":                            # as --stores spells "no tier"
+        return 0.0
     x = _number(t, "host tier size")
     if not 0 <= x <= MAX_HOST_GIB:
         raise ValueError(f"host tier size {t!r} must be GiB in [0, {MAX_HOST_GIB:g}]")
@@ -156,8 +158,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--shares", type=_list("cache share", _share), default=SHARES, metavar="X[,X...]",
                    help="device cache shares searched, the first the baseline's (default "
                         f"{','.join(f'{x:g}' for x in SHARES)})")
-    p.add_argument("--hosts", type=_list("host tier size", _host), default=HOSTS, metavar="GIB[,GIB...]",
-                   help="host tier sizes per instance searched, GiB, 0 for none, the first the baseline's (default "
+    p.add_argument("--hosts", type=_list("host tier size", _host), default=HOSTS, metavar="GIB|none[,...]",
+                   help="host tier sizes per instance searched, GiB, 0 or none for no host tier, the first the baseline's (default "
                         f"{','.join(f'{x:g}' for x in HOSTS)})")
     p.add_argument("--stores", type=_list("store", _store), default=STORES, metavar="GIB@GBPS|none[,...]",
                    help="shared stores searched, the first the baseline's (default "
