@@ -367,12 +367,16 @@ def test_own_waiting_reaches_the_hybrid_router_and_is_refused_where_it_means_not
     monkeypatch.setattr(timed, "make_router", lambda cfg: built.append(make(cfg)) or built[-1])
     out = tmp_path / "ow.json"
     assert main(["replay", "--no-progress", "--simulate", "--timed", "--instances", "4", "--limit", "50",
-                 "--own-waiting", "0.25", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["config"]["own_waiting"] == 0.25
+                 "--own-waiting", "0.25", "--waiting-weight", "3", "--tie-kv-run", "off", "--price-restore", "off",
+                 "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["own_waiting"] == 0.25
+    assert (config["waiting_weight"], config["tie_kv_run"], config["price_restore"]) == (3.0, False, False)
     assert [r.options.own_waiting for r in built] == [0.25]
     assert main(["replay", "--no-progress", "--simulate", "--timed", "--instances", "4", "--limit", "50",
                  "--router", "least-load", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["config"]["own_waiting"] is None      # not the hybrid router's run
+    config = json.loads(out.read_text())["config"]
+    assert all(config[k] is None for k in ("own_waiting", "waiting_weight", "tie_kv_run", "price_restore"))
     capsys.readouterr()
     for argv, message in ((["--own-waiting", "0.5"], "--own-waiting 0.5 needs --timed"),
                           (["--timed", "--router", "prefix", "--own-waiting", "0.5"],

@@ -132,7 +132,9 @@ class ReplayReport:
     mode, config, skipped_lines: run mode (e.g. "simulate"); the run's settings as resolved
         (e.g. ``policy`` as run, ``host_groups`` ``full+kda`` for ``--host-groups all``,
         ``weight_digest``, the model's, which ``hybridkv cache purge --weight-digest`` takes; null
-        when simulating); malformed trace lines skipped (``--skip-bad``).
+        when simulating; ``own_waiting``, ``waiting_weight``, ``tie_kv_run`` and ``price_restore``,
+        the ``hybrid`` router's settings as run, null unless ``--timed`` with the ``hybrid``
+        router); malformed trace lines skipped (``--skip-bad``).
     rejected: ``{"requests": n, "reasons": {kind: count}, "examples": {kind: reason}}``:
         requests the engine refused (they count in no other figure), counted by the kind of
         refusal (:attr:`~hybridkv.engine.request.Request.reject_code`, a fixed text), with the

@@ -610,7 +610,8 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 "num_kv_pages": cfg.num_kv_pages, "num_checkpoint_slots": cfg.num_checkpoint_slots,
                 "max_output_tokens": opts.max_output_tokens, "instances": opts.instances, "store": store_url,
                 "store_alignment": cfg.store_boundary, "rejected": stats["rejected"], "eviction": cfg.eviction,
-                "own_waiting": opts.hybrid.own_waiting if opts.timed and _router_name(opts) == "hybrid" else None,
+                **{k: getattr(opts.hybrid, k) if opts.timed and _router_name(opts) == "hybrid" else None
+                   for k in ("own_waiting", "waiting_weight", "tie_kv_run", "price_restore")},
                 "host_eviction": cfg.host_eviction, "host_probation": cfg.host_probation,
                 "checkpoint_eviction": cfg.checkpoint_eviction, "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
                 "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,
