@@ -102,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "hold, until a request uses one, while branch and tail checkpoints need the room (2Q's "
                         "A1in; with --eviction lru; default off: one lru order; 0 is the setting measured in "
                         "docs/results/memory.md)")
-    r.add_argument("--checkpoint-eviction", choices=("utility",), default=None,
+    r.add_argument("--checkpoint-eviction", choices=("lru", "utility"), default=None,
                    help="utility: the device checkpoint pool evicts the checkpoint of least expected saving "
                         "(its hits, or its term's observed use share, times the tokens it saves over the "
-                        "checkpoint below it; aged GreedyDual-style); not with --checkpoint-probation; default "
-                        "off: the pool follows --eviction (docs/concepts/eviction.md)")
+                        "checkpoint below it; aged GreedyDual-style); not with --checkpoint-probation; default: "
+                        "the pool follows --eviction, lru unless --eviction value (lru names that default, with "
+                        "--eviction lru only) (docs/concepts/eviction.md)")
     r.add_argument("--verify", type=non_negative_int, default=0,
                    help="re-run N sampled requests without cache and compare logits")
     r.add_argument("--simulate", action="store_true", help="no tensors: cost model, whole trace by default")
@@ -279,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.checkpoint_probation is not None and args.eviction != "lru":
         parser.error(f"--checkpoint-probation {args.checkpoint_probation:g} works with --eviction lru, "
                      f"not {args.eviction}")
+    if args.command == "replay" and args.checkpoint_eviction == "lru":     # the default, named
+        if args.eviction != "lru":
+            parser.error(f"--checkpoint-eviction lru with --eviction {args.eviction}: the checkpoint pool "
+                         f"follows --eviction unless --checkpoint-eviction utility; leave it out")
+        args.checkpoint_eviction = None
     if args.command == "replay" and args.checkpoint_eviction and args.checkpoint_probation is not None:
         parser.error(f"--checkpoint-eviction {args.checkpoint_eviction} and --checkpoint-probation "
                      f"{args.checkpoint_probation:g} exclude each other")

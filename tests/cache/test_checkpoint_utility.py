@@ -209,3 +209,27 @@ def test_bench_frontier_utility7_places_interval_checkpoints_every_7_blocks(tmp_
     assert "interval=3584" in rows["utility7"]["policy"] and "interval=7168" in rows["utility"]["policy"]
     assert rows["utility7"]["checkpoint_eviction"] == rows["utility"]["checkpoint_eviction"] == "utility"
     assert rows["utility7"]["reused_tokens"] - rows["utility"]["reused_tokens"] == 7 * 512
+
+
+def test_cli_checkpoint_eviction_lru_names_the_default(tmp_path, capsys):
+    """``--checkpoint-eviction lru`` is the default order (``checkpoint_eviction`` None): the same
+    run as without it, allowed with ``--checkpoint-probation``, refused with ``--eviction value``."""
+    import json
+
+    from hybridkv.cli import main
+
+    runs = {}
+    for name, extra in (("plain", []), ("lru", ["--checkpoint-eviction", "lru"]),
+                        ("lru_probation", ["--checkpoint-eviction", "lru", "--checkpoint-probation", "0"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["replay", "--no-progress", "--simulate", "--limit", "30", "--checkpoint-slots", "40",
+                     *extra, "--json", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert runs["lru"]["config"]["checkpoint_eviction"] is None
+    assert runs["lru"]["reused_tokens"] == runs["plain"]["reused_tokens"]
+    assert runs["lru_probation"]["config"]["checkpoint_eviction"] is None
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", "--limit", "5", "--checkpoint-eviction", "lru", "--eviction", "value"])
+    assert exc.value.code == 2
+    assert "--checkpoint-eviction lru with --eviction value" in capsys.readouterr().err
