@@ -215,11 +215,18 @@ def test_cli_plans_a_prefix_and_writes_json_and_png(tmp_path, capsys):
     import shlex
     for line in data["commands"]:
         parser.parse_args(shlex.split(line)[1:])
-    assert "plan:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "plan:" in captured.out
+    progress = captured.out + captured.err      # a --limit run names its requests, not the whole trace
+    assert "[all 16 requests, " in progress and "[whole trace" not in progress
     # the space asked for and no other: two structures, both reaching the whole (prefix) trace
     structures = {tuple(e["structure"]) for e in data["rungs"][-1]["structures"]}
     assert structures == {(0.0, 0.0, 0.0), (256.0, 1.1, 0.0)}
     assert {o["config"]["router"] for o in data["evaluated"]} == {"hybrid"}
+
+
+def test_progress_scope_names_a_limited_run_by_its_requests():
+    assert _evaluator("ttft_p99=30", limit=16).scope == "all 16 requests"
 
 
 def test_seeds_move_arrivals_within_the_trace_resolution():

@@ -276,6 +276,9 @@ class Evaluator:
         self.max_num_seqs, self.time_scale = max_num_seqs, time_scale
         self.load = load_trace(trace, limit=limit)
         self.total = len(self.load.requests)
+        self.scope = "whole trace" if limit is None else f"all {self.total:,} requests"
+        """How the progress lines name the run on every request planned on (``--limit``: not the
+        whole trace)."""
         if self.total == 0:
             raise PlanError(f"--trace {trace}: no requests")
         raw = Path(trace).read_bytes() if trace else None
@@ -784,7 +787,7 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     while pending:
         if incumbent is None:                                     # no plan yet: a whole bisection
             cfg = pending.pop(0)
-            ev.stage = f"whole trace, instances: {cfg.label()}"
+            ev.stage = f"{ev.scope}, instances: {cfg.label()}"
             found = min_instances(lambda k, c=cfg: ev.evaluate(replace(c, instances=k)), 0, probe, max_instances)
             bb.append({"structure": list(cfg.structure), "bisected": True,
                        "instances": found.config.instances if found else None})
@@ -804,7 +807,7 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
             batch.append(replace(cfg, instances=m))
         if not batch:
             continue
-        ev.stage = f"whole trace, below {incumbent.cost_per_hour:.2f} USD/h: {len(batch)} structures"
+        ev.stage = f"{ev.scope}, below {incumbent.cost_per_hour:.2f} USD/h: {len(batch)} structures"
         checks = ev.evaluate_many([(c, None, 0) for c in batch])
         for c, o in zip(batch, checks):
             if not o.meets:
@@ -814,7 +817,7 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
                 if second is not None and o.ratio <= 1 + near:       # a near miss: the structure's second choice
                     pending.append(second)
                 continue
-            ev.stage = f"whole trace, instances: {c.label()}"
+            ev.stage = f"{ev.scope}, instances: {c.label()}"
             found = min_instances(lambda k, c=c: ev.evaluate(replace(c, instances=k)), 0, c.instances, c.instances)
             bb.append({"structure": list(c.structure), "bisected": True, "checked_at": c.instances,
                        "instances": found.config.instances if found else None})
