@@ -398,7 +398,7 @@ def test_ctrl_c_during_plan_prints_one_line_keeps_the_cache_and_ends_the_workers
     import sys
     import time
     cache = tmp_path / "cache.json"
-    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "plan", "--slo", "ttft_p99=60", "--limit", "48",
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "plan", "--slo", "ttft_p99=60", "--limit", "600",
                              "--jobs", "2", "--cache", str(cache)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
