@@ -391,6 +391,16 @@ def test_deploy_commands_are_each_printed_once_for_one_instance_and_no_store(cap
     assert sum(line.strip().startswith("hybridkv serve") for line in deploy) == 1
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """A child's SIGINT as a terminal's foreground job has it: default disposition, not blocked.
+    An ignored or blocked SIGINT survives exec (a shell's background job ignores it, and a library
+    loaded by an earlier test may ignore or block it in the test process), and Python keeps an
+    ignored SIGINT ignored."""
+    import signal
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_plan_prints_one_line_keeps_the_cache_and_ends_the_workers(tmp_path):
     import os
     import signal
@@ -400,7 +410,8 @@ def test_ctrl_c_during_plan_prints_one_line_keeps_the_cache_and_ends_the_workers
     cache = tmp_path / "cache.json"
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv.cli", "plan", "--slo", "ttft_p99=60", "--limit", "600",
                              "--jobs", "2", "--cache", str(cache)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_sigint_as_at_a_terminal)
 
     def stored() -> int:
         try:
