@@ -116,3 +116,15 @@ def perturb_writes(tier, group: str):
 
     tier.save_entries = save
     return honest
+
+
+def wait_shadow_checks(read, n: int, wait_s: float) -> dict[str, float]:
+    """Poll ``read()`` (shadow metric samples by name) every 50 ms until
+    ``hybridkv_shadow_checks_total`` reaches ``n`` or ``wait_s`` seconds pass; the last samples."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        m = read()
+        if m.get("hybridkv_shadow_checks_total", 0) >= n or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 
 import httpx
 import numpy as np
@@ -17,7 +16,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import EXIT_BOUND_S, perturb_writes, running_cli
+from serve_helpers import EXIT_BOUND_S, perturb_writes, running_cli, wait_shadow_checks
 
 from hybridkv.engine.build import load_model
 from hybridkv.engine.request import Request
@@ -60,12 +59,7 @@ def _shadow_metrics(url: str) -> dict[str, float]:
 
 def _wait_checks(url: str, n: int) -> dict[str, float]:
     """Poll :func:`_shadow_metrics` until ``n`` checks finished (at most :data:`WAIT_S`)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        m = _shadow_metrics(url)
-        if m.get("hybridkv_shadow_checks_total", 0) >= n or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
+    return wait_shadow_checks(lambda: _shadow_metrics(url), n, WAIT_S)
 
 
 def _ask(url: str, prompt: list[int]) -> tuple[list[int], int]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import perturb_writes, prompt_ids
+from serve_helpers import perturb_writes, prompt_ids, wait_shadow_checks
 
 from hybridkv.cache.groups import KDA
 from hybridkv.cli import main
@@ -46,12 +46,8 @@ def _complete(url: str, prompt: list[int]) -> dict:
 
 
 def _wait_checks(url: str, n: int) -> dict[str, float]:
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        m = _metrics(url)
-        if m.get("hybridkv_shadow_checks_total", 0) >= n or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
+    """Poll :func:`_metrics` until ``n`` checks finished (at most :data:`WAIT_S`)."""
+    return wait_shadow_checks(lambda: _metrics(url), n, WAIT_S)
 
 
 def _checkpoint_manifests(s: RunningServer) -> int:
