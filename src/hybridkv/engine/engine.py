@@ -47,9 +47,10 @@ class EngineStats:
 class CacheListener(Protocol):
     """Hears what an engine's cache makes reusable and what it drops, by chained unit hash.
 
-    The engine calls it from its two cache seams: after each
-    :meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.publish` and from the
-    coordinator's ``on_evict`` callback. Keys are chained hashes of ``[0, end)`` (one per
+    The engine calls it from its cache seams: after each
+    :meth:`~hybridkv.cache.coordinator.HybridCacheCoordinator.publish`, after each install of
+    entries loaded from a lower tier (host or store: :meth:`stored` with no retired keys, exactly
+    as for computed entries) and from the coordinator's ``on_evict`` callback. Keys are chained hashes of ``[0, end)`` (one per
     ``prefix_match_unit``); they identify prefixes, never carry token ids, and must not be
     logged. :mod:`hybridkv.fleet.events` turns these calls into router events.
     """
@@ -77,8 +78,8 @@ class Engine:
             :class:`~hybridkv.tiers.store_tier.StoreTier`), nearest first.
         prefetch: start store loads for waiting requests in the background
             (:meth:`prefetch`); ``False`` loads only at admission.
-        listener: told of every publication and eviction (:class:`CacheListener`);
-            ``None``: nobody listens.
+        listener: told of every publication, install from a lower tier and eviction
+            (:class:`CacheListener`); ``None``: nobody listens.
 
     Raises:
         ValueError: ``config.host_interval`` is set but no tier writes checkpoints through (its
@@ -112,6 +113,8 @@ class Engine:
         self.compute_rate = ComputeRate()
         self.timings: TimingSink | None = None
         self.connector = TierConnector(self.cache, backend, tiers, compute=self.compute_rate) if tiers else None
+        if self.connector is not None and listener is not None:
+            self.connector.on_install = self._tell_installed     # installs are announced like computed entries
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.detached: list[Request] = []     # decoding outside the schedule, pages held (:meth:`detach`)
@@ -250,6 +253,15 @@ class Engine:
         self.listener.stored(hashes[start // g: min(len(hashes), end // g)],
                              [hashes[b // g - 1] for b in created],
                              [hashes[b // g - 1] for b in published.retired], created, start // g)
+
+    def _tell_installed(self, hashes: list[bytes], kv_start: int, kv_end: int, state: int) -> None:
+        """Tell the listener what one install from a lower tier put on the device (the connector's
+        ``on_install``): the units of ``[kv_start, kv_end)`` and the checkpoint at ``state``
+        (tokens; 0: none), as :meth:`_tell_stored` tells what a prefill computed, so a router's
+        view holds what the instance can serve whether it computed or loaded it."""
+        g = self.config.prefix_match_unit
+        self.listener.stored(hashes[kv_start // g: kv_end // g], [hashes[state // g - 1]] if state else [], [],
+                             [state] if state else [], kv_start // g)
 
     def prefetch(self) -> None:
         """Start background loads from lower tiers for the next ``max_num_seqs`` waiting requests

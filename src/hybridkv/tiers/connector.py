@@ -255,6 +255,13 @@ class TierConnector:
     Attributes:
         timings: told the seconds of each lookup, load, transfer and install
             (:class:`TimingSink`), or ``None``.
+        on_install: told of every install into the device pools, when it ends, as
+            ``on_install(hashes, kv_start, kv_end, state)`` (tokens): the page entries of
+            ``[kv_start, kv_end)`` now cached (``kv_start == kv_end``: none), and the state entry
+            attached at ``state`` (0: none), keyed by the prompt's chained unit ``hashes``. What
+            an install left on the device when it failed part-way is told too. The engine sets it
+            so its cache listener announces installed entries as it announces computed ones
+            (:meth:`~hybridkv.engine.engine.Engine._tell_installed`); ``None``: nobody is told.
 
     Raises:
         ValueError: two tiers share a name, or a write-back tier's alignment is
@@ -287,6 +294,7 @@ class TierConnector:
         self.compute = compute if compute is not None else ComputeRate()
         self.load_seconds_per_entry: dict[str, float] = {}     # EWMA per tier, installs timed whole
         self.timings: TimingSink | None = None
+        self.on_install: Callable[[list[bytes], int, int, int], None] | None = None
 
     def note_compute(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` tokens in ``seconds`` of model time (one step)."""
@@ -562,6 +570,7 @@ class TierConnector:
             moved[0] += time.perf_counter() - t
 
         t0 = time.perf_counter()
+        kv_start = kv_end = state = 0                      # what is installed so far (tokens)
         try:
             for (b, grp), entry in zip(wanted, got):
                 if entry is None:
@@ -570,13 +579,18 @@ class TierConnector:
                     if not self.cache.install_kv(hashes, b - a, b, lambda pages, c=entry: write(pages, c),
                                                  match.namespace):
                         return False
+                    kv_start, kv_end = (kv_start, b) if kv_end else (b - a, b)   # consecutive segments
                 elif not self.cache.install_checkpoint(
                         hashes, self.backend.state_codec.decode(entry, b) if tier.payload else None, b):
                     return False
+                else:
+                    state = b
             return True
         finally:
             self._timed("transfer", moved[0], tier.name)
             self._timed("install", time.perf_counter() - t0 - moved[0], tier.name)
+            if self.on_install is not None and (kv_end or state):
+                self.on_install(hashes, kv_start, kv_end, state)
 
     # -- saving -------------------------------------------------------------
     def upload(self, key: Hashable, alloc: Allocation, computed: int,
