@@ -849,6 +849,23 @@ class HybridOptions:
         mean = sum(own[j] for j in live) / len(live) if live else 0.0
         return [a * n + (1 - a) * mean for n in own]
 
+    def waiting_among(self, loads: list[InstanceLoad], live: list[int], among: list[int]) -> list[float]:
+        """:meth:`waiting_counts` of the instances ``among`` only (in that order), the same values:
+        reads the loads of ``live`` (the mean) and ``among``, not every instance's."""
+        k = self.waiting_weight
+        a = self.own_waiting
+        if k != 1:
+            own = [loads[j].waiting * k for j in among]
+            if a == 1:
+                return own
+            mean = sum([loads[j].waiting * k for j in live]) / len(live) if live else 0.0
+        else:
+            own = [loads[j].waiting for j in among]
+            if a == 1:
+                return own
+            mean = sum([loads[j].waiting for j in live]) / len(live) if live else 0.0
+        return [a * n + (1 - a) * mean for n in own]
+
 
 class RoutedPrompts:
     """The prompts a router sent one instance that have no first token yet: what the instance
@@ -1124,7 +1141,7 @@ class HybridRouter(Router):
                 pair = rp.extend(req.hashes[:req.limit // view.unit], view, pair)
         work, hit = self._work(req, pair, (store_hit, store_hit if store_restart is None else store_restart))
         ld = fleet.loads[j]
-        weight = 1 + self.options.waiting_counts(fleet.loads, fleet.live)[j] if self.options.weigh_waiting else 1
+        weight = 1 + self.options.waiting_among(fleet.loads, fleet.live, [j])[0] if self.options.weigh_waiting else 1
         return self.predicted_prefill(req, 0) - self.queue_seconds(ld) - weight * work, hit
 
     def _work(self, req: RouteRequest, local: tuple[int, int, int], store: tuple[int, int]) -> tuple[float, int]:
@@ -1163,7 +1180,8 @@ class HybridRouter(Router):
             store = (0, 0)
         loads, views, hashes, limit = fleet.loads, fleet.views, req.hashes, req.limit
         live = fleet.live
-        some = loads if 4 * len(live) > len(loads) else [loads[j] for j in live]   # narrowed to candidates
+        # read only the live instances' loads (a large fleet's candidates: O(candidates), not O(fleet))
+        some = loads if len(live) == len(loads) else [loads[j] for j in live]
         if type(self).queue_seconds is HybridRouter.queue_seconds and self.options.count_decode:
             # queue_seconds' first case inline (an instance with a free slot or nothing to decode
             # waits its queued prefill only); the others computed by it, the same values
@@ -1171,18 +1189,15 @@ class HybridRouter(Router):
             q = [ld.queued_seconds if ld.in_flight < s or ld.decode_tokens <= 0 else qs(ld) for ld in some]
         else:
             q = [self.queue_seconds(ld) for ld in some]
-        if some is not loads:                       # indexed by instance, as over every load
-            q, sub = [0.0] * len(loads), q
-            for j, x in zip(live, sub):
-                q[j] = x
         p0 = self.predicted_prefill(req, 0)
-        live = fleet.live
-        cool = self._cool(live, q if len(live) == len(q) else [q[j] for j in live])   # live: ascending
-        # views of one kind and unit (a fleet's): the joint-hit rule over one slice of the prompt's
-        # hashes shared by the views, through one _RunGuessPresence (the last run found reused)
-        plain = (limit >= 0 and {*map(type, views)} == _PLAIN_VIEW and len({*map(_UNIT, views)}) == 1
-                 and _one_family(views))
-        g = views[live[0]].unit if plain else 0
+        cool = self._cool(live, q)                  # q: one wait per live instance (ascending)
+        q = dict(zip(live, q))                      # instance -> its wait
+        # the cool views of one kind and unit (a fleet's): the joint-hit rule over one slice of the
+        # prompt's hashes shared by them, through one _ViewsPresence (only they are scored)
+        cviews = [views[j] for j in cool]
+        plain = (limit >= 0 and {*map(type, cviews)} == _PLAIN_VIEW and len({*map(_UNIT, cviews)}) == 1
+                 and _one_family(cviews))
+        g = cviews[0].unit if plain else 0
         units = hashes[:limit // g] if plain else hashes
         active = ()
         if self.options.count_routed and limit >= 0 and isinstance(views[live[0]], InstanceView):
@@ -1190,9 +1205,9 @@ class HybridRouter(Router):
             routed, active = self._routed(fleet, unit), self._active
             cunits = units if unit == g else hashes[:limit // unit]       # the views' slice when they share it
         if plain:       # the rule for every cool view at once (lists, in the order of ``cool``)
-            view_pairs = list(zip(*joint_hits(views[live[0]].family, _ViewsPresence(units, g, [views[j] for j in cool]),
-                                              limit)))
-        waiting = self.options.waiting_counts(loads, live) if self.options.weigh_waiting else None
+            view_pairs = list(zip(*joint_hits(cviews[0].family, _ViewsPresence(units, g, cviews), limit)))
+        # per instance of ``cool``, in order (the mean read over ``live``)
+        waiting = self.options.waiting_among(loads, live, cool) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
         for k, j in enumerate(cool):
@@ -1209,7 +1224,7 @@ class HybridRouter(Router):
             priced = works.get(pair)
             if priced is None:
                 priced = works[pair] = self._work(req, pair, store)
-            scores.append(p0 - q[j] - (1 + waiting[j] if waiting is not None else 1) * priced[0])
+            scores.append(p0 - q[j] - (1 + waiting[k] if waiting is not None else 1) * priced[0])
         floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
         tied = [k for k, sc in enumerate(scores) if sc >= floor]
         if self.options.tie_kv_run and len(tied) > 1:
