@@ -14,7 +14,7 @@ import pytest
 from serve_helpers import prompt_ids, wait_router
 
 from hybridkv.replay.timed import CPU_ESTIMATE
-from hybridkv.serve.cache_events import SNAPSHOT_PAGE_MAX
+from hybridkv.serve.cache_events import SNAPSHOT_KEEP, SNAPSHOT_PAGE_MAX, SnapshotGone, SnapshotPages
 from hybridkv.serve.fleet_view import Workers
 from hybridkv.serve.launch import BackgroundUvicorn, RunningServer, ServeOptions
 from hybridkv.serve.router import RouterService, RouterSettings, create_router_app
@@ -92,10 +92,90 @@ def test_a_purge_while_paging_ends_the_generation_with_a_410(filled):
 
 @pytest.mark.parametrize(("params", "param", "status"), [
     ({"limit": 0}, "limit", 400), ({"limit": SNAPSHOT_PAGE_MAX + 1}, "limit", 400), ({"limit": "many"}, "limit", 400),
-    ({"cursor": "page-two"}, "cursor", 400), ({"cursor": "0123abcd.5"}, "cursor", 410)])
+    ({"cursor": "page-two"}, "cursor", 400), ({"cursor": "0123abcd.5"}, "cursor", 400),
+    ({"cursor": "0" * 32 + ".5"}, "cursor", 400), ({"cursor": "f" * 32 + ".0"}, "cursor", 400)])
 def test_bad_limits_and_cursors_are_refused_naming_them(filled, params, param, status):
+    """A made-up cursor (well-formed hex and offset, but no generation this worker gave) is a 400
+    naming it, as a malformed one is; 410 is for a cursor of a snapshot that was dropped."""
     r = _get(filled.url, **params)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    if param == "cursor":
+        assert "not a cursor this server gave" in r.json()["error"]["message"]
+
+
+def test_a_cursor_tampered_with_is_made_up_but_one_dropped_is_gone(filled):
+    first = _get(filled.url, limit=5).json()
+    gen = first["generation"]
+    forged = gen[:15] + ("0" if gen[15] != "0" else "1") + gen[16:]          # the nonce changed, the tag kept
+    r = _get(filled.url, cursor=f"{forged}.5", limit=5)
+    assert r.status_code == 400, r.text
+    last = None
+    cursor = first["next_cursor"]
+    while cursor:                                         # read to its end: the snapshot is dropped
+        last = _get(filled.url, cursor=cursor, limit=5)
+        assert last.status_code == 200, last.text
+        cursor = last.json()["next_cursor"]
+    r = _get(filled.url, cursor=first["next_cursor"], limit=5)   # genuine, its snapshot no longer held
+    assert r.status_code == 410 and r.json()["error"]["code"] == "snapshot_gone", r.text
+
+
+def test_a_cursor_of_an_earlier_process_with_the_same_key_is_gone_not_made_up():
+    """The cursor key follows the cache namespace: after a restart a reader's old cursor is a 410."""
+    before, after, other = (SnapshotPages(key=b"k" * 32), SnapshotPages(key=b"k" * 32),
+                            SnapshotPages(key=b"j" * 32))
+    page = before.first(1, [bytes([i]) * 32 for i in range(10)], bytearray(10), 4)
+    with pytest.raises(SnapshotGone, match="no longer held"):
+        after.resume(page["next_cursor"], 4, 1)
+    with pytest.raises(ValueError, match="not a cursor this server gave"):
+        other.resume(page["next_cursor"], 4, 1)
+    with pytest.raises(ValueError, match="keep=0"):
+        SnapshotPages(keep=0)
+
+
+async def _read_interleaved(url: str, readers: int, limit: int) -> list[int | None]:
+    """``readers`` readers of the snapshot at once, each a page at a time in turn (every reader's
+    first page, then every reader's second, ...: each holds its snapshot while the others start
+    theirs); each reader's total entries, or ``None`` for one answered 410 mid-read."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def page(params):
+            return await client.get(f"{url}/v1/cache/snapshot", params=params)
+
+        firsts = await asyncio.gather(*(page({"limit": limit}) for _ in range(readers)))
+        got = [r.json() for r in firsts]
+        seen = [len(p["kv"]) for p in got]
+        cursors: list[str | None] = [p["next_cursor"] for p in got]
+        while any(cursors):
+            live = [i for i, c in enumerate(cursors) if c]
+            answers = await asyncio.gather(*(page({"cursor": cursors[i], "limit": limit}) for i in live))
+            for i, r in zip(live, answers):
+                if r.status_code == 410:
+                    seen[i], cursors[i] = None, None
+                    continue
+                assert r.status_code == 200, r.text
+                seen[i] += len(r.json()["kv"])
+                cursors[i] = r.json()["next_cursor"]
+        return seen
+
+
+def test_concurrent_readers_each_page_through_their_own_snapshot(filled):
+    """More readers at once than the 4 snapshots a worker used to hold: each reads its whole
+    snapshot (none is dropped for another reader's), under the default --snapshot-readers."""
+    total = _get(filled.url).json()["total"]
+    readers = SNAPSHOT_KEEP
+    assert readers > 4
+    assert asyncio.run(_read_interleaved(filled.url, readers, 5)) == [total] * readers
+
+
+def test_snapshot_readers_sets_how_many_are_held():
+    """With --snapshot-readers 2, a third reader starting while two page drops the least recently
+    read snapshot (that reader gets 410); two readers at once both finish."""
+    with RunningServer(ServeOptions(port=0, threads=1, snapshot_readers=2)) as s:
+        for j in range(2):
+            _cache(s.url, prompt_ids(4000 + j, 300), "t0")
+        total = _get(s.url).json()["total"]
+        assert asyncio.run(_read_interleaved(s.url, 2, 3)) == [total, total]
+        seen = asyncio.run(_read_interleaved(s.url, 3, 3))
+        assert seen.count(None) >= 1 and all(n in (None, total) for n in seen)
 
 
 def test_a_cursor_past_the_end_is_refused(filled):

@@ -11,6 +11,7 @@ OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/how-to
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import secrets
 import time
@@ -28,6 +29,7 @@ from hybridkv.engine.build import EngineHandle
 from hybridkv.serve.auth import AuthMiddleware, KeyRing, invalidate_scope, principal_of, request_tenant, serve_route_kind
 from hybridkv.serve.cache_events import (
     EVENT_PAGE_MAX,
+    SNAPSHOT_KEEP,
     SNAPSHOT_PAGE_MAX,
     EventFeed,
     SnapshotGone,
@@ -59,11 +61,14 @@ class ServeSettings:
         model_name: the name clients pass as ``model`` (the preset or directory given).
         max_model_len: prompt plus generated tokens allowed per request.
         default_max_tokens: ``max_tokens`` when a request leaves it out.
+        snapshot_readers: device-index snapshots held at once for readers paging through
+            ``GET /v1/cache/snapshot`` (:class:`~hybridkv.serve.cache_events.SnapshotPages` ``keep``).
     """
 
     model_name: str
     max_model_len: int
     default_max_tokens: int = 16
+    snapshot_readers: int = SNAPSHOT_KEEP
 
 
 class Server:
@@ -82,7 +87,10 @@ class Server:
                  metrics: ServeMetrics, events: EventFeed | None = None) -> None:
         self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
         self.events = events
-        self.snapshots = SnapshotPages()      # device-index snapshots being paged (GET /v1/cache/snapshot)
+        # device-index snapshots being paged (GET /v1/cache/snapshot); the cursor key follows the cache
+        # namespace, so a cursor of this worker before a restart is still told from a made-up one
+        self.snapshots = SnapshotPages(settings.snapshot_readers,
+                                       key=hashlib.sha256(b"hybridkv snapshot cursor\0" + handle.namespace).digest())
         handle.engine.set_timings(metrics)    # lookup / load / transfer / install / saved-prefill histograms
         self.vocab_size = handle.backend.vocab_size
         self.unit = handle.engine.config.prefix_match_unit

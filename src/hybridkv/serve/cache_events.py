@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import itertools
 import secrets
 import threading
@@ -290,9 +291,14 @@ SNAPSHOT_PAGE_MAX = 4096
 """Most entries one ``GET /v1/cache/snapshot`` page answers (about 280 KB of JSON: 64 hex digits
 and 4 characters of JSON per entry, up to twice that when every entry has a checkpoint); also its
 default ``limit``."""
-SNAPSHOT_KEEP = 4
-"""Snapshots a worker holds for readers paging through them at once (the least recently read is
-dropped first)."""
+SNAPSHOT_KEEP = 16
+"""Snapshots a worker holds for readers paging through them at once, by default (``hybridkv serve
+--snapshot-readers``; the least recently read is dropped first): one per router resyncing from
+it at the same time. A held snapshot costs about 75 bytes per cached unit at most (a reference
+and a flag per entry, and the 32-byte keys of entries evicted since it was read)."""
+CURSOR_TAG_BYTES = 8
+"""Bytes of the HMAC-SHA256 tag a snapshot ``generation`` ends with (16 hex digits after 16 random
+ones): it tells a cursor this worker gave (410 once its snapshot is dropped) from a made-up one (400)."""
 SNAPSHOT_TTL_S = 60.0
 """Seconds a held snapshot outlives its last page read."""
 
@@ -311,32 +317,51 @@ class SnapshotPages:
     cursor carries; a snapshot whose epoch has ended is dropped, and its cursors then raise
     :class:`SnapshotGone`, so a reader that pages across a purge or restart starts again.
 
+    A generation is 16 random hex digits and a tag of :data:`CURSOR_TAG_BYTES` (HMAC-SHA256 of
+    them under ``key``), so a cursor this worker gave is told from a made-up one without
+    remembering every generation: a made-up or malformed cursor is a ``ValueError`` (400), a
+    genuine one whose snapshot is gone a :class:`SnapshotGone` (410), also after a restart when
+    ``key`` is the same (a server derives it from its cache namespace).
+
     Args:
-        keep: snapshots held at once (>= 1).
+        keep: snapshots held at once (>= 1; default :data:`SNAPSHOT_KEEP`).
         ttl_s: seconds a snapshot is held after its last page (> 0).
         clock: monotonic seconds (``time.monotonic``).
+        key: the tag's HMAC key (bytes); ``None``: a random one (cursors of another instance
+            are then made up to this one).
 
     Raises:
         ValueError: ``keep`` < 1 or ``ttl_s`` <= 0 (named).
     """
 
-    def __init__(self, keep: int = SNAPSHOT_KEEP, ttl_s: float = SNAPSHOT_TTL_S, clock=time.monotonic) -> None:
-        if keep < 1 or not ttl_s > 0:
-            raise ValueError(f"keep={keep} must be >= 1 and ttl_s={ttl_s} > 0 seconds")
+    def __init__(self, keep: int = SNAPSHOT_KEEP, ttl_s: float = SNAPSHOT_TTL_S, clock=time.monotonic,
+                 key: bytes | None = None) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1 or not ttl_s > 0:
+            raise ValueError(f"keep={keep!r} must be an integer >= 1 and ttl_s={ttl_s} > 0 seconds")
         self.keep, self.ttl_s, self.clock = keep, ttl_s, clock
+        self._key = key if key is not None else secrets.token_bytes(32)
         self._held: dict[str, tuple[int, list[bytes], bytearray, float]] = {}   # generation -> epoch, keys,
                                                                                  # checkpoint flags, last read
 
-    @staticmethod
-    def parse_cursor(cursor: str) -> tuple[str, int]:
-        """``(generation, offset)`` of a ``next_cursor`` (``GENERATION.OFFSET``).
+    def _tag(self, nonce: str) -> str:
+        return hmac.new(self._key, nonce.encode("ascii"), hashlib.sha256).hexdigest()[:2 * CURSOR_TAG_BYTES]
+
+    def _new_generation(self) -> str:
+        nonce = secrets.token_hex(8)
+        return nonce + self._tag(nonce)
+
+    def parse_cursor(self, cursor: str) -> tuple[str, int]:
+        """``(generation, offset)`` of a ``next_cursor`` this instance (or one with the same key) gave
+        (``GENERATION.OFFSET``: 32 lowercase hex digits whose last 16 are the tag, a decimal offset).
 
         Raises:
-            ValueError: anything else (naming the cursor, shortened).
+            ValueError: anything else, a made-up generation included (naming the cursor, shortened).
         """
         generation, dot, offset = cursor.partition(".")
-        if not dot or not generation or not all(c in "0123456789abcdef" for c in generation) \
-                or not offset.isascii() or not offset.isdigit():
+        n = 16 + 2 * CURSOR_TAG_BYTES
+        if not dot or len(generation) != n or not all(c in "0123456789abcdef" for c in generation) \
+                or not offset.isascii() or not offset.isdigit() or len(offset) > 19 \
+                or not hmac.compare_digest(generation[16:], self._tag(generation[:16])):
             shown = cursor if len(cursor) <= 60 else cursor[:57] + "..."
             raise ValueError(f"cursor={shown!r} is not a cursor this server gave (next_cursor of a previous page)")
         return generation, int(offset)
@@ -347,7 +372,7 @@ class SnapshotPages:
         it has more than ``limit`` entries."""
         now = self.clock()
         self._expire(now)
-        generation = secrets.token_hex(8)
+        generation = self._new_generation()
         if len(keys) > limit:
             while len(self._held) >= self.keep:             # the least recently read goes
                 del self._held[min(self._held, key=lambda g: self._held[g][3])]
@@ -371,7 +396,8 @@ class SnapshotPages:
             held = None
         if held is None:
             raise SnapshotGone(f"snapshot generation {generation} is no longer held (a purge or restart started a "
-                               f"new epoch, it was not read for {self.ttl_s:g} s, or newer snapshots replaced it); "
+                               f"new epoch, it was not read for {self.ttl_s:g} s, or newer snapshots replaced it: this "
+                               f"worker holds {self.keep}, --snapshot-readers); "
                                "read the snapshot again from its first page (no cursor)")
         epoch, keys, flags, _ = held
         if offset >= len(keys):

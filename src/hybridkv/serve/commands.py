@@ -37,6 +37,7 @@ from hybridkv.replay.args import (
 )
 from hybridkv.serve.auth import add_auth_arguments
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
+from hybridkv.serve.cache_events import SNAPSHOT_KEEP
 
 
 def register_cli(sub) -> None:
@@ -74,6 +75,11 @@ def register_cli(sub) -> None:
                         "engine's idle time and compared (logits within 1e-4, same greedy tokens, ties apart); a "
                         "mismatch quarantines the entries the request reused in every tier (default 0.01; 0: off; "
                         "1: every hit; Kimi Linear and DeepSeek-V4 models, every --swa-recovery)")
+    s.add_argument("--snapshot-readers", type=positive_int, default=SNAPSHOT_KEEP, metavar="N",
+                   help="cache snapshots held at once for readers paging through GET /v1/cache/snapshot (one "
+                        "per router resyncing at the same time; a reader whose snapshot was dropped for a "
+                        f"newer one gets 410 and reads again; about 75 bytes per cached unit each at most; "
+                        f"default {SNAPSHOT_KEEP})")
     add_auth_arguments(s, router=False)
     s.set_defaults(func=_serve)
 
@@ -122,7 +128,7 @@ def _serve(args) -> int:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         host_mib=args.host_mib, threads=args.threads, max_model_len=args.max_model_len,
                         max_waiting=args.max_waiting, swa_recovery=args.swa_recovery,
-                        shadow_verify=args.shadow_verify)
+                        shadow_verify=args.shadow_verify, snapshot_readers=args.snapshot_readers)
     opts.auth = auth
     try:
         serve_forever(opts)

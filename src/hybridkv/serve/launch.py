@@ -27,7 +27,7 @@ from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory
                                    model_config)
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.auth import KeyRing
-from hybridkv.serve.cache_events import EventFeed
+from hybridkv.serve.cache_events import SNAPSHOT_KEEP, EventFeed
 from hybridkv.serve.metrics import ServeMetrics
 from hybridkv.serve.shadow import make_verifier
 from hybridkv.serve.tokenizer import load_codec
@@ -180,6 +180,8 @@ class ServeOptions:
             (:data:`~hybridkv.serve.shadow.DEFAULT_SHADOW_RATE`, Kimi Linear and DeepSeek-V4 alike); 0: off.
         auth: the API and admin keys (:class:`~hybridkv.serve.auth.KeyRing`); ``None``: every
             route open, as with an empty ring (never shown by ``repr``).
+        snapshot_readers: cache snapshots held at once for readers paging through
+            ``GET /v1/cache/snapshot`` (:data:`~hybridkv.serve.cache_events.SNAPSHOT_KEEP`).
         Others: as ``hybridkv replay`` names them.
     """
 
@@ -204,6 +206,7 @@ class ServeOptions:
     default_max_tokens: int = 16
     swa_recovery: str | None = None
     shadow_verify: float | None = None
+    snapshot_readers: int = SNAPSHOT_KEEP
     auth: KeyRing | None = field(default=None, repr=False)
 
 
@@ -281,8 +284,8 @@ def build_server(opts: ServeOptions) -> Server:
     except BaseException:
         handle.close()
         raise
-    return Server(handle, worker, codec, ServeSettings(opts.model, limit, opts.default_max_tokens), metrics,
-                  events)
+    settings = ServeSettings(opts.model, limit, opts.default_max_tokens, opts.snapshot_readers)
+    return Server(handle, worker, codec, settings, metrics, events)
 
 
 class BackgroundUvicorn:
