@@ -126,6 +126,17 @@ def test_serve_refuses_what_v4_does_not_run(capsys):
     assert "--swa-recovery" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", [["serve", "--model", "v4-tiny", "--port", "0"],
+                                 ["replay", "--simulate", "--model", "deepseek-v4-flash", "--limit", "2"]])
+def test_a_period_off_the_unit_names_the_options_and_values(cmd, capsys):
+    """``--swa-recovery periodic=2`` is refused at start with the options as typed, not the config fields."""
+    assert main([*cmd, "--swa-recovery", "periodic=2", "--prefix-match-unit", "64"]) == 2
+    err = " ".join(capsys.readouterr().err.split())          # the replay's console wraps long lines
+    assert err.startswith("error: --swa-recovery periodic=2: P=2 tokens must be a multiple of "
+                          "--prefix-match-unit 64") and "e.g. --swa-recovery periodic=64" in err, err
+    assert "swa_recovery" not in err and "prefix_match_unit=" not in err and "Traceback" not in err
+
+
 def test_the_event_feed_names_each_group_of_the_family():
     """Kimi Linear (the default): ``full`` / ``kda``; DeepSeek-V4: a page event once per paged group
     (``csa``, ``hca``, same keys), the state under ``swa``; ``all_cleared`` names none."""

@@ -71,6 +71,14 @@ def fraction(text: str) -> float:
     return x + 0.0                                  # -0 reads as 0
 
 
+def positive_fraction(text: str) -> float:
+    """A number in (0, 1] (a share of a capacity that must hold something)."""
+    x = _float(text)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in (0, 1]")
+    return x
+
+
 TIME_SCALE_RANGE = (1e-6, 1e6)
 """Bounds of ``--time-scale``: scaled arrival times of any trace with finite timestamps stay finite,
 and a one-hour trace spans between 3.6 ms and 114 years of the fleet's clock."""
@@ -246,6 +254,24 @@ def swa_recovery_arg(text: str) -> str:
         return str(SwaRecovery.parse(text))
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_swa_period(value: str | None, prefix_match_unit: int) -> None:
+    """Refuse ``--swa-recovery periodic=P`` whose ``P`` is not a multiple of ``--prefix-match-unit``
+    (states are saved at unit boundaries only), naming both options and their values, before
+    anything is built (the engine's own check names the config fields).
+
+    Raises:
+        ValueError: ``P % prefix_match_unit != 0``.
+    """
+    from hybridkv.cache.swa import SwaRecovery
+    recovery = SwaRecovery.parse(value)
+    p = recovery.period
+    if p is not None and p % prefix_match_unit:
+        near = max(prefix_match_unit, p // prefix_match_unit * prefix_match_unit)
+        raise ValueError(f"--swa-recovery {value}: P={p} tokens must be a multiple of --prefix-match-unit "
+                         f"{prefix_match_unit} (sliding-window states are saved at unit boundaries), "
+                         f"e.g. --swa-recovery periodic={near}")
 
 
 SWA_RECOVERY_HELP = ("DeepSeek-V4 models: how a cache hit restores the sliding-window state: window (the state "

@@ -25,6 +25,7 @@ from hybridkv.api import DEFAULT_KV_TOKENS
 from hybridkv.cache.config import CacheConfig, CheckpointPolicy
 from hybridkv.engine.build import (EngineHandle, build_engine, check_pool_memory, is_v4, load_model,
                                    model_config)
+from hybridkv.replay.args import check_swa_period
 from hybridkv.serve.app import Server, ServeSettings, create_app
 from hybridkv.serve.auth import KeyRing
 from hybridkv.serve.cache_events import SNAPSHOT_KEEP, EventFeed
@@ -226,6 +227,7 @@ def build_handle(opts: ServeOptions, listener: EventFeed | None = None) -> Engin
     sizes = model_config(opts.model)
     if is_v4(opts.model):
         check_v4_options(opts)
+        check_swa_period(opts.swa_recovery, opts.prefix_match_unit)    # named as options, not config fields
         from hybridkv.engine.v4backend import pool_sizes
         sizes = pool_sizes(sizes, config.block_size, config.prefix_match_unit)   # its pages and slots, by group
     elif opts.swa_recovery is not None:
