@@ -35,6 +35,9 @@ Variants (``VARIANTS``; the device policy is the replay default unless named):
 * ``utility``: ``default`` with ``checkpoint_eviction="utility"``: the device checkpoint pool
   evicts by expected saving (``--checkpoint-eviction utility``,
   :class:`hybridkv.cache.pools.UtilityOrder`).
+* ``utility_protected``: ``utility`` with the host tier's probation share at 0 (host-only
+  checkpoints take only the room the others leave, ``--host-probation 0``) and a protected segment
+  of 30% for checkpoints loaded from the host before (``--host-protected-share 0.3``).
 * ``utility7``: ``utility`` with the device policy's ``interval`` term at 7 blocks instead of
   the replay default's 14 (``--policy branch+tail=B+interval=7B+supersede``): denser speculative
   checkpoints, which the order evicts first where they are seldom used.
@@ -72,6 +75,7 @@ VARIANTS = {
     "probation": {"checkpoint_probation": 0.0},
     "utility": {"checkpoint_eviction": "utility"},
     "utility7": {"checkpoint_eviction": "utility", "interval_blocks": 7},
+    "utility_protected": {"checkpoint_eviction": "utility", "host_probation": 0.0, "host_protected_share": 0.3},
 }
 """Variant name -> replay options (``host_interval`` in blocks; ``interval_blocks``: the device
 policy's ``interval`` term in blocks, the rest of the policy the replay default's)."""
@@ -115,7 +119,8 @@ def cell(trace: str | None, limit: int | None, block: int, peak: int, slot_bytes
     return {"variant": variant, "eviction": r.config["eviction"],
             "checkpoint_probation": v.get("checkpoint_probation"),
             "checkpoint_eviction": v.get("checkpoint_eviction"),
-            "host_eviction": r.config["host_eviction"],
+            "host_eviction": r.config["host_eviction"], "host_probation": r.config["host_probation"],
+            "host_protected_share": r.config["host_protected_share"],
             "policy": r.config["policy"], "device": device, "host": host, "slots": slots, "host_bytes": host_bytes,
             "oracle_fraction": r.oracle_fraction, "reused_tokens": r.reused_tokens,
             "device_peak": r.checkpoint_bytes_peak / peak, "host_peak": h["bytes_peak"] / peak,

@@ -37,6 +37,7 @@ from hybridkv.replay.args import (
     max_num_seqs,
     page_tokens,
     pool_entries,
+    positive_fraction,
     positive_int,
     restart_spec,
     seed_value,
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the host tier that speculative host-only checkpoints (--host-interval) may "
                         "hold while entries the device evicted need the room (2Q's A1in; default "
                         f"{HOST_PROBATION}; docs/how-to/tiers.md)")
+    r.add_argument("--host-protected-share", type=positive_fraction, default=None, metavar="SHARE",
+                   help="share (0, 1] of the host tier kept for checkpoints loaded from it before (a segmented "
+                        "LRU: the others go first while these hold at most SHARE); with --host-eviction lru; "
+                        "default off (docs/results/memory.md measures 0.3)")
     r.add_argument("--checkpoint-probation", type=fraction, default=None, metavar="SHARE",
                    help="share 0..1 of the device checkpoint slots that the policy's interval checkpoints may "
                         "hold, until a request uses one, while branch and tail checkpoints need the room (2Q's "
@@ -258,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--host-interval {args.host_interval} needs a host tier: --host-mib is 0")
     if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
         parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
+    if args.command == "replay" and args.host_protected_share is not None:
+        if args.host_mib == 0:
+            parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: --host-mib is 0")
+        if args.host_eviction != "lru":
+            parser.error(f"--host-protected-share {args.host_protected_share:g} works with --host-eviction lru, "
+                         f"not {args.host_eviction}")
     if args.command == "replay" and not args.timed:
         for flag, value in (("--router", args.router), *(f.split(" ", 1) for f in hybrid_flags_given(args)),
                             ("--cost-model", args.cost_model),
@@ -483,6 +494,7 @@ def _replay(args, console: Console) -> int:
         host_groups=("full", "kda") if args.host_groups == "all" else ("kda",),
         host_interval=args.host_interval,
         eviction=args.eviction, host_eviction=args.host_eviction, host_probation=args.host_probation,
+        host_protected_share=args.host_protected_share,
         checkpoint_probation=args.checkpoint_probation, checkpoint_eviction=args.checkpoint_eviction,
         timed=args.timed, time_scale=args.time_scale, router=args.router,
         hybrid=hybrid_options(args),

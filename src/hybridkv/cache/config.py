@@ -206,6 +206,11 @@ class CacheConfig:
             checkpoints (``host_interval``) may hold while entries the device evicted or holds need
             the room (:class:`~hybridkv.tiers.host.HostTier`'s probation; 2Q's A1in share, default
             :data:`HOST_PROBATION`).
+        host_protected_share: fraction in ``(0, 1]`` of a host tier's bytes kept as a protected
+            segment (a segmented LRU) for checkpoints that were loaded from it before: the tier's
+            other entries go first while the protected ones hold at most this share
+            (:class:`~hybridkv.tiers.host.HostTier`'s ``protected_share``; with ``host_eviction``
+            ``lru`` only). ``None`` (default): one recency order.
         tenant_quota: fraction in ``(0, 1]`` of each device pool's bytes that one
             namespace (tenant) may keep cached; a namespace over it evicts its own
             entries first. ``None``: no quota.
@@ -240,6 +245,7 @@ class CacheConfig:
     eviction: str = "lru"
     host_eviction: str = "lru"
     host_probation: float = HOST_PROBATION
+    host_protected_share: float | None = None
     tenant_quota: float | None = None
     host_interval: int | None = None
     checkpoint_probation: float | None = None
@@ -275,6 +281,11 @@ class CacheConfig:
         hp = self.host_probation
         if isinstance(hp, bool) or not isinstance(hp, (int, float)) or not 0 <= hp <= 1:
             raise ConfigError(f"host_probation={hp!r} must be a fraction in [0, 1]")
+        ps = self.host_protected_share
+        if ps is not None and (isinstance(ps, bool) or not isinstance(ps, (int, float)) or not 0 < ps <= 1):
+            raise ConfigError(f"host_protected_share={ps!r} must be a fraction in (0, 1] or None")
+        if ps is not None and self.host_eviction != "lru":
+            raise ConfigError(f"host_protected_share={ps!r} works with host_eviction='lru', not {self.host_eviction!r}")
         cp = self.checkpoint_probation
         if cp is not None and (isinstance(cp, bool) or not isinstance(cp, (int, float)) or not 0 <= cp <= 1):
             raise ConfigError(f"checkpoint_probation={cp!r} must be a fraction in [0, 1] or None")

@@ -335,7 +335,8 @@ def build_engine(model: HybridModel | HybridConfig, config: CacheConfig, *, mode
         host = host_tier_for(host_bytes, backend, namespace, config.prefix_match_unit, config.block_size,
                              write_through=bool(through), eviction=config.host_eviction, quota=config.tenant_quota,
                              payload=payload, groups=groups, through_groups=through or None,
-                             probation_share=config.host_probation)
+                             probation_share=config.host_probation,
+                             protected_share=config.host_protected_share)
     if model is not None:
         store = _open_store_tier(store_url, backend, namespace, config, required=store_required)
     tiers = [t for t in (host, store) if t is not None]

@@ -71,6 +71,14 @@ def fraction(text: str) -> float:
     return x + 0.0                                  # -0 reads as 0
 
 
+def positive_fraction(text: str) -> float:
+    """A number in (0, 1] (a share of a capacity that must hold something)."""
+    x = _float(text)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in (0, 1]")
+    return x
+
+
 TIME_SCALE_RANGE = (1e-6, 1e6)
 """Bounds of ``--time-scale``: scaled arrival times of any trace with finite timestamps stay finite,
 and a one-hour trace spans between 3.6 ms and 114 years of the fleet's clock."""

@@ -92,7 +92,8 @@ class ReplayOptions:
     holds, ``host_interval`` (tokens) the host-only checkpoint spacing (``CacheConfig.host_interval``;
     ``None``: :func:`default_host_interval`, 0: off); ``checkpoint_probation``: the device checkpoint
     pool's probation share for interval checkpoints (``CacheConfig.checkpoint_probation``; ``None``:
-    off); ``checkpoint_eviction``: ``"utility"`` for the device checkpoint pool's expected-saving
+    off); ``host_protected_share``: the host tier's protected segment for checkpoints loaded from it
+    before (``CacheConfig.host_protected_share``; ``None``: off); ``checkpoint_eviction``: ``"utility"`` for the device checkpoint pool's expected-saving
     order (``CacheConfig.checkpoint_eviction``; ``None``: ``eviction``'s); ``store_gib=None`` means
     :data:`~hybridkv.fleet.store.DEFAULT_STORE_GIB` (0: unlimited); ``restarts`` are
     ``(instance, seconds)`` pairs of a timed run (:class:`~hybridkv.replay.timed.TimedSetup`), and so
@@ -134,6 +135,7 @@ class ReplayOptions:
     eviction: str = "lru"
     host_eviction: str = "lru"
     host_probation: float = HOST_PROBATION
+    host_protected_share: float | None = None
     checkpoint_probation: float | None = None
     checkpoint_eviction: str | None = None
     timed: bool = False
@@ -325,7 +327,7 @@ def _replay(opts: ReplayOptions, console: Console | None) -> ReplayReport:
         policy=policy, mechanism=opts.mechanism, max_num_seqs=opts.max_num_seqs,
         store_alignment=opts.store_alignment, eviction=opts.eviction, host_eviction=opts.host_eviction,
         host_probation=opts.host_probation, checkpoint_probation=opts.checkpoint_probation,
-        checkpoint_eviction=opts.checkpoint_eviction,
+        checkpoint_eviction=opts.checkpoint_eviction, host_protected_share=opts.host_protected_share,
         host_interval=(default_host_interval(opts.block_size, opts.host_bytes, opts.host_groups,
                                              not (opts.timed and opts.simulate) or opts.simulated_host)
                        if opts.host_interval is None else opts.host_interval or None))
@@ -613,6 +615,7 @@ def _merge(opts, cfg, policy, load, oracle, results, verify_ids, store_url, wall
                 **{k: getattr(opts.hybrid, k) if opts.timed and _router_name(opts) == "hybrid" else None
                    for k in ("own_waiting", "waiting_weight", "tie_kv_run", "price_restore")},
                 "host_eviction": cfg.host_eviction, "host_probation": cfg.host_probation,
+                "host_protected_share": cfg.host_protected_share,
                 "checkpoint_eviction": cfg.checkpoint_eviction, "host_bytes": opts.host_bytes, "host_write_through": opts.host_write_through,
                 "host_groups": "+".join(opts.host_groups), "host_interval": cfg.host_interval,
                 "evicted_pages": sum(r.evicted_pages for r in results),

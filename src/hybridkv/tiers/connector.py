@@ -67,18 +67,18 @@ def host_tier_for(capacity_bytes: int, backend, namespace: bytes, unit: int, blo
                   write_through: bool = False, eviction: str = "lru", quota: float | None = None,
                   payload: bool = True, groups: tuple[str, ...] | None = None,
                   through_groups: tuple[str, ...] | None = None,
-                  probation_share: float = HOST_PROBATION) -> HostTier:
+                  probation_share: float = HOST_PROBATION, protected_share: float | None = None) -> HostTier:
     """A write-back :class:`HostTier` of ``capacity_bytes`` for ``backend``'s model (one entry per page);
     ``quota``: fraction of the capacity one request namespace may hold (``CacheConfig.tenant_quota``);
     ``payload=False``: byte accounting only (simulation); ``groups``: the entry kinds it holds (default
     both: the page entry and the state entry, e.g. ``("full", "kda")`` or ``("csa-hca", "swa")``);
     ``through_groups``: with ``write_through``, the groups written through (default all held);
-    ``probation_share``: see :class:`HostTier`."""
+    ``probation_share``, ``protected_share``: see :class:`HostTier`."""
     return HostTier(capacity_bytes, namespace, unit, block_size,
                     tier_entry_shapes(backend.tier_family, block_size), write_through=write_through,
                     eviction=eviction, quota_bytes=None if quota is None else max(1, int(quota * capacity_bytes)),
                     payload=payload, groups=groups, through_groups=through_groups,
-                    probation_share=probation_share, family=backend.tier_family)
+                    probation_share=probation_share, family=backend.tier_family, protected_share=protected_share)
 
 
 EWMA_WEIGHT = 0.3

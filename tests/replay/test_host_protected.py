@@ -1,0 +1,85 @@
+"""The host tier's protected segment from the configuration and the command line
+(``CacheConfig.host_protected_share``, ``hybridkv replay --host-protected-share``): checkpoints loaded
+from the host before outlast a flood of one-off demotions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv.cache.config import CacheConfig, ConfigError
+from hybridkv.cache.groups import KDA, KDASpec
+from hybridkv.engine.build import model_config
+from hybridkv.replay.runner import ReplayOptions, run_replay
+
+B = 64                    # tokens per trace hash id and per page in these runs
+
+
+def _trace(tmp_path, prompts: list[list[int]]) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1,
+                                        "hash_ids": ids}) + "\n" for i, ids in enumerate(prompts)))
+    return str(path)
+
+
+def _replay(trace: str, **kw) -> dict:
+    opts = {"trace": trace, "limit": None, "simulate": True, "progress": False, "block_tokens": B,
+            "max_num_seqs": 1, "policy": f"tail={B}+branch", "num_checkpoint_slots": 1,
+            "host_groups": (KDA,), "host_interval": 0, **kw}
+    return run_replay(ReplayOptions(**opts)).to_dict()
+
+
+def test_a_checkpoint_loaded_from_the_host_before_outlasts_a_flood_of_one_off_demotions(tmp_path):
+    """A 1-slot device demotes every tail to a host of 3 checkpoints. The tail ``[1, 2]`` is loaded
+    from the host once (request 2), then four one-off conversations demote four tails. In one
+    recency order they push it out and the last request, which resumes from it, reuses nothing;
+    with a protected share of a third (one checkpoint), it stays and the last request reuses its
+    2 blocks from the host."""
+    trace = _trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [30, 31], [40, 41], [50, 51], [1, 2, 9]])
+    ck = KDASpec.for_model(model_config("small")).page_size_bytes
+    plain = _replay(trace, host_bytes=3 * ck)
+    kept = _replay(trace, host_bytes=3 * ck, host_protected_share=0.34)
+    assert plain["config"]["host_protected_share"] is None and kept["config"]["host_protected_share"] == 0.34
+    assert plain["reused_tokens"] == 2 * B                   # request 2 only
+    assert kept["reused_tokens"] == 4 * B and kept["tiers"]["host"]["hit_tokens"] == 4 * B
+    assert kept["tiers"]["host"]["bytes_peak"] <= 3 * ck
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"host_protected_share": 0.0}, r"host_protected_share=0.0 must be a fraction in \(0, 1\]"),
+    ({"host_protected_share": 1.5}, r"host_protected_share=1.5 must be a fraction"),
+    ({"host_protected_share": True}, r"host_protected_share=True must be a fraction"),
+    ({"host_protected_share": 0.3, "host_eviction": "value"}, r"host_protected_share=0.3 works with host_eviction='lru'"),
+])
+def test_config_refuses_a_bad_protected_share(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        CacheConfig(**kw)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-protected-share", "0"], "argument --host-protected-share: '0' must be a fraction in (0, 1]"),
+    (["--host-protected-share", "1.2"], "argument --host-protected-share: '1.2' must be a fraction in (0, 1]"),
+    (["--host-protected-share", "half"], "argument --host-protected-share: 'half' is not a number"),
+    (["--host-protected-share", "0.3", "--host-mib", "0"], "--host-protected-share 0.3 needs a host tier: --host-mib is 0"),
+    (["--host-protected-share", "0.3", "--host-eviction", "value"],
+     "--host-protected-share 0.3 works with --host-eviction lru, not value"),
+])
+def test_replay_cli_refuses_a_bad_protected_share_in_one_line(capsys, args, message):
+    from hybridkv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--simulate", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_replay_cli_passes_the_protected_share_to_the_host_tier(tmp_path, capsys):
+    from hybridkv.cli import main
+
+    trace = _trace(tmp_path, [[1, 2], [1, 2, 3]])
+    out = tmp_path / "r.json"
+    assert main(["replay", "--simulate", "--trace", trace, "--block-tokens", str(B), "--no-progress",
+                 "--host-protected-share", "0.3", "--host-probation", "0", "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["host_protected_share"] == 0.3 and config["host_probation"] == 0.0
