@@ -352,8 +352,13 @@ class PrefixIndex:
 
     def subtree_nodes(self, page: int) -> list[BlockNode]:
         """Every node that :meth:`evict_page` would remove, shallowest first."""
+        nodes = self.by_page.get(page, ())
+        if len(nodes) == 1:                          # most pages evicted: one node (a unit a page), a leaf
+            n = nodes[0]
+            if n.one is None and not n.many:
+                return [n]
         out, seen = [], set()
-        stack = sorted(self.by_page.get(page, ()), key=_END, reverse=True)    # deepest first, stable
+        stack = sorted(nodes, key=_END, reverse=True)    # deepest first, stable
         while stack:
             n = stack.pop()
             if id(n) in seen:

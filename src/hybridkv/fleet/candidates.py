@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable
+from operator import attrgetter
 
 DEFAULT_ROUTE_CANDIDATES = 32
 """Instances a router weighs per decision on a fleet larger than this (``--route-candidates``):
@@ -85,9 +86,9 @@ class CandidateIndex:
 
     def changed(self, j: int) -> None:
         """Instance ``j``'s load changed (a step, a routed request, a crash or restart)."""
-        ld = self.loads[j]
-        keys = [key(ld) for key in self.keys]
-        if all(k == pushed[j] for k, pushed in zip(keys, self._pushed)):
+        ld, fs, pushed = self.loads[j], self.keys, self._pushed
+        keys = [fs[0](ld)] if len(fs) == 1 else [fs[0](ld), fs[1](ld)]     # one or two keys (__init__)
+        if keys[0] == pushed[0][j] and (len(keys) == 1 or keys[1] == pushed[1][j]):
             return                                  # e.g. a decode step with a free slot: nothing to re-rank
         v = self._version[j] = self._version[j] + 1
         n = len(self.loads)
@@ -98,8 +99,8 @@ class CandidateIndex:
                 h[:] = [(self._pushed[i][x], x, self._version[x]) for x in range(n)]
                 heapq.heapify(h)
 
-    def _lightest(self, h: list, live: set[int], out: set[int]) -> None:
-        """Add the ``k`` lightest live instances of heap ``h`` to ``out``."""
+    def _lightest(self, h: list, live: set[int] | None, out: set[int]) -> None:
+        """Add the ``k`` lightest live instances of heap ``h`` to ``out`` (``live`` ``None``: all are)."""
         version, got, taken = self._version, 0, []
         while h and got < self.k:
             entry = heapq.heappop(h)
@@ -107,7 +108,7 @@ class CandidateIndex:
             if v != version[j]:
                 continue                              # stale: a newer entry of j is in the heap
             taken.append(entry)
-            if j in live:
+            if live is None or j in live:
                 out.add(j)
                 got += 1
         for entry in taken:
@@ -116,14 +117,14 @@ class CandidateIndex:
     def candidates(self, hashes: list[bytes], limit_units: int, live: list[int]) -> list[int]:
         """The candidates (ascending indices, a subset of ``live``) for a prompt with unit hashes
         ``hashes`` of which ``limit_units`` may be reused."""
-        live_set = set(live)
+        live_set = None if len(live) == len(self.loads) else set(live)    # None: every instance is live
         out: set[int] = set()
         for h in self._heaps:
             self._lightest(h, live_set, out)
         placed, found, r = self._placed, 0, self.stride
         for i in range(min(limit_units, len(hashes)) // r * r - 1, -1, -r):
             j = placed.get(hashes[i])
-            if j is not None and j in live_set and j not in out:
+            if j is not None and (live_set is None or j in live_set) and j not in out:
                 out.add(j)
                 found += 1
                 if found == MAX_HOLDERS:
@@ -147,8 +148,8 @@ class CandidateIndex:
             placed.popitem(last=False)
 
 
-def _least_load_key(ld) -> tuple[int, int, int]:
-    return ld.outstanding_tokens, ld.in_flight, ld.routed
+_least_load_key = attrgetter("outstanding_tokens", "in_flight", "routed")
+"""The least-load key of a load: ``(outstanding_tokens, in_flight, routed)`` (read in C)."""
 
 
 NARROWED_ROUTERS = ("hybrid", "least-load", "kv-overlap")
