@@ -162,6 +162,10 @@ def _register_router(sub) -> None:
                         "leaves are evicted (default 4194304: 65,536 nodes at a 64-token prefix_match_unit)")
     add_store_cost_arguments(r, "hybrid: load bandwidth in GB/s of the store the workers share; 0: ignore the store",
                              "hybrid: microseconds per store object")
+    r.add_argument("--purge-timeout", type=_purge_timeout, default=None, metavar="SECONDS",
+                   help="seconds to wait for each worker's whole answer to a purge (POST /admin/cache/invalidate, "
+                        "/flush_cache); a worker past it is reported as failed in the 502 and may still purge "
+                        "(default 10; at most 600)")
     add_auth_arguments(r, router=True)
     r.set_defaults(func=_router)
 
@@ -178,6 +182,16 @@ def _follow_wait(text: str) -> float:
     return x
 
 
+def _purge_timeout(text: str) -> float:
+    """``--purge-timeout``: seconds in (0, 600]."""
+    import argparse
+
+    x = finite_positive_float(text)
+    if x > 600:
+        raise argparse.ArgumentTypeError(f"{text!r} exceeds 600 seconds")
+    return x
+
+
 def router_service(args):
     """The :class:`~hybridkv.serve.router.RouterService` of parsed ``router`` arguments.
 
@@ -189,7 +203,7 @@ def router_service(args):
     from hybridkv.engine.build import model_config
     from hybridkv.fleet.costmodel import cost_model
     from hybridkv.replay.timed import CPU_ESTIMATE
-    from hybridkv.serve.router import DEFAULT_MAX_TREE_TOKENS, RouterService, RouterSettings
+    from hybridkv.serve.router import DEFAULT_MAX_TREE_TOKENS, PURGE_TIMEOUT_S, RouterService, RouterSettings
     from hybridkv.serve.tokenizer import load_codec
 
     given = hybrid_flags_given(args)
@@ -206,7 +220,8 @@ def router_service(args):
                               store_bytes_per_s=getattr(args, "store_gbps", MOONCAKE_LOAD_BYTES_PER_S / 1e9) * 1e9,
                               store_latency_s=getattr(args, "store_latency_us", MOONCAKE_GET_LATENCY_S * 1e6) * 1e-6,
                               hybrid=hybrid_options(args),
-                              max_tree_tokens=getattr(args, "max_tree_tokens", None) or DEFAULT_MAX_TREE_TOKENS)
+                              max_tree_tokens=getattr(args, "max_tree_tokens", None) or DEFAULT_MAX_TREE_TOKENS,
+                              purge_timeout_s=getattr(args, "purge_timeout", None) or PURGE_TIMEOUT_S)
     settings = router_auth(settings, args)
     return RouterService(args.worker, codec, settings)
 

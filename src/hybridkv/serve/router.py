@@ -15,10 +15,11 @@ connection to a worker fails is retried once on another worker (that worker leav
 
 A purge (``POST /admin/cache/invalidate``, ``POST /flush_cache``) is checked by the workers'
 rules (a key bound to a tenant purges that tenant's entries only), sent to every worker, and
-answered with the counts summed and each worker's own answer; a worker that cannot be reached or
-refuses makes it a 502 naming that worker. Each worker that purged has its view read again (its
-new epoch, from its ``/v1/cache/snapshot``) before the answer, so no later request is routed for
-entries it no longer holds.
+answered with the counts summed and each worker's own answer; a worker that cannot be reached,
+does not answer within ``--purge-timeout`` or refuses makes it a 502 naming that worker (a
+tenant's answer names no worker and lists no per-worker answers). Each worker that purged has
+its view read again (its new epoch, from its ``/v1/cache/snapshot``) before the answer, so no
+later request is routed for entries it no longer holds.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (passed
 through), ``GET /health`` (200 while a worker is in rotation), ``GET /router/stats``,
@@ -89,9 +90,12 @@ PROXY_KEEPALIVE_S = 2.0
 """Seconds an idle connection to a worker stays pooled: below uvicorn's default keep-alive
 timeout (5 s) that ``hybridkv serve`` runs with, so the router drops it before the worker does."""
 
-PURGE_TIMEOUT_S = 60.0
-"""Seconds the router waits for each worker's purge answer (a purge first lets prefetches in
-flight end, up to 30 s on the worker, and queued store writes land)."""
+PURGE_TIMEOUT_S = 10.0
+"""Seconds the router waits for each worker's whole purge answer by default (``--purge-timeout``;
+``RouterSettings.purge_timeout_s``): a purge first lets the worker's prefetches in flight end and
+its queued store writes land, which takes well under a second unless a store is slow. A worker
+past it (hung, stopped, or behind a slow store) is reported as failed; its purge may still
+complete there, and sending the purge again is harmless."""
 
 FORWARDED_HEADERS = ("content-type", "x-tenant", "authorization", "accept")
 """Request headers passed to the worker (the rest, Host and Content-Length included, are not)."""
@@ -122,6 +126,8 @@ class RouterSettings:
             ``None``: a client's ``Authorization`` header is forwarded as it came.
         snapshot_page: entries asked for per page of a worker's ``/v1/cache/snapshot`` (1 to
             :data:`~hybridkv.serve.cache_events.SNAPSHOT_PAGE_MAX`).
+        purge_timeout_s: seconds the router waits for each worker's whole answer to a purge
+            (:data:`PURGE_TIMEOUT_S`); a worker past it is reported as failed.
     """
 
     policy: str
@@ -138,6 +144,7 @@ class RouterSettings:
     keys: KeyRing | None = None
     worker_key: str | None = field(default=None, repr=False)
     snapshot_page: int = SNAPSHOT_PAGE_MAX
+    purge_timeout_s: float = PURGE_TIMEOUT_S
 
 
 class _Ticket:
@@ -515,7 +522,9 @@ class RouterService:
         headers = {"content-type": "application/json"}
         if tenant is not None:
             headers["x-tenant"] = tenant                   # the workers confine it too
-        return await self._fan_out(request, "/admin/cache/invalidate", content, headers)
+        principal = principal_of(request)
+        operator = tenant is None or (principal is not None and principal.admin)
+        return await self._fan_out(request, "/admin/cache/invalidate", content, headers, operator)
 
     async def flush_cache(self, request: Request):
         """``POST /flush_cache`` on every worker (each drops its device entries; admin only, never
@@ -529,25 +538,38 @@ class RouterService:
             return JSONResponse(exc.body(), status_code=exc.status)
         return await self._fan_out(request, "/flush_cache", b"", {})
 
-    async def _fan_out(self, request: Request, path: str, content: bytes, headers: dict) -> JSONResponse:
+    async def _fan_out(self, request: Request, path: str, content: bytes, headers: dict,
+                       operator: bool = True) -> JSONResponse:
         """POST ``content`` to ``path`` on every worker (in rotation or not: one out of rotation
-        may still hold entries), wait for all, then read again the view of each that answered
-        200 (:meth:`_resync`).
+        may still hold entries), wait for all, each for at most ``purge_timeout_s`` seconds, then
+        read again the view of each that answered 200 (:meth:`_resync`).
 
         Returns:
-            200 with the workers' counts summed (:func:`_sum_counts`) and ``workers``: per worker
-            its ``url`` and ``status`` and its own counts; or, when any worker could not be reached
-            or did not answer 200, a 502 (code ``purge_incomplete``) whose message names each such
-            worker URL and why, with the same counts of those that did.
+            200 with the workers' counts summed (:func:`_sum_counts`) and, for an ``operator``
+            (the admin key, or a purge not confined to a tenant), ``workers``: per worker its
+            ``url`` and ``status`` and its own counts; or, when any worker could not be reached,
+            did not answer within ``purge_timeout_s`` or did not answer 200, a 502 (code
+            ``purge_incomplete``) with the same counts of those that did, whose message names
+            each such worker URL and why for an operator. A tenant's answer names no worker and
+            gives no per-worker figures (the fleet's layout is the operator's); the router's log
+            names them.
         """
         if self.settings.worker_key is None and "authorization" in request.headers:
             headers = {**headers, "authorization": request.headers["authorization"]}
+        limit = self.settings.purge_timeout_s
 
         async def one(w: WorkerState) -> dict:
             try:
-                r = await self.control.post(w.url + path, content=content, headers=headers,
-                                            timeout=httpx.Timeout(PURGE_TIMEOUT_S,
-                                                                  connect=self.settings.connect_timeout_s))
+                r = await asyncio.wait_for(
+                    self.control.post(w.url + path, content=content, headers=headers,
+                                      timeout=httpx.Timeout(limit, connect=min(limit, self.settings.connect_timeout_s))),
+                    limit)                                 # the whole answer, however slowly it trickles
+            except (TimeoutError, httpx.TimeoutException) as exc:
+                if isinstance(exc, httpx.ConnectTimeout):
+                    self.workers.take_out(w, "connection failed: ConnectTimeout")
+                    return {"url": w.url, "status": None, "error": "cannot be reached (ConnectTimeout)"}
+                return {"url": w.url, "status": None,
+                        "error": f"did not answer within {limit:g} s (--purge-timeout); it may still purge"}
             except httpx.HTTPError as exc:
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                     self.workers.take_out(w, f"connection failed: {type(exc).__name__}")
@@ -569,15 +591,20 @@ class RouterService:
         done = [r for r in results if r["status"] == 200]
         totals = _sum_counts([{k: v for k, v in r.items() if k not in ("url", "status")} for r in done])
         failed = [r for r in results if r["status"] != 200]
+        shown = {"workers": results} if operator else {}
         if not failed:
-            return JSONResponse({**totals, "workers": results})
-        why = "; ".join(f"worker {r['url']}: {r['error']}" for r in failed)
+            return JSONResponse({**totals, **shown})
         for r in failed:
             log.warning("%s on worker %s failed: %s", path, r["url"], r["error"])
-        err = APIError(502, f"{path} done on {len(done)} of {len(results)} workers; {why}. The workers named "
-                            "may still hold the entries: send it again once they are back", None, "purge_incomplete",
-                       "server_error").body()
-        return JSONResponse({**err, **totals, "workers": results}, status_code=502)
+        if operator:
+            why = "; ".join(f"worker {r['url']}: {r['error']}" for r in failed)
+            message = (f"{path} done on {len(done)} of {len(results)} workers; {why}. The workers named may still "
+                       "hold the entries: send it again once they are back")
+        else:
+            message = (f"{path} did not complete on every worker behind this router (its operator sees which); "
+                       "your entries may still be held there: send it again later")
+        err = APIError(502, message, None, "purge_incomplete", "server_error").body()
+        return JSONResponse({**err, **totals, **shown}, status_code=502)
 
     async def _resync(self, w: WorkerState) -> None:
         """Read ``w``'s events now: a purge started a new epoch there, so its view is rebuilt from
