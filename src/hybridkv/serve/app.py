@@ -248,9 +248,10 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def invalidate(self, request: Request) -> dict:
-        """``POST /admin/cache/invalidate`` with ``{"tenant": T}``, ``{"cache_salt": S}`` (both:
-        their intersection), ``{"all": true}`` or ``{"abi_version": N}`` (an older cache ABI's
-        store objects: :func:`hybridkv.serve.purge.purge`); answers the counts removed per tier.
+        """``POST /admin/cache/invalidate`` with ``{"tenant": T}`` (narrowed by ``cache_salt``,
+        ``adapter`` and ``adapter_version`` when given), ``{"all": true}`` or ``{"abi_version": N}``
+        (an older cache ABI's store objects: :func:`hybridkv.serve.purge.purge`); answers the
+        counts removed per tier.
 
         A request of a key bound to a tenant, or with an ``X-Tenant`` header, is confined to that
         tenant (the scope when the body names none; a ``cache_salt`` narrows it), and its counts
@@ -264,11 +265,15 @@ class Server:
         body = json_object(await read_body(request) or b"{}")
         scope, _ = invalidate_scope(body, principal_of(request), request.headers)
         tenant, salt, abi = scope.get("tenant"), scope.get("cache_salt"), scope.get("abi_version")
+        adapter, version = scope.get("adapter"), scope.get("adapter_version")
         everything = scope.get("all", False)
         self._check_alive()
-        # The scope's own namespace (no adapter), which a restarted server's ledger does not know yet.
-        known = frozenset({self.namespace(tenant, salt or "")}) if tenant is not None else frozenset()
-        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi, known))
+        # The scope's own namespace (its salt and adapter, none when not named), which a restarted
+        # server's ledger does not know yet.
+        known = (frozenset({self.namespace(tenant, salt or "", adapter or "", version or "")})
+                 if tenant is not None else frozenset())
+        counts = await asyncio.wrap_future(self.worker.invalidate(tenant, salt, everything, abi, known,
+                                                                  adapter, version))
         return asdict(counts)                 # the engine thread started the feed's new epoch (on_purge)
 
     async def cache_info(self) -> dict:

@@ -272,7 +272,7 @@ def request_tenant(principal: Principal | None, headers, body: dict | None) -> s
     return principal.tenant
 
 
-INVALIDATE_FIELDS = ("tenant", "cache_salt", "all", "abi_version")
+INVALIDATE_FIELDS = ("tenant", "cache_salt", "adapter", "adapter_version", "all", "abi_version")
 """The fields of a ``POST /admin/cache/invalidate`` body (any other is refused)."""
 
 
@@ -292,8 +292,10 @@ def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[
         APIError: 400 for an unknown field, a field of the wrong type, an empty ``tenant`` or
             ``cache_salt`` (``empty_tenant``, ``empty_cache_salt``), a ``tenant`` or ``cache_salt``
             over 256 characters, a ``cache_salt`` without a tenant (``salt_needs_tenant``: its
-            namespaces are digests of tenant and salt, so no store listing reaches them by salt)
-            or not exactly one scope; 403 when a bound key (or an ``X-Tenant`` request) names
+            namespaces are digests of tenant and salt, so no store listing reaches them by salt),
+            an empty ``adapter`` (``empty_adapter``), an ``adapter`` without a tenant
+            (``adapter_needs_tenant``, for the same reason), an ``adapter_version`` without an
+            ``adapter``, or not exactly one scope; 403 when a bound key (or an ``X-Tenant`` request) names
             another tenant, ``all`` or ``abi_version``.
     """
     from hybridkv.cache.abi import ABI_VERSION as abi_current
@@ -304,9 +306,11 @@ def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[
                             f"{', '.join(INVALIDATE_FIELDS)})", unknown, "unknown_field")
     everything = body.get("all", False)
     tenant, salt, abi = body.get("tenant"), body.get("cache_salt"), body.get("abi_version")
+    adapter, version = body.get("adapter"), body.get("adapter_version")
     if not isinstance(everything, bool):
         raise APIError(400, f"all={everything!r} must be a boolean", "all")
-    for name, value in (("tenant", tenant), ("cache_salt", salt)):
+    for name, value in (("tenant", tenant), ("cache_salt", salt), ("adapter", adapter),
+                        ("adapter_version", version)):
         if value is not None and not isinstance(value, str):
             raise APIError(400, f"{name}={_shown(value)} must be a string", name)
         if value is not None and len(value) > MAX_ID_LEN:      # the cap of a completion request's fields
@@ -328,15 +332,25 @@ def invalidate_scope(body: dict, principal: Principal | None, headers) -> tuple[
     if salt == "":                    # "" is every unsalted entry of every tenant, not a salt
         raise APIError(400, f"cache_salt is empty (''); name a salt of 1 to {MAX_ID_LEN} characters, or leave "
                             "it out", "cache_salt", "empty_cache_salt")
-    if int(everything) + (tenant is not None or salt is not None) + (abi is not None) != 1:
+    if int(everything) + (tenant is not None or salt is not None or adapter is not None) + (abi is not None) != 1:
         raise APIError(400, "give exactly one scope: tenant and/or cache_salt, all=true, or abi_version")
+    if adapter == "":                 # "" is the entries of no adapter, which the tenant scope names
+        raise APIError(400, f"adapter is empty (''); name an adapter of 1 to {MAX_ID_LEN} characters, or leave it "
+                            "out", "adapter", "empty_adapter")
+    if version is not None and adapter is None:
+        raise APIError(400, f"adapter_version={_shown(version)} needs an adapter name", "adapter_version")
+    if adapter is not None and tenant is None:      # like a salt: a digest of tenant and adapter
+        raise APIError(400, f"adapter={_shown(adapter)} needs a tenant: an adapter's entries are found by the "
+                            "digest of tenant, salt and adapter; give the tenant with it ({\"tenant\": T, "
+                            "\"adapter\": A}) or use all=true", "adapter", "adapter_needs_tenant")
     if salt is not None and tenant is None:   # a salted namespace is a digest of tenant and salt: no
         # store listing finds it by salt, so only this process's own namespaces would be purged
         raise APIError(400, f"cache_salt={_shown(salt)} needs a tenant: salted entries are found by the digest of "
                             "tenant and salt, so a salt alone misses those other or earlier processes stored; give "
                             "the tenant with it ({\"tenant\": T, \"cache_salt\": S}) or use all=true",
                        "cache_salt", "salt_needs_tenant")
-    scope = {k: v for k, v in (("tenant", tenant), ("cache_salt", salt), ("abi_version", abi)) if v is not None}
+    scope = {k: v for k, v in (("tenant", tenant), ("cache_salt", salt), ("adapter", adapter),
+                               ("adapter_version", version), ("abi_version", abi)) if v is not None}
     return (scope | ({"all": True} if everything else {})), confined
 
 

@@ -40,37 +40,45 @@ class PurgeCounts:
 
 
 class NamespaceLedger:
-    """Request namespace digest -> the ``(tenant, salt)`` it was made from.
+    """Request namespace digest -> the ``(tenant, salt, adapter, adapter_version)`` it was made
+    from (``""``: none; a 2-tuple ``(tenant, salt)`` is read as one of no adapter).
 
     Owned by the engine thread (not thread-safe).
     """
 
     def __init__(self) -> None:
-        self.owners: dict[bytes, tuple[str, str]] = {}
+        self.owners: dict[bytes, tuple[str, ...]] = {}
 
-    def record(self, namespace: bytes, owner: tuple[str, str]) -> None:
+    def record(self, namespace: bytes, owner: tuple[str, ...]) -> None:
         """Remember that requests ran under ``namespace`` for ``owner``."""
         self.owners[namespace] = owner
 
-    def matching(self, tenant: str | None, salt: str | None) -> set[bytes]:
-        """Namespaces whose tenant and salt equal the given ones (``None`` matches any)."""
-        return {ns for ns, (t, s) in self.owners.items()
-                if (tenant is None or t == tenant) and (salt is None or s == salt)}
+    def matching(self, tenant: str | None, salt: str | None, adapter: str | None = None,
+                 adapter_version: str | None = None) -> set[bytes]:
+        """Namespaces whose tenant, salt, adapter and adapter version equal the given ones
+        (``None`` matches any)."""
+        want = (tenant, salt, adapter, adapter_version)
+        return {ns for ns, owner in self.owners.items()
+                if all(w is None or w == have for w, have in zip(want, (*owner, "", "")[:4]))}
 
 
 def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, salt: str | None,
-          everything: bool, abi_version: int | None = None, known: frozenset[bytes] = frozenset()) -> PurgeCounts:
+          everything: bool, abi_version: int | None = None, known: frozenset[bytes] = frozenset(),
+          adapter: str | None = None, adapter_version: str | None = None) -> PurgeCounts:
     """Remove the entries of the matching request namespaces (or, with ``everything``, of this
     server's model) from the device, the host tier and the store; with ``abi_version`` instead,
     the store objects of that older cache ABI (see the module docstring). Runs on the engine
     thread; safe while requests run.
 
     ``known``: namespaces of the scope computed from its names (the tenant's with the given salt,
-    ``""`` when none, and no adapter), selected too: a restarted server's ledger has not seen
-    them, yet an earlier process stored their entries in a persistent store. A tenant's other
-    salts and its adapters' namespaces are reached only through the ledger (this process's own):
-    a digest cannot be searched for by salt or adapter, which is why a ``cache_salt`` without a
-    tenant is refused before it gets here (:func:`~hybridkv.serve.auth.invalidate_scope`).
+    ``""`` when none, and the given adapter and version, none when not given), selected too: a
+    restarted server's ledger has not seen them, yet an earlier process stored their entries in a
+    persistent store. A tenant's other salts and adapters are reached only through the ledger
+    (this process's own): a digest cannot be searched for by salt or adapter, which is why a
+    ``cache_salt`` or ``adapter`` without a tenant is refused before it gets here
+    (:func:`~hybridkv.serve.auth.invalidate_scope`), and why a scope may name an ``adapter``
+    (and ``adapter_version``): the ledger's namespaces of that adapter (any version when none is
+    named) and the named one are selected.
 
     Raises:
         ValueError: ``abi_version`` is not an older cache ABI version (:class:`PurgeSelector`).
@@ -86,7 +94,7 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
         counts.device_nodes, counts.tier_entries = done.device_nodes, dict(done.tier_entries)
         counts.tier_bytes = dict(done.tier_bytes)
         return counts                          # current entries are untouched: the ledger stays
-    namespaces = set() if everything else ledger.matching(tenant, salt) | set(known)
+    namespaces = set() if everything else ledger.matching(tenant, salt, adapter, adapter_version) | set(known)
     counts = PurgeCounts(namespaces=len(namespaces))
     if not everything and not namespaces:          # nothing selected: every configured tier removed 0
         names = [t.name for t in (handle.host_tier, handle.store_tier) if t is not None]

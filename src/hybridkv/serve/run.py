@@ -151,7 +151,8 @@ class Run:
 
         hints = tuple(h for h in self.gen.hints if h <= len(ids))
         return Job(np.asarray(ids, dtype=np.int64), self.gen.max_tokens, namespace,
-                   (self.gen.tenant, self.gen.cache_salt), emit, hints=hints,
+                   (self.gen.tenant, self.gen.cache_salt, self.gen.adapter, self.gen.adapter_version), emit,
+                   hints=hints,
                    sampler=make_sampler(self.gen, seed), stop=stop)
 
     @property

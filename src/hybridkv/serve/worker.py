@@ -51,7 +51,8 @@ class Job:
         prompt: ``int64[T]`` token ids, already validated against the vocabulary.
         max_tokens: tokens to generate at most (>= 1).
         namespace: the request's namespace digest (tenant, salt, tokenizer, model).
-        owner: ``(tenant, salt)`` the namespace was made from (for invalidation).
+        owner: ``(tenant, salt, adapter, adapter_version)`` the namespace was made from (for
+            invalidation; ``""``: none).
         emit: called on the engine thread with each event (see the module docstring).
         hints: checkpoint boundaries (multiples of ``prefix_match_unit``).
         sampler: ``float32[vocab]`` logits -> token id; ``None``: greedy.
@@ -64,7 +65,7 @@ class Job:
     prompt: np.ndarray
     max_tokens: int
     namespace: bytes
-    owner: tuple[str, str]
+    owner: tuple[str, ...]
     emit: Callable[[tuple], None]
     hints: tuple[int, ...] = ()
     sampler: Callable | None = None
@@ -201,12 +202,14 @@ class EngineWorker:
         self._put("cancel", job)
 
     def invalidate(self, tenant: str | None, salt: str | None, everything: bool,
-                   abi_version: int | None = None, known: frozenset[bytes] = frozenset()) -> Future:
+                   abi_version: int | None = None, known: frozenset[bytes] = frozenset(),
+                   adapter: str | None = None, adapter_version: str | None = None) -> Future:
         """Purge entries (see :func:`~hybridkv.serve.purge.purge`; ``known``: namespaces of the scope
-        the caller computed, selected whether or not the ledger saw them); a future of
+        the caller computed, selected whether or not the ledger saw them; ``adapter``,
+        ``adapter_version``: narrow the scope to that adapter, ``None``: any); a future of
         :class:`PurgeCounts` (a ``RuntimeError`` once the engine thread has ended)."""
         fut: Future = Future()
-        self._put("purge", (fut, (tenant, salt, everything, abi_version, known)))
+        self._put("purge", (fut, (tenant, salt, everything, abi_version, known, adapter, adapter_version)))
         return fut
 
     def call(self, fn: Callable[[EngineHandle], object]) -> Future:
@@ -361,14 +364,15 @@ class EngineWorker:
 
     def _run_purges(self) -> None:
         purges, self._purges = self._purges, []
-        for fut, (tenant, salt, everything, abi_version, known) in purges:
+        for fut, (tenant, salt, everything, abi_version, known, adapter, version) in purges:
             if abi_version is None:           # jobs of the scope already submitted cache nothing more
                 for job in self._jobs:
-                    if everything or ((tenant is None or job.owner[0] == tenant)
-                                      and (salt is None or job.owner[1] == salt)):
+                    if everything or all(w is None or w == have for w, have in
+                                         zip((tenant, salt, adapter, version), (*job.owner, "", "")[:4])):
                         job.request.publish = False
             try:
-                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything, abi_version, known)
+                counts: PurgeCounts = purge(self.handle, self.ledger, tenant, salt, everything, abi_version, known,
+                                            adapter, version)
                 fut.set_result(counts)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)

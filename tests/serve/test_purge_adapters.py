@@ -1,0 +1,88 @@
+"""``POST /admin/cache/invalidate`` names an adapter: a tenant's adapter entries in a persistent
+store are purged after a restart, when the new process has never served that adapter.
+
+Real servers on 127.0.0.1 (free ports, the tiny preset) over one disk store, one after the other
+(a restart), and httpx.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serve_helpers import prompt_ids
+
+from hybridkv.serve.launch import RunningServer, ServeOptions
+
+ADAPTER = {"adapter": "lora-support", "adapter_version": "v3"}
+
+
+def _complete(url: str, ids: list[int], **fields) -> int:
+    r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"X-Tenant": "acme"},
+                   json={"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _purge(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/admin/cache/invalidate", json=body, timeout=60)
+
+
+def test_a_restarted_server_purges_a_tenants_adapter_entries_it_never_served(tmp_path):
+    store = f"disk://{tmp_path / 'store'}"
+    p = prompt_ids(8101, 300)
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as first:
+        assert _complete(first.url, p, **ADAPTER) == 0
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as again:     # the restart
+        r = _purge(again.url, {"tenant": "acme"})          # the tenant's own namespace only: not the adapter's
+        assert r.status_code == 200 and r.json()["tier_entries"]["store"] == 0, r.text
+        r = _purge(again.url, {"tenant": "acme", **ADAPTER})
+        assert r.status_code == 200, r.text
+        assert r.json()["namespaces"] == 1 and r.json()["tier_entries"]["store"] > 0, r.text
+        assert _complete(again.url, p, **ADAPTER) == 0                  # nothing left to load
+        # served in this process: a purge naming the adapter without its version reaches it too
+        assert _complete(again.url, p, **ADAPTER) > 0
+        r = _purge(again.url, {"tenant": "acme", "adapter": ADAPTER["adapter"]})
+        assert r.status_code == 200 and r.json()["device_nodes"] > 0, r.text
+        assert _complete(again.url, p, **ADAPTER) == 0
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"adapter": "lora"}, "adapter", "adapter_needs_tenant"),
+    ({"tenant": "acme", "adapter": ""}, "adapter", "empty_adapter"),
+    ({"tenant": "acme", "adapter_version": "v1"}, "adapter_version", None),
+    ({"tenant": "acme", "adapter": 7}, "adapter", None),
+    ({"tenant": "acme", "adapter": "a" * 257}, "adapter", None),
+    ({"all": True, "adapter": "lora"}, None, None)])
+def test_bad_adapter_scopes_are_refused_naming_them(body, param, code):
+    with RunningServer(ServeOptions(port=0, threads=1)) as s:
+        r = _purge(s.url, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code, err
+
+
+def test_the_router_passes_an_adapter_scope_to_its_workers():
+    """Through ``hybridkv router`` (no keys): an ``X-Tenant`` purge naming the adapter reaches the
+    worker's entries of that adapter, and the tenant's answer names no worker."""
+    import argparse
+
+    from hybridkv.serve.commands import router_service
+    from hybridkv.serve.launch import BackgroundUvicorn
+    from hybridkv.serve.router import create_router_app
+
+    p = prompt_ids(8201, 300)
+    with RunningServer(ServeOptions(port=0, threads=1)) as w:
+        args = argparse.Namespace(worker=[w.url], policy="hybrid", model="tiny", cost_model=None,
+                                  poll_interval=1.0, health_every=1, follow_wait=0.0, store_gbps=1.1,
+                                  store_latency_us=194.0, api_key=None, api_keys_file=None, admin_key=None,
+                                  worker_key=None)
+        router = BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
+        try:
+            _complete(w.url, p, **ADAPTER)
+            r = httpx.post(f"{router.url}/admin/cache/invalidate", json={"adapter": ADAPTER["adapter"]},
+                           headers={"X-Tenant": "acme"}, timeout=60)
+            assert r.status_code == 200 and r.json()["device_nodes"] == 4, r.text
+            assert "workers" not in r.json() and w.url not in r.text
+            assert _complete(w.url, p, **ADAPTER) == 0
+        finally:
+            router.close()
