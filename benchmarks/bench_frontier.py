@@ -205,17 +205,30 @@ def main() -> None:
         plot(rows, base["reused_tokens"], args.png, args.title or (args.trace or "bundled trace"))
 
 
+def _device_setting(variant: str, row: dict | None = None) -> tuple:
+    """What a run without a host tier depends on: the device order, probation and interval term
+    (of ``variant``, or as recorded in ``row``)."""
+    v = VARIANTS.get(variant, {})
+    if row is None:
+        return v.get("checkpoint_probation"), v.get("checkpoint_eviction"), v.get("interval_blocks")
+    return row.get("checkpoint_probation"), row.get("checkpoint_eviction"), v.get("interval_blocks")
+
+
 def merged(args) -> None:
     """``--from-json``: the rows of ``args.variants`` from earlier ``--json`` files of one trace,
-    one row per variant and cell (a later file's row wins), as a table and ``--png`` plot."""
+    one row per variant and cell (a later file's row wins), as a table and ``--png`` plot. A row
+    without a host tier also stands for every asked variant of the same device setting (a run
+    skips those cells for a second variant of that setting)."""
     base, rows = None, {}
     for path in args.from_json:
         with open(path) as f:
             data = json.load(f)
         base = base or data["baseline"]
         for r in data["rows"]:
-            if r["variant"] in args.variants:
-                rows[(r["variant"], r["device"], r["host"])] = r
+            same = [v for v in args.variants if v == r["variant"]
+                    or (r["host"] == 0 and _device_setting(v) == _device_setting(r["variant"], r))]
+            for v in same:
+                rows[(v, r["device"], r["host"])] = {**r, "variant": v}
     out = sorted(rows.values(), key=lambda r: (args.variants.index(r["variant"]), r["host"], r["device"]))
     print(table(out, base.get("reused_tokens")))
     if args.png:

@@ -83,3 +83,50 @@ def test_replay_cli_passes_the_protected_share_to_the_host_tier(tmp_path, capsys
                  "--host-protected-share", "0.3", "--host-probation", "0", "--json", str(out)]) == 0
     config = json.loads(out.read_text())["config"]
     assert config["host_protected_share"] == 0.3 and config["host_probation"] == 0.0
+
+
+def _bench_frontier():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_frontier", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_frontier.py")
+    bf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bf)
+    return bf
+
+
+def test_bench_frontier_utility_protected_and_its_plot_from_json(tmp_path, capsys):
+    """bench_frontier's ``utility_protected`` variant sets the device order and both host options
+    (recorded in its rows); ``--from-json`` with ``default utility_protected`` gives the new variant
+    the device-only rows of ``utility`` (the same device setting, skipped by a run that has both)
+    and draws the plot."""
+    import sys
+
+    from rich.console import Console
+
+    bf = _bench_frontier()
+    trace = _trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [1, 2, 9]])
+    console = Console(stderr=True, quiet=True)
+    rows = [bf.cell(trace, None, 512, 64 << 20, 1 << 20, v, d, h, None, console)
+            for v in ("default", "utility", "utility_protected") for d, h in ((0.5, 0.0), (0.5, 0.5))
+            if not (v == "utility_protected" and h == 0)]
+    prot = [r for r in rows if r["variant"] == "utility_protected"][0]
+    assert prot["checkpoint_eviction"] == "utility" and prot["host_probation"] == 0.0
+    assert prot["host_protected_share"] == 0.3
+    data = tmp_path / "rows.json"
+    data.write_text(json.dumps({"baseline": {"reused_tokens": 4 * 512, "checkpoint_bytes_peak": 64 << 20},
+                                "rows": rows}))
+    png = tmp_path / "f.png"
+    argv = sys.argv
+    sys.argv = ["bench_frontier.py", "--from-json", str(data), "--variants", "default", "utility_protected",
+                "--png", str(png)]
+    try:
+        bf.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| utility_protected")]
+    assert len(table) == 2                                 # its own host row and utility's device-only row
+    assert not any(line.startswith("| utility ") for line in out.splitlines())
+    assert png.stat().st_size > 0
