@@ -110,6 +110,7 @@ class Engine:
                                             copy_page=backend.copy_page,
                                             on_evict=self._on_evict if self._writes_back or listener else None,
                                             binding=backend.cache_binding(), family=backend.family)
+        self.cache.lower_tiers = self._writes_back
         self.compute_rate = ComputeRate()
         self.timings: TimingSink | None = None
         self.connector = TierConnector(self.cache, backend, tiers, compute=self.compute_rate) if tiers else None
