@@ -186,7 +186,8 @@ def test_cli_errors(capsys):
     assert "--swa-recovery window: applies to DeepSeek-V4 models" in capsys.readouterr().err.replace("\n", " ")
     assert main(["replay", "--model", "v4-tiny", "--swa-recovery", "periodic=96", "--limit", "1",
                  "--no-progress"]) == 2
-    assert "P must be a multiple of prefix_match_unit=64" in capsys.readouterr().err.replace("\n", " ")
+    assert "--swa-recovery periodic=96: P=96 tokens must be a multiple of --prefix-match-unit 64" in \
+        " ".join(capsys.readouterr().err.split())          # the options as typed, not the config fields
     assert main(["replay", "--model", "v4-tiny", "--limit", "2", "--no-progress", "--timed"]) == 2
     assert "--timed with --model v4-tiny: a real DeepSeek-V4 fleet is not timed" in \
         capsys.readouterr().err.replace("\n", " ")
