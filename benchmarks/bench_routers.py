@@ -168,6 +168,9 @@ DEV_SEEDS = (1, 2)
 """Seeds of the synthesised traces the hybrid router's defaults were chosen on (the development set)."""
 HELD_OUT_SEEDS = (3,)
 """Seeds of the synthesised traces held out (reported on, never tuned on)."""
+FRESH_SEEDS = (4, 5)
+"""Seeds of a second held-out set, first run after the defaults were chosen on the development set
+(the first held-out set had been looked at by then)."""
 SYNTH_REQUESTS = 1000
 """Requests per synthesised trace (at the generator's default 4 requests per second)."""
 TRACE_LIMIT = 2000
@@ -178,19 +181,19 @@ ALL_ROUTERS = DEFAULT_ROUTERS + ("prefix-smg",)
 def trace_set(name: str, trace_dir: Path) -> dict[str, tuple[str | None, int | None]]:
     """``{trace name: (path, limit)}`` of a named set: ``dev`` (the four synthesised workloads at
     :data:`DEV_SEEDS`), ``held-out`` (the bundled trace, ``benchmarks/traces/synthetic_trace.jsonl``,
-    each cut to :data:`TRACE_LIMIT` requests, and the four workloads at :data:`HELD_OUT_SEEDS`).
-    Synthesised traces (:data:`SYNTH_REQUESTS` requests, ``hybridkv trace synth``'s defaults) are
+    each cut to :data:`TRACE_LIMIT` requests, and the four workloads at :data:`HELD_OUT_SEEDS`),
+    ``fresh`` (the four workloads at :data:`FRESH_SEEDS`). Synthesised traces (:data:`SYNTH_REQUESTS` requests, ``hybridkv trace synth``'s defaults) are
     written under ``trace_dir`` once. Raises ``ValueError`` for another name."""
     from hybridkv.replay.synth import synth_requests, write_lines
 
-    if name not in ("dev", "held-out"):
-        raise ValueError(f"trace set {name!r} is not one of dev, held-out")
+    if name not in ("dev", "held-out", "fresh"):
+        raise ValueError(f"trace set {name!r} is not one of dev, held-out, fresh")
     out: dict[str, tuple[str | None, int | None]] = {}
     if name == "held-out":
         out["bundled"] = (None, TRACE_LIMIT)
         out["synthetic_trace"] = (str(Path(__file__).parent / "traces" / "synthetic_trace.jsonl"), TRACE_LIMIT)
     trace_dir.mkdir(parents=True, exist_ok=True)
-    for seed in (DEV_SEEDS if name == "dev" else HELD_OUT_SEEDS):
+    for seed in {"dev": DEV_SEEDS, "held-out": HELD_OUT_SEEDS, "fresh": FRESH_SEEDS}[name]:
         for kind in SYNTH_KINDS:
             path = trace_dir / f"{kind}_s{seed}_{SYNTH_REQUESTS}.jsonl"
             if not path.exists():
@@ -301,7 +304,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default=None,
                     help="generalisation grid over trace sets, comma-separated: dev (synthesised, seeds 1-2), "
-                         "held-out (bundled, synthetic_trace.jsonl, synthesised seed 3); every router, "
+                         "held-out (bundled, synthetic_trace.jsonl, synthesised seed 3), fresh (synthesised, "
+                         "seeds 4-5); every router, "
                          "results cached in --cache, the hybrid verdict table printed")
     ap.add_argument("--cache", default="benchmarks/results/routing_general.json",
                     help="--traces: JSON of every run, read first and extended")

@@ -9,15 +9,28 @@
 
 Both wrap the router's ``route`` to read the state it decides on; the decisions are the
 router's own. Run:  PYTHONPATH=src .venv/bin/python benchmarks/router_diagnostics.py 32x1 8x4
+
+``--spread`` instead: where each router put the requests of one column of the generalisation grid
+(``benchmarks/bench_routers.py --traces``): per instance the requests it served and their TTFT p50
+(seconds), and the instances that served the most requested shared prefixes (a prefix being the
+first ``--prefix-blocks`` hash ids of a request: the system prompt and a document's first block
+for ``hybridkv trace synth --kind documents``). Run:
+PYTHONPATH=src .venv/bin/python benchmarks/router_diagnostics.py --spread /tmp/documents_s3.jsonl 8x4 \
+    --routers prefix-smg,hybrid
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from collections import Counter, defaultdict
 
+import numpy as np
 from rich.console import Console
 
 import hybridkv.fleet.routers as routers
+import hybridkv.replay.timed as timed
+from hybridkv.fleet.routers import HybridOptions
 from hybridkv.replay.runner import ReplayOptions, run_replay
 
 QUEUE_THRESHOLD = 4.0 * 8192
@@ -30,10 +43,64 @@ def run(router: str, instances: int, rate: int):
                       Console(quiet=True))
 
 
+def spread(trace: str | None, instances: int, rate: int, router: str, hybrid: dict, limit: int | None,
+           prefix_blocks: int, top: int) -> dict:
+    """One timed simulation (the bench's settings): TTFT p50 / mean / p99 (seconds), per instance
+    ``[requests, TTFT p50]``, and for the ``top`` most requested prefixes (the first
+    ``prefix_blocks`` hash ids of the trace's lines) ``[requests, {instance: requests}]``."""
+    seen: dict = {}
+    summary = timed.timing_summary
+
+    def keep(frs, insts):                   # the fleet's requests, as the report summarises them
+        seen["frs"] = frs
+        return summary(frs, insts)
+
+    timed.timing_summary = keep
+    try:
+        rep = run_replay(ReplayOptions(trace=trace, limit=limit, model="kimi-linear-48b-a3b", simulate=True,
+                                       timed=True, instances=instances, router=router, time_scale=1.0 / rate,
+                                       hybrid=HybridOptions(**hybrid), progress=False), Console(quiet=True))
+    finally:
+        timed.timing_summary = summary
+    served = [fr for fr in seen["frs"] if fr.first_token is not None]
+    ttft: dict[int, list[float]] = defaultdict(list)
+    for fr in served:
+        ttft[fr.instance].append(fr.ttft_end - fr.arrival)
+    out = {"ttft": {q: rep.ttft_seconds[q] for q in ("p50", "mean", "p99")},
+           "instances": {j: [len(t), round(float(np.median(t)), 3)] for j, t in sorted(ttft.items())}}
+    if trace is not None:
+        with open(trace) as f:
+            keys = [tuple(json.loads(line)["hash_ids"][:prefix_blocks]) for line in f if line.strip()]
+        where: dict[tuple, Counter] = defaultdict(Counter)
+        for fr in served:
+            where[keys[fr.index]][fr.instance] += 1
+        ranked = sorted(where.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+        out["prefixes"] = [[sum(c.values()), dict(c.most_common())] for _, c in ranked]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("columns", nargs="+", help="INSTANCESxRATE, e.g. 32x1")
+    ap.add_argument("columns", nargs="+", help="INSTANCESxRATE, e.g. 32x1 (with --spread: TRACE INSTANCESxRATE)")
+    ap.add_argument("--spread", action="store_true",
+                    help="per-instance requests and TTFT p50, and where the most requested prefixes went")
+    ap.add_argument("--routers", default="prefix-smg,hybrid", help="--spread: routers, comma-separated")
+    ap.add_argument("--hybrid-options", default="{}", help="--spread: HybridOptions fields as JSON for hybrid")
+    ap.add_argument("--limit", type=int, default=None, help="--spread: first N requests")
+    ap.add_argument("--prefix-blocks", type=int, default=3, help="--spread: hash ids that name a prefix")
+    ap.add_argument("--top", type=int, default=4, help="--spread: prefixes shown")
     args = ap.parse_args()
+    if args.spread:
+        if len(args.columns) != 2:
+            ap.error("--spread takes TRACE (a path, or 'bundled') and INSTANCESxRATE")
+        trace = None if args.columns[0] == "bundled" else args.columns[0]
+        n, rate = map(int, args.columns[1].split("x"))
+        for router in args.routers.split(","):
+            hybrid = json.loads(args.hybrid_options) if router == "hybrid" else {}
+            print(json.dumps({"router": router, "hybrid_options": hybrid,
+                              **spread(trace, n, rate, router, hybrid, args.limit, args.prefix_blocks, args.top)}),
+                  flush=True)
+        return
     seen = {"routed": 0, "held": 0, "tree": 0}
     kv_route, prefix_route = routers.KVOverlapRouter.route, routers.PrefixRouter.route
 

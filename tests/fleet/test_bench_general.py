@@ -29,6 +29,18 @@ def test_development_and_held_out_sets_are_disjoint(tmp_path, monkeypatch):
         bench.trace_set("train", tmp_path)
 
 
+def test_second_held_out_set_shares_no_seed_or_trace_with_the_others(tmp_path, monkeypatch):
+    """``fresh`` (seeds 4-5) was first run after the defaults were fixed: it must not overlap the
+    development set or the first held-out set."""
+    monkeypatch.setattr(bench, "SYNTH_REQUESTS", 20)
+    fresh = bench.trace_set("fresh", tmp_path)
+    others = {**bench.trace_set("dev", tmp_path), **bench.trace_set("held-out", tmp_path)}
+    assert not set(bench.FRESH_SEEDS) & (set(bench.DEV_SEEDS) | set(bench.HELD_OUT_SEEDS))
+    assert set(fresh) == {f"{k}-s{s}" for k in bench.SYNTH_KINDS for s in bench.FRESH_SEEDS}
+    assert not {p for p, _ in fresh.values()} & {p for p, _ in others.values()}
+    assert Path(fresh["documents-s4"][0]).read_text() != Path(others["documents-s1"][0]).read_text()
+
+
 def _row(router: str, p50: float, mean: float, p99: float, hopts=None) -> dict:
     return {"trace_name": "t", "instances": 8, "rate": 1, "router": router,
             "ttft": {"p50": p50, "mean": mean, "p99": p99}, "hybrid_options": hopts or {}}
