@@ -17,6 +17,9 @@ first ``--prefix-blocks`` hash ids of a request: the system prompt and a documen
 for ``hybridkv trace synth --kind documents``). Run:
 PYTHONPATH=src .venv/bin/python benchmarks/router_diagnostics.py --spread /tmp/documents_s3.jsonl 8x4 \
     --routers prefix-smg,hybrid
+
+``--explain I,J`` instead: how ``hybrid`` placed those requests of one column (its candidates'
+scores, the tie band, the wait and work it predicted, and the wait, reuse and TTFT that followed).
 """
 
 from __future__ import annotations
@@ -79,6 +82,60 @@ def spread(trace: str | None, instances: int, rate: int, router: str, hybrid: di
     return out
 
 
+def explain(trace: str | None, instances: int, rate: int, hybrid: dict, limit: int | None,
+            watch: set[int]) -> list[dict]:
+    """One timed simulation with ``hybrid``; for each request index in ``watch`` (arrival order):
+    its prompt tokens, full prefill ``p0`` and the tie band (``tie_relative * p0``), seconds; the
+    candidates ``hybrid`` scored (up to 8, best first: instance, score, hit priced, the view's KV run
+    and joint hit, requests in flight, predicted wait); the instance chosen with the wait and the
+    work it predicted there; and what happened: the wait before its engine admitted it, tokens
+    reused, TTFT."""
+    seen: dict = {"frs": None, "n": 0, "rows": {}}
+    summary, route = timed.timing_summary, routers.HybridRouter.route
+
+    def keep(frs, insts):
+        seen["frs"] = frs
+        return summary(frs, insts)
+
+    def watched(self, req, fleet):
+        i = seen["n"]
+        seen["n"] += 1
+        if i not in watch:
+            return route(self, req, fleet)
+        sm = fleet.store.match(req.hashes, req.limit) if fleet.store is not None else None
+        cands = []
+        for j in fleet.live:
+            score, hit = self.score(req, fleet, j, sm.hit if sm else 0, sm.restart if sm else None)
+            m, ld = fleet.views[j].match(req.hashes, req.limit), fleet.loads[j]
+            cands.append({"instance": j, "score": round(score, 4), "hit": hit, "view_kv_run": m.kv_hit,
+                          "view_joint_hit": m.hit, "in_flight": ld.in_flight,
+                          "wait": round(self.queue_seconds(ld), 4)})
+        cands.sort(key=lambda c: -c["score"])
+        p0 = self.predicted_prefill(req, 0)
+        j = route(self, req, fleet)
+        seen["rows"][i] = {"request": i, "prompt_tokens": req.prompt_tokens, "p0": round(p0, 4),
+                           "tie_band": round(self.options.tie_relative * p0, 4), "candidates": cands[:8],
+                           "chosen": j, "predicted_wait": next(c["wait"] for c in cands if c["instance"] == j),
+                           "predicted_work": round(self._expected_s, 4)}
+        return j
+
+    timed.timing_summary, routers.HybridRouter.route = keep, watched
+    try:
+        run_replay(ReplayOptions(trace=trace, limit=limit, model="kimi-linear-48b-a3b", simulate=True, timed=True,
+                                 instances=instances, router="hybrid", time_scale=1.0 / rate,
+                                 hybrid=HybridOptions(**hybrid), progress=False), Console(quiet=True))
+    finally:
+        timed.timing_summary, routers.HybridRouter.route = summary, route
+    out = []
+    for fr in seen["frs"]:
+        row = seen["rows"].get(fr.index)
+        if row is not None:
+            row.update(waited=round(fr.admitted - fr.arrival, 4), reused=fr.request.reused,
+                       ttft=round(fr.ttft_end - fr.arrival, 4))
+            out.append(row)
+    return sorted(out, key=lambda r: r["request"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("columns", nargs="+", help="INSTANCESxRATE, e.g. 32x1 (with --spread: TRACE INSTANCESxRATE)")
@@ -89,7 +146,19 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="--spread: first N requests")
     ap.add_argument("--prefix-blocks", type=int, default=3, help="--spread: hash ids that name a prefix")
     ap.add_argument("--top", type=int, default=4, help="--spread: prefixes shown")
+    ap.add_argument("--explain", default=None, metavar="I,J,...",
+                    help="TRACE INSTANCESxRATE: how hybrid placed these requests (indices in arrival order): "
+                         "the candidates' scores, the tie band, the prediction and what happened")
     args = ap.parse_args()
+    if args.explain:
+        if len(args.columns) != 2:
+            ap.error("--explain takes TRACE (a path, or 'bundled') and INSTANCESxRATE")
+        trace = None if args.columns[0] == "bundled" else args.columns[0]
+        n, rate = map(int, args.columns[1].split("x"))
+        for row in explain(trace, n, rate, json.loads(args.hybrid_options), args.limit,
+                           {int(i) for i in args.explain.split(",")}):
+            print(json.dumps(row), flush=True)
+        return
     if args.spread:
         if len(args.columns) != 2:
             ap.error("--spread takes TRACE (a path, or 'bundled') and INSTANCESxRATE")

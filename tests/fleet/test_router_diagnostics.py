@@ -35,3 +35,20 @@ def test_spread_restores_the_report_summary_it_wraps(tmp_path):
     before = diag.timed.timing_summary
     diag.spread(str(trace), 2, 1, "hybrid", {"waiting_weight": 1.0}, None, prefix_blocks=2, top=1)
     assert diag.timed.timing_summary is before
+
+
+def test_explain_reports_the_decision_and_what_followed(tmp_path):
+    trace = tmp_path / "documents.jsonl"
+    write_lines(synth_requests("documents", 40, seed=3), trace)
+    before = diag.routers.HybridRouter.route
+    rows = diag.explain(str(trace), 3, 4, {}, None, {0, 25, 39})
+    assert [r["request"] for r in rows] == [0, 25, 39]
+    for r in rows:
+        scores = [c["score"] for c in r["candidates"]]
+        assert scores == sorted(scores, reverse=True)
+        assert r["chosen"] in {0, 1, 2}
+        assert abs(r["tie_band"] - 0.1 * r["p0"]) <= 1e-3          # the default tie_relative, rounded
+        assert 0 <= r["reused"] < r["prompt_tokens"]
+        assert r["ttft"] >= r["waited"] >= 0
+    assert rows[0]["reused"] == 0 and rows[0]["predicted_wait"] == 0.0   # the first request: nothing cached
+    assert diag.routers.HybridRouter.route is before
