@@ -156,6 +156,34 @@ def test_supersede_keeps_a_tail_other_requests_resume_from(order, lower):
         assert serve_once(cache, third, {})[0] == 4 * UNIT     # a third user still finds it
 
 
+@pytest.mark.parametrize("branched, lower", [(False, False), (True, False), (False, True)])
+def test_a_checkpoint_every_request_went_past_hands_its_uses_up(branched, lower):
+    """A request resumes from an ``interval`` checkpoint at 2 units and places one at 5: with no
+    branch between them (every request so far that reached 2 units went on), the one at 2 ranks as
+    unused again (label ``shadowed``, hits back to 0) and the one at 5 saves 5 units (its own 3
+    plus the 2 the one below saved). After another request branched at 2 units, both keep what
+    they had, and so they do when a lower tier holds the cache's checkpoints (``lower_tiers``)."""
+    cache = small_cache("tail", checkpoint_eviction="utility")
+    cache.lower_tiers = lower
+    prompt = _tokens(7, 6 * UNIT + 1)
+    serve_once(cache, prompt[: 3 * UNIT + 1], {2 * UNIT: "interval"})
+    if branched:
+        other = np.concatenate([prompt[: 2 * UNIT], _tokens(8, 2 * UNIT + 1)])
+        assert serve_once(cache, other, {})[0] == 2 * UNIT
+    hit, _ = serve_once(cache, prompt, {5 * UNIT: "branch"})
+    assert hit == 2 * UNIT
+    hashes = cache.hash_prompt(prompt)
+    low, high = (cache.index.walk(hashes[:k])[-1].checkpoint for k in (2, 5))
+    order = cache.checkpoints.order
+    if branched or lower:
+        assert order._what[low] == ("interval", float(2 * UNIT)) and order.info[low].hits == (2 if branched else 1)
+        assert order._what[high] == ("branch", float(3 * UNIT)) and cache.labels[low] == "interval"
+    else:
+        assert order._what[low] == ("shadowed", float(2 * UNIT)) and order.info[low].hits == 0
+        assert order._what[high] == ("branch", float(5 * UNIT)) and cache.labels[low] == "shadowed"
+        assert order.placed["shadowed"] == 1 and order.priority(low) < order.priority(high)
+
+
 def test_an_installed_checkpoint_saves_over_the_deepest_one_below():
     """A checkpoint installed from a lower tier (a promotion) at 5 units, on a path with a tail at
     2 units: labelled ``installed``, it saves 3 units."""

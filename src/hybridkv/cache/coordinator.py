@@ -30,7 +30,7 @@ from hybridkv.cache.namespace import (
     chain_periodic,
     chained_block_hashes,
 )
-from hybridkv.cache.pools import CheckpointPool, PagePool, UtilityOrder
+from hybridkv.cache.pools import SHADOWED, CheckpointPool, PagePool, UtilityOrder
 from hybridkv.store.eviction import ProbationOrder
 
 if TYPE_CHECKING:                      # the model's state type, named in annotations only
@@ -539,7 +539,34 @@ class HybridCacheCoordinator:
                     and self.retire_checkpoint(alloc, alloc.start, TAIL)):
                 result.superseded += 1
                 result.retired.append(alloc.start)
+        if self._utility is not None and result.created:
+            self._shadow_start(alloc, min(b for b, _ in result.created))
         return result
+
+    def _shadow_start(self, alloc: Allocation, first: int) -> None:
+        """Under the ``utility`` order: the request resumed from a checkpoint other than a tail at
+        ``alloc.start`` and placed its lowest new checkpoint at ``first`` (tokens); when no branch
+        lies between the two (every node from the start's up to the one below ``first`` has one
+        child), every request that has reached the start so far went on to ``first``, so the new
+        checkpoint takes over the start's uses (:meth:`UtilityOrder.shadow`): the start ranks as
+        unused again and the new one saves the start's saving more. A request that branches
+        between them later hits the start, which ranks by its hits again. Only without a lower
+        tier (:attr:`lower_tiers`), as :meth:`_shared_start`: with the host tier it measured lower
+        on the bundled trace's host cells (docs/results/memory.md)."""
+        start, g = alloc.start, self.config.prefix_match_unit
+        nodes = alloc.nodes
+        if start <= 0 or self.lower_tiers or first <= start or len(nodes) < first // g:
+            return
+        node = nodes[start // g - 1]
+        slot, new = node.checkpoint, nodes[first // g - 1].checkpoint
+        if (slot is None or new is None or node.parent is None or self.checkpoints.refcount[slot]
+                or self.labels.get(slot) == TAIL):
+            return
+        for k in range(start // g - 1, first // g - 1):
+            if nodes[k].many is not None:
+                return
+        self._utility.shadow(slot, new)
+        self.labels[slot] = SHADOWED
 
     def _below_start(self, alloc: Allocation, checkpoints: dict) -> int:
         """The boundary (tokens) of the checkpoint below the request's new ones, for the ``utility``

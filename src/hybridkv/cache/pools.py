@@ -359,6 +359,11 @@ class CheckpointPool(_RefcountedCache):
                 assert not pub and rc == 0, f"slot {s}: free but in use"
 
 
+SHADOWED = "shadowed"
+"""Label of a checkpoint the :class:`UtilityOrder` ranks as unused again: a request resumed from
+it and placed a checkpoint above it, with no branch between the two (:meth:`UtilityOrder.shadow`)."""
+
+
 class UtilityOrder(EvictionOrder):
     """Eviction order of the device checkpoint pool by expected saving (``checkpoint_eviction="utility"``).
 
@@ -398,6 +403,25 @@ class UtilityOrder(EvictionOrder):
         """The next :meth:`describe` of ``item`` is a checkpoint placed by ``label`` saving
         ``saving`` tokens over the checkpoint below it."""
         self._pending[item] = (label, float(saving))
+
+    def shadow(self, item: Hashable, above: Hashable) -> None:
+        """``above``, a checkpoint just placed over ``item`` with no branch between them, now takes
+        every use ``item`` had: ``item`` counts as a checkpoint placed by label ``shadowed`` that
+        has not been hit (its hits restart at 0; it ranks by that label's learned share), and
+        ``above`` saves ``item``'s saving more (a hit on ``above`` saves what a hit on ``item``
+        would, plus its own). Items not described are left as they are."""
+        what, up = self._what.get(item), self._what.get(above)
+        if what is None or up is None:
+            return
+        self._what[item] = (SHADOWED, what[1])
+        self.placed[SHADOWED] = self.placed.get(SHADOWED, 0) + 1
+        info = self.info.get(item)
+        if info is not None:
+            info.hits = 0
+        self._what[above] = (up[0], up[1] + what[1])
+        for i in (item, above):
+            if i in self._prio:
+                self._push(i)
 
     def use_share(self, label: str) -> float:
         """Share of ``label``'s checkpoints hit at least once, ``(used + 1) / (placed + 2)``."""
