@@ -131,31 +131,6 @@ def test_saving_is_counted_from_the_checkpoint_left_below(policy, saving):
     assert retired is policy.endswith("supersede")
 
 
-@pytest.mark.parametrize("order, lower", [("utility", False), (None, False), ("utility", True)])
-def test_supersede_keeps_a_tail_other_requests_resume_from(order, lower):
-    """A tail at 4 units that another request resumed from too (a head: a system prompt or a
-    shared document that a first turn's tail ended on) stays when the conversation's next turn
-    places its tail at 6 under the ``utility`` order, and the new tail saves 2 units over it; the
-    ``lru`` order's ``supersede`` retires it as before, and so does ``utility`` when a lower tier
-    holds the cache's checkpoints (``lower_tiers``)."""
-    cache = small_cache("tail+supersede", **({"checkpoint_eviction": order} if order else {}))
-    cache.lower_tiers = lower
-    conv = _tokens(1, 4 * UNIT + 1)
-    serve_once(cache, conv, {4 * UNIT: "tail"})
-    other = np.concatenate([conv[:4 * UNIT], _tokens(5, UNIT + 1)])
-    assert serve_once(cache, other, {})[0] == 4 * UNIT          # a second user resumes from the tail
-    turn = np.concatenate([conv[:4 * UNIT], _tokens(3, 2 * UNIT + 1)])
-    hit, _ = serve_once(cache, turn, {6 * UNIT: "tail"})
-    assert hit == 4 * UNIT
-    kept = cache.index.walk(cache.hash_prompt(conv)[:4])[-1].checkpoint is not None
-    assert kept is (order == "utility" and not lower)
-    if kept:
-        slot = cache.index.walk(cache.hash_prompt(turn)[:6])[-1].checkpoint
-        assert cache.checkpoints.order._what[slot] == ("tail", float(2 * UNIT))
-        third = np.concatenate([conv[:4 * UNIT], _tokens(6, UNIT + 1)])
-        assert serve_once(cache, third, {})[0] == 4 * UNIT     # a third user still finds it
-
-
 @pytest.mark.parametrize("branched, lower", [(False, False), (True, False), (False, True)])
 def test_a_checkpoint_every_request_went_past_hands_its_uses_up(branched, lower):
     """A request resumes from an ``interval`` checkpoint at 2 units and places one at 5: with no

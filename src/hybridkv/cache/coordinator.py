@@ -45,9 +45,6 @@ TAIL = "tail"
 """Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
 INSTALLED = "installed"
 """Label of a checkpoint installed from a lower tier (a promotion), for the ``utility`` order."""
-SHARED_HITS = 2
-"""Hits after which the ``utility`` order's ``supersede`` keeps a tail: the request resuming from it
-and at least one other (:meth:`HybridCacheCoordinator._shared_start`)."""
 PROBATION_LABELS = frozenset({"interval"})
 """Policy terms whose checkpoints start on probation under ``CacheConfig.checkpoint_probation``:
 placed on speculation (a boundary no request has reached twice), unlike ``branch`` (where traffic
@@ -500,8 +497,7 @@ class HybridCacheCoordinator:
         Each checkpoint is copied into a cache-owned slot and attached at its
         boundary. With the ``supersede`` policy, a new ``tail`` checkpoint
         retires the tail checkpoint the request started from (``alloc.start``)
-        if no request holds it and, under the ``utility`` checkpoint order, no
-        other request has resumed from it (:meth:`_shared_start`).
+        if no request holds it.
 
         Args:
             alloc: the request's allocation.
@@ -525,7 +521,6 @@ class HybridCacheCoordinator:
                 raise ValueError(f"checkpoint boundary {b} lies beyond the prompt's {len(hashes)} whole units")
         self.publish_units(alloc, hashes, computed)
         result = PublishResult()
-        shared = self._utility is not None and self._shared_start(alloc)
         below = self._below_start(alloc, checkpoints) if self._utility is not None else 0
         for b in sorted(checkpoints):
             ckpt, label = checkpoints[b]
@@ -535,8 +530,7 @@ class HybridCacheCoordinator:
                 result.skipped.append(b)
                 continue
             result.created.append((b, label))
-            if (label == TAIL and self.config.policy.supersede and not shared
-                    and self.retire_checkpoint(alloc, alloc.start, TAIL)):
+            if label == TAIL and self.config.policy.supersede and self.retire_checkpoint(alloc, alloc.start, TAIL):
                 result.superseded += 1
                 result.retired.append(alloc.start)
         if self._utility is not None and result.created:
@@ -551,8 +545,8 @@ class HybridCacheCoordinator:
         checkpoint takes over the start's uses (:meth:`UtilityOrder.shadow`): the start ranks as
         unused again and the new one saves the start's saving more. A request that branches
         between them later hits the start, which ranks by its hits again. Only without a lower
-        tier (:attr:`lower_tiers`), as :meth:`_shared_start`: with the host tier it measured lower
-        on the bundled trace's host cells (docs/results/memory.md)."""
+        tier (:attr:`lower_tiers`): with the host tier it measured lower on the bundled trace's
+        host cells (docs/results/memory.md)."""
         start, g = alloc.start, self.config.prefix_match_unit
         nodes = alloc.nodes
         if start <= 0 or self.lower_tiers or first <= start or len(nodes) < first // g:
@@ -572,32 +566,15 @@ class HybridCacheCoordinator:
         """The boundary (tokens) of the checkpoint below the request's new ones, for the ``utility``
         order's saving: its start (the checkpoint it resumed from), or, when that is a tail and the
         request places a tail under ``supersede`` (which retires the start unless another request
-        holds it), the boundary that was below the start when it was placed; the start itself when
-        it is shared (:meth:`_shared_start`: ``supersede`` keeps it)."""
+        holds it), the boundary that was below the start when it was placed."""
         start = alloc.start
-        if start <= 0 or not self.config.policy.supersede or self._shared_start(alloc):
+        if start <= 0 or not self.config.policy.supersede:
             return start
         g = self.config.prefix_match_unit
         slot = alloc.nodes[start // g - 1].checkpoint if len(alloc.nodes) >= start // g else None
         if slot is None or self.labels.get(slot) != TAIL or not any(lb == TAIL for _, lb in checkpoints.values()):
             return start
         return self._below.get(slot, 0)
-
-    def _shared_start(self, alloc: Allocation) -> bool:
-        """Under the ``utility`` order: whether the checkpoint the request resumed from
-        (``alloc.start``) has been hit by at least two lookups, this request's and another's. Such
-        a checkpoint is a head other requests resume from too (a tail that ends on a tenant's
-        system prompt or a shared document, say), not only this conversation's last state, so
-        ``supersede`` keeps it and the request's new checkpoints save over it. Only without a lower
-        tier (:attr:`lower_tiers`): with one, the tail was written through to it and the other
-        requests can load it from there, and keeping it on the device measured lower at the
-        frontier's host cells (docs/results/memory.md)."""
-        start, g = alloc.start, self.config.prefix_match_unit
-        if start <= 0 or self.lower_tiers or len(alloc.nodes) < start // g:
-            return False
-        slot = alloc.nodes[start // g - 1].checkpoint
-        info = self._utility.info.get(slot) if slot is not None else None
-        return info is not None and info.hits >= SHARED_HITS
 
     def publish_units(self, alloc: Allocation, hashes: list[bytes], computed: int) -> None:
         """Publish every whole unit of ``[0, computed)`` whose KV the request has written.
