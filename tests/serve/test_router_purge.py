@@ -274,7 +274,8 @@ def test_a_hung_worker_is_reported_failed_after_the_purge_timeout(workers, tmp_p
 
 
 @pytest.mark.parametrize(("value", "named"), [("0", "must be positive"), ("nan", "is not a number"),
-                                              ("601", "exceeds 600 seconds")])
+                                              ("601", "exceeds 600 seconds"),
+                                              ("1e-300", "is under 0.1 s"), ("0.09", "is under 0.1 s")])
 def test_a_bad_purge_timeout_is_named(value, named, capsys):
     from hybridkv.cli import main
     with pytest.raises(SystemExit) as exc:

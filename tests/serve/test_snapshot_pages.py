@@ -226,3 +226,14 @@ def test_the_routers_read_starts_again_when_a_purge_ends_the_generation_it_pages
     assert purged == [200] and w.healthy
     assert (w.snapshot_restarts, w.snapshots, w.epoch) == (1, 1, after["epoch"])
     assert w.view.kv == {bytes.fromhex(k) for k in after["kv"]} and len(w.view.kv) == after["total"]
+
+
+@pytest.mark.parametrize(("value", "named"), [("99999999999999999999", "exceeds 1024"), ("1025", "exceeds 1024"),
+                                              ("0", "must be positive")])
+def test_a_bad_snapshot_readers_is_named(value, named, capsys):
+    """``--snapshot-readers`` past 1024 (or under 1) is refused in one line naming the option."""
+    from hybridkv.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--snapshot-readers", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--snapshot-readers" in err and named in err and "Traceback" not in err

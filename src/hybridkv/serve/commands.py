@@ -75,11 +75,11 @@ def register_cli(sub) -> None:
                         "engine's idle time and compared (logits within 1e-4, same greedy tokens, ties apart); a "
                         "mismatch quarantines the entries the request reused in every tier (default 0.01; 0: off; "
                         "1: every hit; Kimi Linear and DeepSeek-V4 models, every --swa-recovery)")
-    s.add_argument("--snapshot-readers", type=positive_int, default=SNAPSHOT_KEEP, metavar="N",
+    s.add_argument("--snapshot-readers", type=_snapshot_readers, default=SNAPSHOT_KEEP, metavar="N",
                    help="cache snapshots held at once for readers paging through GET /v1/cache/snapshot (one "
                         "per router resyncing at the same time; a reader whose snapshot was dropped for a "
                         f"newer one gets 410 and reads again; about 75 bytes per cached unit each at most; "
-                        f"default {SNAPSHOT_KEEP})")
+                        f"at most {MAX_SNAPSHOT_READERS}; default {SNAPSHOT_KEEP})")
     add_auth_arguments(s, router=False)
     s.set_defaults(func=_serve)
 
@@ -165,7 +165,7 @@ def _register_router(sub) -> None:
     r.add_argument("--purge-timeout", type=_purge_timeout, default=None, metavar="SECONDS",
                    help="seconds to wait for each worker's whole answer to a purge (POST /admin/cache/invalidate, "
                         "/flush_cache); a worker past it is reported as failed in the 502 and may still purge "
-                        "(default 10; at most 600)")
+                        "(default 10; at least 0.1, at most 600)")
     add_auth_arguments(r, router=True)
     r.set_defaults(func=_router)
 
@@ -182,13 +182,35 @@ def _follow_wait(text: str) -> float:
     return x
 
 
+MAX_SNAPSHOT_READERS = 1024
+"""The most ``--snapshot-readers`` (each held snapshot may copy the whole device index)."""
+
+
+def _snapshot_readers(text: str) -> int:
+    """``--snapshot-readers``: an integer in [1, MAX_SNAPSHOT_READERS]."""
+    import argparse
+
+    n = positive_int(text)
+    if n > MAX_SNAPSHOT_READERS:
+        raise argparse.ArgumentTypeError(f"{n} exceeds {MAX_SNAPSHOT_READERS} snapshots held at once")
+    return n
+
+
+MIN_PURGE_TIMEOUT_S = 0.1
+"""The shortest ``--purge-timeout`` (seconds)."""
+
+
 def _purge_timeout(text: str) -> float:
-    """``--purge-timeout``: seconds in (0, 600]."""
+    """``--purge-timeout``: seconds in [MIN_PURGE_TIMEOUT_S, 600] (a shorter wait fails every purge
+    before a worker could answer it)."""
     import argparse
 
     x = finite_positive_float(text)
     if x > 600:
         raise argparse.ArgumentTypeError(f"{text!r} exceeds 600 seconds")
+    if x < MIN_PURGE_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is under {MIN_PURGE_TIMEOUT_S:g} s, too short for any worker "
+                                         "to answer a purge")
     return x
 
 
