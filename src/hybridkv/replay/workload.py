@@ -88,7 +88,7 @@ def workload_notes(opts, requests: int, checkpoint_slots: int, cost_model: str |
         notes.append(WorkloadNote(
             "--block-tokens", f"{SIMULATED_BLOCK_TOKENS} tokens per trace hash id (the trace's real lengths)",
             f"{MODEL_RUN_BLOCK_TOKENS} (prompts scaled down 8x so the CPU model can run them)",
-            f"prompts are 8x longer here; give --block-tokens {MODEL_RUN_BLOCK_TOKENS} to replay the model run's"))
+            f"prompts are 8x longer here; give --block-tokens {MODEL_RUN_BLOCK_TOKENS} to replay the model run's prompt lengths"))
     model_out = opts.max_output_tokens or MODEL_RUN_OUTPUT_TOKENS
     if not opts.timed:
         if model_out != 1:
@@ -98,7 +98,7 @@ def workload_notes(opts, requests: int, checkpoint_slots: int, cost_model: str |
     elif opts.max_output_tokens is None:
         notes.append(WorkloadNote(
             "--max-output-tokens", "the trace's output lengths, uncapped", f"{MODEL_RUN_OUTPUT_TOKENS} tokens per request",
-            "a timed simulation models the whole decode; give --max-output-tokens 4 to replay the model run's"))
+            "a timed simulation models the whole decode; give --max-output-tokens 4 to replay the model run's output lengths"))
     if opts.num_checkpoint_slots is None and checkpoint_slots != model_run_slots:
         notes.append(WorkloadNote(
             "--checkpoint-slots", f"{checkpoint_slots:,} (the most the policy can create)",

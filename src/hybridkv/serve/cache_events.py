@@ -396,7 +396,8 @@ class SnapshotPages:
             held = None
         if held is None:
             raise SnapshotGone(f"snapshot generation {generation} is no longer held (a purge or restart started a "
-                               f"new epoch, it was not read for {self.ttl_s:g} s, or newer snapshots replaced it: this "
+                               f"new epoch, it was read to its end, it was not read for {self.ttl_s:g} s, or newer snapshots "
+                               f"replaced it: this "
                                f"worker holds {self.keep}, --snapshot-readers); "
                                "read the snapshot again from its first page (no cursor)")
         epoch, keys, flags, _ = held

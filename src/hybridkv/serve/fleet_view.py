@@ -142,6 +142,20 @@ class FleetMismatch(ValueError):
     """A worker whose cache identity or units differ from the fleet's (it is kept out of rotation)."""
 
 
+def failure_text(exc: Exception) -> str:
+    """One line (at most 200 characters) saying why a read of a worker failed: the exception's
+    type and text (``no detail`` where it has none: an httpx timeout may carry none) and, for an
+    httpx request error, the method and URL path it was making, so an operator's log says which
+    call failed."""
+    text = str(exc) or "no detail"
+    if isinstance(exc, httpx.RequestError):
+        try:
+            req = exc.request
+            text = f"{text} ({req.method} {req.url.path})"
+        except RuntimeError:                       # an error raised without its request
+            pass
+    return f"{type(exc).__name__}: {text}"[:200]
+
 @dataclass(frozen=True, slots=True)
 class FleetIdentity:
     """How every worker of the fleet hashes prompts (from ``/v1/cache/info``; units in tokens)."""
@@ -376,7 +390,7 @@ class Workers:
                 self.take_out(w, str(exc))
                 continue
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                self.take_out(w, f"{type(exc).__name__}: {exc}"[:200])
+                self.take_out(w, failure_text(exc))
                 continue
             if not got and loop.time() - began < wait_s / 2:
                 await asyncio.sleep(idle_s)        # a worker that answers at once (no long poll)
@@ -392,7 +406,7 @@ class Workers:
         except FleetMismatch as exc:
             self.take_out(w, str(exc))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            self.take_out(w, f"{type(exc).__name__}: {exc}"[:200])
+            self.take_out(w, failure_text(exc))
 
     async def _read_load(self, w: WorkerState) -> None:
         """``w``'s ``/get_load`` (rank 0) into :attr:`WorkerState.reported`; a worker without the
