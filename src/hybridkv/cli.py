@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{HOST_PROBATION}; docs/how-to/tiers.md)")
     r.add_argument("--host-protected-share", type=positive_fraction, default=None, metavar="SHARE",
                    help="share (0, 1] of the host tier kept for checkpoints loaded from it before (a segmented "
-                        "LRU: the others go first while these hold at most SHARE); with --host-eviction lru; "
+                        "LRU: the others go first while these hold at most SHARE, one pushed past it rejoins them as "
+                        "their most recent); with --host-eviction lru and a host tier (not a --simulate --timed "
+                        "fleet's); "
                         "default off (docs/results/memory.md measures 0.3)")
     r.add_argument("--checkpoint-probation", type=fraction, default=None, metavar="SHARE",
                    help="share 0..1 of the device checkpoint slots that the policy's interval checkpoints may "
@@ -264,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
         parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
     if args.command == "replay" and args.host_protected_share is not None:
+        from hybridkv.engine.build import is_v4
         if args.host_mib == 0:
             parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: --host-mib is 0")
+        if args.host_mib is None and is_v4(args.model):
+            parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: --host-mib is 0 "
+                         f"for a DeepSeek-V4 model unless given")
+        if args.simulate and args.timed:
+            parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: a simulated "
+                         f"timed fleet builds none")
         if args.host_eviction != "lru":
             parser.error(f"--host-protected-share {args.host_protected_share:g} works with --host-eviction lru, "
                          f"not {args.host_eviction}")

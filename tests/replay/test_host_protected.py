@@ -46,6 +46,20 @@ def test_a_checkpoint_loaded_from_the_host_before_outlasts_a_flood_of_one_off_de
     assert kept["tiers"]["host"]["bytes_peak"] <= 3 * ck
 
 
+def test_a_tiny_protected_share_demotes_its_overflow_instead_of_evicting_it_first(tmp_path):
+    """A protected segment past its share hands its oldest entries back to the main order as its
+    most recent ones (segmented LRU), so even a share too small to hold one checkpoint never makes
+    a checkpoint loaded before go first: with a host of 3 checkpoints, the tail ``[1, 2]`` loaded
+    by request 3 outlasts one more demotion and the last request resumes from it, as in one
+    recency order (a share of ``1e-300`` used to evict it first, reusing 2 blocks, not 4)."""
+    trace = _trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [1, 2, 9]])
+    ck = KDASpec.for_model(model_config("small")).page_size_bytes
+    plain = _replay(trace, host_bytes=3 * ck)
+    tiny = _replay(trace, host_bytes=3 * ck, host_protected_share=1e-300)
+    assert plain["reused_tokens"] == 4 * B
+    assert tiny["reused_tokens"] == 4 * B and tiny["tiers"]["host"]["hit_tokens"] == 4 * B
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"host_protected_share": 0.0}, r"host_protected_share=0.0 must be a fraction in \(0, 1\]"),
     ({"host_protected_share": 1.5}, r"host_protected_share=1.5 must be a fraction"),
@@ -64,6 +78,10 @@ def test_config_refuses_a_bad_protected_share(kw, match):
     (["--host-protected-share", "0.3", "--host-mib", "0"], "--host-protected-share 0.3 needs a host tier: --host-mib is 0"),
     (["--host-protected-share", "0.3", "--host-eviction", "value"],
      "--host-protected-share 0.3 works with --host-eviction lru, not value"),
+    (["--model", "v4-tiny", "--host-protected-share", "0.3"],
+     "--host-protected-share 0.3 needs a host tier: --host-mib is 0 for a DeepSeek-V4 model unless given"),
+    (["--timed", "--instances", "64", "--host-mib", "8192", "--host-protected-share", "0.3"],
+     "--host-protected-share 0.3 needs a host tier: a simulated timed fleet builds none"),
 ])
 def test_replay_cli_refuses_a_bad_protected_share_in_one_line(capsys, args, message):
     from hybridkv.cli import main

@@ -120,7 +120,8 @@ def test_engine_keeps_what_the_device_gave_up(retention, held_at_demotion, reuse
 
 def test_protected_segment_keeps_entries_loaded_before():
     """Entry 0 was loaded once: demoted again later, it outlives the one-off demotions that
-    would push it out of one LRU order, until protected entries exceed their share."""
+    would push it out of one LRU order; once protected entries exceed their share, the oldest
+    rejoins the main order as its most recent entry (segmented LRU), not evicted outright."""
     def fill(t: HostTier) -> None:
         _save(t, 0)
         t.load_many([KEYS[0]], [(B, KDA)])           # a host hit (promotion): remembered
@@ -136,7 +137,9 @@ def test_protected_segment_keeps_entries_loaded_before():
     assert _held(t) == [0, 3, 4]
     t.load_many([KEYS[3]], [(B, KDA)])               # a second protected entry: 2 of 3 > half
     _save(t, 5)
-    assert _held(t) == [3, 4, 5]                     # the oldest protected one gave way
+    assert _held(t) == [0, 3, 5]                     # 0 left the segment for the main order's newest: 4 went
+    _save(t, 6)
+    assert _held(t) == [3, 5, 6]                     # then 0, the main order's oldest
 
 
 def test_protected_share_bad_values_are_named():

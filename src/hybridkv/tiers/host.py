@@ -111,7 +111,8 @@ class HostTier(Tier):
             segment (segmented LRU) for entries whose content was loaded from this tier before
             (a ghost of recently loaded keys remembers them across evictions): the other main
             entries are evicted first while the protected ones hold at most this share of
-            ``capacity_bytes``. Only with ``eviction="lru"``.
+            ``capacity_bytes``; a protected entry past the share goes back to the main order as
+            its most recent entry (never evicted for it). Only with ``eviction="lru"``.
         retention: how the tier treats entries the device also holds (one of
             :data:`HOST_RETENTION`; module docstring, "Retention"): ``inclusive`` (a demotion of
             an entry already held changes nothing), ``demote`` (it makes the entry the most
@@ -359,9 +360,10 @@ class HostTier(Tier):
         if self._probation and (self._probation_bytes + incoming > self.probation_share * self.capacity_bytes
                                 or not (len(self._order) or self._protected)):
             return next(iter(self._probation))
-        if self._protected and (not len(self._order)
-                                or self._protected_bytes > self.protected_share * self.capacity_bytes):
-            return next(iter(self._protected))
+        if self._protected:
+            self._demote_protected()
+            if not len(self._order):
+                return next(iter(self._protected))
         return self._order.pop()
 
     def _owner_victim(self, owner: bytes) -> tuple[bytes, str] | None:
@@ -392,6 +394,16 @@ class HostTier(Tier):
             self._order.discard(key)                # still described: its bytes count for quotas
             nbytes = self._protected[key] = self._entries[key].nbytes
             self._protected_bytes += nbytes
+        self._demote_protected()
+
+    def _demote_protected(self) -> None:
+        """While the protected segment holds more than ``protected_share`` of ``capacity_bytes``,
+        move its least recent entry back into the main order as the most recent one (segmented
+        LRU: a protected entry pushed out of its segment gets a second life in the probationary
+        one rather than being evicted; Karedla, Love and Wherry, IEEE Computer 27(3), 1994)."""
+        limit = self.protected_share * self.capacity_bytes
+        while self._protected and self._protected_bytes > limit:
+            self._unprotect(next(iter(self._protected)))
 
     def _unprotect(self, key: tuple[bytes, str]) -> None:
         """Move a protected entry back into the main order (most recent)."""
