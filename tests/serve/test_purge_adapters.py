@@ -35,6 +35,7 @@ def test_a_restarted_server_purges_a_tenants_adapter_entries_it_never_served(tmp
     with RunningServer(ServeOptions(port=0, threads=1, store=store)) as again:     # the restart
         r = _purge(again.url, {"tenant": "acme"})          # the tenant's own namespace only: not the adapter's
         assert r.status_code == 200 and r.json()["tier_entries"]["store"] == 0, r.text
+        assert r.json()["earlier_adapters_unreached"] is True, r.text       # and the answer says so
         r = _purge(again.url, {"tenant": "acme", **ADAPTER})
         assert r.status_code == 200, r.text
         assert r.json()["namespaces"] == 1 and r.json()["tier_entries"]["store"] > 0, r.text
@@ -44,6 +45,38 @@ def test_a_restarted_server_purges_a_tenants_adapter_entries_it_never_served(tmp
         r = _purge(again.url, {"tenant": "acme", "adapter": ADAPTER["adapter"]})
         assert r.status_code == 200 and r.json()["device_nodes"] > 0, r.text
         assert _complete(again.url, p, **ADAPTER) == 0
+
+
+def test_after_a_restart_an_adapter_without_its_version_is_refused_not_answered_200(tmp_path):
+    """A restarted server has served no version of the adapter: a purge naming it without
+    ``adapter_version`` could reach only version ``""``, so it is a 400 naming ``adapter_version``
+    and loses nothing; once this process has served a version, the purge reaches that one and
+    says that versions stored before it started may remain."""
+    store = f"disk://{tmp_path / 'store'}"
+    p = prompt_ids(8111, 300)
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as first:
+        assert _complete(first.url, p, **ADAPTER) == 0
+    with RunningServer(ServeOptions(port=0, threads=1, store=store)) as again:     # the restart
+        r = _purge(again.url, {"tenant": "acme", "adapter": ADAPTER["adapter"]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "adapter_version" and err["code"] == "adapter_version_needed", err
+        assert "lora-support" in err["message"], err
+        assert _complete(again.url, p, **ADAPTER) > 0                   # nothing was lost
+        r = _purge(again.url, {"tenant": "acme", "adapter": ADAPTER["adapter"]})
+        assert r.status_code == 200 and r.json()["tier_entries"]["store"] > 0, r.text
+        assert r.json()["earlier_adapters_unreached"] is True, r.text
+        r = _purge(again.url, {"tenant": "acme", **ADAPTER})            # a version named: nothing unreached
+        assert r.status_code == 200 and r.json()["earlier_adapters_unreached"] is False, r.text
+
+
+def test_without_a_lasting_store_an_unknown_adapter_is_simply_nothing_to_purge():
+    """No store outlives the process: nothing of an earlier process can remain, so the purge
+    answers 200 with zero entries and nothing unreached."""
+    with RunningServer(ServeOptions(port=0, threads=1)) as s:
+        r = _purge(s.url, {"tenant": "acme", "adapter": "never-served"})
+    assert r.status_code == 200 and r.json()["earlier_adapters_unreached"] is False, r.text
+    assert r.json()["device_nodes"] == 0, r.text
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [
@@ -84,5 +117,32 @@ def test_the_router_passes_an_adapter_scope_to_its_workers():
             assert r.status_code == 200 and r.json()["device_nodes"] == 4, r.text
             assert "workers" not in r.json() and w.url not in r.text
             assert _complete(w.url, p, **ADAPTER) == 0
+        finally:
+            router.close()
+
+
+def test_the_router_passes_on_the_adapter_version_refusal_and_the_unreached_flag(tmp_path):
+    """Through ``hybridkv router``: a worker with a disk store that has served no version of the
+    adapter refuses it without ``adapter_version``; the router answers that 400 (not a 502 that
+    says "send it again"), and a tenant purge carries ``earlier_adapters_unreached``."""
+    import argparse
+
+    from hybridkv.serve.commands import router_service
+    from hybridkv.serve.launch import BackgroundUvicorn
+    from hybridkv.serve.router import create_router_app
+
+    with RunningServer(ServeOptions(port=0, threads=1, store=f"disk://{tmp_path / 'store'}")) as w:
+        args = argparse.Namespace(worker=[w.url], policy="hybrid", model="tiny", cost_model=None,
+                                  poll_interval=1.0, health_every=1, follow_wait=0.0, store_gbps=1.1,
+                                  store_latency_us=194.0, api_key=None, api_keys_file=None, admin_key=None,
+                                  worker_key=None)
+        router = BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
+        try:
+            r = httpx.post(f"{router.url}/admin/cache/invalidate", json={"adapter": ADAPTER["adapter"]},
+                           headers={"X-Tenant": "acme"}, timeout=60)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "adapter_version" and w.url not in r.text, r.text
+            r = httpx.post(f"{router.url}/admin/cache/invalidate", json={}, headers={"X-Tenant": "acme"}, timeout=60)
+            assert r.status_code == 200 and r.json()["earlier_adapters_unreached"] is True, r.text
         finally:
             router.close()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.cache.purge import PurgeSelector
 from hybridkv.engine.build import EngineHandle
+from hybridkv.serve.protocol import APIError
 from hybridkv.tiers.purge import purge as purge_tiers
 
 
@@ -31,12 +32,18 @@ class PurgeCounts:
         tier_entries: tier name -> entries removed (``host``, ``store``; ``-1``: unreachable).
         tier_bytes: tier name -> payload bytes removed (``None``: not known: a store purged by key
             prefix removes without reading, or unreachable).
+        earlier_adapters_unreached: ``True`` when this server's store outlives its process and the
+            scope is a tenant's that names no ``adapter_version``: the store may still hold that
+            tenant's entries an earlier server process wrote under an adapter (naming no adapter)
+            or an adapter version (naming one) this process has not served, which no digest this
+            process knows selects; name ``adapter`` and ``adapter_version`` to reach them.
     """
 
     namespaces: int = 0
     device_nodes: int = 0
     tier_entries: dict[str, int] = field(default_factory=dict)
     tier_bytes: dict[str, int | None] = field(default_factory=dict)
+    earlier_adapters_unreached: bool = False
 
 
 class NamespaceLedger:
@@ -80,9 +87,25 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
     (and ``adapter_version``): the ledger's namespaces of that adapter (any version when none is
     named) and the named one are selected.
 
+    A store that outlives the process (any but ``memory://``) may hold entries of adapter
+    namespaces an earlier process wrote; a tenant's scope naming no ``adapter_version`` cannot
+    reach those, which the answer says (``PurgeCounts.earlier_adapters_unreached``). Naming an
+    ``adapter`` of which this process has served no version (under the scope's salt, if any)
+    with such a store is refused: only the version ``""`` could be selected, and a 200 would
+    hide that the versions stored before this process started were left.
+
     Raises:
         ValueError: ``abi_version`` is not an older cache ABI version (:class:`PurgeSelector`).
+        APIError: 400 (param ``adapter_version``, code ``adapter_version_needed``) for an
+            ``adapter`` without ``adapter_version`` of which this process has served no version,
+            with a store that outlives the process.
     """
+    lasting = handle.store_tier is not None and getattr(handle.store_tier.store, "scheme", "") != "memory"
+    if abi_version is None and not everything and tenant is not None and lasting and adapter is not None \
+            and adapter_version is None and not ledger.matching(tenant, salt, adapter, None):
+        raise APIError(400, f"adapter={adapter!r}: this server process has served no version of it, so the "
+                            "versions an earlier process stored cannot be found by name alone; give "
+                            "adapter_version (one purge per version)", "adapter_version", "adapter_version_needed")
     if abi_version is not None:
         selector = PurgeSelector(abi_version=abi_version,
                                  models=frozenset({handle.namespace}) if abi_version >= 3 else None)
@@ -95,7 +118,9 @@ def purge(handle: EngineHandle, ledger: NamespaceLedger, tenant: str | None, sal
         counts.tier_bytes = dict(done.tier_bytes)
         return counts                          # current entries are untouched: the ledger stays
     namespaces = set() if everything else ledger.matching(tenant, salt, adapter, adapter_version) | set(known)
-    counts = PurgeCounts(namespaces=len(namespaces))
+    counts = PurgeCounts(namespaces=len(namespaces),
+                         earlier_adapters_unreached=lasting and tenant is not None and not everything
+                         and adapter_version is None)
     if not everything and not namespaces:          # nothing selected: every configured tier removed 0
         names = [t.name for t in (handle.host_tier, handle.store_tier) if t is not None]
         counts.tier_entries, counts.tier_bytes = dict.fromkeys(names, 0), dict.fromkeys(names, 0)

@@ -545,12 +545,18 @@ class RouterService:
         read again the view of each that answered 200 (:meth:`_resync`).
 
         Returns:
-            200 with the workers' counts summed (:func:`_sum_counts`) and, for an ``operator``
+            200 with the workers' counts summed (:func:`_sum_counts`; for a tenant's purge,
+            ``namespaces`` is the most any worker matched, since every worker counts the same
+            scope and a sum would tell the tenant how many workers there are; entries and bytes
+            stay summed: the copies of the tenant's own entries removed) and, for an ``operator``
             (the admin key, or a purge not confined to a tenant), ``workers``: per worker its
             ``url`` and ``status`` and its own counts; or, when any worker could not be reached,
             did not answer within ``purge_timeout_s`` or did not answer 200, a 502 (code
             ``purge_incomplete``) with the same counts of those that did, whose message names
-            each such worker URL and why for an operator. A tenant's answer names no worker and
+            each such worker URL and why for an operator; a 400 (param ``adapter_version``) with the
+            counts of those that purged when a worker refused an ``adapter`` without
+            ``adapter_version`` it has served no version of (:func:`hybridkv.serve.purge.purge`).
+            A tenant's answer names no worker and
             gives no per-worker figures (the fleet's layout is the operator's); the router's log
             names them.
         """
@@ -579,10 +585,11 @@ class RouterService:
             except ValueError:
                 answer = None
             if r.status_code != 200 or not isinstance(answer, dict):
-                message = answer.get("error", {}).get("message") if isinstance(answer, dict) and \
-                    isinstance(answer.get("error"), dict) else None
+                err = answer.get("error") if isinstance(answer, dict) and isinstance(answer.get("error"), dict) else {}
+                message = err.get("message")
                 return {"url": w.url, "status": r.status_code,
-                        "error": f"answered {r.status_code}" + (f": {message}" if message else "")}
+                        "error": f"answered {r.status_code}" + (f": {message}" if message else ""),
+                        "refusal": err if r.status_code == 400 and err.get("param") == "adapter_version" else None}
             return {"url": w.url, "status": 200, **answer}
 
         results = await asyncio.gather(*(one(w) for w in self.workers.states))
@@ -590,10 +597,17 @@ class RouterService:
                                if res["status"] == 200))
         done = [r for r in results if r["status"] == 200]
         totals = _sum_counts([{k: v for k, v in r.items() if k not in ("url", "status")} for r in done])
+        if not operator and done:              # each worker counts the same scope: a sum would count workers
+            totals["namespaces"] = max(r.get("namespaces", 0) for r in done)
         failed = [r for r in results if r["status"] != 200]
-        shown = {"workers": results} if operator else {}
+        shown = {"workers": [{k: v for k, v in r.items() if k != "refusal"} for r in results]} if operator else {}
         if not failed:
             return JSONResponse({**totals, **shown})
+        refusal = failed[0].get("refusal") if all(r.get("refusal") for r in failed) else None
+        if refusal is not None:                # the caller's to fix (a worker knows no version of the adapter)
+            return JSONResponse({"error": {**refusal, "message": refusal.get("message", "") + (
+                " (on at least one worker; the others purged the versions they know)" if done else "")},
+                **totals, **shown}, status_code=400)
         for r in failed:
             log.warning("%s on worker %s failed: %s", path, r["url"], r["error"])
         if operator:
@@ -931,7 +945,8 @@ def _sum_usage(usages: list[dict | None]) -> dict | None:
 def _sum_counts(answers: list[dict]) -> dict:
     """The purge counts of several workers summed key by key (nested ``tier_entries`` /
     ``tier_bytes`` per tier too): integers added, ``None`` (not known) if any worker's is, ``-1``
-    (a tier unreachable) if any worker's is; booleans (``success``) true only if all are."""
+    (a tier unreachable) if any worker's is; booleans (``success``) true only if all are, except
+    ``earlier_adapters_unreached``, true if any worker's is."""
     out: dict = {}
     for a in answers:
         for k, v in a.items():
@@ -941,6 +956,8 @@ def _sum_counts(answers: list[dict]) -> dict:
             have = out[k]
             if isinstance(v, dict) and isinstance(have, dict):
                 out[k] = _sum_counts([have, v])
+            elif k == "earlier_adapters_unreached":
+                out[k] = bool(have) or bool(v)
             elif isinstance(v, bool) or isinstance(have, bool):
                 out[k] = bool(have) and bool(v)
             elif have is None or v is None:
