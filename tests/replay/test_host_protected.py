@@ -13,14 +13,9 @@ from hybridkv.cache.groups import KDA, KDASpec
 from hybridkv.engine.build import model_config
 from hybridkv.replay.runner import ReplayOptions, run_replay
 
+from trace_helpers import whole_block_trace
+
 B = 64                    # tokens per trace hash id and per page in these runs
-
-
-def _trace(tmp_path, prompts: list[list[int]]) -> str:
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1,
-                                        "hash_ids": ids}) + "\n" for i, ids in enumerate(prompts)))
-    return str(path)
 
 
 def _replay(trace: str, **kw) -> dict:
@@ -36,7 +31,7 @@ def test_a_checkpoint_loaded_from_the_host_before_outlasts_a_flood_of_one_off_de
     recency order they push it out and the last request, which resumes from it, reuses nothing;
     with a protected share of a third (one checkpoint), it stays and the last request reuses its
     2 blocks from the host."""
-    trace = _trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [30, 31], [40, 41], [50, 51], [1, 2, 9]])
+    trace = whole_block_trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [30, 31], [40, 41], [50, 51], [1, 2, 9]])
     ck = KDASpec.for_model(model_config("small")).page_size_bytes
     plain = _replay(trace, host_bytes=3 * ck)
     kept = _replay(trace, host_bytes=3 * ck, host_protected_share=0.34)
@@ -52,7 +47,7 @@ def test_a_tiny_protected_share_demotes_its_overflow_instead_of_evicting_it_firs
     a checkpoint loaded before go first: with a host of 3 checkpoints, the tail ``[1, 2]`` loaded
     by request 3 outlasts one more demotion and the last request resumes from it, as in one
     recency order (a share of ``1e-300`` used to evict it first, reusing 2 blocks, not 4)."""
-    trace = _trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [1, 2, 9]])
+    trace = whole_block_trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [1, 2, 9]])
     ck = KDASpec.for_model(model_config("small")).page_size_bytes
     plain = _replay(trace, host_bytes=3 * ck)
     tiny = _replay(trace, host_bytes=3 * ck, host_protected_share=1e-300)
@@ -95,7 +90,7 @@ def test_replay_cli_refuses_a_bad_protected_share_in_one_line(capsys, args, mess
 def test_replay_cli_passes_the_protected_share_to_the_host_tier(tmp_path, capsys):
     from hybridkv.cli import main
 
-    trace = _trace(tmp_path, [[1, 2], [1, 2, 3]])
+    trace = whole_block_trace(tmp_path, [[1, 2], [1, 2, 3]])
     out = tmp_path / "r.json"
     assert main(["replay", "--simulate", "--trace", trace, "--block-tokens", str(B), "--no-progress",
                  "--host-protected-share", "0.3", "--host-probation", "0", "--json", str(out)]) == 0
@@ -124,7 +119,7 @@ def test_bench_frontier_utility_protected_and_its_plot_from_json(tmp_path, capsy
     from rich.console import Console
 
     bf = _bench_frontier()
-    trace = _trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [1, 2, 9]])
+    trace = whole_block_trace(tmp_path, [[1, 2], [10, 11], [1, 2, 3], [20, 21], [1, 2, 9]])
     console = Console(stderr=True, quiet=True)
     rows = [bf.cell(trace, None, 512, 64 << 20, 1 << 20, v, d, h, None, console)
             for v in ("default", "utility", "utility_protected") for d, h in ((0.5, 0.0), (0.5, 0.5))

@@ -4,8 +4,6 @@ capacity and eviction, and the host-only dense checkpoints of ``host_interval``.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from hybridkv.cache.config import CacheConfig, ConfigError
@@ -14,16 +12,10 @@ from hybridkv.engine.build import build_engine, model_config
 from hybridkv.replay.runner import ReplayOptions, run_replay
 from hybridkv.tiers.host import HostTier
 
+from trace_helpers import whole_block_trace
+
 B = 64                    # tokens per trace hash id and per page in these runs
 NS = b"n" * 32
-
-
-def _trace(tmp_path, prompts: list[list[int]]) -> str:
-    """A Mooncake-format trace: one request per hash-id list, every block whole."""
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1,
-                                        "hash_ids": ids}) + "\n" for i, ids in enumerate(prompts)))
-    return str(path)
 
 
 def _replay(trace: str, **kw) -> dict:
@@ -57,7 +49,7 @@ def test_payload_free_host_tier_accounts_bytes_evicts_in_order_and_refuses_group
 def test_simulate_with_a_host_tier_demotes_device_evictions_and_promotes_host_hits(tmp_path):
     # Request 0's tail checkpoint is evicted by the next three one-off prompts (2 device slots);
     # request 4 continues request 0 and needs it back.
-    trace = _trace(tmp_path, [[1, 2, 3], [10, 11, 12], [20, 21, 22], [30, 31, 32], [1, 2, 3, 4]])
+    trace = whole_block_trace(tmp_path, [[1, 2, 3], [10, 11, 12], [20, 21, 22], [30, 31, 32], [1, 2, 3, 4]])
     without = _replay(trace, num_checkpoint_slots=2, host_bytes=0)
     with_host = _replay(trace, num_checkpoint_slots=2, host_bytes=64 << 20, host_groups=(KDA,), host_interval=0)
     assert without["evictions"]["device"]["checkpoints"] > 0
@@ -69,7 +61,7 @@ def test_simulate_with_a_host_tier_demotes_device_evictions_and_promotes_host_hi
 
 
 def test_host_capacity_bounds_what_is_demoted(tmp_path):
-    trace = _trace(tmp_path, [[1, 2, 3], [10, 11, 12], [20, 21, 22], [30, 31, 32], [1, 2, 3, 4]])
+    trace = whole_block_trace(tmp_path, [[1, 2, 3], [10, 11, 12], [20, 21, 22], [30, 31, 32], [1, 2, 3, 4]])
     ck = KDASpec.for_model(model_config("small")).page_size_bytes
     rep = _replay(trace, num_checkpoint_slots=2, host_bytes=2 * ck, host_groups=(KDA,), host_interval=0)
     assert rep["tiers"]["host"]["bytes_peak"] <= 2 * ck
@@ -79,7 +71,7 @@ def test_host_capacity_bounds_what_is_demoted(tmp_path):
 def test_host_interval_puts_dense_checkpoints_on_the_host_only(tmp_path):
     # Request 2 branches from request 0 after 3 blocks: only a checkpoint there serves it; the device
     # policy (tail) never placed one, the host-only captures every block did.
-    trace = _trace(tmp_path, [[1, 2, 3, 4, 5, 6], [10, 11, 12], [1, 2, 3, 9, 9]])
+    trace = whole_block_trace(tmp_path, [[1, 2, 3, 4, 5, 6], [10, 11, 12], [1, 2, 3, 9, 9]])
     plain = _replay(trace, host_bytes=64 << 20, host_groups=(KDA,), host_interval=0)
     dense = _replay(trace, host_bytes=64 << 20, host_groups=(KDA,), host_interval=B)
     assert plain["reused_tokens"] == 0
@@ -104,7 +96,7 @@ def test_host_interval_plumbing_is_checked():
 
 
 def test_replay_default_host_interval_follows_the_host_tier(tmp_path):
-    trace = _trace(tmp_path, [[1, 2, 3, 4, 5]])
+    trace = whole_block_trace(tmp_path, [[1, 2, 3, 4, 5]])
     assert _replay(trace, host_bytes=1 << 20)["config"]["host_interval"] == 4 * B
     assert _replay(trace, host_bytes=0)["config"]["host_interval"] is None
     assert _replay(trace, host_bytes=1 << 20, host_interval=0)["config"]["host_interval"] is None
@@ -133,7 +125,7 @@ def test_host_only_checkpoints_of_one_off_prompts_do_not_push_out_a_demoted_tail
     of 6; request 0's tail at 3 blocks, demoted from the 2-slot device, must survive for request 3.
     On probation (default share) the flood evicts its own oldest; with speculative entries ranked
     above the rest (share 1) the tail is pushed out."""
-    trace = _trace(tmp_path, [[1, 2, 3], list(range(10, 18)), list(range(20, 28)), [1, 2, 3, 4]])
+    trace = whole_block_trace(tmp_path, [[1, 2, 3], list(range(10, 18)), list(range(20, 28)), [1, 2, 3, 4]])
     ck = KDASpec.for_model(model_config("small")).page_size_bytes
     kw = {"num_checkpoint_slots": 2, "host_bytes": 6 * ck, "host_groups": (KDA,), "host_interval": B}
     kept = _replay(trace, **kw)

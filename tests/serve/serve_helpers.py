@@ -128,3 +128,13 @@ def wait_shadow_checks(read, n: int, wait_s: float) -> dict[str, float]:
             return m
         time.sleep(0.05)
 
+
+def router_args(workers: list[str], **kw):
+    """The ``hybridkv router`` arguments of a test's in-process router over ``workers`` (URLs):
+    the ``hybrid`` policy on the tiny model, 1 s polls, no keys; ``kw`` overrides any of them."""
+    import argparse
+
+    base = dict(worker=list(workers), policy="hybrid", model="tiny", cost_model=None, poll_interval=1.0,
+                health_every=1, follow_wait=0.0, store_gbps=1.1, store_latency_us=194.0, api_key=None,
+                api_keys_file=None, admin_key=None, worker_key=None)
+    return argparse.Namespace(**{**base, **kw})

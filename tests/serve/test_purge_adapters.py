@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serve_helpers import prompt_ids
+from serve_helpers import prompt_ids, router_args
 
 from hybridkv.serve.launch import RunningServer, ServeOptions
 
@@ -97,18 +97,13 @@ def test_bad_adapter_scopes_are_refused_naming_them(body, param, code):
 def test_the_router_passes_an_adapter_scope_to_its_workers():
     """Through ``hybridkv router`` (no keys): an ``X-Tenant`` purge naming the adapter reaches the
     worker's entries of that adapter, and the tenant's answer names no worker."""
-    import argparse
-
     from hybridkv.serve.commands import router_service
     from hybridkv.serve.launch import BackgroundUvicorn
     from hybridkv.serve.router import create_router_app
 
     p = prompt_ids(8201, 300)
     with RunningServer(ServeOptions(port=0, threads=1)) as w:
-        args = argparse.Namespace(worker=[w.url], policy="hybrid", model="tiny", cost_model=None,
-                                  poll_interval=1.0, health_every=1, follow_wait=0.0, store_gbps=1.1,
-                                  store_latency_us=194.0, api_key=None, api_keys_file=None, admin_key=None,
-                                  worker_key=None)
+        args = router_args([w.url])
         router = BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
         try:
             _complete(w.url, p, **ADAPTER)
@@ -125,17 +120,12 @@ def test_the_router_passes_on_the_adapter_version_refusal_and_the_unreached_flag
     """Through ``hybridkv router``: a worker with a disk store that has served no version of the
     adapter refuses it without ``adapter_version``; the router answers that 400 (not a 502 that
     says "send it again"), and a tenant purge carries ``earlier_adapters_unreached``."""
-    import argparse
-
     from hybridkv.serve.commands import router_service
     from hybridkv.serve.launch import BackgroundUvicorn
     from hybridkv.serve.router import create_router_app
 
     with RunningServer(ServeOptions(port=0, threads=1, store=f"disk://{tmp_path / 'store'}")) as w:
-        args = argparse.Namespace(worker=[w.url], policy="hybrid", model="tiny", cost_model=None,
-                                  poll_interval=1.0, health_every=1, follow_wait=0.0, store_gbps=1.1,
-                                  store_latency_us=194.0, api_key=None, api_keys_file=None, admin_key=None,
-                                  worker_key=None)
+        args = router_args([w.url])
         router = BackgroundUvicorn(create_router_app(router_service(args)), "127.0.0.1", 0, lifespan="on")
         try:
             r = httpx.post(f"{router.url}/admin/cache/invalidate", json={"adapter": ADAPTER["adapter"]},
