@@ -840,30 +840,19 @@ class HybridOptions:
 
     def waiting_counts(self, loads: list[InstanceLoad], live: list[int]) -> list[float]:
         """``n`` for every instance (indexed as ``loads``): requests waiting for their first
-        token, blended with the mean over ``live`` by :attr:`own_waiting`."""
-        k = self.waiting_weight
-        own = [ld.waiting * k for ld in loads] if k != 1 else [ld.waiting for ld in loads]
-        a = self.own_waiting
+        token, each counted :attr:`waiting_weight` times, blended with the mean over ``live`` by
+        :attr:`own_waiting` (:meth:`waiting_among` of every instance)."""
+        return self.waiting_among(loads, live, range(len(loads)))
+
+    def waiting_among(self, loads: list[InstanceLoad], live: list[int], among) -> list[float]:
+        """:meth:`waiting_counts` of the instances ``among`` only (indices, in that order), the
+        same values: reads the loads of ``live`` (for the mean) and ``among``, not every
+        instance's."""
+        k, a = self.waiting_weight, self.own_waiting
+        own = [loads[j].waiting * k for j in among]
         if a == 1:
             return own
-        mean = sum(own[j] for j in live) / len(live) if live else 0.0
-        return [a * n + (1 - a) * mean for n in own]
-
-    def waiting_among(self, loads: list[InstanceLoad], live: list[int], among: list[int]) -> list[float]:
-        """:meth:`waiting_counts` of the instances ``among`` only (in that order), the same values:
-        reads the loads of ``live`` (the mean) and ``among``, not every instance's."""
-        k = self.waiting_weight
-        a = self.own_waiting
-        if k != 1:
-            own = [loads[j].waiting * k for j in among]
-            if a == 1:
-                return own
-            mean = sum([loads[j].waiting * k for j in live]) / len(live) if live else 0.0
-        else:
-            own = [loads[j].waiting for j in among]
-            if a == 1:
-                return own
-            mean = sum([loads[j].waiting for j in live]) / len(live) if live else 0.0
+        mean = sum([loads[j].waiting * k for j in live]) / len(live) if live else 0.0
         return [a * n + (1 - a) * mean for n in own]
 
 

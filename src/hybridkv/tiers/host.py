@@ -360,10 +360,8 @@ class HostTier(Tier):
         if self._probation and (self._probation_bytes + incoming > self.probation_share * self.capacity_bytes
                                 or not (len(self._order) or self._protected)):
             return next(iter(self._probation))
-        if self._protected:
-            self._demote_protected()
-            if not len(self._order):
-                return next(iter(self._protected))
+        if self._protected and not len(self._order):     # the segment is within its share (_protect)
+            return next(iter(self._protected))
         return self._order.pop()
 
     def _owner_victim(self, owner: bytes) -> tuple[bytes, str] | None:
