@@ -207,6 +207,8 @@ def test_a_dead_worker_is_named_and_the_live_one_is_purged(workers, tmp_path):
         assert got["device_nodes"] == UNITS
         assert not _stats(router)["workers"][0]["healthy"]      # out of rotation, its view cleared
         assert _cached(live, "x", px) == 0
+        r = httpx.post(f"{router.url}/flush_cache", headers=_bearer(ROUTER_ADMIN), timeout=120)
+        assert r.status_code == 502 and r.json()["success"] is False, r.text    # not flushed everywhere
     finally:
         router.close()
         doomed.close()

@@ -553,7 +553,8 @@ class RouterService:
             ``url`` and ``status`` and its own counts; or, when any worker could not be reached,
             did not answer within ``purge_timeout_s`` or did not answer 200, a 502 (code
             ``purge_incomplete``) with the same counts of those that did, whose message names
-            each such worker URL and why for an operator; a 400 (param ``adapter_version``) with the
+            each such worker URL and why for an operator (``success`` false for ``/flush_cache``);
+            a 400 (param ``adapter_version``) with the
             counts of those that purged when a worker refused an ``adapter`` without
             ``adapter_version`` it has served no version of (:func:`hybridkv.serve.purge.purge`).
             A tenant's answer names no worker and
@@ -617,6 +618,8 @@ class RouterService:
         else:
             message = (f"{path} did not complete on every worker behind this router (its operator sees which); "
                        "your entries may still be held there: send it again later")
+        if "success" in totals:                # /flush_cache: not done on every worker
+            totals["success"] = False
         err = APIError(502, message, None, "purge_incomplete", "server_error").body()
         return JSONResponse({**err, **totals, **shown}, status_code=502)
 
