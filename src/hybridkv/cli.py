@@ -91,12 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(p*C_saved/(M*T_residence), see hybridkv.store.eviction); default lru "
                         "(value measured no better at the frontier's target cell: docs/concepts/eviction.md, "
                         "'Which order to use')")
-    r.add_argument("--host-eviction", choices=("lru", "value"), default="lru",
-                   help="eviction order of the host tier (it holds the device's victims); default lru, "
-                        "which measured better than value there (docs/concepts/eviction.md)")
-    r.add_argument("--host-probation", type=fraction, default=HOST_PROBATION,
+    r.add_argument("--host-eviction", choices=("lru", "value"), default=None,
+                   help="eviction order of the host tier (it holds the device's victims); needs a host tier; "
+                        "default lru, which measured better than value there (docs/concepts/eviction.md)")
+    r.add_argument("--host-probation", type=fraction, default=None,
                    help="share of the host tier that speculative host-only checkpoints (--host-interval) may "
-                        "hold while entries the device evicted need the room (2Q's A1in; default "
+                        "hold while entries the device evicted need the room (2Q's A1in; needs a host tier; default "
                         f"{HOST_PROBATION}; docs/how-to/tiers.md)")
     r.add_argument("--host-protected-share", type=positive_fraction, default=None, metavar="SHARE",
                    help="share (0, 1] of the host tier kept for checkpoints loaded from it before (a segmented "
@@ -255,6 +255,22 @@ def _add_calibrate(sub) -> None:
     c.set_defaults(calibrate_func=cmd_calibrate)
 
 
+def _no_host_tier(args: argparse.Namespace) -> str | None:
+    """Why a ``replay`` builds no host tier (the reason, for an error message), or ``None`` when it builds one.
+
+    None is built with ``--host-mib 0``, with a DeepSeek-V4 model whose ``--host-mib`` is not given
+    (its default is 0), or by a ``--simulate --timed`` fleet (its instances have no host tier).
+    """
+    from hybridkv.engine.build import is_v4
+    if args.host_mib == 0:
+        return "--host-mib is 0"
+    if args.host_mib is None and is_v4(args.model):
+        return "--host-mib is 0 for a DeepSeek-V4 model unless given"
+    if args.simulate and args.timed:
+        return "a simulated timed fleet builds none"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` command."""
     parser = build_parser()
@@ -265,19 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--host-interval {args.host_interval} needs a host tier: --host-mib is 0")
     if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
         parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
-    if args.command == "replay" and args.host_protected_share is not None:
-        from hybridkv.engine.build import is_v4
-        if args.host_mib == 0:
-            parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: --host-mib is 0")
-        if args.host_mib is None and is_v4(args.model):
-            parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: --host-mib is 0 "
-                         f"for a DeepSeek-V4 model unless given")
-        if args.simulate and args.timed:
-            parser.error(f"--host-protected-share {args.host_protected_share:g} needs a host tier: a simulated "
-                         f"timed fleet builds none")
-        if args.host_eviction != "lru":
+    if args.command == "replay":                   # the host tier's own options, given without one
+        missing = _no_host_tier(args)
+        for flag, value in (("--host-protected-share", args.host_protected_share),
+                            ("--host-eviction", args.host_eviction), ("--host-probation", args.host_probation)):
+            if missing and value is not None:
+                parser.error(f"{flag} {value:g} needs a host tier: {missing}" if isinstance(value, float)
+                             else f"{flag} {value} needs a host tier: {missing}")
+        if args.host_protected_share is not None and args.host_eviction not in (None, "lru"):
             parser.error(f"--host-protected-share {args.host_protected_share:g} works with --host-eviction lru, "
                          f"not {args.host_eviction}")
+        args.host_eviction = args.host_eviction or "lru"                  # the defaults, resolved
+        args.host_probation = HOST_PROBATION if args.host_probation is None else args.host_probation
     if args.command == "replay" and not args.timed:
         for flag, value in (("--router", args.router), *(f.split(" ", 1) for f in hybrid_flags_given(args)),
                             ("--cost-model", args.cost_model),
