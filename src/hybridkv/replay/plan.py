@@ -590,7 +590,12 @@ class PlanResult:
     whole-trace stage: per structure whether it was bisected, the instances it was checked at,
     its worst ratio there and the instances it needs), ``runs`` / ``cache_hits`` (simulations run / answered by the
     cache), ``planned_slo`` (the targets searched: those asked, or the nearest reachable ones when a
-    TTFT target is below the bound, :data:`RELAX`)."""
+    TTFT target is below the bound, :data:`RELAX`), ``unchecked`` (with a plan: each configuration of
+    the search space, at the most instances that cost less than the plan, that was neither simulated
+    on the whole trace there nor ruled out by a whole-trace miss at as many instances or more: the
+    search ranked it out on prefixes, so it may meet the targets for less) and ``resolution`` (one
+    sentence saying so, or that every cheaper configuration was simulated or ruled out; empty
+    without a plan)."""
 
     slo: dict[str, float]
     plan: Outcome | None
@@ -603,6 +608,8 @@ class PlanResult:
     runs: int = 0
     cache_hits: int = 0
     planned_slo: dict[str, float] = field(default_factory=dict)
+    unchecked: list[FleetConfig] = field(default_factory=list)
+    resolution: str = ""
 
     @property
     def relaxed(self) -> bool:
@@ -841,9 +848,41 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
     elif nearest is not None:
         why.append(f"no configuration tried (up to {max_instances} instances) meets every target; the nearest "
                    f"({nearest.config.label()}) misses: " + "; ".join(nearest.misses))
+    unchecked = _unchecked(space, best_plan, whole, ev.prices, max_instances) if best_plan is not None else []
+    resolution = ""
+    if best_plan is not None and unchecked:
+        resolution = (f"{len(unchecked)} of the {len(space)} configurations searched (cache share, policy, router, "
+                       f"host tier, store) cost less than the plan at some instance count but were not simulated "
+                       f"on the {_scope_noun(ev)} there: the search ranked them out on trace prefixes (at {probe} "
+                       f"instances), so one may meet the targets for less; simulate the plan's cheaper neighbours "
+                       f"(benchmarks/bench_plan_validate.py) before buying")
+    elif best_plan is not None:
+        resolution = (f"every configuration searched that costs less than the plan was simulated on the "
+                      f"{_scope_noun(ev)} and missed, at as many instances or more")
     ev.slo = asked
     return PlanResult(asked, best_plan, nearest, pareto_front(whole), nxt, bound, why, rungs, ev.runs, ev.hits,
-                      planned)
+                      planned, unchecked, resolution)
+
+
+def _scope_noun(ev: Evaluator) -> str:
+    return "whole trace" if ev.scope == "whole trace" else f"first {ev.total:,} requests"
+
+
+def _unchecked(space: list[FleetConfig], plan_outcome: Outcome, whole: list[Outcome], prices: Prices,
+               max_instances: int) -> list[FleetConfig]:
+    """Each configuration of ``space`` at the most instances that cost less than ``plan_outcome``
+    (none: skipped) that no whole-trace outcome in ``whole`` rules out: one of the same cache share,
+    policy, router, host tier and store that missed at as many instances or more (fewer instances
+    never meet more: the search's monotone assumption)."""
+    out = []
+    for c in space:
+        m = _most_instances_below(c, plan_outcome.cost_per_hour, prices, max_instances)
+        if m < 1:
+            continue
+        if not any(not o.meets and o.config.instances >= m and o.config == replace(c, instances=o.config.instances)
+                   for o in whole):
+            out.append(replace(c, instances=m))
+    return out
 
 
 def deploy_commands(cfg: FleetConfig, budget: DeviceBudget, model: str, max_num_seqs: int,

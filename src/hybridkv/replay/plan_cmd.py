@@ -210,6 +210,8 @@ def render(result: PlanResult, commands: list[list[str]], console: Console, wall
         console.print("[bold red]no plan:[/bold red] no configuration met every target", highlight=False)
     for line in result.why:
         console.print(f"why: {line}", highlight=False)
+    if result.resolution:
+        console.print(f"resolution: {result.resolution}", highlight=False)
     console.print(f"{result.runs} simulations run, {result.cache_hits} answered by the cache, {wall:.1f} s wall, "
                   f"{cpu:.1f} s CPU (this process and its simulation workers)", highlight=False)
     if commands:
@@ -347,6 +349,7 @@ def cmd_plan(args, console: Console | None = None) -> int:
                 "best": result.best.as_dict() if result.best else None,
                 "next_cheaper": result.next_cheaper.as_dict() if result.next_cheaper else None,
                 "front": [o.as_dict() for o in result.front], "bound": result.bound, "why": result.why,
+                "resolution": result.resolution, "unchecked": [asdict(c) for c in result.unchecked],
                 "rungs": result.rungs, "runs": result.runs, "cache_hits": result.cache_hits,
                 "wall_seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "commands": [shlex.join(c) for c in commands],
                 "evaluated": [o.as_dict() for o in ev.outcomes]}
