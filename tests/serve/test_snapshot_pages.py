@@ -119,8 +119,9 @@ def test_a_cursor_tampered_with_is_made_up_but_one_dropped_is_gone(filled):
     assert r.status_code == 410 and r.json()["error"]["code"] == "snapshot_gone", r.text
 
 
-def test_a_cursor_of_an_earlier_process_with_the_same_key_is_gone_not_made_up():
-    """The cursor key follows the cache namespace: after a restart a reader's old cursor is a 410."""
+def test_a_cursor_of_an_instance_with_the_same_key_is_gone_not_made_up():
+    """The tag tells a cursor of any instance with the same key from a made-up one: one whose
+    snapshot this instance does not hold is gone (410), one of another key made up (400)."""
     before, after, other = (SnapshotPages(key=b"k" * 32), SnapshotPages(key=b"k" * 32),
                             SnapshotPages(key=b"j" * 32))
     page = before.first(1, [bytes([i]) * 32 for i in range(10)], bytearray(10), 4)
@@ -237,3 +238,36 @@ def test_a_bad_snapshot_readers_is_named(value, named, capsys):
         main(["serve", "--snapshot-readers", value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--snapshot-readers" in err and named in err and "Traceback" not in err
+
+
+def test_a_cursor_forged_from_the_public_identity_is_made_up(filled):
+    """The tag key is a secret of the worker process: a cursor tagged under a key anyone can derive
+    from ``GET /v1/cache/info`` (the namespace of its identity) is a 400, as any made-up one is."""
+    import hashlib
+    import hmac
+
+    from hybridkv.cache.namespace import CacheIdentity
+    from hybridkv.serve.cache_events import CURSOR_TAG_BYTES
+
+    identity = httpx.get(f"{filled.url}/v1/cache/info", timeout=60).json()["identity"]
+    namespace = CacheIdentity(model_repo=identity["model_repo"], weight_digest=identity["weight_digest"]).digest()
+    key = hashlib.sha256(b"hybridkv snapshot cursor\0" + namespace).digest()
+    nonce = "0123456789abcdef"
+    tag = hmac.new(key, nonce.encode("ascii"), hashlib.sha256).hexdigest()[:2 * CURSOR_TAG_BYTES]
+    r = _get(filled.url, cursor=f"{nonce}{tag}.5", limit=5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cursor", r.text
+    assert "not a cursor this server gave" in r.json()["error"]["message"]
+
+
+def test_a_cursor_of_another_server_process_of_the_same_model_is_made_up(filled):
+    """Another process of the same model and weights (as after a restart) holds another secret: a
+    genuine cursor of the first is a 400 there, and still a 200 where it was given."""
+    cursor = _get(filled.url, limit=5).json()["next_cursor"]
+    assert cursor
+    with RunningServer(ServeOptions(port=0, threads=1)) as other:
+        assert httpx.get(f"{other.url}/v1/cache/info", timeout=60).json()["identity"] == \
+            httpx.get(f"{filled.url}/v1/cache/info", timeout=60).json()["identity"]
+        r = _get(other.url, cursor=cursor, limit=5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cursor", r.text
+    r = _get(filled.url, cursor=cursor, limit=5)
+    assert r.status_code == 200, r.text

@@ -11,7 +11,6 @@ OpenAI body ``{"error": {"message", "type", "param", "code"}}``; see docs/how-to
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import secrets
 import time
@@ -87,10 +86,10 @@ class Server:
                  metrics: ServeMetrics, events: EventFeed | None = None) -> None:
         self.handle, self.worker, self.codec, self.settings, self.metrics = handle, worker, codec, settings, metrics
         self.events = events
-        # device-index snapshots being paged (GET /v1/cache/snapshot); the cursor key follows the cache
-        # namespace, so a cursor of this worker before a restart is still told from a made-up one
-        self.snapshots = SnapshotPages(settings.snapshot_readers,
-                                       key=hashlib.sha256(b"hybridkv snapshot cursor\0" + handle.namespace).digest())
+        # device-index snapshots being paged (GET /v1/cache/snapshot); the cursor tag's key is a random
+        # secret of this process (the namespace is public: a key derived from it lets anyone make a
+        # cursor that passes the tag), so a cursor of an earlier process is made up to this one (400)
+        self.snapshots = SnapshotPages(settings.snapshot_readers, key=secrets.token_bytes(32))
         handle.engine.set_timings(metrics)    # lookup / load / transfer / install / saved-prefill histograms
         self.vocab_size = handle.backend.vocab_size
         self.unit = handle.engine.config.prefix_match_unit

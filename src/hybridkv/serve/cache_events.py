@@ -320,15 +320,16 @@ class SnapshotPages:
     A generation is 16 random hex digits and a tag of :data:`CURSOR_TAG_BYTES` (HMAC-SHA256 of
     them under ``key``), so a cursor this worker gave is told from a made-up one without
     remembering every generation: a made-up or malformed cursor is a ``ValueError`` (400), a
-    genuine one whose snapshot is gone a :class:`SnapshotGone` (410), also after a restart when
-    ``key`` is the same (a server derives it from its cache namespace).
+    genuine one whose snapshot is gone a :class:`SnapshotGone` (410). ``key`` must be secret: a
+    server uses a random one per process, so a cursor of its earlier process is made up to it.
 
     Args:
         keep: snapshots held at once (>= 1; default :data:`SNAPSHOT_KEEP`).
         ttl_s: seconds a snapshot is held after its last page (> 0).
         clock: monotonic seconds (``time.monotonic``).
-        key: the tag's HMAC key (bytes); ``None``: a random one (cursors of another instance
-            are then made up to this one).
+        key: the tag's HMAC key (bytes, secret: anyone who can derive it can make a cursor that
+            passes the tag); ``None``: a random one (cursors of another instance are then made up
+            to this one).
 
     Raises:
         ValueError: ``keep`` < 1 or ``ttl_s`` <= 0 (named).

@@ -491,7 +491,7 @@ class Workers:
         a worker without the route, or whose snapshot changed under every one of
         :data:`SNAPSHOT_RESTARTS` tries. Every page must carry the first page's ``generation``
         and ``epoch``; a page of another one, or a ``410`` (the worker dropped the snapshot: a
-        purge or restart started a new epoch), restarts the read from its first page
+        purge started a new epoch), restarts the read from its first page
         (``snapshot_restarts`` counts these). The epoch's events applied over the snapshot give
         the cache as it is (:meth:`_pull`): an event before the snapshot was taken repeats what
         the snapshot holds, or is undone by a later one, as the cache did."""
