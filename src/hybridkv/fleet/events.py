@@ -89,12 +89,20 @@ class EventPublisher:
     :class:`CacheEvent` s, buffered until :meth:`drain` (the fleet delivers them when the
     step that caused them ends).
 
+    With ``merge_removals``, the removals of consecutive :meth:`evicted` calls (nothing stored
+    or cleared between them) are buffered as two key lists and emitted as one ``blocks_removed``
+    and one ``checkpoints_removed`` event when anything else is emitted or at :meth:`drain`: a
+    view applying them ends in the same state (each is a removal from key sets, so their order
+    among themselves does not matter), at one event an eviction run rather than one a victim
+    (the fleet simulator's instances, whose events a view applies only a whole drain at a time).
+
     Args:
         instance: index of the instance.
         family: the engine's cache groups (:attr:`family`); ``None``: events name no group.
+        merge_removals: merge consecutive evictions' removals (above).
     """
 
-    def __init__(self, instance: int, family: Family | None = None) -> None:
+    def __init__(self, instance: int, family: Family | None = None, merge_removals: bool = False) -> None:
         self.instance = instance
         self.epoch = 0
         self._seq = 0
@@ -102,6 +110,8 @@ class EventPublisher:
         self.page_group: str | None = None
         self.state_group: str | None = None
         self.family = family
+        self.merge_removals = merge_removals
+        self._removed: tuple[list[bytes], list[bytes]] | None = None   # (page entries, checkpoints) not yet emitted
 
     @property
     def family(self) -> Family | None:
@@ -117,6 +127,8 @@ class EventPublisher:
         self.state_group = family.boundary[0][0] if family is not None and family.boundary else None
 
     def _emit(self, kind: EventKind, keys, boundaries=(), first_unit: int | None = None) -> None:
+        if self._removed is not None:
+            self._flush_removed()
         if keys or kind is EventKind.ALL_CLEARED:
             group = (None if kind is EventKind.ALL_CLEARED else
                      self.page_group if kind in _PAGE_KINDS else self.state_group)
@@ -145,17 +157,36 @@ class EventPublisher:
 
     def evicted(self, entries: list[EvictedEntry]) -> None:
         """Entries about to be evicted: a page's units (with their checkpoints), or a checkpoint alone."""
+        if self.merge_removals:
+            removed = self._removed
+            if removed is None:
+                removed = self._removed = ([], [])
+            pages, states = removed
+            for e in entries:
+                (pages if e.page is not None else states).append(e.key)
+            return
         self._emit(EventKind.BLOCKS_REMOVED, [e.key for e in entries if e.page is not None])
         self._emit(EventKind.CHECKPOINTS_REMOVED, [e.key for e in entries if e.page is None])
 
+    def _flush_removed(self) -> None:
+        """Emit the merged removals (:attr:`merge_removals`) buffered so far."""
+        pages, states = self._removed
+        self._removed = None
+        self._emit(EventKind.BLOCKS_REMOVED, pages)
+        self._emit(EventKind.CHECKPOINTS_REMOVED, states)
+
     def restart(self) -> None:
         """A new epoch (the instance lost its cache): sequence numbers start again at 0."""
+        if self._removed is not None:                # the old epoch's removals, in the old epoch
+            self._flush_removed()
         self.epoch += 1
         self._seq = 0
         self._emit(EventKind.ALL_CLEARED, ())
 
     def drain(self) -> list[CacheEvent]:
         """Events emitted since the last drain, oldest first."""
+        if self._removed is not None:
+            self._flush_removed()
         out, self._buffer = self._buffer, []
         return out
 

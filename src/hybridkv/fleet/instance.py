@@ -185,7 +185,7 @@ class FleetInstance:
         self.cost = cost
         self.max_num_seqs = max_num_seqs
         self._build = build
-        self.publisher = EventPublisher(index)
+        self.publisher = EventPublisher(index, merge_removals=True)   # views apply a step's events at once
         self.handle = build(self.publisher, self._price if cost is not None else None)
         self.publisher.family = self.handle.backend.family      # its events name the engine's cache groups
         self.retired: list[EngineHandle] = []         # engines replaced by restarts (their counters stay)
@@ -420,25 +420,32 @@ class FleetInstance:
         left = min(fr.decode_left for fr in dec)
         c, busy, n = self.clock, self.stats.busy_seconds, len(arrivals)
         starts, taken, busys, total = [], [], [], 0
+        add_start, add_taken, add_busy = starts.append, taken.append, busys.append
+        p = 0
         while True:
-            p = bisect_right(arrivals, c)
+            p = bisect_right(arrivals, c, p)     # the clock only advances: search from the last horizon
             if p >= n:                           # no horizon: the step runs to a decoder's end
                 break
             one = step(ctx)
             if not one > 0:
                 break
-            k = max(1, min(left, int((arrivals[p] - c) / one)))
+            k = int((arrivals[p] - c) / one)     # max(1, min(left, ...)), without the calls
             if k >= left:                        # it ends a decoder: step() takes it
                 break
-            dt = step(ctx + b * (k - 1) // 2) * k
-            starts.append(c)
+            if k <= 1:
+                if left <= 1:
+                    break
+                k, dt = 1, one                   # step(ctx + 0) * 1: the same price
+            else:
+                dt = step(ctx + b * (k - 1) // 2) * k
+            add_start(c)
             c = c + dt
             busy += 0.0 + dt                     # step(): busy_seconds += load + dt, with no store load
             ctx += b * k
             left -= k
             total += k
-            taken.append(total)
-            busys.append(busy)
+            add_taken(total)
+            add_busy(busy)
         return Coast(starts, taken, busys, c) if starts else None
 
     def coast_to(self, plan: Coast, before: float = math.inf) -> None:
