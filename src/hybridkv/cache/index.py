@@ -222,6 +222,8 @@ class PrefixIndex:
         parent, i = self._walk_chain(parent, keys, n, out)
         if i >= n:
             return out
+        if per_page == 1:                            # a unit a page: every run is one key
+            return self._insert_singles(parent, keys, i, table, first, owner, now, out)
         # (page, end of its run of keys) for the pages p0..p1 of keys[i:], built in C: a page's
         # run ends where the next page starts, the last at n
         p0, p1 = (first + i) // per_page, (first + n - 1) // per_page
@@ -304,6 +306,58 @@ class PrefixIndex:
             i = j
         return out
 
+    def _insert_singles(self, parent: BlockNode, keys: list[bytes], i: int, table: list[int], first: int,
+                        owner: bytes | None, now: float, out: list[BlockNode]) -> list[BlockNode]:
+        """:meth:`_insert_runs` of ``keys[i:]`` when each key has a page of its own (``keys[m]`` on
+        ``table[first + m]``): the same nodes, pool calls and ``by_page`` lists, in the same order,
+        without the runs made."""
+        append = out.append
+        own = owner if owner is not None else parent.owner
+        add_nodes, by_page, unit = self.pages.add_nodes, self.by_page, self.unit
+        get = by_page.get
+        end = parent.end
+        cls, make = BlockNode, object.__new__
+        n = len(keys)
+        pages = table[first + i:first + n]
+        key, page = keys[i], pages[0]
+        add_nodes(page, end + unit, own, 1, key)     # raises before the tree changes
+        end += unit                                  # the first hangs under a node that may have children
+        node = cls(key, parent, end, page, None, own, now)
+        parent._add_child(key, node)
+        append(node)
+        nodes = get(page)
+        if nodes is None:
+            by_page[page] = [node]
+        else:
+            nodes.append(node)
+        self.num_nodes += 1
+        parent = node
+        for key, page in zip(keys[i + 1:], pages[1:]):   # the rest under a new node: its only child
+            add_nodes(page, end + unit, own, 1, key)
+            end += unit
+            node = make(cls)
+            node.key = key
+            node.parent = parent
+            node.end = end
+            node.page = page
+            node.checkpoint = None
+            node.owner = own
+            node.created = now
+            node.one_key = None
+            node.one = None
+            node.many = None
+            parent.one_key = key
+            parent.one = node
+            append(node)
+            nodes = get(page)
+            if nodes is None:
+                by_page[page] = [node]
+            else:
+                nodes.append(node)
+            self.num_nodes += 1
+            parent = node
+        return out
+
     def attach_checkpoint(self, node: BlockNode, slot: int) -> None:
         """Publish ``slot`` (already written) as ``C(P_node.end)``."""
         if node.checkpoint is not None:
@@ -373,6 +427,20 @@ class PrefixIndex:
 
     def evict_page(self, page: int) -> int:
         """Remove every node pointing at ``page`` (with subtrees); returns nodes removed."""
+        by_page = self.by_page
+        nodes = by_page.get(page)
+        if nodes is not None and len(nodes) == 1:    # most victims (a unit a page): one leaf, as
+            n = nodes[0]                             # remove_subtree would take it, without its stack
+            parent = n.parent
+            if parent is not None and n.one is None and not n.many:
+                parent._remove_child(n.key)
+                if n.checkpoint is not None:
+                    self.detach_checkpoint(n)
+                del by_page[page]
+                self.pages.remove_node(page)
+                n.parent = None
+                self.num_nodes -= 1
+                return 1
         removed = 0
         for node in list(self.by_page.get(page, ())):
             if node.parent is not None:      # not already removed with an ancestor
