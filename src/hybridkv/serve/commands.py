@@ -37,7 +37,7 @@ from hybridkv.replay.args import (
 )
 from hybridkv.serve.auth import add_auth_arguments
 from hybridkv.serve.bench import PROBE_TIMEOUT_S
-from hybridkv.serve.cache_events import SNAPSHOT_KEEP
+from hybridkv.serve.cache_events import MAX_WAIT_S, SNAPSHOT_KEEP
 
 
 def register_cli(sub) -> None:
@@ -170,48 +170,41 @@ def _register_router(sub) -> None:
     r.set_defaults(func=_router)
 
 
-def _follow_wait(text: str) -> float:
-    """``--follow-wait``: seconds in [0, MAX_WAIT_S] (a worker refuses a longer long poll)."""
-    import argparse
+def _bounded(base, high: float, over: str, low: float | None = None, under: str = ""):
+    """An argparse type: ``base(text)`` (its own checks and one-line errors first), refused above
+    ``high`` or below ``low`` (``None``: no lower bound) with the one-line error ``over`` or ``under``
+    (format strings of ``text``, as given, and ``x``, the value read)."""
+    def check(text: str):
+        x = base(text)
+        if x > high:
+            raise argparse.ArgumentTypeError(over.format(text=text, x=x))
+        if low is not None and x < low:
+            raise argparse.ArgumentTypeError(under.format(text=text, x=x))
+        return x
+    return check
 
-    from hybridkv.serve.cache_events import MAX_WAIT_S
 
-    x = non_negative_float(text)
-    if x > MAX_WAIT_S:
-        raise argparse.ArgumentTypeError(f"--follow-wait {x} exceeds a worker's longest long poll, {MAX_WAIT_S} s")
-    return x
-
+_follow_wait = _bounded(non_negative_float, MAX_WAIT_S,
+                        f"--follow-wait {{x}} exceeds a worker's longest long poll, {MAX_WAIT_S} s")
+"""``--follow-wait``: seconds in [0, MAX_WAIT_S] (a worker refuses a longer long poll)."""
 
 MAX_SNAPSHOT_READERS = 1024
 """The most ``--snapshot-readers`` (each held snapshot may copy the whole device index)."""
 
-
-def _snapshot_readers(text: str) -> int:
-    """``--snapshot-readers``: an integer in [1, MAX_SNAPSHOT_READERS]."""
-    import argparse
-
-    n = positive_int(text)
-    if n > MAX_SNAPSHOT_READERS:
-        raise argparse.ArgumentTypeError(f"{n} exceeds {MAX_SNAPSHOT_READERS} snapshots held at once")
-    return n
-
+_snapshot_readers = _bounded(positive_int, MAX_SNAPSHOT_READERS,
+                             f"{{x}} exceeds {MAX_SNAPSHOT_READERS} snapshots held at once")
+"""``--snapshot-readers``: an integer in [1, MAX_SNAPSHOT_READERS]."""
 
 MIN_PURGE_TIMEOUT_S = 0.1
 """The shortest ``--purge-timeout`` (seconds)."""
+MAX_PURGE_TIMEOUT_S = 600.0
+"""The longest ``--purge-timeout`` (seconds)."""
 
-
-def _purge_timeout(text: str) -> float:
-    """``--purge-timeout``: seconds in [MIN_PURGE_TIMEOUT_S, 600] (a shorter wait fails every purge
-    before a worker could answer it)."""
-    import argparse
-
-    x = finite_positive_float(text)
-    if x > 600:
-        raise argparse.ArgumentTypeError(f"{text!r} exceeds 600 seconds")
-    if x < MIN_PURGE_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"{text!r} is under {MIN_PURGE_TIMEOUT_S:g} s, too short for any worker "
-                                         "to answer a purge")
-    return x
+_purge_timeout = _bounded(finite_positive_float, MAX_PURGE_TIMEOUT_S,
+                          f"{{text!r}} exceeds {MAX_PURGE_TIMEOUT_S:g} seconds", MIN_PURGE_TIMEOUT_S,
+                          f"{{text!r}} is under {MIN_PURGE_TIMEOUT_S:g} s, too short for any worker to answer a purge")
+"""``--purge-timeout``: seconds in [MIN_PURGE_TIMEOUT_S, MAX_PURGE_TIMEOUT_S] (a shorter wait fails
+every purge before a worker could answer it)."""
 
 
 def router_service(args):
