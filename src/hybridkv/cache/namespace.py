@@ -217,6 +217,18 @@ def _chain_periodic_memo(namespace: bytes, heads: list[bytes], tails: list[bytes
     h = len(heads)
     full, rest = divmod(n, h) if n else (0, 0)
     get = blocks.get
+    if h == 1:                                         # a unit a block: one hash each, no list made a block
+        append, nh = out.append, joined[0]
+        for tail in tails[:full]:
+            key = (prev, tail)
+            done = get(key)
+            if done is None:
+                prev = sha(prev + nh + tail).digest()
+                blocks[key] = (prev,)
+            else:
+                prev = done[0]
+            append(prev)
+        return out                                     # rest is 0
     for tail in tails[:full]:
         key = (prev, tail)
         done = get(key)
