@@ -128,3 +128,14 @@ def test_holder_map_follows_bounded_trees_and_instances_down(cls_name):
     for k, have in mapped._holders.items():
         at = {have} if isinstance(have, int) else have
         assert at == {j for j, tree in enumerate(mapped.trees) if k in tree.kv}
+
+
+def test_the_decode_pricers_terms_give_its_price():
+    """coast_plan inlines the pricer's arithmetic from its ``terms``: the same seconds."""
+    cost = cost_model("h200-kimi-linear-48b")
+    for b in (1, 3, 16):
+        price = _decode_pricer(cost, b, 1000)
+        lin, att, seq, w, kv, st, over = price.terms
+        for ctx in (0, 999, 123_457):
+            compute, memory = lin + att * ctx + seq, w + kv * ctx + st
+            assert over + (compute if compute >= memory else memory) == price(ctx)

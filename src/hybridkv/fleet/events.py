@@ -81,6 +81,7 @@ class CacheEvent:
 
 
 _PAGE_KINDS = (EventKind.BLOCKS_STORED, EventKind.BLOCKS_REMOVED)
+_BLOCKS_STORED, _BLOCKS_REMOVED = _PAGE_KINDS
 """The kinds that concern a prefix group (the others but ``all_cleared`` a boundary group)."""
 
 
@@ -269,10 +270,10 @@ class InstanceView:
             ValueError: the event names a group its kind cannot concern in this family
                 (:meth:`group_sets`).
         """
-        if event.epoch < self.epoch:
-            self.stale_dropped += 1
-            return
-        if event.epoch > self.epoch:
+        if event.epoch != self.epoch:
+            if event.epoch < self.epoch:
+                self.stale_dropped += 1
+                return
             if self.epoch >= 0:                  # a restart: the cache known of the old epoch is gone
                 self.generation = next(_GENERATIONS)
             self.epoch = event.epoch
@@ -282,7 +283,9 @@ class InstanceView:
             self.generation = next(_GENERATIONS)
             self._clear()
             return
-        sets = self.group_sets(kind, event.group)
+        sets = self._targets.get((kind is _BLOCKS_STORED or kind is _BLOCKS_REMOVED, event.group))
+        if sets is None:                         # first of its direction and group: checked, cached
+            sets = self.group_sets(kind, event.group)
         if kind is EventKind.BLOCKS_STORED:
             for held in sets:
                 held.update(keys)

@@ -421,12 +421,20 @@ class FleetInstance:
         c, busy, n = self.clock, self.stats.busy_seconds, len(arrivals)
         starts, taken, busys, total = [], [], [], 0
         add_start, add_taken, add_busy = starts.append, taken.append, busys.append
+        terms = getattr(step, "terms", None)     # the pricer's formula, inlined below for one step
+        if terms is not None:
+            lin, att, seq, w, kv, st, over = terms
         p = 0
         while True:
             p = bisect_right(arrivals, c, p)     # the clock only advances: search from the last horizon
             if p >= n:                           # no horizon: the step runs to a decoder's end
                 break
-            one = step(ctx)
+            if terms is not None:                # step(ctx), the same arithmetic in the same order
+                compute = lin + att * ctx + seq
+                memory = w + kv * ctx + st
+                one = over + (compute if compute >= memory else memory)
+            else:
+                one = step(ctx)
             if not one > 0:
                 break
             k = int((arrivals[p] - c) / one)     # max(1, min(left, ...)), without the calls
@@ -583,6 +591,7 @@ def _decode_pricer(cost: StepCostModel, b: int, ctx: int) -> Callable[[int], flo
 
     if price(ctx) != exact:                      # the formula changed: no shortcut
         return lambda context: cost.step_seconds([], b, context)
+    price.terms = (lin, att, seq, w, kv, st, over)   # for a caller that inlines price's arithmetic
     return price
 
 

@@ -23,12 +23,15 @@ import numpy as np
 
 from hybridkv.cache.groups import reuse_cap
 from hybridkv.fleet.costmodel import StepCostModel
-from hybridkv.fleet.events import CacheEvent, InstanceView
+from hybridkv.fleet.events import CacheEvent, EventKind, InstanceView
 from hybridkv.fleet.candidates import CandidateIndex
 from hybridkv.fleet.instance import Coast, FleetInstance, FleetRequest
 from hybridkv.fleet.routers import (FleetState, RestorePricer, Router, RouteRequest, kv_admission, priced_prefill,
                                     restore_seconds)
 from hybridkv.fleet.store import StoreCost, StoreView
+
+
+_STORED, _CK_STORED = EventKind.BLOCKS_STORED, EventKind.CHECKPOINTS_STORED
 
 
 @dataclass(slots=True)
@@ -111,13 +114,18 @@ class Fleet:
 
     def deliver(self, now: float) -> None:
         """Apply every event due by ``now`` (seconds) to the router's views."""
-        if not self._events.due(now):
+        heap = self._events.heap
+        if not heap or heap[0][0] > now:
             return
         views, store = self.state.views, self.state.store
-        for ev in self._events.pop_until(now):
-            views[ev.instance].apply(ev)
-            if store is not None:
-                store.apply(ev)
+        # a StoreView takes in what was stored only (removals and clears do not reach the store)
+        stored_only = store is not None and type(store).apply is StoreView.apply
+        pop = heapq.heappop
+        while heap and heap[0][0] <= now:       # _EventQueue.pop_until, batch by batch
+            for ev in pop(heap)[2]:
+                views[ev.instance].apply(ev)
+                if store is not None and (not stored_only or ev.kind is _STORED or ev.kind is _CK_STORED):
+                    store.apply(ev)
 
     def route(self, fr: FleetRequest, now: float | None = None) -> int:
         """Route one request at ``now`` (default its arrival; later for one requeued after a
