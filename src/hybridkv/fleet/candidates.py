@@ -87,9 +87,16 @@ class CandidateIndex:
     def changed(self, j: int) -> None:
         """Instance ``j``'s load changed (a step, a routed request, a crash or restart)."""
         ld, fs, pushed = self.loads[j], self.keys, self._pushed
-        keys = [fs[0](ld)] if len(fs) == 1 else [fs[0](ld), fs[1](ld)]     # one or two keys (__init__)
-        if keys[0] == pushed[0][j] and (len(keys) == 1 or keys[1] == pushed[1][j]):
-            return                                  # e.g. a decode step with a free slot: nothing to re-rank
+        k0 = fs[0](ld)
+        if len(fs) == 1:                            # one or two keys (__init__)
+            if k0 == pushed[0][j]:
+                return                              # e.g. a decode step with a free slot: nothing to re-rank
+            keys = (k0,)
+        else:
+            k1 = fs[1](ld)
+            if k0 == pushed[0][j] and k1 == pushed[1][j]:
+                return
+            keys = (k0, k1)
         v = self._version[j] = self._version[j] + 1
         n = len(self.loads)
         for i, (k, h) in enumerate(zip(keys, self._heaps)):     # every heap: all entries share one version
@@ -101,18 +108,22 @@ class CandidateIndex:
 
     def _lightest(self, h: list, live: set[int] | None, out: set[int]) -> None:
         """Add the ``k`` lightest live instances of heap ``h`` to ``out`` (``live`` ``None``: all are)."""
-        version, got, taken = self._version, 0, []
-        while h and got < self.k:
-            entry = heapq.heappop(h)
-            _, j, v = entry
-            if v != version[j]:
+        version, k, got, taken = self._version, self.k, 0, []
+        pop, keep, add = heapq.heappop, taken.append, out.add
+        while h:
+            entry = pop(h)
+            j = entry[1]
+            if entry[2] != version[j]:
                 continue                              # stale: a newer entry of j is in the heap
-            taken.append(entry)
+            keep(entry)
             if live is None or j in live:
-                out.add(j)
+                add(j)
                 got += 1
+                if got >= k:
+                    break
+        push = heapq.heappush
         for entry in taken:
-            heapq.heappush(h, entry)
+            push(h, entry)
 
     def candidates(self, hashes: list[bytes], limit_units: int, live: list[int]) -> list[int]:
         """The candidates (ascending indices, a subset of ``live``) for a prompt with unit hashes
