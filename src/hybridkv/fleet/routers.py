@@ -1199,27 +1199,27 @@ class HybridRouter(Router):
         waiting = self.options.waiting_among(loads, live, cool) if self.options.weigh_waiting else None
         works: dict[tuple[int, int], tuple[float, int]] = {}     # (kv_hit, hit) -> (seconds, tokens reused)
         pairs, scores, own = [], [], {}                          # per instance of ``cool``, in order
+        add_pair, add_score, priced_for, work = pairs.append, scores.append, works.get, self._work
         for k, j in enumerate(cool):
-            view = views[j]
             if plain:
                 pair = view_pairs[k]
             else:
-                m = view.match(hashes, limit)
+                m = views[j].match(hashes, limit)
                 pair = (m.kv_hit, m.hit, m.restart)
             if j in active:
                 own[j] = pair                            # the view's own pair, before the records
-                pair = routed[j].extend(cunits, view, pair)
-            pairs.append(pair)
-            priced = works.get(pair)
+                pair = routed[j].extend(cunits, views[j], pair)
+            add_pair(pair)
+            priced = priced_for(pair)
             if priced is None:
-                priced = works[pair] = self._work(req, pair, store)
-            scores.append(p0 - q[j] - (1 + waiting[k] if waiting is not None else 1) * priced[0])
+                priced = works[pair] = work(req, pair, store)
+            add_score(p0 - q[j] - (1 + waiting[k] if waiting is not None else 1) * priced[0])
         floor = max(scores) - (self.options.tie_relative * p0 + 1e-9)
         tied = [k for k, sc in enumerate(scores) if sc >= floor]
         if self.options.tie_kv_run and len(tied) > 1:
             free = [k for k in tied if loads[cool[k]].in_flight < self.max_num_seqs]
-            deepest = max((pairs[k][0] for k in free), default=0)
-            if deepest > max(pairs[k][1] for k in tied):
+            deepest = max([pairs[k][0] for k in free], default=0)
+            if deepest > max([pairs[k][1] for k in tied]):
                 tied = [k for k in free if pairs[k][0] == deepest]
         j = least_loaded(loads, [cool[k] for k in tied])
         k = cool.index(j)
