@@ -141,3 +141,33 @@ def test_the_memo_keeps_a_prefix_in_use_across_generations():
     assert [hasher(r) for r in reqs] == units.hashes_all(reqs, engine.cache)
     assert hasher.emptied > 2 and hasher.carried > 0
     assert len(hasher._memo.blocks) <= 200 + max(len(r.hash_ids) for r in reqs)
+
+
+def test_lightest_are_the_k_lightest_through_many_changes():
+    """The k lightest held apart from the heap stay the k lightest by each key (then the lowest
+    index) through random load changes, with every instance live and with some down."""
+    import random
+
+    rng = random.Random(7)
+    n, limit = 37, 10
+    loads = _loads([rng.randrange(50) for _ in range(n)])
+    for ld in loads:
+        ld.queued_seconds = rng.random()
+    idx = CandidateIndex(loads, limit=limit, wait_key=lambda ld: ld.queued_seconds)
+    k = limit // 2
+
+    def brute(live):
+        by_load = sorted(live, key=lambda j: (loads[j].key(), j))[:k]
+        by_wait = sorted(live, key=lambda j: (loads[j].queued_seconds, j))[:k]
+        return sorted(set(by_load) | set(by_wait))
+
+    for t in range(3000):
+        j = rng.randrange(n)
+        if rng.random() < 0.7:
+            loads[j].outstanding_tokens = rng.randrange(50)
+        if rng.random() < 0.5:
+            loads[j].queued_seconds = rng.choice([0.0, rng.random()])
+        idx.changed(j)
+        live = list(range(n)) if t % 3 else sorted(rng.sample(range(n), rng.randrange(1, n)))
+        assert idx.candidates([], 0, live) == brute(live), t
+    assert all(len(h) <= 4 * n + 64 for h in idx._heaps)

@@ -8,9 +8,10 @@ the fleet instead hands the router a short list of candidates as its ``live`` in
 * the ``k`` instances with the smallest predicted wait (the router's :meth:`load key
   <CandidateIndex>`, the hybrid router's queued seconds), and the ``k`` lightest by the
   least-load key (outstanding prompt tokens, requests in flight, requests routed), ``k =
-  limit // 2``; each kept in a heap updated when an instance's load changes (lazy: a stale
-  entry is skipped when popped; the heap is rebuilt when stale entries outnumber the live ones
-  three to one), so a decision reads ``O(k log n)`` entries;
+  limit // 2``; per key the ``k`` lightest are held apart in order and the rest in a heap, both
+  updated when an instance's load changes (lazy: a stale entry is skipped when popped; the heap
+  is rebuilt when stale entries outnumber the live ones three to one), so a decision with every
+  instance up reads ``k`` entries, and one with some down ``O(k log n)``;
 * the prompt's *holders*: the instances this fleet last sent a prompt that shares a prefix with
   it. Every routed prompt is remembered by the chained hash of the unit ending its last whole KV
   page (one entry a request, the oldest forgotten past ``history`` entries); a new prompt's page
@@ -28,6 +29,7 @@ every live instance is a candidate and decisions are those of a full scan.
 from __future__ import annotations
 
 import heapq
+from bisect import insort
 from collections import OrderedDict
 from collections.abc import Callable
 from operator import attrgetter
@@ -74,15 +76,34 @@ class CandidateIndex:
         self.keys: list[Callable] = [_least_load_key] + ([wait_key] if wait_key is not None else [])
         n = len(loads)
         self._version = [0] * n
-        # entries (key, instance, version): equal keys pop lowest index first, as least_loaded breaks ties
+        # entries (key, instance, version): equal keys pop lowest index first, as least_loaded breaks ties.
+        # Per key, the k lightest current entries are held apart, ascending (``_tops``, with
+        # ``_in_top`` mapping each of their instances to its entry), and the rest in a heap
+        # (``_heaps``, stale entries skipped when popped): every entry of a top is lighter than
+        # every current entry of its heap, so a decision on a fleet with every instance live reads
+        # the top alone, and a load change moves at most a few entries between the two.
         self._heaps: list[list] = [[(key(ld), j, 0) for j, ld in enumerate(loads)] for key in self.keys]
         self._pushed: list[list] = [[e[0] for e in h] for h in self._heaps]    # last key pushed, per instance
-        for h in self._heaps:
+        self._tops: list[list] = [[] for _ in self.keys]
+        self._in_top: list[dict] = [{} for _ in self.keys]
+        for i, h in enumerate(self._heaps):
             heapq.heapify(h)
+            self._refill(i)
         self._placed: OrderedDict[bytes, int] = OrderedDict()
         self._history = history
         self.decisions = 0
         self.weighed = 0          # candidates over all decisions (the mean is the per-decision cost)
+
+    def _refill(self, i: int) -> None:
+        """Move the lightest current entries of heap ``i`` to its top until it holds ``k``."""
+        top, in_top, h, version, k = self._tops[i], self._in_top[i], self._heaps[i], self._version, self.k
+        pop = heapq.heappop
+        while len(top) < k and h:
+            entry = pop(h)
+            j = entry[1]
+            if entry[2] == version[j]:           # else stale: a newer entry of j is in the heap or top
+                top.append(entry)                # no lighter than any entry of the top
+                in_top[j] = entry
 
     def changed(self, j: int) -> None:
         """Instance ``j``'s load changed (a step, a routed request, a crash or restart)."""
@@ -98,26 +119,51 @@ class CandidateIndex:
                 return
             keys = (k0, k1)
         v = self._version[j] = self._version[j] + 1
-        n = len(self.loads)
-        for i, (k, h) in enumerate(zip(keys, self._heaps)):     # every heap: all entries share one version
-            self._pushed[i][j] = k
-            heapq.heappush(h, (k, j, v))
+        n, k = len(self.loads), self.k
+        for i, key in enumerate(keys):             # every key: all entries share one version
+            pushed[i][j] = key
+            entry, h, top, in_top = (key, j, v), self._heaps[i], self._tops[i], self._in_top[i]
+            old = in_top.pop(j, None)
+            if old is not None:
+                top.remove(old)
+            if top and entry < top[-1]:             # among the k lightest: into the top, its last out
+                insort(top, entry)
+                in_top[j] = entry
+                if len(top) > k:
+                    last = top.pop()
+                    del in_top[last[1]]
+                    heapq.heappush(h, last)
+            else:
+                heapq.heappush(h, entry)
+            if len(top) < k:
+                self._refill(i)
             if len(h) > 4 * n + 64:                 # mostly stale: rebuild from the current loads
-                h[:] = [(self._pushed[i][x], x, self._version[x]) for x in range(n)]
+                h[:] = [(pushed[i][x], x, self._version[x]) for x in range(n) if x not in in_top]
                 heapq.heapify(h)
 
-    def _lightest(self, h: list, live: set[int] | None, out: set[int]) -> None:
-        """Add the ``k`` lightest live instances of heap ``h`` to ``out`` (``live`` ``None``: all are)."""
-        version, k, got, taken = self._version, self.k, 0, []
-        pop, keep, add = heapq.heappop, taken.append, out.add
+    def _lightest(self, i: int, live: set[int] | None, out: set[int]) -> None:
+        """Add the ``k`` lightest live instances by key ``i`` to ``out`` (``live`` ``None``: all are)."""
+        top = self._tops[i]
+        if live is None:                            # the top is the k lightest
+            out.update([e[1] for e in top])
+            return
+        k, got = self.k, 0
+        for e in top:                               # the top, then the heap, lightest first
+            if e[1] in live:
+                out.add(e[1])
+                got += 1
+                if got >= k:
+                    return
+        h, version, taken = self._heaps[i], self._version, []
+        pop, keep = heapq.heappop, taken.append
         while h:
             entry = pop(h)
             j = entry[1]
             if entry[2] != version[j]:
-                continue                              # stale: a newer entry of j is in the heap
+                continue                              # stale: a newer entry of j is in the heap or top
             keep(entry)
-            if live is None or j in live:
-                add(j)
+            if j in live:
+                out.add(j)
                 got += 1
                 if got >= k:
                     break
@@ -130,8 +176,8 @@ class CandidateIndex:
         ``hashes`` of which ``limit_units`` may be reused."""
         live_set = None if len(live) == len(self.loads) else set(live)    # None: every instance is live
         out: set[int] = set()
-        for h in self._heaps:
-            self._lightest(h, live_set, out)
+        for i in range(len(self._heaps)):
+            self._lightest(i, live_set, out)
         placed, found, r = self._placed, 0, self.stride
         for i in range(min(limit_units, len(hashes)) // r * r - 1, -1, -r):
             j = placed.get(hashes[i])
