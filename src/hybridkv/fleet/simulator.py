@@ -259,13 +259,14 @@ class Fleet:
             if b.arrival < a.arrival:
                 raise ValueError(f"requests must be sorted by arrival: trace index {b.index} arrives "
                                  f"at {b.arrival} s, before {a.arrival} s")
-        self._arrivals = [fr.arrival for fr in requests]
-        i = 0
-        while i < len(requests) or self._busy:
-            nxt = requests[i].arrival if i < len(requests) else math.inf
-            fault = self._faults[0][0] if self._faults else math.inf
-            if self._busy and self._busy[0][0] < min(nxt, fault):
-                ended = self._step_next(min(nxt, fault))
+        arrivals = self._arrivals = [fr.arrival for fr in requests]
+        i, n, busy, inf = 0, len(requests), self._busy, math.inf
+        while i < n or busy:
+            nxt = arrivals[i] if i < n else inf
+            fault = self._faults[0][0] if self._faults else inf
+            until = nxt if nxt <= fault else fault          # min(nxt, fault)
+            if busy and busy[0][0] < until:
+                ended = self._step_next(until)
                 if ended and progress is not None:
                     progress(ended)
             elif fault <= nxt and self._faults:
@@ -340,7 +341,7 @@ class Fleet:
             heapq.heappush(self._faults, (inst.clock, 1, j, cold_s, requested))
             return
         if inst.has_work:
-            self._busy = [e for e in self._busy if e[1] != j]
+            self._busy[:] = [e for e in self._busy if e[1] != j]     # in place: run() holds the list
             heapq.heapify(self._busy)
         now = max(at, inst.clock)
         lost = inst.crash(now, cold_s)

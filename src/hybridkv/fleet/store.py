@@ -225,9 +225,11 @@ class StoreView(InstanceView):
         Raises:
             ValueError: a stored event naming a group its kind cannot concern in the family.
         """
-        if event.kind is EventKind.BLOCKS_STORED or event.kind is EventKind.CHECKPOINTS_STORED:
-            self.group_sets(event.kind, event.group)       # a group of the family, checked (cached)
-        if event.kind is EventKind.BLOCKS_STORED:
+        kind = event.kind
+        if ((kind is EventKind.BLOCKS_STORED or kind is EventKind.CHECKPOINTS_STORED)
+                and (kind is EventKind.BLOCKS_STORED, event.group) not in self._targets):
+            self.group_sets(kind, event.group)             # a group of the family, checked (then cached)
+        if kind is EventKind.BLOCKS_STORED:
             keys, kv, step = event.keys, self.kv, self._step
             if event.first_unit is not None and step > 1:     # the keys ending an entry
                 keys = keys[-(event.first_unit + 1) % step::step]
@@ -240,7 +242,7 @@ class StoreView(InstanceView):
                 self.bytes_held += (len(kv) - before) * self._entry_bytes
             if self.capacity_bytes is not None:           # without a capacity nothing is evicted
                 self._uses.append((self._stamp, keys))
-        elif event.kind is EventKind.CHECKPOINTS_STORED:
+        elif kind is EventKind.CHECKPOINTS_STORED:
             kv = self.kv
             if event.boundaries:                           # the store tier writes entry boundaries only
                 a = self.alignment
