@@ -233,7 +233,7 @@ class HybridCacheCoordinator:
         if config.checkpoint_eviction == "utility":       # expected saving: uses x tokens over the one below
             if len(checkpoints.order):
                 raise ValueError("checkpoint_eviction needs an empty checkpoint pool")
-            self._utility = checkpoints.order = UtilityOrder()
+            self._utility = checkpoints.order = UtilityOrder(ghosts=checkpoints.num_slots)
         self._below: dict[int, int] = {}      # slot -> boundary of the checkpoint below it when placed (utility)
         self.index = PrefixIndex(config.prefix_match_unit, self.pages, checkpoints)
         self.page_bytes = page_bytes
@@ -521,10 +521,12 @@ class HybridCacheCoordinator:
                 raise ValueError(f"checkpoint boundary {b} lies beyond the prompt's {len(hashes)} whole units")
         self.publish_units(alloc, hashes, computed)
         result = PublishResult()
-        below = self._below_start(alloc, checkpoints) if self._utility is not None else 0
+        below, group = 0, None
+        if self._utility is not None:
+            below, group = self._below_start(alloc, checkpoints), self._tail_group(alloc)
         for b in sorted(checkpoints):
             ckpt, label = checkpoints[b]
-            ok = self._publish_checkpoint(alloc, hashes, ckpt, b, label, below)
+            ok = self._publish_checkpoint(alloc, hashes, ckpt, b, label, below, group if label == TAIL else None)
             below = b
             if not ok:
                 result.skipped.append(b)
@@ -535,7 +537,41 @@ class HybridCacheCoordinator:
                 result.retired.append(alloc.start)
         if self._utility is not None and result.created:
             self._shadow_start(alloc, min(b for b, _ in result.created))
+        if self._utility is not None and self._utility.ghosts:
+            self._went_past(alloc, computed)
         return result
+
+    def _tail_group(self, alloc: Allocation) -> bytes | None:
+        """Under the ``utility`` order: the group of the tail the request places, for tail
+        expiry (:class:`UtilityOrder`): the group of the tail it resumed from, or, resuming from
+        another checkpoint (a tenant's system prompt, a document), that checkpoint's content key;
+        ``None`` (no expiry) when it resumed from nothing or from a tail without a group. Only
+        without a lower tier (:attr:`lower_tiers`): with the host tier it measured lower at the
+        host cells of the many-tenant trace (docs/results/memory.md)."""
+        start, g = alloc.start, self.config.prefix_match_unit
+        if start <= 0 or self.lower_tiers or len(alloc.nodes) < start // g:
+            return None
+        node = alloc.nodes[start // g - 1]
+        slot = node.checkpoint
+        if slot is None or node.parent is None:
+            return None
+        if self.labels.get(slot) == TAIL:
+            return self._utility.group_of(slot)
+        return node.key
+
+    def _went_past(self, alloc: Allocation, computed: int) -> None:
+        """Under the ``utility`` order: tell it the content keys of the tail boundaries (multiples
+        of the tail alignment) the request went past above its start, so an evicted tail a
+        conversation came back to still teaches its group's return gap
+        (:meth:`UtilityOrder.resumed`)."""
+        g = self.config.prefix_match_unit
+        a = self.config.policy.tail_alignment or g
+        nodes, order = alloc.nodes, self._utility
+        ghosts = order.ghosts
+        for b in range((alloc.start // a + 1) * a, min(computed, len(nodes) * g) + 1, a):
+            key = nodes[b // g - 1].key
+            if key in ghosts:
+                order.resumed(key)
 
     def _shadow_start(self, alloc: Allocation, first: int) -> None:
         """Under the ``utility`` order: the request resumed from a checkpoint other than a tail at
@@ -595,7 +631,7 @@ class HybridCacheCoordinator:
         self.index.extend_table(parent, hashes[k:n], table, k, per_page, alloc.owner, self.clock(), out=nodes)
 
     def _publish_checkpoint(self, alloc: Allocation, hashes: list[bytes], ckpt: KDACheckpoint | None,
-                            boundary: int, label: str = "", below: int = 0) -> bool:
+                            boundary: int, label: str = "", below: int = 0, group: bytes | None = None) -> bool:
         """Publish ``C(P_boundary)`` at the request's node for ``boundary`` (units already published).
 
         The bytes are copied into a cache-owned slot first and only then
@@ -608,7 +644,7 @@ class HybridCacheCoordinator:
         g = self.config.prefix_match_unit
         if len(alloc.nodes) < boundary // g:
             raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
-        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label, below)
+        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label, below, group)
 
     def retire_checkpoint(self, alloc: Allocation, boundary: int, label: str) -> bool:
         """Detach the request's checkpoint at ``boundary`` if it was published under ``label``."""
@@ -622,7 +658,8 @@ class HybridCacheCoordinator:
         self.index.detach_checkpoint(node)
         return True
 
-    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None, label: str = "", below: int = 0) -> bool:
+    def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None, label: str = "", below: int = 0,
+                    group: bytes | None = None) -> bool:
         if node.checkpoint is not None:
             return False
         slot = self.checkpoints.take_free()
@@ -636,7 +673,7 @@ class HybridCacheCoordinator:
         if self._probation is not None and label in PROBATION_LABELS:
             self._probation.mark(slot)
         if self._utility is not None:      # saving: tokens over the checkpoint below (``below``) when placed
-            self._utility.mark(slot, label, node.end - below)
+            self._utility.mark(slot, label, node.end - below, group)
             self._below[slot] = below
         self.index.attach_checkpoint(node, slot)
         self.labels[slot] = label

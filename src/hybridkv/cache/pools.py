@@ -363,6 +363,15 @@ SHADOWED = "shadowed"
 """Label of a checkpoint the :class:`UtilityOrder` ranks as unused again: a request resumed from
 it and placed a checkpoint above it, with no branch between the two (:meth:`UtilityOrder.shadow`)."""
 
+EXPIRED = "expired"
+"""Label of a conversation tail the :class:`UtilityOrder` ranks as past its return: never hit, and
+older, in its group's tails, than every return its group has had (:meth:`UtilityOrder.mark`)."""
+
+EXPIRY_MIN_RETURNS = 19
+"""Returns a tail group must have had before its own largest return gap expires its tails (until
+then the largest gap of any group does): after ``n`` returns, the chance that the next one comes
+later than all of them is ``1 / (n + 1)``, at most 5% from 19 on."""
+
 
 class UtilityOrder(EvictionOrder):
     """Eviction order of the device checkpoint pool by expected saving (``checkpoint_eviction="utility"``).
@@ -381,6 +390,20 @@ class UtilityOrder(EvictionOrder):
     ``interval`` checkpoints are seldom used (a conversation trace) they go first, where later
     requests do resume from them (a hot set of long contexts) they stay.
 
+    Conversation tails marked with a *group* (the checkpoint their conversation's first turn
+    resumed from, inherited by its later tails: a tenant's system prompt, a shared document)
+    expire: each group counts the tails placed in it (its clock) and learns, from the tails that
+    were hit (or, once evicted, that a request went past, :meth:`resumed`), the largest *return
+    gap*: tails placed in the group between a tail and the request that came back to it. A
+    never-hit tail older than that, in its group's clock, is relabelled :data:`EXPIRED` and ranks
+    by that label's learned use share from then on (its priority never rises by it). The gap is
+    its group's own once the group has had :data:`EXPIRY_MIN_RETURNS` returns, before that the
+    largest of any group (once all groups together have had that many). A group's clock runs at its own traffic's pace, so a tenant with many
+    conversations expires its abandoned ones after as many of its own turns as a quiet tenant.
+    Evicted never-hit tails are remembered by content key (*ghosts*, as many as the pool has
+    slots, the oldest dropped first), so a return after an eviction still teaches the gap and
+    counts as a use of :data:`EXPIRED` where the tail had expired.
+
     :meth:`mark` tells the order a slot's label and saving before the pool describes it
     (:meth:`CheckpointPool.publish`); unmarked items count as label ``""`` with the described
     ``cost`` (tokens) as their saving. Victims by owner (quotas) scan the members: O(members).
@@ -388,7 +411,8 @@ class UtilityOrder(EvictionOrder):
 
     name = "utility"
 
-    def __init__(self) -> None:
+    def __init__(self, ghosts: int = 0) -> None:
+        """``ghosts``: how many evicted never-hit tails to remember (the pool's slots)."""
         super().__init__()
         self.floor = 0.0                                     # priority of the last victim (GDS's L)
         self._prio: dict[Hashable, float] = {}               # member -> priority
@@ -398,11 +422,86 @@ class UtilityOrder(EvictionOrder):
         self._what: dict[Hashable, tuple[str, float]] = {}       # described item -> (label, saving)
         self.placed: dict[str, int] = {}                     # label -> checkpoints described
         self.used: dict[str, int] = {}                       # label -> of those, hit at least once
+        # tail expiry: group -> [clock (tails placed), returns, largest return gap, deque of (tick, item)]
+        self._groups: dict[Hashable, list] = {}
+        self._born: dict[Hashable, tuple[Hashable, int, bytes | None]] = {}   # unhit grouped tail -> (group, tick, key)
+        self._pgroup: dict[Hashable, Hashable] = {}          # item -> group, before describe
+        self._group: dict[Hashable, Hashable] = {}           # described grouped tail -> its group
+        self.max_gap = -1                                    # largest return gap of any group (-1: none yet)
+        self.returns = 0                                     # returns of every group
+        self.ghosts: dict[bytes, tuple[Hashable, int, bool]] = {}   # content key -> (group, tick, expired)
+        self._ghost_cap = ghosts
 
-    def mark(self, item: Hashable, label: str, saving: float) -> None:
+    def mark(self, item: Hashable, label: str, saving: float, group: Hashable | None = None) -> None:
         """The next :meth:`describe` of ``item`` is a checkpoint placed by ``label`` saving
-        ``saving`` tokens over the checkpoint below it."""
+        ``saving`` tokens over the checkpoint below it; ``group``: a conversation tail's group
+        (its tails expire, see the class notes; ``None``: never expires)."""
         self._pending[item] = (label, float(saving))
+        if group is not None:
+            self._pgroup[item] = group
+        else:
+            self._pgroup.pop(item, None)
+
+    def group_of(self, item: Hashable) -> Hashable | None:
+        """The group tail ``item`` was placed in (``None``: none)."""
+        return self._group.get(item)
+
+    def _place(self, item: Hashable, group: Hashable, key: bytes | None) -> None:
+        """A tail placed in ``group``: tick its clock, then expire its tails past the gap."""
+        st = self._groups.get(group)
+        if st is None:
+            st = self._groups[group] = [0, 0, -1, deque()]
+        st[0] += 1
+        tick, born, q = st[0], self._born, st[3]
+        born[item] = (group, tick, key)
+        self._group[item] = group
+        q.append((tick, item))
+        gap = (st[2] if st[1] >= EXPIRY_MIN_RETURNS
+               else self.max_gap if self.returns >= EXPIRY_MIN_RETURNS else -1)
+        while q:
+            t0, it = q[0]
+            b = born.get(it)
+            if b is not None and b[1] == t0 and b[0] == group:
+                if gap < 0 or tick - t0 <= gap:
+                    break
+                self._expire(it)
+            q.popleft()
+
+    def _expire(self, item: Hashable) -> None:
+        """``item`` (a never-hit tail) is past every return of its group: it ranks by
+        :data:`EXPIRED`'s share from now on, never above its priority before."""
+        label, saving = self._what[item]
+        self._what[item] = (EXPIRED, saving)
+        self.placed[EXPIRED] = self.placed.get(EXPIRED, 0) + 1
+        old = self._prio.get(item)
+        if old is not None:
+            p = min(old, self.floor + self.use_share(EXPIRED) * saving)
+            self._prio[item] = p
+            self._seq += 1
+            heapq.heappush(self._heap, (p, self._seq, item))
+
+    def _returned(self, group: Hashable, tick: int) -> None:
+        """A tail placed at ``tick`` of ``group``'s clock was come back to."""
+        st = self._groups.get(group)
+        if st is None:
+            return
+        gap = st[0] - tick
+        st[1] += 1
+        self.returns += 1
+        if gap > st[2]:
+            st[2] = gap
+        if gap > self.max_gap:
+            self.max_gap = gap
+
+    def resumed(self, key: bytes) -> None:
+        """A request went past the boundary of content ``key``: if it was an evicted never-hit
+        tail (a ghost), its group learns the return (and an expired one counts as a use of
+        :data:`EXPIRED`)."""
+        g = self.ghosts.pop(key, None)
+        if g is not None:
+            self._returned(g[0], g[1])
+            if g[2]:
+                self.used[EXPIRED] = self.used.get(EXPIRED, 0) + 1
 
     def shadow(self, item: Hashable, above: Hashable) -> None:
         """``above``, a checkpoint just placed over ``item`` with no branch between them, now takes
@@ -414,6 +513,8 @@ class UtilityOrder(EvictionOrder):
         if what is None or up is None:
             return
         self._what[item] = (SHADOWED, what[1])
+        self._born.pop(item, None)
+        self._group.pop(item, None)
         self.placed[SHADOWED] = self.placed.get(SHADOWED, 0) + 1
         info = self.info.get(item)
         if info is not None:
@@ -434,12 +535,24 @@ class UtilityOrder(EvictionOrder):
         label, saving = self._pending.pop(item, ("", float(cost)))
         self._what[item] = (label, saving)
         self.placed[label] = self.placed.get(label, 0) + 1
+        group = self._pgroup.pop(item, None)
+        if group is not None:
+            self._place(item, group, key)
 
     def forget(self, item: Hashable) -> None:
         """The item's content is gone."""
         EvictionOrder.forget(self, item)
-        self._what.pop(item, None)
+        what = self._what.pop(item, None)
         self._pending.pop(item, None)
+        self._pgroup.pop(item, None)
+        self._group.pop(item, None)
+        b = self._born.pop(item, None)
+        if b is not None and b[2] is not None and self._ghost_cap:
+            ghosts = self.ghosts
+            ghosts.pop(b[2], None)
+            ghosts[b[2]] = (b[0], b[1], what is not None and what[0] == EXPIRED)
+            if len(ghosts) > self._ghost_cap:
+                del ghosts[next(iter(ghosts))]
 
     def priority(self, item: Hashable) -> float:
         """``floor + uses * saving`` for ``item`` now (uses: its hits, or its label's use share)."""
@@ -480,6 +593,9 @@ class UtilityOrder(EvictionOrder):
             if not info.hits:
                 label = self._what.get(item, ("", 0.0))[0]
                 self.used[label] = self.used.get(label, 0) + 1
+                b = self._born.pop(item, None)
+                if b is not None:
+                    self._returned(b[0], b[1])
             info.hits += 1
         if item in self._prio:
             self._push(item)
