@@ -8,9 +8,11 @@ coordinator gives a tail its group only without a lower tier."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from small_checkpoint_cache import UNIT, serve_once, small_cache
 
 from hybridkv.cache.pools import EXPIRED, EXPIRY_MIN_RETURNS, UtilityOrder
+from hybridkv.cache.purge import PurgeSelector, purge_device
 
 TOL = 1e-9          # priorities are small products of integers and shares
 
@@ -136,3 +138,26 @@ def test_a_conversations_tails_share_the_group_of_its_head():
         turn3 = np.concatenate([turn2[:4 * UNIT], _tokens(5, UNIT + 1)])
         hit, _ = serve_once(cache, turn3, {})
         assert hit < 4 * UNIT and not order.ghosts and order.returns == 2   # turn1's tail (hit), t2 (ghost)
+
+
+@pytest.mark.parametrize("how", ["selector", "prefix"])
+def test_a_purge_leaves_no_ghost_or_group_of_what_it_removed(how):
+    """A purge is no eviction: a never-hit tail it removes (by a selector, or
+    :meth:`remove_prefix`) is not remembered as a ghost and the groups keyed by removed
+    checkpoints are dropped, so nothing of the purged entries stays in the order, and the same
+    prompt sent again after the purge teaches no return."""
+    cache = small_cache("branch+tail", checkpoint_eviction="utility")
+    order = cache.checkpoints.order
+    head = _tokens(1, 2 * UNIT)
+    serve_once(cache, np.concatenate([head, _tokens(2, UNIT + 1)]), {2 * UNIT: "branch"})
+    turn1 = np.concatenate([head, _tokens(3, UNIT + 1)])
+    serve_once(cache, turn1, {3 * UNIT: "tail"})
+    assert order._groups and order._born
+    if how == "selector":
+        assert purge_device(cache, PurgeSelector(created_before=1e18)).checkpoints == 2
+    else:
+        assert cache.remove_prefix(cache.hash_prompt(turn1)[0]) == 4
+    assert not order.ghosts and not order._groups and not order._born
+    returns = order.returns
+    serve_once(cache, np.concatenate([turn1[:3 * UNIT], _tokens(4, UNIT + 1)]), {})
+    assert order.returns == returns

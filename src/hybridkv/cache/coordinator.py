@@ -789,7 +789,26 @@ class HybridCacheCoordinator:
         if any(self.pages.refcount) or any(self.checkpoints.refcount):
             raise RuntimeError("remove_prefix while requests hold references; release them first")
         node = self.index.root.child(first_hash)
-        return self.index.remove_subtree(node) if node is not None else 0
+        return self.purge_subtree(node) if node is not None else 0
+
+    def purge_subtree(self, node: BlockNode) -> int:
+        """Remove ``node`` and its descendants for a purge (:meth:`remove_prefix`,
+        :func:`~hybridkv.cache.purge.purge_device`): as :meth:`PrefixIndex.remove_subtree`, and
+        under the ``utility`` order no removed tail is remembered as evicted (a ghost) and no tail
+        group keyed by a removed node survives (:meth:`UtilityOrder.purging`).
+
+        Returns:
+            Index nodes removed.
+        """
+        if self._utility is None:
+            return self.index.remove_subtree(node)
+        keys, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            keys.append(n.key)
+            stack.extend(n.children.values())
+        with self._utility.purging(keys):
+            return self.index.remove_subtree(node)
 
     # -- metrics and checks ---------------------------------------------
     def _note_peaks(self) -> None:

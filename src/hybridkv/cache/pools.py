@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -431,6 +432,7 @@ class UtilityOrder(EvictionOrder):
         self.returns = 0                                     # returns of every group
         self.ghosts: dict[bytes, tuple[Hashable, int, bool]] = {}   # content key -> (group, tick, expired)
         self._ghost_cap = ghosts
+        self._purging = False                                # forget() inside purging(): no ghost
 
     def mark(self, item: Hashable, label: str, saving: float, group: Hashable | None = None) -> None:
         """The next :meth:`describe` of ``item`` is a checkpoint placed by ``label`` saving
@@ -547,12 +549,28 @@ class UtilityOrder(EvictionOrder):
         self._pgroup.pop(item, None)
         self._group.pop(item, None)
         b = self._born.pop(item, None)
-        if b is not None and b[2] is not None and self._ghost_cap:
+        if b is not None and b[2] is not None and self._ghost_cap and not self._purging:
             ghosts = self.ghosts
             ghosts.pop(b[2], None)
             ghosts[b[2]] = (b[0], b[1], what is not None and what[0] == EXPIRED)
             if len(ghosts) > self._ghost_cap:
                 del ghosts[next(iter(ghosts))]
+
+    @contextmanager
+    def purging(self, keys: Iterable[bytes]) -> Iterator[None]:
+        """A purge (not an eviction) removes entries inside the block: an item forgotten there
+        becomes no ghost, and afterwards the ghosts and groups keyed by ``keys`` (the content keys
+        of the removed index nodes) are dropped, so the order keeps nothing of what was purged and
+        the same prompt sent again teaches no return."""
+        self._purging = True
+        try:
+            yield
+        finally:
+            self._purging = False
+            ghosts, groups = self.ghosts, self._groups
+            for k in keys:
+                ghosts.pop(k, None)
+                groups.pop(k, None)
 
     def priority(self, item: Hashable) -> float:
         """``floor + uses * saving`` for ``item`` now (uses: its hits, or its label's use share)."""

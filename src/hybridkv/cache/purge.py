@@ -145,6 +145,6 @@ def purge_device(cache, selector: PurgeSelector) -> DevicePurge:
         out.checkpoints += sum(n.checkpoint is not None for n in sub)
         out.chains.extend((n.key, n.end, n.owner) for n in sub)
         held.update(n.page for n in sub if cache.pages.refcount[n.page] > 0)
-        out.nodes += cache.index.remove_subtree(top)
+        out.nodes += cache.purge_subtree(top)
     out.held_pages = len(held)
     return out
