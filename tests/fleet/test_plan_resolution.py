@@ -88,3 +88,13 @@ def test_cli_prints_the_resolution_and_writes_it_to_the_json(tmp_path, capsys):
     cost = data["plan"]["cost_per_hour"]
     for c in data["unchecked"]:
         assert FleetConfig(**c).cost_per_hour(Prices()) < cost - TOL
+
+
+def test_a_plan_nothing_in_the_space_undercuts_says_so_not_that_cheaper_ones_missed():
+    """A plan at one instance of the cheapest structure: no configuration of the space costs less,
+    so the resolution says that (not that every cheaper one was simulated and missed)."""
+    ev = Evaluator(None, MODEL, parse_slo("ttft_p99=1000"), Prices(), h200_budget(MODEL, 4), limit=LIMIT)
+    result = plan(ev, max_instances=MAX_INSTANCES, space=_space()[:1])
+    assert result.plan is not None and result.plan.config.instances == 1
+    assert result.unchecked == []
+    assert result.resolution.startswith("no configuration searched costs less than the plan")

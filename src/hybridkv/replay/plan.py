@@ -594,8 +594,8 @@ class PlanResult:
     the search space, at the most instances that cost less than the plan, that was neither simulated
     on the whole trace there nor ruled out by a whole-trace miss at as many instances or more: the
     search ranked it out on prefixes, so it may meet the targets for less) and ``resolution`` (one
-    sentence saying so, or that every cheaper configuration was simulated or ruled out; empty
-    without a plan)."""
+    sentence saying so, or that every cheaper configuration was simulated or ruled out, or that no
+    configuration of the space costs less than the plan; empty without a plan)."""
 
     slo: dict[str, float]
     plan: Outcome | None
@@ -854,8 +854,11 @@ def plan(ev: Evaluator, *, max_instances: int = MAX_INSTANCES, space: list[Fleet
         resolution = (f"{len(unchecked)} of the {len(space)} configurations searched (cache share, policy, router, "
                        f"host tier, store) cost less than the plan at some instance count but were not simulated "
                        f"on the {_scope_noun(ev)} there: the search ranked them out on trace prefixes (at {probe} "
-                       f"instances), so one may meet the targets for less; simulate the plan's cheaper neighbours "
+                       f"instance{'s' if probe != 1 else ''}), so one may meet the targets for less; simulate the plan's cheaper neighbours "
                        f"(benchmarks/bench_plan_validate.py) before buying")
+    elif best_plan is not None and not any(_most_instances_below(c, best_plan.cost_per_hour, ev.prices,
+                                                                 max_instances) >= 1 for c in space):
+        resolution = "no configuration searched costs less than the plan, at any instance count"
     elif best_plan is not None:
         resolution = (f"every configuration searched that costs less than the plan was simulated on the "
                       f"{_scope_noun(ev)} and missed, at as many instances or more")
