@@ -34,7 +34,8 @@ Variants (``VARIANTS``; the device policy is the replay default unless named):
   (``--checkpoint-probation``, :class:`hybridkv.store.eviction.ProbationOrder`).
 * ``utility``: ``default`` with ``checkpoint_eviction="utility"``: the device checkpoint pool
   evicts by expected saving (``--checkpoint-eviction utility``,
-  :class:`hybridkv.cache.pools.UtilityOrder`).
+  :class:`hybridkv.cache.pools.UtilityOrder`); without a host tier it also places a lead
+  checkpoint a block past each request's KV hit (:data:`hybridkv.cache.coordinator.LEAD`).
 * ``utility_protected``: ``utility`` with the host tier's probation share at 0 (host-only
   checkpoints take only the room the others leave, ``--host-probation 0``) and a protected segment
   of 30% for checkpoints loaded from the host before (``--host-protected-share 0.3``).

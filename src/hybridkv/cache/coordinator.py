@@ -43,6 +43,9 @@ CopyPage = Callable[[int, int, int], None]
 
 TAIL = "tail"
 """Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
+LEAD = "lead"
+"""Label of a lead checkpoint: one block past where a request's new content begins (its KV hit),
+placed under the ``utility`` order without a lower tier (:attr:`MatchResult.lead`)."""
 INSTALLED = "installed"
 """Label of a checkpoint installed from a lower tier (a promotion), for the ``utility`` order."""
 PROBATION_LABELS = frozenset({"interval"})
@@ -146,6 +149,10 @@ class MatchResult:
             is recomputed to rebuild the boundary state at ``hit`` (its prefix groups' entries are
             cached), from the state saved at ``restart`` (or the zero state at 0, or, when no
             state is saved there, the raw tokens: a recompute cone).
+        lead: boundary (tokens) for a lead checkpoint, the first ``block_size`` boundary past
+            ``kv_hit`` (where the request's own content begins), or ``None``: set by the
+            ``utility`` order without a lower tier (:meth:`HybridCacheCoordinator.lookup`);
+            :func:`~hybridkv.engine.scheduler.plan_captures` places it (label :data:`LEAD`).
     """
 
     hit: int
@@ -157,6 +164,7 @@ class MatchResult:
     path: list[BlockNode]
     namespace: bytes | None = None
     restart: int | None = None
+    lead: int | None = None
 
     def __post_init__(self) -> None:
         if self.restart is None:
@@ -341,10 +349,14 @@ class HybridCacheCoordinator:
             slot = self._state_slot(path, restart)            # the state a hit resumes from
             if slot is not None:
                 self.checkpoints.touch(slot, count)
+        lead = None
+        if self._utility is not None and not self.lower_tiers:   # one block past where its own content begins
+            b = self.config.block_size
+            lead = (kv_hit // b + 1) * b
         return MatchResult(hit=hit, kv_hit=kv_hit, checkpoint_hit=hit,
                            branching_boundary=joint.branching_boundary,
                            per_group=joint.per_group, hashes=hashes, path=path,
-                           namespace=namespace or self.namespace, restart=restart)
+                           namespace=namespace or self.namespace, restart=restart, lead=lead)
 
     def _state_slot(self, path: list[BlockNode], boundary: int) -> int | None:
         """The checkpoint slot saved at ``boundary`` on ``path`` (``None``: none there, at 0, or a
@@ -369,7 +381,7 @@ class HybridCacheCoordinator:
                                    branching_boundary=match.kv_hit if match.kv_hit > hit else None,
                                    per_group={**match.per_group, **{b: hit for b, _ in self.family.boundary}},
                                    hashes=match.hashes, path=match.path, namespace=match.namespace,
-                                   restart=joint.restart))
+                                   restart=joint.restart, lead=match.lead))
         return out
 
     def could_fit(self, match: MatchResult, num_tokens: int) -> bool:
@@ -524,10 +536,16 @@ class HybridCacheCoordinator:
         below, group = 0, None
         if self._utility is not None:
             below, group = self._below_start(alloc, checkpoints), self._tail_group(alloc)
+        placed = alloc.start            # the last boundary this request placed a checkpoint at (or its start)
         for b in sorted(checkpoints):
             ckpt, label = checkpoints[b]
-            ok = self._publish_checkpoint(alloc, hashes, ckpt, b, label, below, group if label == TAIL else None)
-            below = b
+            # a lead saves over the boundary just below it; the other checkpoints' savings skip leads,
+            # which the order evicts first unless a request resumes from one
+            ok = self._publish_checkpoint(alloc, hashes, ckpt, b, label, placed if label == LEAD else below,
+                                          group if label == TAIL else None)
+            placed = b
+            if label != LEAD:
+                below = b
             if not ok:
                 result.skipped.append(b)
                 continue
@@ -536,7 +554,9 @@ class HybridCacheCoordinator:
                 result.superseded += 1
                 result.retired.append(alloc.start)
         if self._utility is not None and result.created:
-            self._shadow_start(alloc, min(b for b, _ in result.created))
+            firsts = [b for b, label in result.created if label != LEAD]
+            if firsts:
+                self._shadow_start(alloc, min(firsts))
         if self._utility is not None and self._utility.ghosts:
             self._went_past(alloc, computed)
         return result
@@ -572,6 +592,11 @@ class HybridCacheCoordinator:
             key = nodes[b // g - 1].key
             if key in ghosts:
                 order.resumed(key)
+
+    def _hits(self, slot: int) -> int:
+        """Hits the ``utility`` order has counted on the checkpoint in ``slot``."""
+        info = self._utility.info.get(slot)
+        return info.hits if info is not None else 0
 
     def _shadow_start(self, alloc: Allocation, first: int) -> None:
         """Under the ``utility`` order: the request resumed from a checkpoint other than a tail at
@@ -737,7 +762,8 @@ class HybridCacheCoordinator:
     def _evict_checkpoint(self, slot: int) -> None:
         if self._on_evict is not None:
             self._on_evict([self._evicted(self.index.slot_node[slot], kv=False)])
-        self.checkpoints.order.evicted(slot)
+        if self._utility is None or self.labels.get(slot) != LEAD or self._hits(slot):
+            self.checkpoints.order.evicted(slot)     # a lead never hit leaves the order's floor as it is
         self.index.detach_checkpoint(self.index.slot_node[slot])
         self.evicted_checkpoints += 1
 

@@ -391,7 +391,7 @@ class Engine:
                                        {b: (ckpt, r.capture[b]) for b, ckpt in made.items()
                                         if r.capture[b] != HOST})       # host-only captures: tiers
         for _, label in published.created:
-            self.stats.checkpoints_created[label] += 1
+            self.stats.checkpoints_created[label] = self.stats.checkpoints_created.get(label, 0) + 1
         self.stats.checkpoints_skipped += len(published.skipped)
         self.stats.checkpoints_retired += published.superseded
         if self.listener is not None:

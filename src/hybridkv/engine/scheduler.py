@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridkv.cache.config import CacheConfig
-from hybridkv.cache.coordinator import MatchResult
+from hybridkv.cache.coordinator import LEAD, MatchResult
 from hybridkv.engine.request import Request, Status
 
 HOST = "host"
@@ -63,6 +63,8 @@ def plan_captures(config: CacheConfig, match: MatchResult, prompt_len: int,
     if p.hint:
         for b in hints:
             claim(b, "hint")
+    if match.lead is not None:           # the utility order's lead checkpoint (MatchResult.lead)
+        claim(match.lead, LEAD)
     if config.host_interval:
         for b in range(config.host_interval, hi + 1, config.host_interval):
             claim(b, HOST)

@@ -111,7 +111,8 @@ class ReplayReport:
         reuse is left out; each served request's still assumes every earlier one cached), tokens.
     oracle_fraction: reused tokens within the oracle's reach per request, divided by
         ``oracle_reused_tokens`` (0..1; null if the oracle reuses nothing).
-    checkpoints_created: KDA checkpoints materialised, per placement policy name.
+    checkpoints_created: KDA checkpoints materialised, per placement policy name (and ``lead``:
+        those the ``utility`` order placed a block past a request's KV hit, without a host tier).
     branch_recompute_tokens: tokens recomputed to create checkpoints at branching
         boundaries (work beyond a plain prefill), tokens.
     checkpoint_bytes_peak: peak resident bytes of KDA checkpoints, bytes.
