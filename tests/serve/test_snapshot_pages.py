@@ -229,6 +229,44 @@ def test_the_routers_read_starts_again_when_a_purge_ends_the_generation_it_pages
     assert w.view.kv == {bytes.fromhex(k) for k in after["kv"]} and len(w.view.kv) == after["total"]
 
 
+def test_the_routers_read_starts_again_when_the_worker_restarts_at_the_same_url():
+    """The worker restarts at the same port after the router's first page: the new process did
+    not give the cursor (400 naming ``cursor``), and the router reads the new process's snapshot
+    from its first page instead of giving the read up."""
+    restarted: list[RunningServer] = []
+    first = RunningServer(ServeOptions(port=0, threads=1)).__enter__()
+    url = first.url
+    try:
+        for j in range(3):
+            _cache(url, prompt_ids(5000 + j, 300), "t0")
+        port = int(url.rsplit(":", 1)[1])
+
+        async def run() -> Workers:
+            async def restart_after_first_page(response: httpx.Response) -> None:
+                if response.url.path == "/v1/cache/snapshot" and "cursor" not in response.url.params \
+                        and not restarted:
+                    first.__exit__(None, None, None)
+                    second = RunningServer(ServeOptions(port=port, threads=1)).__enter__()
+                    restarted.append(second)
+                    _cache(url, prompt_ids(6000, 300), "t1")
+
+            async with httpx.AsyncClient(timeout=60, event_hooks={"response": [restart_after_first_page]}) as client:
+                workers = Workers([url], client, health_every=1, snapshot_page=4)
+                await workers.poll_once()
+                return workers
+
+        w = asyncio.run(run()).states[0]
+        after = _get(url).json()
+        assert len(restarted) == 1 and w.healthy
+        assert (w.snapshot_restarts, w.snapshots) == (1, 1)
+        assert w.view.kv == {bytes.fromhex(k) for k in after["kv"]} and len(w.view.kv) == after["total"] > 0
+    finally:
+        if restarted:
+            restarted[0].__exit__(None, None, None)
+        else:
+            first.__exit__(None, None, None)
+
+
 @pytest.mark.parametrize(("value", "named"), [("99999999999999999999", "exceeds 1024"), ("1025", "exceeds 1024"),
                                               ("0", "must be positive")])
 def test_a_bad_snapshot_readers_is_named(value, named, capsys):

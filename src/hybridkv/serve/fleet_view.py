@@ -299,6 +299,17 @@ def _check_worker_url(url: str) -> None:
         raise ValueError(f"--worker {url!r} must be http://HOST:PORT (or https://)")
 
 
+
+def _cursor_refused(r: httpx.Response) -> bool:
+    """A ``400`` whose OpenAI error body names the ``cursor`` param (a cursor the worker did not give)."""
+    if r.status_code != 400:
+        return False
+    try:
+        error = r.json().get("error")
+    except ValueError:
+        return False
+    return isinstance(error, dict) and error.get("param") == "cursor"
+
 class Workers:
     """The workers, their views and the fleet identity, refreshed by :meth:`poll_forever`.
 
@@ -490,8 +501,10 @@ class Workers:
         follow that snapshot's epoch from its first event; ``False`` (the view left as it is) for
         a worker without the route, or whose snapshot changed under every one of
         :data:`SNAPSHOT_RESTARTS` tries. Every page must carry the first page's ``generation``
-        and ``epoch``; a page of another one, or a ``410`` (the worker dropped the snapshot: a
-        purge started a new epoch), restarts the read from its first page
+        and ``epoch``; a page of another one, a ``410`` (the worker dropped the snapshot: a
+        purge started a new epoch), or a ``400`` naming the ``cursor`` (a worker restarted at the
+        same URL: its cursors are keyed by a per-process secret, so one of its earlier process is
+        not its own) restarts the read from its first page
         (``snapshot_restarts`` counts these). The epoch's events applied over the snapshot give
         the cache as it is (:meth:`_pull`): an event before the snapshot was taken repeats what
         the snapshot holds, or is undone by a later one, as the cache did."""
@@ -505,8 +518,8 @@ class Workers:
                 r = await self.client.get(f"{w.url}/v1/cache/snapshot", params=params)
                 if not w.healthy or w.failures != outs:
                     return False
-                if r.status_code == 410 and first is not None:
-                    break                                       # dropped under us: start again
+                if first is not None and (r.status_code == 410 or _cursor_refused(r)):
+                    break          # dropped under us, or a restarted worker never gave it: start again
                 if r.status_code != 200:
                     return False
                 snap = r.json()
