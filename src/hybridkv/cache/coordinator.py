@@ -30,7 +30,7 @@ from hybridkv.cache.namespace import (
     chain_periodic,
     chained_block_hashes,
 )
-from hybridkv.cache.pools import SHADOWED, CheckpointPool, PagePool, UtilityOrder
+from hybridkv.cache.pools import SHADOWED, SHARED_TAIL_HITS, CheckpointPool, PagePool, UtilityOrder
 from hybridkv.store.eviction import ProbationOrder
 
 if TYPE_CHECKING:                      # the model's state type, named in annotations only
@@ -43,6 +43,9 @@ CopyPage = Callable[[int, int, int], None]
 
 TAIL = "tail"
 """Label of tail checkpoints (the policy term), the ones ``supersede`` retires."""
+BRANCH = "branch"
+"""Label of branch checkpoints (the policy term), and of a shared tail kept past ``supersede``
+under the ``utility`` order without a lower tier (:meth:`HybridCacheCoordinator.publish`)."""
 LEAD = "lead"
 """Label of a lead checkpoint: one block past where a request's new content begins (its KV hit),
 placed under the ``utility`` order without a lower tier (:attr:`MatchResult.lead`)."""
@@ -537,6 +540,7 @@ class HybridCacheCoordinator:
         if self._utility is not None:
             below, group = self._below_start(alloc, checkpoints), self._tail_group(alloc)
         placed = alloc.start            # the last boundary this request placed a checkpoint at (or its start)
+        kept = False                    # the start was a shared tail kept past ``supersede``
         for b in sorted(checkpoints):
             ckpt, label = checkpoints[b]
             # a lead saves over the boundary just below it; the other checkpoints' savings skip leads,
@@ -550,16 +554,38 @@ class HybridCacheCoordinator:
                 result.skipped.append(b)
                 continue
             result.created.append((b, label))
-            if label == TAIL and self.config.policy.supersede and self.retire_checkpoint(alloc, alloc.start, TAIL):
-                result.superseded += 1
-                result.retired.append(alloc.start)
+            if label == TAIL and self.config.policy.supersede and not kept:
+                kept = self._keep_shared_tail(alloc)
+                if not kept and self.retire_checkpoint(alloc, alloc.start, TAIL):
+                    result.superseded += 1
+                    result.retired.append(alloc.start)
         if self._utility is not None and result.created:
             firsts = [b for b, label in result.created if label != LEAD]
-            if firsts:
+            if firsts and not kept:         # a kept shared tail: other requests went elsewhere from it
                 self._shadow_start(alloc, min(firsts))
         if self._utility is not None and self._utility.ghosts:
             self._went_past(alloc, computed)
         return result
+
+    def _keep_shared_tail(self, alloc: Allocation) -> bool:
+        """Under the ``utility`` order without a lower tier (:attr:`lower_tiers`): the tail the
+        request resumed from (``alloc.start``), about to be retired by ``supersede``, is shared —
+        :data:`~hybridkv.cache.pools.SHARED_TAIL_HITS` hits or more, so other requests resumed
+        from it too (a first turn's tail that ended on a tenant's system prompt or a shared
+        document) — and is kept: relabelled ``branch``, its hits back to 0, out of its tail group
+        (:meth:`UtilityOrder.relabel`). The request's new tail still saves over the boundary below
+        it (:meth:`_below_start`). Returns whether it was kept (then nothing is retired)."""
+        start, g = alloc.start, self.config.prefix_match_unit
+        if self._utility is None or self.lower_tiers or start <= 0 or len(alloc.nodes) < start // g:
+            return False
+        node = alloc.nodes[start // g - 1]
+        slot = node.checkpoint
+        if (slot is None or node.parent is None or self.labels.get(slot) != TAIL
+                or self.checkpoints.refcount[slot] or self._hits(slot) < SHARED_TAIL_HITS):
+            return False
+        self._utility.relabel(slot, BRANCH)
+        self.labels[slot] = BRANCH
+        return True
 
     def _tail_group(self, alloc: Allocation) -> bytes | None:
         """Under the ``utility`` order: the group of the tail the request places, for tail

@@ -368,6 +368,12 @@ EXPIRED = "expired"
 """Label of a conversation tail the :class:`UtilityOrder` ranks as past its return: never hit, and
 older, in its group's tails, than every return its group has had (:meth:`UtilityOrder.mark`)."""
 
+SHARED_TAIL_HITS = 2
+"""Hits after which a conversation tail counts as shared: without a host tier, the ``utility`` order
+keeps such a tail when the conversation's next turn would retire it (``supersede``), ranked as a
+``branch`` (:meth:`UtilityOrder.relabel`): a first turn's tail that ended on a tenant's system
+prompt or a shared document, which other conversations resume from too."""
+
 EXPIRY_MIN_RETURNS = 19
 """Returns a tail group must have had before its own largest return gap expires its tails (until
 then the largest gap of any group does): after ``n`` returns, the chance that the next one comes
@@ -525,6 +531,24 @@ class UtilityOrder(EvictionOrder):
         for i in (item, above):
             if i in self._prio:
                 self._push(i)
+
+    def relabel(self, item: Hashable, label: str) -> None:
+        """``item`` is kept from now on as a checkpoint placed by ``label`` that has not been hit
+        (a shared conversation tail kept past ``supersede``, :data:`SHARED_TAIL_HITS`): its hits
+        restart at 0, it ranks by ``label``'s learned share, and it leaves its tail group (it no
+        longer expires). Its saving is unchanged. Items not described are left as they are."""
+        what = self._what.get(item)
+        if what is None:
+            return
+        self._what[item] = (label, what[1])
+        self._born.pop(item, None)
+        self._group.pop(item, None)
+        self.placed[label] = self.placed.get(label, 0) + 1
+        info = self.info.get(item)
+        if info is not None:
+            info.hits = 0
+        if item in self._prio:
+            self._push(item)
 
     def use_share(self, label: str) -> float:
         """Share of ``label``'s checkpoints hit at least once, ``(used + 1) / (placed + 2)``."""
