@@ -104,6 +104,31 @@ def test_a_ghost_teaches_the_gap_and_counts_a_use_of_expired():
     del nxt
 
 
+
+def test_the_order_keeps_at_most_twice_its_slots_of_group_records():
+    """A pool of 2 slots: at most 4 tail groups are kept, the least recently placed into
+    forgotten first; a return to a tail of a forgotten group still counts in the order's returns
+    and largest gap, and the group's next tail starts a new record on a fresh clock."""
+    o = UtilityOrder(ghosts=2)
+    for i, g in enumerate("abcd"):
+        _tail(o, i, g)
+    _tail(o, 10, "a")                            # a placed into again: b is now the least recent
+    _tail(o, 11, "e")
+    assert list(o._groups) == ["c", "d", "a", "e"]
+    for i in range(12, 20):                      # b's tail 1 waits 3 more of b's tails... none come
+        _tail(o, i, "e")
+    o.hit(1)                                     # b's record is gone: the return is still counted
+    assert o.returns == 1 and o.max_gap == 0 and "b" not in o._groups
+    _tail(o, 20, "b")
+    assert o._groups["b"][:3] == [1, 0, -1] and len(o._groups) == 4
+
+
+def test_an_order_without_a_pool_size_keeps_every_group():
+    o = UtilityOrder()
+    for i in range(50):
+        _tail(o, i, i)
+    assert len(o._groups) == 50
+
 def _tokens(seed, n):
     return np.random.default_rng(seed).integers(0, 50_000, n, dtype=np.int64)
 

@@ -419,7 +419,9 @@ class UtilityOrder(EvictionOrder):
     name = "utility"
 
     def __init__(self, ghosts: int = 0) -> None:
-        """``ghosts``: how many evicted never-hit tails to remember (the pool's slots)."""
+        """``ghosts``: how many evicted never-hit tails to remember (the pool's slots); the order
+        keeps the records of at most ``2 * ghosts`` tail groups when ``ghosts`` > 0 (see
+        :meth:`_place`; 0: no ghosts and no bound, for an order used outside a pool)."""
         super().__init__()
         self.floor = 0.0                                     # priority of the last victim (GDS's L)
         self._prio: dict[Hashable, float] = {}               # member -> priority
@@ -429,15 +431,17 @@ class UtilityOrder(EvictionOrder):
         self._what: dict[Hashable, tuple[str, float]] = {}       # described item -> (label, saving)
         self.placed: dict[str, int] = {}                     # label -> checkpoints described
         self.used: dict[str, int] = {}                       # label -> of those, hit at least once
-        # tail expiry: group -> [clock (tails placed), returns, largest return gap, deque of (tick, item)]
+        # tail expiry: group -> its record [clock (tails placed), returns, largest return gap,
+        # deque of (tick, item), not purged]; tails and ghosts point at the record itself
         self._groups: dict[Hashable, list] = {}
-        self._born: dict[Hashable, tuple[Hashable, int, bytes | None]] = {}   # unhit grouped tail -> (group, tick, key)
+        self._born: dict[Hashable, tuple[list, int, bytes | None]] = {}   # unhit grouped tail -> (record, tick, key)
         self._pgroup: dict[Hashable, Hashable] = {}          # item -> group, before describe
         self._group: dict[Hashable, Hashable] = {}           # described grouped tail -> its group
         self.max_gap = -1                                    # largest return gap of any group (-1: none yet)
         self.returns = 0                                     # returns of every group
-        self.ghosts: dict[bytes, tuple[Hashable, int, bool]] = {}   # content key -> (group, tick, expired)
+        self.ghosts: dict[bytes, tuple[list, int, bool]] = {}   # content key -> (group record, tick, expired)
         self._ghost_cap = ghosts
+        self._group_cap = 2 * ghosts if ghosts > 0 else None   # tail groups kept (least recently placed into go)
         self._purging = False                                # forget() inside purging(): no ghost
 
     def mark(self, item: Hashable, label: str, saving: float, group: Hashable | None = None) -> None:
@@ -455,13 +459,24 @@ class UtilityOrder(EvictionOrder):
         return self._group.get(item)
 
     def _place(self, item: Hashable, group: Hashable, key: bytes | None) -> None:
-        """A tail placed in ``group``: tick its clock, then expire its tails past the gap."""
-        st = self._groups.get(group)
+        """A tail placed in ``group``: tick its clock, then expire its tails past the gap.
+
+        The groups are kept in the order they were last placed into, at most ``2 * ghosts`` of
+        them (a pool of ``ghosts`` slots holds tails of at most that many groups, and as many
+        ghosts): past that the least recently placed into is forgotten (its tails still in the
+        pool no longer expire, a return to one still counts in :attr:`returns` and
+        :attr:`max_gap`; a later tail of the group starts a new record), so the order's memory
+        stays bounded by the pool's size over a run of any length."""
+        groups = self._groups
+        st = groups.pop(group, None)
         if st is None:
-            st = self._groups[group] = [0, 0, -1, deque()]
+            st = [0, 0, -1, deque(), True]
+            if self._group_cap is not None and len(groups) >= self._group_cap:
+                del groups[next(iter(groups))]
+        groups[group] = st
         st[0] += 1
         tick, born, q = st[0], self._born, st[3]
-        born[item] = (group, tick, key)
+        born[item] = (st, tick, key)
         self._group[item] = group
         q.append((tick, item))
         gap = (st[2] if st[1] >= EXPIRY_MIN_RETURNS
@@ -469,7 +484,7 @@ class UtilityOrder(EvictionOrder):
         while q:
             t0, it = q[0]
             b = born.get(it)
-            if b is not None and b[1] == t0 and b[0] == group:
+            if b is not None and b[1] == t0 and b[0] is st:
                 if gap < 0 or tick - t0 <= gap:
                     break
                 self._expire(it)
@@ -488,10 +503,10 @@ class UtilityOrder(EvictionOrder):
             self._seq += 1
             heapq.heappush(self._heap, (p, self._seq, item))
 
-    def _returned(self, group: Hashable, tick: int) -> None:
-        """A tail placed at ``tick`` of ``group``'s clock was come back to."""
-        st = self._groups.get(group)
-        if st is None:
+    def _returned(self, st: list, tick: int) -> None:
+        """A tail placed at ``tick`` of the clock of the group whose record is ``st`` was come
+        back to (nothing is learned from a purged group)."""
+        if not st[4]:
             return
         gap = st[0] - tick
         st[1] += 1
@@ -594,7 +609,9 @@ class UtilityOrder(EvictionOrder):
             ghosts, groups = self.ghosts, self._groups
             for k in keys:
                 ghosts.pop(k, None)
-                groups.pop(k, None)
+                st = groups.pop(k, None)
+                if st is not None:
+                    st[4] = False
 
     def priority(self, item: Hashable) -> float:
         """``floor + uses * saving`` for ``item`` now (uses: its hits, or its label's use share)."""
