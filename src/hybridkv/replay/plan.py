@@ -43,6 +43,7 @@ import multiprocessing
 import os
 import random
 import tempfile
+import signal
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -362,7 +363,15 @@ class Evaluator:
             ctx = multiprocessing.get_context("fork")
             items = list(todo.items())
             try:     # a fresh process per simulation: each leaves nothing behind for the next
-                with ctx.Pool(min(self.jobs, len(todo)), maxtasksperchild=1, initializer=_ignore_sigint) as pool:
+                # SIGINT blocked while the pool starts: its threads (which fork the later workers)
+                # and its workers inherit the mask, so a Ctrl-C between a fork and the worker's
+                # initializer waits and is then ignored there, instead of raising in the worker
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    pool = ctx.Pool(min(self.jobs, len(todo)), maxtasksperchild=1, initializer=_ignore_sigint)
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                with pool:
                     for i, data in pool.imap_unordered(_simulate_job, list(enumerate(j for _, j in items))):
                         finished(items[i][0], data)
             finally:
@@ -516,9 +525,11 @@ def read_cache(path: str) -> dict[str, dict]:
 
 
 def _ignore_sigint() -> None:
-    """A pool worker's start: Ctrl-C is the parent's to handle (it terminates the pool)."""
-    import signal
+    """A pool worker's start: Ctrl-C is the parent's to handle (it terminates the pool). The
+    worker starts with SIGINT blocked (see :meth:`Evaluator.evaluate_many`): ignored first, then
+    unblocked, so one that came in between is dropped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _simulate_job(job: tuple[int, tuple[FleetConfig, int, int]]) -> tuple[int, dict]:
