@@ -575,10 +575,9 @@ class HybridCacheCoordinator:
         document) — and is kept: relabelled ``branch``, its hits back to 0, out of its tail group
         (:meth:`UtilityOrder.relabel`). The request's new tail still saves over the boundary below
         it (:meth:`_below_start`). Returns whether it was kept (then nothing is retired)."""
-        start, g = alloc.start, self.config.prefix_match_unit
-        if self._utility is None or self.lower_tiers or start <= 0 or len(alloc.nodes) < start // g:
+        node = self._start_node(alloc) if self._utility is not None and not self.lower_tiers else None
+        if node is None:
             return False
-        node = alloc.nodes[start // g - 1]
         slot = node.checkpoint
         if (slot is None or node.parent is None or self.labels.get(slot) != TAIL
                 or self.checkpoints.refcount[slot] or self._hits(slot) < SHARED_TAIL_HITS):
@@ -594,10 +593,9 @@ class HybridCacheCoordinator:
         ``None`` (no expiry) when it resumed from nothing or from a tail without a group. Only
         without a lower tier (:attr:`lower_tiers`): with the host tier it measured lower at the
         host cells of the many-tenant trace (docs/results/memory.md)."""
-        start, g = alloc.start, self.config.prefix_match_unit
-        if start <= 0 or self.lower_tiers or len(alloc.nodes) < start // g:
+        node = None if self.lower_tiers else self._start_node(alloc)
+        if node is None:
             return None
-        node = alloc.nodes[start // g - 1]
         slot = node.checkpoint
         if slot is None or node.parent is None:
             return None
@@ -636,9 +634,11 @@ class HybridCacheCoordinator:
         host cells (docs/results/memory.md)."""
         start, g = alloc.start, self.config.prefix_match_unit
         nodes = alloc.nodes
-        if start <= 0 or self.lower_tiers or first <= start or len(nodes) < first // g:
+        if self.lower_tiers or first <= start or len(nodes) < first // g:
             return
-        node = nodes[start // g - 1]
+        node = self._start_node(alloc)
+        if node is None:
+            return
         slot, new = node.checkpoint, nodes[first // g - 1].checkpoint
         if (slot is None or new is None or node.parent is None or self.checkpoints.refcount[slot]
                 or self.labels.get(slot) == TAIL):
@@ -649,6 +649,14 @@ class HybridCacheCoordinator:
         self._utility.shadow(slot, new)
         self.labels[slot] = SHADOWED
 
+    def _start_node(self, alloc: Allocation) -> BlockNode | None:
+        """The request's index node at its start (the boundary it resumed from), or ``None`` at
+        0 or past its published units."""
+        start, g = alloc.start, self.config.prefix_match_unit
+        if start <= 0 or len(alloc.nodes) < start // g:
+            return None
+        return alloc.nodes[start // g - 1]
+
     def _below_start(self, alloc: Allocation, checkpoints: dict) -> int:
         """The boundary (tokens) of the checkpoint below the request's new ones, for the ``utility``
         order's saving: its start (the checkpoint it resumed from), or, when that is a tail and the
@@ -657,8 +665,8 @@ class HybridCacheCoordinator:
         start = alloc.start
         if start <= 0 or not self.config.policy.supersede:
             return start
-        g = self.config.prefix_match_unit
-        slot = alloc.nodes[start // g - 1].checkpoint if len(alloc.nodes) >= start // g else None
+        node = self._start_node(alloc)
+        slot = node.checkpoint if node is not None else None
         if slot is None or self.labels.get(slot) != TAIL or not any(lb == TAIL for _, lb in checkpoints.values()):
             return start
         return self._below.get(slot, 0)

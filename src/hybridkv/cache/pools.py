@@ -535,13 +535,7 @@ class UtilityOrder(EvictionOrder):
         what, up = self._what.get(item), self._what.get(above)
         if what is None or up is None:
             return
-        self._what[item] = (SHADOWED, what[1])
-        self._born.pop(item, None)
-        self._group.pop(item, None)
-        self.placed[SHADOWED] = self.placed.get(SHADOWED, 0) + 1
-        info = self.info.get(item)
-        if info is not None:
-            info.hits = 0
+        self._unused_as(item, SHADOWED, what[1])
         self._what[above] = (up[0], up[1] + what[1])
         for i in (item, above):
             if i in self._prio:
@@ -555,15 +549,20 @@ class UtilityOrder(EvictionOrder):
         what = self._what.get(item)
         if what is None:
             return
-        self._what[item] = (label, what[1])
+        self._unused_as(item, label, what[1])
+        if item in self._prio:
+            self._push(item)
+
+    def _unused_as(self, item: Hashable, label: str, saving: float) -> None:
+        """``item`` counts from now on as a checkpoint placed by ``label`` saving ``saving``
+        tokens that has not been hit (its hits back to 0), out of its tail group."""
+        self._what[item] = (label, saving)
         self._born.pop(item, None)
         self._group.pop(item, None)
         self.placed[label] = self.placed.get(label, 0) + 1
         info = self.info.get(item)
         if info is not None:
             info.hits = 0
-        if item in self._prio:
-            self._push(item)
 
     def use_share(self, label: str) -> float:
         """Share of ``label``'s checkpoints hit at least once, ``(used + 1) / (placed + 2)``."""
