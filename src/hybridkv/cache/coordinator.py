@@ -736,7 +736,9 @@ class HybridCacheCoordinator:
             self._below[slot] = below
         self.index.attach_checkpoint(node, slot)
         self.labels[slot] = label
-        self._note_peaks()
+        used = self.checkpoints.num_slots - self.checkpoints.num_free   # only checkpoints changed here
+        if used > self.checkpoints_peak:
+            self.checkpoints_peak = used
         return True
 
     # -- installs from lower tiers --------------------------------------

@@ -254,8 +254,9 @@ class StateCodec:
 
     Attributes:
         encode: ``state -> {component: tensor}`` (views allowed; the pool copies them).
-        decode: ``({component: tensor}, boundary in tokens) -> state`` (the tensors are the
-            pool's private copies).
+        decode: ``({component: tensor}, boundary in tokens) -> state``: the tensors are views of
+            the pool's slot, so the state it returns must own copies of what it keeps (the slot
+            is reused once the checkpoint is evicted).
     """
 
     encode: Callable[[Any], dict]
@@ -297,6 +298,10 @@ class CheckpointPool(_RefcountedCache):
                             for comp, dtype, shape in spec.components}
             slot_bytes = spec.bytes_per_entry
         self.slot_bytes = slot_bytes
+        # per slot, its view of each component tensor (made at the slot's first write): a
+        # checkpoint's copy in and out costs no indexing of the storage
+        self._views: list[tuple[tuple[str, torch.Tensor], ...] | None] = (
+            [None] * num_slots if self.tensors is not None else [])
 
     @property
     def num_free(self) -> int:
@@ -318,8 +323,15 @@ class CheckpointPool(_RefcountedCache):
             if ckpt is None:
                 raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
             parts = self.codec.encode(ckpt) if self.codec is not None else ckpt
-            for comp, t in self.tensors.items():
-                t[slot].copy_(parts[comp])
+            for comp, view in self._slot_views(slot):
+                view.copy_(parts[comp])
+
+    def _slot_views(self, slot: int) -> tuple[tuple[str, torch.Tensor], ...]:
+        """``(component, view of its tensor at slot)`` pairs, made once per slot."""
+        views = self._views[slot]
+        if views is None:
+            views = self._views[slot] = tuple((comp, t[slot]) for comp, t in self.tensors.items())
+        return views
 
     def publish(self, slot: int, boundary: int = 0, owner=None, key: bytes | None = None) -> None:
         """Mark a written slot published (attached to an index node); it becomes evictable.
@@ -336,8 +348,9 @@ class CheckpointPool(_RefcountedCache):
         object, or a component dict without a codec; ``None`` when tensor-less."""
         if self.tensors is None:
             return None
-        parts = {comp: t[slot].clone() for comp, t in self.tensors.items()}
-        return self.codec.decode(parts, boundary) if self.codec is not None else parts
+        if self.codec is not None:                  # the codec copies what it keeps (StateCodec)
+            return self.codec.decode(dict(self._slot_views(slot)), boundary)
+        return {comp: view.clone() for comp, view in self._slot_views(slot)}
 
     def _cached(self, slot: int) -> bool:
         return self.published[slot]

@@ -17,7 +17,15 @@ from hybridkv.cache.groups import KIMI_LINEAR, FullAttentionSpec, KDASpec, kimi_
 from hybridkv.cache.pools import CheckpointPool, StateCodec
 from hybridkv.model.state import ForwardRequest, KDACheckpoint
 
-KDA_CODEC = StateCodec(KDACheckpoint.components, KDACheckpoint.from_components)
+
+
+def _kda_decode(parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
+    """A :class:`KDACheckpoint` at ``boundary`` (tokens) that owns copies of ``parts`` (views of a
+    checkpoint slot, :meth:`KDACheckpoint.components`' names)."""
+    return KDACheckpoint.from_components({**parts, "recurrent": parts["recurrent"].clone()}, boundary)
+
+
+KDA_CODEC = StateCodec(KDACheckpoint.components, _kda_decode)
 """A :class:`KDACheckpoint` as the ``kda`` group's components and back (the checkpoint pool's codec)."""
 
 
