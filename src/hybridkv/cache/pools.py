@@ -373,6 +373,9 @@ class CheckpointPool(_RefcountedCache):
                 assert not pub and rc == 0, f"slot {s}: free but in use"
 
 
+_UNDESCRIBED = ("", 1.0)
+"""``(label, saving)`` the :class:`UtilityOrder` ranks an item by that was never described."""
+
 SHADOWED = "shadowed"
 """Label of a checkpoint the :class:`UtilityOrder` ranks as unused again: a request resumed from
 it and placed a checkpoint above it, with no branch between the two (:meth:`UtilityOrder.shadow`)."""
@@ -440,7 +443,7 @@ class UtilityOrder(EvictionOrder):
         self._prio: dict[Hashable, float] = {}               # member -> priority
         self._heap: list[tuple[float, int, Hashable]] = []   # (priority, seq, item); stale entries skipped
         self._seq = 0
-        self._pending: dict[Hashable, tuple[str, float]] = {}    # item -> (label, saving) before describe
+        self._pending: dict[Hashable, tuple] = {}           # item -> (label, saving, group) before describe
         self._what: dict[Hashable, tuple[str, float]] = {}       # described item -> (label, saving)
         self.placed: dict[str, int] = {}                     # label -> checkpoints described
         self.used: dict[str, int] = {}                       # label -> of those, hit at least once
@@ -448,7 +451,6 @@ class UtilityOrder(EvictionOrder):
         # deque of (tick, item), not purged]; tails and ghosts point at the record itself
         self._groups: dict[Hashable, list] = {}
         self._born: dict[Hashable, tuple[list, int, bytes | None]] = {}   # unhit grouped tail -> (record, tick, key)
-        self._pgroup: dict[Hashable, Hashable] = {}          # item -> group, before describe
         self._group: dict[Hashable, Hashable] = {}           # described grouped tail -> its group
         self.max_gap = -1                                    # largest return gap of any group (-1: none yet)
         self.returns = 0                                     # returns of every group
@@ -461,11 +463,7 @@ class UtilityOrder(EvictionOrder):
         """The next :meth:`describe` of ``item`` is a checkpoint placed by ``label`` saving
         ``saving`` tokens over the checkpoint below it; ``group``: a conversation tail's group
         (its tails expire, see the class notes; ``None``: never expires)."""
-        self._pending[item] = (label, float(saving))
-        if group is not None:
-            self._pgroup[item] = group
-        else:
-            self._pgroup.pop(item, None)
+        self._pending[item] = (label, float(saving), group)
 
     def group_of(self, item: Hashable) -> Hashable | None:
         """The group tail ``item`` was placed in (``None``: none)."""
@@ -585,10 +583,11 @@ class UtilityOrder(EvictionOrder):
                  owner: Hashable | None = None, key: bytes | None = None) -> None:
         """As :meth:`EvictionOrder.describe`; takes the label and saving :meth:`mark` gave."""
         EvictionOrder.describe(self, item, nbytes, cost, depth, owner, key)
-        label, saving = self._pending.pop(item, ("", float(cost)))
+        pending = self._pending.pop(item, None)
+        label, saving, group = pending if pending is not None else ("", float(cost), None)
         self._what[item] = (label, saving)
-        self.placed[label] = self.placed.get(label, 0) + 1
-        group = self._pgroup.pop(item, None)
+        placed = self.placed
+        placed[label] = placed.get(label, 0) + 1
         if group is not None:
             self._place(item, group, key)
 
@@ -597,7 +596,6 @@ class UtilityOrder(EvictionOrder):
         EvictionOrder.forget(self, item)
         what = self._what.pop(item, None)
         self._pending.pop(item, None)
-        self._pgroup.pop(item, None)
         self._group.pop(item, None)
         b = self._born.pop(item, None)
         if b is not None and b[2] is not None and self._ghost_cap and not self._purging:
@@ -627,13 +625,22 @@ class UtilityOrder(EvictionOrder):
 
     def priority(self, item: Hashable) -> float:
         """``floor + uses * saving`` for ``item`` now (uses: its hits, or its label's use share)."""
-        label, saving = self._what.get(item, ("", 1.0))
         info = self.info.get(item)
-        hits = info.hits if info is not None else 0
-        return self.floor + (hits if hits else self.use_share(label)) * saving
+        return self._priority(item, info.hits if info is not None else 0)
 
-    def _push(self, item: Hashable) -> None:
-        p = self.priority(item)
+    def _priority(self, item: Hashable, hits: int) -> float:
+        """:meth:`priority` of ``item`` with ``hits`` counted hits."""
+        label, saving = self._what.get(item, _UNDESCRIBED)
+        if hits:
+            return self.floor + hits * saving
+        return self.floor + (self.used.get(label, 0) + 1) / (self.placed.get(label, 0) + 2) * saving
+
+    def _push(self, item: Hashable, hits: int | None = None) -> None:
+        """Take ``item``'s priority now (``hits``: its counted hits, when the caller has them)."""
+        if hits is None:
+            info = self.info.get(item)
+            hits = info.hits if info is not None else 0
+        p = self._priority(item, hits)
         prio = self._prio
         prio[item] = p
         self._seq += 1
@@ -649,9 +656,10 @@ class UtilityOrder(EvictionOrder):
 
     def add(self, item: Hashable) -> None:
         """``item`` became evictable; its priority is taken now (a refresh when re-added)."""
-        if item not in self.info:
-            self._info(item)
-        self._push(item)
+        info = self.info.get(item)
+        if info is None:
+            info = self._info(item)
+        self._push(item, info.hits)
 
     def discard(self, item: Hashable) -> None:
         self._prio.pop(item, None)
@@ -669,7 +677,7 @@ class UtilityOrder(EvictionOrder):
                     self._returned(b[0], b[1])
             info.hits += 1
         if item in self._prio:
-            self._push(item)
+            self._push(item, info.hits)
 
     def victim(self, owner: Hashable | None = None) -> Hashable | None:
         """The member of lowest priority (of ``owner`` when given), or ``None``."""
