@@ -337,6 +337,28 @@ def test_checkpoint_at_reads_a_copy_of_the_published_checkpoint_on_the_requests_
     assert_idle(cache)
 
 
+def test_a_published_checkpoint_keeps_the_captured_tensors_and_a_misfit_frees_its_slot_again():
+    """``publish`` hands the captured state to its slot (no second copy of a capture); a state that
+    does not fit the spec is refused naming the component, and the slot taken for it is free
+    again, with nothing attached and nothing else lost."""
+    cache = make_cache(slots=2, pool=tensor_pool(2))
+    prompt = tokens(31, 300)
+    m = cache.lookup(prompt)
+    alloc = cache.acquire(m, 310)
+    good = ckpt(0.5, 128)
+    cache.publish(alloc, m.hashes, 300, {128: (good, "branch")})
+    slot = alloc.nodes[1].checkpoint
+    assert cache.checkpoints.held(slot)["recurrent"].data_ptr() == good.recurrent.data_ptr()
+    free = cache.checkpoints.num_free
+    misfit = KDACheckpoint(torch.zeros(1, 1, 2, 3), torch.zeros(1, 6, 3), 256)
+    with pytest.raises(ValueError, match="'recurrent' has shape"):
+        cache.publish(alloc, m.hashes, 300, {256: (misfit, "tail")})
+    assert cache.checkpoints.num_free == free and alloc.nodes[3].checkpoint is None
+    assert torch.equal(cache.checkpoint_at(alloc, 128).recurrent, good.recurrent)
+    cache.release(alloc)
+    assert_idle(cache)
+
+
 def test_checkpoint_at_is_none_once_the_checkpoint_was_evicted():
     cache = make_cache(slots=1, pool=tensor_pool(1))
     prompt = tokens(29, 200)

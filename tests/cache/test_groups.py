@@ -283,7 +283,11 @@ def test_kda_spec_bytes_equal_a_tensor_backed_checkpoint_slot():
     spec = KDASpec(num_layers=3, num_heads=2, head_dim=4, conv_dim=24, conv_width=3, conv_dtype="bfloat16")
     pool = CheckpointPool(1, spec=spec.group_spec())
     assert pool.slot_bytes == spec.page_size_bytes
-    assert pool.tensors["conv.q"].dtype == torch.bfloat16 and pool.tensors["recurrent"].shape == (1, 3, 2, 4, 4)
+    slot = pool.take_free()
+    pool.write(slot, {c: torch.zeros(shape, dtype=getattr(torch, dt)) for c, (dt, shape) in spec.entry_shape().items()})
+    held = pool.held(slot)
+    assert held["conv.q"].dtype == torch.bfloat16 and held["recurrent"].shape == (3, 2, 4, 4)
+    assert sum(t.numel() * t.element_size() for t in held.values()) == pool.slot_bytes
 
 
 def test_specs_for_a_model_config_match_its_byte_counts():

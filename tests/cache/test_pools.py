@@ -303,7 +303,7 @@ def test_page_pool_matches_a_reference_model(ops):
 def test_bookkeeping_only_checkpoint_pool_has_no_storage():
     pool = CheckpointPool(3, slot_bytes=1234)
     assert pool.num_slots == 3 and pool.num_free == 3
-    assert pool.tensors is None and pool.spec is None
+    assert not pool.tensor_backed and pool.spec is None and pool.held(0) is None
     assert pool.slot_bytes == 1234
     assert pool.published == [False] * 3
     assert pool.next_victim() is None
@@ -437,13 +437,56 @@ def _tensor_pool(num_slots=2, conv_dtype=torch.float16):
     return CheckpointPool(num_slots, spec=spec.group_spec(), codec=KDA_CODEC)
 
 
-def test_tensor_backed_pool_sizes_slot_bytes_from_its_storage():
+def _kda_ckpt(boundary=64, conv_dtype=torch.float16):
+    return KDACheckpoint(torch.arange(18, dtype=torch.float32).reshape(1, 2, 3, 3),
+                         torch.full((1, 18, 2), 0.5, dtype=conv_dtype), boundary)
+
+
+def test_tensor_backed_pool_sizes_slot_bytes_from_its_spec_and_holds_nothing_before_a_write():
     pool = _tensor_pool(conv_dtype=torch.float16)
-    rec = pool.tensors["recurrent"]
-    assert rec.shape == (2, 1, 2, 3, 3) and rec.dtype == torch.float32
+    assert pool.tensor_backed and pool.slot_bytes == 18 * 4 + 36 * 2 == pool.spec.bytes_per_entry
+    slot = pool.take_free()
+    assert pool.held(slot) is None
+    with pytest.raises(RuntimeError, match=f"slot {slot} holds no state"):
+        pool.read(slot, 64)
+    pool.write(slot, _kda_ckpt())
+    held = pool.held(slot)
+    assert held["recurrent"].shape == (1, 2, 3, 3) and held["recurrent"].dtype == torch.float32
     for third in ("conv.q", "conv.k", "conv.v"):
-        assert pool.tensors[third].shape == (2, 1, 6, 2) and pool.tensors[third].dtype == torch.float16
-    assert pool.slot_bytes == 18 * 4 + 36 * 2 == pool.spec.bytes_per_entry
+        assert held[third].shape == (1, 6, 2) and held[third].dtype == torch.float16
+    assert sum(t.numel() * t.element_size() for t in held.values()) == pool.slot_bytes
+
+
+def test_an_owned_write_keeps_the_captured_tensors_and_a_plain_write_copies():
+    """``own=True`` (the engine's fresh captures) keeps the state's tensors, so a capture is not
+    copied a second time; a component of another dtype is still converted; without ``own`` the
+    slot holds copies; a freed slot drops what it held."""
+    pool = _tensor_pool(num_slots=3)
+    ckpt = _kda_ckpt()
+    owned, copied, cast = pool.take_free(), pool.take_free(), pool.take_free()
+    pool.write(owned, ckpt, own=True)
+    assert pool.held(owned)["recurrent"].data_ptr() == ckpt.recurrent.data_ptr()
+    assert pool.held(owned)["conv.q"].data_ptr() == ckpt.conv.data_ptr()
+    pool.write(copied, ckpt)
+    assert all(t.data_ptr() != ckpt.recurrent.data_ptr() for t in pool.held(copied).values())
+    pool.write(cast, _kda_ckpt(conv_dtype=torch.float32), own=True)       # the spec's conv is float16
+    assert pool.held(cast)["conv.v"].dtype == torch.float16
+    assert torch.equal(pool.read(owned, 64).conv, pool.read(cast, 64).conv)
+    pool.publish(owned, 64)
+    pool.unpublish(owned)                                                    # unreferenced: freed
+    assert pool.held(owned) is None and owned in list(pool._free)
+
+
+def test_a_write_of_a_state_that_does_not_fit_the_spec_names_the_component_and_keeps_the_slot():
+    pool = _tensor_pool(num_slots=1)
+    slot = pool.take_free()
+    bad = KDACheckpoint(torch.zeros(1, 2, 3, 4), torch.zeros(1, 18, 2, dtype=torch.float16), 64)
+    with pytest.raises(ValueError, match=r"'recurrent' has shape \(1, 2, 3, 4\), the spec's is \(1, 2, 3, 3\)"):
+        pool.write(slot, bad, own=True)
+    assert pool.held(slot) is None
+    raw = CheckpointPool(1, spec=pool.spec)                 # no codec: states are component dicts
+    with pytest.raises(ValueError, match="no component 'conv.k'"):
+        raw.write(raw.take_free(), {"recurrent": torch.zeros(1, 2, 3, 3), "conv.q": torch.zeros(1, 6, 2)})
 
 
 def test_a_pool_built_from_a_spec_stores_any_boundary_groups_components_without_a_codec():
@@ -480,8 +523,7 @@ def test_tensor_backed_pool_reads_back_a_private_copy_of_what_was_written():
     assert torch.equal(got.conv, torch.full((1, 18, 2), 0.5, dtype=torch.float16))
     got.recurrent.zero_()                       # the reader gets a copy, not a view
     assert torch.equal(pool.read(slot, 64).recurrent, torch.arange(18, dtype=torch.float32).reshape(1, 2, 3, 3))
-    other = 1 - slot
-    assert not pool.tensors["recurrent"][other].any()      # other slots untouched
+    assert pool.held(1 - slot) is None                      # other slots untouched
 
 
 def _pool_state(pool: PagePool):

@@ -693,8 +693,11 @@ class HybridCacheCoordinator:
                             boundary: int, label: str = "", below: int = 0, group: bytes | None = None) -> bool:
         """Publish ``C(P_boundary)`` at the request's node for ``boundary`` (units already published).
 
-        The bytes are copied into a cache-owned slot first and only then
-        attached, so the producer keeps computing in its own working state.
+        ``ckpt`` is a checkpoint the request's forward captured: the slot keeps its tensors
+        (:meth:`CheckpointPool.write` with ``own=True``; the forward returns every capture in
+        storage of its own and never writes a state in place, so the request's working state
+        may be the same tensors and is only read from then on). The slot is written before it
+        is attached.
 
         Returns:
             ``True`` if a new checkpoint was published; ``False`` if one already
@@ -703,7 +706,7 @@ class HybridCacheCoordinator:
         g = self.config.prefix_match_unit
         if len(alloc.nodes) < boundary // g:
             raise ValueError(f"checkpoint boundary {boundary} lies beyond the published units")
-        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label, below, group)
+        return self._attach_new(alloc.nodes[boundary // g - 1], ckpt, label, below, group, own=True)
 
     def retire_checkpoint(self, alloc: Allocation, boundary: int, label: str) -> bool:
         """Detach the request's checkpoint at ``boundary`` if it was published under ``label``."""
@@ -718,7 +721,7 @@ class HybridCacheCoordinator:
         return True
 
     def _attach_new(self, node: BlockNode, ckpt: KDACheckpoint | None, label: str = "", below: int = 0,
-                    group: bytes | None = None) -> bool:
+                    group: bytes | None = None, own: bool = False) -> bool:
         if node.checkpoint is not None:
             return False
         slot = self.checkpoints.take_free()
@@ -728,7 +731,11 @@ class HybridCacheCoordinator:
                 return False
             self._evict_checkpoint(victim)
             slot = self.checkpoints.take_free()
-        self.checkpoints.write(slot, ckpt)
+        try:
+            self.checkpoints.write(slot, ckpt, own)
+        except BaseException:
+            self.checkpoints.untake(slot)            # nothing was attached: the slot is free again
+            raise
         if self._probation is not None and label in PROBATION_LABELS:
             self._probation.mark(slot)
         if self._utility is not None:      # saving: tokens over the checkpoint below (``below``) when placed

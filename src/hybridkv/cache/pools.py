@@ -254,9 +254,9 @@ class StateCodec:
 
     Attributes:
         encode: ``state -> {component: tensor}`` (views allowed; the pool copies them).
-        decode: ``({component: tensor}, boundary in tokens) -> state``: the tensors are views of
-            the pool's slot, so the state it returns must own copies of what it keeps (the slot
-            is reused once the checkpoint is evicted).
+        decode: ``({component: tensor}, boundary in tokens) -> state``: the tensors are the
+            pool's own (a slot's), so the state it returns must own copies of what it keeps
+            (the reader may write its state; the slot is shared by every reader).
     """
 
     encode: Callable[[Any], dict]
@@ -277,8 +277,11 @@ class CheckpointPool(_RefcountedCache):
         device: torch device of the storage.
         eviction: ``lru`` or ``value`` (:func:`hybridkv.store.eviction.make_order`).
 
-    Storage: ``tensors[component]`` of ``dtype[num_slots, *shape]`` per spec component,
-    allocated once.
+    Storage: a tensor-backed slot holds one tensor per spec component, ``dtype[*shape]`` on
+    ``device``, from its write until the slot is freed; the pool's bytes are at most
+    ``num_slots * slot_bytes``. A write copies the state, or, for a state the caller hands over
+    (``own=True``: the engine's freshly captured checkpoints, which nothing writes again), keeps
+    its tensors: a capture is then never copied a second time.
 
     Raises:
         ValueError: a ``spec`` of a prefix-closed group (naming it).
@@ -290,18 +293,17 @@ class CheckpointPool(_RefcountedCache):
         self.num_slots = num_slots
         self.published = [False] * num_slots   # owner: the index (attach/detach)
         self.spec, self.codec = spec, codec
-        self.tensors: dict[str, torch.Tensor] | None = None
+        # tensor-backed: per slot, its components (None: free or never written)
+        self._held: list[dict[str, torch.Tensor] | None] | None = None
         if spec is not None:
             if spec.prefix_closed:
                 raise ValueError(f"a checkpoint pool holds a boundary group's state, not prefix group {spec.name!r}")
-            self.tensors = {comp: torch.zeros((num_slots, *shape), dtype=getattr(torch, dtype), device=device)
-                            for comp, dtype, shape in spec.components}
+            self.device = torch.device(device)
+            self._layout = tuple((comp, getattr(torch, dtype), torch.Size(shape))
+                                 for comp, dtype, shape in spec.components)
+            self._held = [None] * num_slots
             slot_bytes = spec.bytes_per_entry
         self.slot_bytes = slot_bytes
-        # per slot, its view of each component tensor (made at the slot's first write): a
-        # checkpoint's copy in and out costs no indexing of the storage
-        self._views: list[tuple[tuple[str, torch.Tensor], ...] | None] = (
-            [None] * num_slots if self.tensors is not None else [])
 
     @property
     def num_free(self) -> int:
@@ -312,26 +314,59 @@ class CheckpointPool(_RefcountedCache):
         """Reserve a free slot for writing (not yet published); ``None`` if none."""
         return self._free.popleft() if self._free else None
 
-    def write(self, slot: int, ckpt) -> None:
-        """Copy the state ``ckpt`` (the codec's state object, or a component dict) into ``slot``
-        (the slot becomes cache-owned bytes).
+    @property
+    def tensor_backed(self) -> bool:
+        """Whether slots hold tensors (a pool built from a spec); else bookkeeping only."""
+        return self._held is not None
+
+    def write(self, slot: int, ckpt, own: bool = False) -> None:
+        """Store the state ``ckpt`` (the codec's state object, or a component dict) in ``slot``
+        (the slot becomes cache-owned bytes): each spec component ``dtype[*shape]`` on the pool's
+        device, a copy unless ``own``.
+
+        ``own=True``: the caller hands the state over: nothing writes its tensors again (the
+        engine's checkpoints captured in a forward, which returns every capture in storage of its
+        own and never modifies a state in place). Components already of the spec's dtype and on
+        the pool's device are then kept as they are; the others are converted (a copy).
 
         Raises:
-            ValueError: a tensor-backed pool given no state.
+            ValueError: a tensor-backed pool given no state, or a state missing a spec component
+                or holding one of another shape (naming the component and both shapes).
         """
-        if self.tensors is not None:
-            if ckpt is None:
-                raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
-            parts = self.codec.encode(ckpt) if self.codec is not None else ckpt
-            for comp, view in self._slot_views(slot):
-                view.copy_(parts[comp])
+        if self._held is None:
+            return
+        if ckpt is None:
+            raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
+        parts = self.codec.encode(ckpt) if self.codec is not None else ckpt
+        held, device = {}, self.device
+        for comp, dtype, shape in self._layout:
+            t = parts.get(comp)
+            if t is None:
+                raise ValueError(f"checkpoint state has no component {comp!r} (the spec's: "
+                                 f"{[c for c, _, _ in self._layout]})")
+            if t.shape != shape:
+                raise ValueError(f"checkpoint component {comp!r} has shape {tuple(t.shape)}, "
+                                 f"the spec's is {tuple(shape)}")
+            if not own or t.dtype != dtype or t.device != device:
+                t = t.to(device=device, dtype=dtype, copy=True)
+            held[comp] = t
+        self._held[slot] = held
 
-    def _slot_views(self, slot: int) -> tuple[tuple[str, torch.Tensor], ...]:
-        """``(component, view of its tensor at slot)`` pairs, made once per slot."""
-        views = self._views[slot]
-        if views is None:
-            views = self._views[slot] = tuple((comp, t[slot]) for comp, t in self.tensors.items())
-        return views
+    def held(self, slot: int) -> dict[str, torch.Tensor] | None:
+        """The components ``slot`` holds (the pool's own tensors: read only), or ``None`` for a
+        free slot or a bookkeeping-only pool."""
+        return self._held[slot] if self._held is not None else None
+
+    def _freed(self, i: int) -> None:
+        if self._held is not None:
+            self._held[i] = None                # the slot's bytes go with it
+        super()._freed(i)
+
+    def untake(self, slot: int) -> None:
+        """Return a slot from :meth:`take_free` that was never published (its write failed)."""
+        if self._held is not None:
+            self._held[slot] = None
+        self._free.append(slot)
 
     def publish(self, slot: int, boundary: int = 0, owner=None, key: bytes | None = None) -> None:
         """Mark a written slot published (attached to an index node); it becomes evictable.
@@ -345,12 +380,19 @@ class CheckpointPool(_RefcountedCache):
 
     def read(self, slot: int, boundary: int):
         """A private copy of the state in ``slot`` at ``boundary`` (tokens): the codec's state
-        object, or a component dict without a codec; ``None`` when tensor-less."""
-        if self.tensors is None:
+        object, or a component dict without a codec; ``None`` when tensor-less.
+
+        Raises:
+            RuntimeError: a tensor-backed slot that holds no state (free, or never written).
+        """
+        if self._held is None:
             return None
+        held = self._held[slot]
+        if held is None:
+            raise RuntimeError(f"checkpoint slot {slot} holds no state")
         if self.codec is not None:                  # the codec copies what it keeps (StateCodec)
-            return self.codec.decode(dict(self._slot_views(slot)), boundary)
-        return {comp: view.clone() for comp, view in self._slot_views(slot)}
+            return self.codec.decode(dict(held), boundary)
+        return {comp: t.clone() for comp, t in held.items()}
 
     def _cached(self, slot: int) -> bool:
         return self.published[slot]
