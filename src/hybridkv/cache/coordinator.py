@@ -509,8 +509,8 @@ class HybridCacheCoordinator:
                 checkpoints: dict[int, tuple[KDACheckpoint | None, str]]) -> PublishResult:
         """Publish what a request computed: its whole units of ``[0, computed)`` and its checkpoints.
 
-        Each checkpoint is copied into a cache-owned slot and attached at its
-        boundary. With the ``supersede`` policy, a new ``tail`` checkpoint
+        Each checkpoint goes into a cache-owned slot (which keeps the captured tensors,
+        :meth:`_publish_checkpoint`) and is attached at its boundary. With the ``supersede`` policy, a new ``tail`` checkpoint
         retires the tail checkpoint the request started from (``alloc.start``)
         if no request holds it.
 
