@@ -359,6 +359,31 @@ def test_a_published_checkpoint_keeps_the_captured_tensors_and_a_misfit_frees_it
     assert_idle(cache)
 
 
+def test_a_misfit_state_is_refused_before_a_full_pool_evicts_a_checkpoint_for_it():
+    """A full checkpoint pool evicts nothing for a state it then refuses: the stored checkpoint
+    stays attached and readable (publish and install alike)."""
+    cache = make_cache(slots=1, pool=tensor_pool(1))
+    first = tokens(33, 300)
+    serve_alloc = cache.acquire(cache.lookup(first), 310)
+    cache.publish(serve_alloc, cache.lookup(first).hashes, 300, {128: (ckpt(0.5, 128), "branch")})
+    cache.release(serve_alloc)                                   # the pool's one slot: cached, evictable
+    other = tokens(34, 300)
+    m = cache.lookup(other)
+    alloc = cache.acquire(m, 310)
+    misfit = KDACheckpoint(torch.zeros(1, 1, 2, 3), torch.zeros(1, 6, 3), 128)
+    with pytest.raises(ValueError, match="'recurrent' has shape"):
+        cache.publish(alloc, m.hashes, 300, {128: (misfit, "branch")})
+    with pytest.raises(ValueError, match="needs checkpoint tensors"):
+        cache.install_checkpoint(m.hashes, None, 256)
+    assert cache.evicted_checkpoints == 0 and alloc.nodes[1].checkpoint is None
+    assert cache.lookup(np.concatenate([first, tokens(35, 10)])).hit == 128   # still stored
+    cache.release(alloc)
+    resumed = cache.acquire(cache.lookup(np.concatenate([first, tokens(35, 10)])), 320)
+    assert resumed.start == 128 and torch.equal(resumed.state.recurrent, ckpt(0.5, 128).recurrent)
+    cache.release(resumed)
+    assert_idle(cache)
+
+
 def test_checkpoint_at_is_none_once_the_checkpoint_was_evicted():
     cache = make_cache(slots=1, pool=tensor_pool(1))
     prompt = tokens(29, 200)

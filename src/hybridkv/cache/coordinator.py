@@ -724,6 +724,7 @@ class HybridCacheCoordinator:
                     group: bytes | None = None, own: bool = False) -> bool:
         if node.checkpoint is not None:
             return False
+        held = self.checkpoints.prepare(ckpt, own)     # a state refused here evicts nothing for it
         slot = self.checkpoints.take_free()
         while slot is None:
             victim = self._victim(self.checkpoints, node.owner)
@@ -731,11 +732,7 @@ class HybridCacheCoordinator:
                 return False
             self._evict_checkpoint(victim)
             slot = self.checkpoints.take_free()
-        try:
-            self.checkpoints.write(slot, ckpt, own)
-        except BaseException:
-            self.checkpoints.untake(slot)            # nothing was attached: the slot is free again
-            raise
+        self.checkpoints.put(slot, held)
         if self._probation is not None and label in PROBATION_LABELS:
             self._probation.mark(slot)
         if self._utility is not None:      # saving: tokens over the checkpoint below (``below``) when placed

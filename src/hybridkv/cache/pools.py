@@ -333,8 +333,19 @@ class CheckpointPool(_RefcountedCache):
             ValueError: a tensor-backed pool given no state, or a state missing a spec component
                 or holding one of another shape (naming the component and both shapes).
         """
+        if self._held is not None:
+            self.put(slot, self.prepare(ckpt, own))
+
+    def prepare(self, ckpt, own: bool = False) -> dict[str, torch.Tensor] | None:
+        """The components :meth:`write` would store for ``ckpt`` (``None`` for a bookkeeping-only
+        pool), checked against the spec before any slot is touched: a caller validates a state
+        with it before evicting anything to make room (then :meth:`put`).
+
+        Raises:
+            ValueError: as :meth:`write`.
+        """
         if self._held is None:
-            return
+            return None
         if ckpt is None:
             raise ValueError("a tensor-backed checkpoint pool needs checkpoint tensors")
         parts = self.codec.encode(ckpt) if self.codec is not None else ckpt
@@ -350,7 +361,12 @@ class CheckpointPool(_RefcountedCache):
             if not own or t.dtype != dtype or t.device != device:
                 t = t.to(device=device, dtype=dtype, copy=True)
             held[comp] = t
-        self._held[slot] = held
+        return held
+
+    def put(self, slot: int, held: dict[str, torch.Tensor] | None) -> None:
+        """Store components from :meth:`prepare` in ``slot`` (a slot from :meth:`take_free`)."""
+        if self._held is not None:
+            self._held[slot] = held
 
     def held(self, slot: int) -> dict[str, torch.Tensor] | None:
         """The components ``slot`` holds (the pool's own tensors: read only), or ``None`` for a
