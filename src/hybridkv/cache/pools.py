@@ -378,12 +378,6 @@ class CheckpointPool(_RefcountedCache):
             self._held[i] = None                # the slot's bytes go with it
         super()._freed(i)
 
-    def untake(self, slot: int) -> None:
-        """Return a slot from :meth:`take_free` that was never published (its write failed)."""
-        if self._held is not None:
-            self._held[slot] = None
-        self._free.append(slot)
-
     def publish(self, slot: int, boundary: int = 0, owner=None, key: bytes | None = None) -> None:
         """Mark a written slot published (attached to an index node); it becomes evictable.
 
