@@ -275,15 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "replay" and args.host_write_through and args.host_mib == 0:
-        parser.error("--host-write-through needs a host tier: --host-mib is 0")
-    if args.command == "replay" and args.host_interval and args.host_mib == 0:
-        parser.error(f"--host-interval {args.host_interval} needs a host tier: --host-mib is 0")
-    if args.command == "replay" and args.host_groups != "all" and args.host_mib == 0:
-        parser.error(f"--host-groups {args.host_groups} needs a host tier: --host-mib is 0")
     if args.command == "replay":                   # the host tier's own options, given without one
         missing = _no_host_tier(args)
-        for flag, value in (("--host-protected-share", args.host_protected_share),
+        if missing and args.host_write_through:
+            parser.error(f"--host-write-through needs a host tier: {missing}")
+        for flag, value in (("--host-interval", args.host_interval or None),
+                            ("--host-groups", None if args.host_groups == "all" else args.host_groups),
+                            ("--host-protected-share", args.host_protected_share),
                             ("--host-eviction", args.host_eviction), ("--host-probation", args.host_probation)):
             if missing and value is not None:
                 parser.error(f"{flag} {value:g} needs a host tier: {missing}" if isinstance(value, float)

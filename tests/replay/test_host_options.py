@@ -1,5 +1,5 @@
 """``hybridkv replay``'s host tier options (``--host-eviction``, ``--host-probation``,
-``--host-protected-share``) given where the replay builds no host tier: a one-line error naming the
+``--host-protected-share``, ``--host-interval``, ``--host-groups``, ``--host-write-through``) given where the replay builds no host tier: a one-line error naming the
 option and why, exit 2, no traceback; left out, their defaults hold as before."""
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ B = 64                    # tokens per trace hash id in these runs
      "--host-probation 0.1 needs a host tier: a simulated timed fleet builds none"),
     (["--timed", "--instances", "2", "--host-mib", "64", "--host-eviction", "value"],
      "--host-eviction value needs a host tier: a simulated timed fleet builds none"),
+    (["--model", "v4-tiny", "--host-interval", "4"],
+     "--host-interval 4 needs a host tier: --host-mib is 0 for a DeepSeek-V4 model unless given"),
+    (["--timed", "--instances", "2", "--host-groups", "kda"],
+     "--host-groups kda needs a host tier: a simulated timed fleet builds none"),
+    (["--timed", "--instances", "2", "--host-write-through"],
+     "--host-write-through needs a host tier: a simulated timed fleet builds none"),
 ])
 def test_replay_refuses_a_host_option_without_a_host_tier_in_one_line(capsys, args, message):
     from hybridkv.cli import main
