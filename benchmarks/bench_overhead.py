@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 import hybridkv.engine.engine as engine_mod
-from hybridkv.cache.config import CacheConfig, CheckpointPolicy
+from hybridkv.cache.config import CacheConfig, CheckpointPolicy, ConfigError
 from hybridkv.cache.namespace import CacheIdentity
 from hybridkv.engine.backend import TorchBackend
 from hybridkv.engine.engine import Engine
@@ -342,6 +342,10 @@ def main(argv=None) -> int:
     for name, _ in args.cache_option:
         if name not in fields:
             p.error(f"--cache-option {name}=...: not a CacheConfig field this run can set (choose from {sorted(fields)})")
+    try:                                        # a bad value: one line, before the model is built
+        CacheConfig(**dict(args.cache_option))
+    except (ConfigError, TypeError, ValueError) as e:
+        p.error(f"--cache-option: {e}")
     Timers.clock = staticmethod(CLOCKS[args.clock])
     torch.set_num_threads(1)
     model = HybridModel.from_preset(args.preset, seed=0).eval()

@@ -271,23 +271,32 @@ def _no_host_tier(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _command_parser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    """The sub-command parser ``name`` of ``parser`` (``parser`` itself when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hybridkv`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = _command_parser(parser, args.command)   # its errors name the command and print its usage
     if args.command == "replay":                   # the host tier's own options, given without one
         missing = _no_host_tier(args)
         if missing and args.host_write_through:
-            parser.error(f"--host-write-through needs a host tier: {missing}")
+            command.error(f"--host-write-through needs a host tier: {missing}")
         for flag, value in (("--host-interval", args.host_interval or None),
                             ("--host-groups", None if args.host_groups == "all" else args.host_groups),
                             ("--host-protected-share", args.host_protected_share),
                             ("--host-eviction", args.host_eviction), ("--host-probation", args.host_probation)):
             if missing and value is not None:
-                parser.error(f"{flag} {value:g} needs a host tier: {missing}" if isinstance(value, float)
+                command.error(f"{flag} {value:g} needs a host tier: {missing}" if isinstance(value, float)
                              else f"{flag} {value} needs a host tier: {missing}")
         if args.host_protected_share is not None and args.host_eviction not in (None, "lru"):
-            parser.error(f"--host-protected-share {args.host_protected_share:g} works with --host-eviction lru, "
+            command.error(f"--host-protected-share {args.host_protected_share:g} works with --host-eviction lru, "
                          f"not {args.host_eviction}")
         args.host_eviction = args.host_eviction or "lru"                  # the defaults, resolved
         args.host_probation = HOST_PROBATION if args.host_probation is None else args.host_probation
@@ -302,27 +311,27 @@ def main(argv: list[str] | None = None) -> int:
                             ("--crash", args.crashes or None), ("--cold-start", args.cold_start_s)):
             if value is not None:
                 shown = " ".join(f"{j}@{at:g}" for j, at in value) if isinstance(value, list) else value
-                parser.error(f"{flag} {shown} needs --timed (untimed replays deal requests round-robin)")
+                command.error(f"{flag} {shown} needs --timed (untimed replays deal requests round-robin)")
     if args.command == "replay" and hybrid_flags_given(args):
         router = args.router or ("hybrid" if args.instances > 1 else "round-robin")    # the replay's default
         if router != "hybrid":
             how = "" if args.router else f" (the default with --instances {args.instances})"
-            parser.error(f"{hybrid_flags_given(args)[0]} is an option of the hybrid router, not of {router}{how}")
+            command.error(f"{hybrid_flags_given(args)[0]} is an option of the hybrid router, not of {router}{how}")
     if args.command == "replay" and args.cold_start_s is not None and not args.crashes:
-        parser.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
+        command.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     if args.command == "replay" and args.checkpoint_probation is not None and args.eviction != "lru":
-        parser.error(f"--checkpoint-probation {args.checkpoint_probation:g} works with --eviction lru, "
+        command.error(f"--checkpoint-probation {args.checkpoint_probation:g} works with --eviction lru, "
                      f"not {args.eviction}")
     if args.command == "replay" and args.checkpoint_eviction == "lru":     # the default, named
         if args.eviction != "lru":
-            parser.error(f"--checkpoint-eviction lru with --eviction {args.eviction}: the checkpoint pool "
+            command.error(f"--checkpoint-eviction lru with --eviction {args.eviction}: the checkpoint pool "
                          f"follows --eviction unless --checkpoint-eviction utility; leave it out")
         args.checkpoint_eviction = None
     if args.command == "replay" and args.checkpoint_eviction and args.checkpoint_probation is not None:
-        parser.error(f"--checkpoint-eviction {args.checkpoint_eviction} and --checkpoint-probation "
+        command.error(f"--checkpoint-eviction {args.checkpoint_eviction} and --checkpoint-probation "
                      f"{args.checkpoint_probation:g} exclude each other")
     if args.command == "replay" and args.verify and args.simulate:
-        parser.error(f"--verify {args.verify} needs the real model: --simulate has no logits to compare")
+        command.error(f"--verify {args.verify} needs the real model: --simulate has no logits to compare")
     console = Console(stderr=True)
     for flag, path in _output_paths(args):         # checked before a run, not after it (its results kept)
         problem = unwritable(path)

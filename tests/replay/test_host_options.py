@@ -41,6 +41,7 @@ def test_replay_refuses_a_host_option_without_a_host_tier_in_one_line(capsys, ar
         main(["replay", "--simulate", "--no-progress", *args])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and "Traceback" not in err
+    assert f"hybridkv replay: error: {message}" in err          # the command's parser names it
 
 
 def _config(tmp_path, *args: str) -> dict:

@@ -293,7 +293,8 @@ class CacheConfig:
             raise ConfigError(f"checkpoint_probation={cp!r} works with eviction='lru', not {self.eviction!r}")
         ce = self.checkpoint_eviction
         if ce is not None and ce not in CHECKPOINT_EVICTIONS:
-            raise ConfigError(f"checkpoint_eviction={ce!r} must be one of {list(CHECKPOINT_EVICTIONS)} or None")
+            raise ConfigError(f"checkpoint_eviction={ce!r} must be one of {list(CHECKPOINT_EVICTIONS)} or None "
+                              f"(None: the checkpoint pool follows eviction={self.eviction!r})")
         if ce is not None and cp is not None:
             raise ConfigError(f"checkpoint_eviction={ce!r} and checkpoint_probation={cp!r} exclude each other")
         q = self.tenant_quota
