@@ -299,6 +299,8 @@ class CheckpointPool(_RefcountedCache):
             if spec.prefix_closed:
                 raise ValueError(f"a checkpoint pool holds a boundary group's state, not prefix group {spec.name!r}")
             self.device = torch.device(device)
+            if self.device.type != "cpu" and self.device.index is None:   # "cuda" -> the current index, as tensors name it
+                self.device = torch.empty(0, device=self.device).device
             self._layout = tuple((comp, getattr(torch, dtype), torch.Size(shape))
                                  for comp, dtype, shape in spec.components)
             self._held = [None] * num_slots
