@@ -333,7 +333,7 @@ def main(argv=None) -> int:
                         "VALUE none, a number or a string)")
     p.add_argument("--preset", default="small",
                    help="model preset (default small; tiny prefills far faster, so many more requests fit in a "
-                        "run: the bookkeeping is the same code, the checkpoints it copies are smaller)")
+                        "run: the bookkeeping is the same code, the checkpoints a resumed request copies are smaller)")
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(CacheConfig)} - {
