@@ -294,10 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                             ("--host-eviction", args.host_eviction), ("--host-probation", args.host_probation)):
             if missing and value is not None:
                 command.error(f"{flag} {value:g} needs a host tier: {missing}" if isinstance(value, float)
-                             else f"{flag} {value} needs a host tier: {missing}")
+                              else f"{flag} {value} needs a host tier: {missing}")
         if args.host_protected_share is not None and args.host_eviction not in (None, "lru"):
             command.error(f"--host-protected-share {args.host_protected_share:g} works with --host-eviction lru, "
-                         f"not {args.host_eviction}")
+                          f"not {args.host_eviction}")
         args.host_eviction = args.host_eviction or "lru"                  # the defaults, resolved
         args.host_probation = HOST_PROBATION if args.host_probation is None else args.host_probation
     if args.command == "replay" and not args.timed:
@@ -321,15 +321,15 @@ def main(argv: list[str] | None = None) -> int:
         command.error(f"--cold-start {args.cold_start_s:g} needs --crash (it is how long a crashed instance is down)")
     if args.command == "replay" and args.checkpoint_probation is not None and args.eviction != "lru":
         command.error(f"--checkpoint-probation {args.checkpoint_probation:g} works with --eviction lru, "
-                     f"not {args.eviction}")
+                      f"not {args.eviction}")
     if args.command == "replay" and args.checkpoint_eviction == "lru":     # the default, named
         if args.eviction != "lru":
             command.error(f"--checkpoint-eviction lru with --eviction {args.eviction}: the checkpoint pool "
-                         f"follows --eviction unless --checkpoint-eviction utility; leave it out")
+                          f"follows --eviction unless --checkpoint-eviction utility; leave it out")
         args.checkpoint_eviction = None
     if args.command == "replay" and args.checkpoint_eviction and args.checkpoint_probation is not None:
         command.error(f"--checkpoint-eviction {args.checkpoint_eviction} and --checkpoint-probation "
-                     f"{args.checkpoint_probation:g} exclude each other")
+                      f"{args.checkpoint_probation:g} exclude each other")
     if args.command == "replay" and args.verify and args.simulate:
         command.error(f"--verify {args.verify} needs the real model: --simulate has no logits to compare")
     console = Console(stderr=True)

@@ -510,9 +510,9 @@ class HybridCacheCoordinator:
         """Publish what a request computed: its whole units of ``[0, computed)`` and its checkpoints.
 
         Each checkpoint goes into a cache-owned slot (which keeps the captured tensors,
-        :meth:`_publish_checkpoint`) and is attached at its boundary. With the ``supersede`` policy, a new ``tail`` checkpoint
-        retires the tail checkpoint the request started from (``alloc.start``)
-        if no request holds it.
+        :meth:`_publish_checkpoint`) and is attached at its boundary. With the ``supersede``
+        policy, a new ``tail`` checkpoint retires the tail checkpoint the request started from
+        (``alloc.start``) if no request holds it.
 
         Args:
             alloc: the request's allocation.
