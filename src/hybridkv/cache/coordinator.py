@@ -536,9 +536,10 @@ class HybridCacheCoordinator:
                 raise ValueError(f"checkpoint boundary {b} lies beyond the prompt's {len(hashes)} whole units")
         self.publish_units(alloc, hashes, computed)
         result = PublishResult()
-        below, group = 0, None
-        if self._utility is not None:
-            below, group = self._below_start(alloc, checkpoints), self._tail_group(alloc)
+        below, group, start = 0, None, None
+        if self._utility is not None:              # the node it resumed from, found once for the rules below
+            start = self._start_node(alloc)
+            below, group = self._below_start(alloc, start, checkpoints), self._tail_group(start)
         placed = alloc.start            # the last boundary this request placed a checkpoint at (or its start)
         kept = False                    # the start was a shared tail kept past ``supersede``
         for b in sorted(checkpoints):
@@ -555,19 +556,19 @@ class HybridCacheCoordinator:
                 continue
             result.created.append((b, label))
             if label == TAIL and self.config.policy.supersede and not kept:
-                kept = self._keep_shared_tail(alloc)
+                kept = self._keep_shared_tail(start)
                 if not kept and self.retire_checkpoint(alloc, alloc.start, TAIL):
                     result.superseded += 1
                     result.retired.append(alloc.start)
         if self._utility is not None and result.created:
             firsts = [b for b, label in result.created if label != LEAD]
             if firsts and not kept:         # a kept shared tail: other requests went elsewhere from it
-                self._shadow_start(alloc, min(firsts))
+                self._shadow_start(alloc, start, min(firsts))
         if self._utility is not None and self._utility.ghosts:
             self._went_past(alloc, computed)
         return result
 
-    def _keep_shared_tail(self, alloc: Allocation) -> bool:
+    def _keep_shared_tail(self, node: BlockNode | None) -> bool:
         """Under the ``utility`` order without a lower tier (:attr:`lower_tiers`): the tail the
         request resumed from (``alloc.start``), about to be retired by ``supersede``, is shared —
         :data:`~hybridkv.cache.pools.SHARED_TAIL_HITS` hits or more, so other requests resumed
@@ -575,8 +576,7 @@ class HybridCacheCoordinator:
         document) — and is kept: relabelled ``branch``, its hits back to 0, out of its tail group
         (:meth:`UtilityOrder.relabel`). The request's new tail still saves over the boundary below
         it (:meth:`_below_start`). Returns whether it was kept (then nothing is retired)."""
-        node = self._start_node(alloc) if self._utility is not None and not self.lower_tiers else None
-        if node is None:
+        if node is None or self._utility is None or self.lower_tiers:
             return False
         slot = node.checkpoint
         if (slot is None or node.parent is None or self.labels.get(slot) != TAIL
@@ -586,15 +586,14 @@ class HybridCacheCoordinator:
         self.labels[slot] = BRANCH
         return True
 
-    def _tail_group(self, alloc: Allocation) -> bytes | None:
+    def _tail_group(self, node: BlockNode | None) -> bytes | None:
         """Under the ``utility`` order: the group of the tail the request places, for tail
         expiry (:class:`UtilityOrder`): the group of the tail it resumed from, or, resuming from
         another checkpoint (a tenant's system prompt, a document), that checkpoint's content key;
         ``None`` (no expiry) when it resumed from nothing or from a tail without a group. Only
         without a lower tier (:attr:`lower_tiers`): with the host tier it measured lower at the
         host cells of the many-tenant trace (docs/results/memory.md)."""
-        node = None if self.lower_tiers else self._start_node(alloc)
-        if node is None:
+        if node is None or self.lower_tiers:
             return None
         slot = node.checkpoint
         if slot is None or node.parent is None:
@@ -622,7 +621,7 @@ class HybridCacheCoordinator:
         info = self._utility.info.get(slot)
         return info.hits if info is not None else 0
 
-    def _shadow_start(self, alloc: Allocation, first: int) -> None:
+    def _shadow_start(self, alloc: Allocation, node: BlockNode | None, first: int) -> None:
         """Under the ``utility`` order: the request resumed from a checkpoint other than a tail at
         ``alloc.start`` and placed its lowest new checkpoint at ``first`` (tokens); when no branch
         lies between the two (every node from the start's up to the one below ``first`` has one
@@ -634,10 +633,7 @@ class HybridCacheCoordinator:
         host cells (docs/results/memory.md)."""
         start, g = alloc.start, self.config.prefix_match_unit
         nodes = alloc.nodes
-        if self.lower_tiers or first <= start or len(nodes) < first // g:
-            return
-        node = self._start_node(alloc)
-        if node is None:
+        if node is None or self.lower_tiers or first <= start or len(nodes) < first // g:
             return
         slot, new = node.checkpoint, nodes[first // g - 1].checkpoint
         if (slot is None or new is None or node.parent is None or self.checkpoints.refcount[slot]
@@ -657,7 +653,7 @@ class HybridCacheCoordinator:
             return None
         return alloc.nodes[start // g - 1]
 
-    def _below_start(self, alloc: Allocation, checkpoints: dict) -> int:
+    def _below_start(self, alloc: Allocation, node: BlockNode | None, checkpoints: dict) -> int:
         """The boundary (tokens) of the checkpoint below the request's new ones, for the ``utility``
         order's saving: its start (the checkpoint it resumed from), or, when that is a tail and the
         request places a tail under ``supersede`` (which retires the start unless another request
@@ -665,7 +661,6 @@ class HybridCacheCoordinator:
         start = alloc.start
         if start <= 0 or not self.config.policy.supersede:
             return start
-        node = self._start_node(alloc)
         slot = node.checkpoint if node is not None else None
         if slot is None or self.labels.get(slot) != TAIL or not any(lb == TAIL for _, lb in checkpoints.values()):
             return start

@@ -687,7 +687,7 @@ class UtilityOrder(EvictionOrder):
         label, saving = self._what.get(item, _UNDESCRIBED)
         if hits:
             return self.floor + hits * saving
-        return self.floor + (self.used.get(label, 0) + 1) / (self.placed.get(label, 0) + 2) * saving
+        return self.floor + self.use_share(label) * saving
 
     def _push(self, item: Hashable, hits: int | None = None) -> None:
         """Take ``item``'s priority now (``hits``: its counted hits, when the caller has them)."""

@@ -20,8 +20,9 @@ from hybridkv.model.state import ForwardRequest, KDACheckpoint
 
 
 def _kda_decode(parts: dict[str, torch.Tensor], boundary: int) -> KDACheckpoint:
-    """A :class:`KDACheckpoint` at ``boundary`` (tokens) that owns copies of ``parts`` (views of a
-    checkpoint slot, :meth:`KDACheckpoint.components`' names)."""
+    """A :class:`KDACheckpoint` at ``boundary`` (tokens) that owns copies of ``parts`` (a checkpoint
+    slot's own tensors, :meth:`KDACheckpoint.components`' names; the conv thirds are joined into a
+    new tensor, the recurrent state cloned)."""
     return KDACheckpoint.from_components({**parts, "recurrent": parts["recurrent"].clone()}, boundary)
 
 
